@@ -1,0 +1,248 @@
+"""Load a YAML config, apply ``a.b=c`` overrides, validate it, and derive the plan.
+
+Every problem is raised as a :class:`~chatlearn.errors.ConfigError` naming the key and the
+fix; nothing here prints or exits.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Iterable, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (ConfigKeyError, InterpolationKeyError, InterpolationResolutionError,
+                              MissingMandatoryValue, OmegaConfBaseException, ValidationError)
+
+from chatlearn.config.schema import MODEL_NAMES, ROLLOUT_BACKENDS, TRAIN_BACKENDS, Config
+from chatlearn.errors import ConfigError, UserError
+
+
+def load_config(path: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """The resolved, validated config (a typed, read-only DictConfig)."""
+    cfg = OmegaConf.structured(Config)
+    cfg = _merge(cfg, _read_yaml(path), source=path)
+    cfg = _merge(cfg, _parse_overrides(overrides), source="the command line")
+    _apply_aliases(cfg)
+    _resolve(cfg)
+    validate(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+# --------------------------------------------------------------------------- reading
+def _read_yaml(path: str) -> DictConfig:
+    if not os.path.isfile(path):
+        raise UserError(f"config file {path!r} does not exist (cwd: {os.getcwd()}). "
+                        "Pass the path of a YAML config, for example template/grpo_fsdp.yaml.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        data = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read config file {path!r}: {err}. Check that it is a readable text file.")
+    except (yaml.YAMLError, OmegaConfBaseException) as err:
+        raise UserError(f"config file {path!r} is not valid YAML: {' '.join(str(err).split())}. "
+                        "Fix the syntax at the line and column shown.")
+    if not isinstance(data, DictConfig):
+        raise UserError(f"config file {path!r} must hold a mapping with 'runtime_args' and 'models', "
+                        f"not a {type(data).__name__}.")
+    return data
+
+
+def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
+    items = []
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key or " " in key:
+            raise UserError(f"command-line override {item!r} is not of the form key.path=value, "
+                            "for example runtime_args.num_episode=10.")
+        items.append(item)
+    try:
+        return OmegaConf.from_dotlist(items)
+    except OmegaConfBaseException as err:
+        raise UserError(f"cannot parse the command-line overrides: {err}")
+
+
+def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(cfg, other)
+    except ConfigKeyError as err:
+        raise _unknown_key(err, cfg, source) from None
+    except ValidationError as err:
+        raise ConfigError(
+            f"wrong type in {source}: {_first_line(err)}. Fix the value to the key's type "
+            "(numbers without quotes, booleans as True/False, lists as [a, b]).", key=err.full_key) from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"invalid value in {source}: {_first_line(err)}", key=err.full_key) from None
+
+
+def _unknown_key(err: ConfigKeyError, cfg: DictConfig, source: str) -> ConfigError:
+    full = err.full_key or ""
+    parent_path, _, leaf = full.rpartition(".")
+    known: list[str] = []
+    try:
+        parent = OmegaConf.select(cfg, parent_path) if parent_path else cfg
+        if isinstance(parent, DictConfig):
+            known = [str(k) for k in parent.keys()]
+    except OmegaConfBaseException:
+        pass
+    guess = difflib.get_close_matches(leaf, known, n=1, cutoff=0.6)
+    hint = f" Did you mean '{parent_path + '.' if parent_path else ''}{guess[0]}'?" if guess else ""
+    where = f"'{parent_path}'" if parent_path else "the top level (runtime_args, models, runtime_env)"
+    return ConfigError(
+        f"unknown key in {source}.{hint} It is not among the keys of {where}; remove it or fix its "
+        "spelling (docs/config.md lists every key).", key=full)
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0].rstrip(".")
+
+
+def _apply_aliases(cfg: DictConfig) -> None:
+    """ChatLearn's legacy ``policy.max_new_tokens`` sets ``max_response_tokens_length``."""
+    policy = cfg.models.policy
+    if policy.max_new_tokens is not None:
+        policy.max_response_tokens_length = policy.max_new_tokens
+
+
+def _resolve(cfg: DictConfig) -> None:
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError("required key has no value. Set it in the YAML file or on the command line "
+                          f"({missing[0]}=...).", key=missing[0])
+    try:
+        OmegaConf.resolve(cfg)
+    except (InterpolationKeyError, InterpolationResolutionError, MissingMandatoryValue) as err:
+        raise ConfigError(f"cannot resolve an interpolation: {_first_line(err)}. "
+                          "Check the ${...} reference names an existing key.", key=err.full_key) from None
+    except ValidationError as err:
+        raise ConfigError(f"an interpolated value has the wrong type: {_first_line(err)}",
+                          key=err.full_key) from None
+
+
+# --------------------------------------------------------------------------- validation
+def validate(cfg: DictConfig) -> None:
+    rt, m = cfg.runtime_args, cfg.models
+    _choice(rt.train_backend, TRAIN_BACKENDS, "runtime_args.train_backend")
+    _choice(rt.rollout_backend, ROLLOUT_BACKENDS, "runtime_args.rollout_backend")
+    for key in ("num_episode", "sample_per_episode", "train_global_batch_size", "train_micro_batch_size",
+                "num_training_epoch"):
+        _positive(rt[key], f"runtime_args.{key}")
+    for key in ("save_episode_interval", "eval_episode_interval"):
+        if rt[key] < 0:
+            raise ConfigError("must be 0 (off) or a positive number of episodes.", key=f"runtime_args.{key}")
+    for name in ("policy", "policy_trainer", "ref_policy"):
+        mc = m[name]
+        if mc.num_gpu < 1:
+            raise ConfigError("must be at least 1 (a logical device on a machine without a GPU).",
+                              key=f"models.{name}.num_gpu")
+        if mc.gpu_per_process not in (None, 1):
+            raise ConfigError("must be 1: each Ray actor of this model drives one device.",
+                              key=f"models.{name}.gpu_per_process")
+        _positive(mc.generation_batch_size, f"models.{name}.generation_batch_size")
+        if mc.load is None:
+            raise ConfigError("is not set. Point it at a Hugging Face model folder (with config.json).",
+                              key=f"models.{name}.load")
+    p = m.policy
+    _positive(p.num_inference_per_prompt, "models.policy.num_inference_per_prompt")
+    _positive(p.eval_num_inference_per_prompt, "models.policy.eval_num_inference_per_prompt")
+    _positive(p.max_prompt_tokens_length, "models.policy.max_prompt_tokens_length")
+    _positive(p.max_response_tokens_length, "models.policy.max_response_tokens_length")
+    _choice(p.dtype, ("auto", "float32", "bfloat16", "float16"), "models.policy.dtype")
+    for key in ("temperature", "eval_temperature"):
+        if p[key] < 0:
+            raise ConfigError("must be >= 0 (0 means greedy).", key=f"models.policy.{key}")
+    for key in ("top_p", "eval_top_p"):
+        if not 0 < p[key] <= 1:
+            raise ConfigError("must be in (0, 1].", key=f"models.policy.{key}")
+    if not 0 < p.gpu_memory_utilization <= 1:
+        raise ConfigError("must be in (0, 1].", key="models.policy.gpu_memory_utilization")
+    for name in ("policy_trainer", "ref_policy"):
+        t = m[name]
+        if t.ulysses_sequence_parallel_size != 1:
+            raise ConfigError("Ulysses sequence parallelism is not available yet; set it to 1.",
+                              key=f"models.{name}.ulysses_sequence_parallel_size")
+        if t.fsdp_size is not None and t.fsdp_size not in (t.num_gpu, -1):
+            raise ConfigError(f"must equal num_gpu ({t.num_gpu}) or -1: hybrid sharding is not available "
+                              "yet.", key=f"models.{name}.fsdp_size")
+        if t.recompute_granularity not in (None, "sel", "selective", "full"):
+            raise ConfigError("must be null, 'sel' or 'full'.", key=f"models.{name}.recompute_granularity")
+    t = m.policy_trainer
+    if not t.trainable:
+        raise ConfigError("must be True: the policy trainer is the model that learns.",
+                          key="models.policy_trainer.trainable")
+    if m.ref_policy.trainable:
+        raise ConfigError("must be False: the reference policy only computes log-probs.",
+                          key="models.ref_policy.trainable")
+    if p.trainable:
+        raise ConfigError("must be False: the rollout engine does not train.", key="models.policy.trainable")
+    if t.optimizer.lr <= 0:
+        raise ConfigError("must be > 0.", key="models.policy_trainer.optimizer.lr")
+    if t.optimizer.clip_grad <= 0:
+        raise ConfigError("must be > 0.", key="models.policy_trainer.optimizer.clip_grad")
+    for key in ("pos_clip_ratio", "neg_clip_ratio", "kl_coef", "entropy_coef"):
+        if t[key] < 0:
+            raise ConfigError("must be >= 0.", key=f"models.policy_trainer.{key}")
+    if t.neg_clip_ratio >= 1:
+        raise ConfigError("must be < 1 (the ratio's lower bound is 1 - neg_clip_ratio).",
+                          key="models.policy_trainer.neg_clip_ratio")
+    r = m.reward
+    _positive(r.num_cpu, "models.reward.num_cpu")
+    _positive(r.cpu_per_process or 1, "models.reward.cpu_per_process")
+    if r.num_cpu % (r.cpu_per_process or 1):
+        raise ConfigError(f"num_cpu ({r.num_cpu}) must be divisible by cpu_per_process ({r.cpu_per_process}).",
+                          key="models.reward.num_cpu")
+    _check_paths(cfg)
+    from chatlearn.config.plan import make_plan  # noqa: PLC0415 (plan validates sizes)
+    make_plan(cfg)
+
+
+def _check_paths(cfg: DictConfig) -> None:
+    rt = cfg.runtime_args
+    check_data_paths(rt.data_path, "runtime_args.data_path")
+    needs_eval = rt.eval_episode_interval > 0 or rt.enable_eval_before_training
+    if needs_eval:
+        if not rt.eval_data_path:
+            raise ConfigError("is not set, but evaluation is on (eval_episode_interval > 0 or "
+                              "enable_eval_before_training). Set it, or turn evaluation off.",
+                              key="runtime_args.eval_data_path")
+        check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path")
+    for name in ("policy", "policy_trainer", "ref_policy"):
+        check_model_folder(cfg.models[name].load, f"models.{name}.load")
+
+
+def check_data_paths(value: str, key: str) -> list[str]:
+    paths = [p.strip() for p in str(value).split(",") if p.strip()]
+    if not paths:
+        raise ConfigError("is empty. Give one or more jsonl/parquet files or folders, comma-separated.", key=key)
+    for p in paths:
+        if not os.path.exists(p):
+            raise ConfigError(f"path {p!r} does not exist (cwd: {os.getcwd()}). Fix the path; relative "
+                              "paths are relative to the directory you run chatlearn from.", key=key)
+        if not os.access(p, os.R_OK):
+            raise ConfigError(f"path {p!r} is not readable. Fix its permissions.", key=key)
+    return paths
+
+
+def check_model_folder(path: str, key: str) -> None:
+    if not os.path.isdir(path):
+        raise ConfigError(f"model folder {path!r} does not exist (cwd: {os.getcwd()}). Point it at a local "
+                          "Hugging Face model folder (models cannot be downloaded here).", key=key)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model folder {path!r} has no config.json, so it is not a Hugging Face model "
+                          "folder. Point it at the folder that holds config.json and the weights.", key=key)
+    if not os.access(os.path.join(path, "config.json"), os.R_OK):
+        raise ConfigError(f"{path}/config.json is not readable. Fix its permissions.", key=key)
+
+
+def _choice(value, choices, key):
+    if value not in choices:
+        guess = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" Did you mean {guess[0]!r}?" if guess else ""
+        raise ConfigError(f"{value!r} is not one of {', '.join(choices)}.{hint}", key=key)
+
+
+def _positive(value, key):
+    if value is None or value < 1:
+        raise ConfigError(f"must be a positive integer, got {value!r}.", key=key)

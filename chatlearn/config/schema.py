@@ -1,0 +1,262 @@
+"""The configuration schema: the one place where defaults live.
+
+Key names and meanings follow ChatLearn's GRPO YAML (``runtime_args`` plus
+``models.{policy,policy_trainer,ref_policy,reward}``), so an existing ChatLearn config loads
+unchanged. Keys that matter only on GPUs (Megatron parallelism, CUDA allocator flags, ...)
+are accepted and validated even where this build does not act on them.
+
+A default may be an interpolation such as ``${models.policy_trainer.load}``: the value
+then follows the key it names unless the user sets it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from omegaconf import MISSING
+
+MODEL_NAMES = ("policy", "policy_trainer", "ref_policy", "reward")
+TRAIN_BACKENDS = ("fsdp", "megatron")
+ROLLOUT_BACKENDS = ("vllm", "sglang", "hf")
+
+
+@dataclass
+class LogArgs:
+    log_dir: str = "${runtime_args.output_dir}"
+    enable_tensorboard: bool = False
+    tensorboard_dir: Optional[str] = None  # None: <log_dir>/tensorboard
+    enable_wandb: bool = False
+    wandb_dir: Optional[str] = None  # None: <log_dir>/wandb
+    wandb_project: Optional[str] = None
+    wandb_id: Optional[str] = None
+    wandb_name: Optional[str] = None
+    wandb_resume: str = "allow"
+
+
+@dataclass
+class RuntimeArgs:
+    # setup
+    train_backend: str = "fsdp"  # fsdp | megatron
+    rollout_backend: str = "vllm"  # vllm | sglang | hf
+    exp_name: str = "chatlearn"
+    colocation: List[str] = field(default_factory=list)  # models sharing devices, taking turns
+    concurrent_setup: bool = False  # accepted; models are set up one after another
+    debug: bool = False  # show full tracebacks for user errors
+    nsys: bool = False  # GPU profiling switch (accepted, not used on CPU)
+    seed: int = 1234  # data order; model seeds default to it
+    # paths
+    output_dir: str = MISSING
+    profiler_dir: Optional[str] = None
+    data_path: str = MISSING  # comma-separated files or folders (jsonl / parquet)
+    eval_data_path: Optional[str] = None
+    data_checkpoint_path: Optional[str] = None
+    # training
+    num_episode: int = MISSING
+    sample_per_episode: int = MISSING  # samples (prompts x num_inference_per_prompt) per episode
+    num_training_epoch: int = 1  # passes over an episode's samples
+    train_micro_batch_size: int = 8  # samples per forward/backward on one trainer rank
+    train_global_batch_size: int = MISSING  # samples per optimizer step, all ranks together
+    save_episode_interval: int = 0  # save an HF checkpoint every N episodes (0: only at the end)
+    enable_resume_training: bool = True
+    # data
+    data_ratio: List[int] = field(default_factory=list)
+    data_shuffle: bool = True
+    data_rerank: bool = True  # spread the samples of one prompt over rollout replicas
+    max_replay_episode: int = 0
+    replay_episode_offset: int = 0
+    consumed_samples: int = 0
+    max_data_ckpt_nums: Optional[int] = None
+    load_data_checkpoint_iteration: Optional[int] = None
+    stream_data_loader_type: str = "fixed"
+    # eval
+    eval_episode_interval: int = 0  # 0: no periodic eval
+    enable_eval_before_training: bool = False
+    # weight sync
+    bucket_size_mb_in_memory_manager: int = 1024
+    coalesced_buffer_mb: int = 100  # size of one weight-push bucket, in MB
+    concurrent_comm: bool = True
+    param_sync_comm_type: str = "broadcast"
+    param_sync_max_workers: Optional[int] = None
+    routed_expert_regrouping_comm_type: str = "alltoall"
+    free_sync_collective_group: bool = False
+    cpu_schedule_strategy: str = "SPREAD"
+    validate_param_sync: bool = False
+    policy_to_regroup_queue: str = "global_barrier"
+    # logging
+    log_args_dict: LogArgs = field(default_factory=LogArgs)
+
+
+@dataclass
+class FreeGpuMemory:
+    offload_weights: bool = False
+    offload_optimizer_states: bool = False
+    free_grad_buffers: bool = False
+
+
+@dataclass
+class ModelBase:
+    num_gpu: int = 0
+    num_cpu: int = 0
+    gpu_per_process: Optional[int] = None
+    cpu_per_process: Optional[int] = None
+    trainable: bool = False
+    load: Optional[str] = None  # Hugging Face model folder
+    trust_remote_code: bool = False
+    seed: int = "${runtime_args.seed}"  # type: ignore[assignment]
+    generation_batch_size: int = 1
+    packing: bool = False
+    max_token_in_packing: int = 32768
+    sync_frequency: int = 1
+    free_gpu_memory: FreeGpuMemory = field(default_factory=FreeGpuMemory)
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    # derived values in ChatLearn; accepted, and checked against the computed plan
+    num_replica: Optional[int] = None
+    replica_dp_size: Optional[int] = None
+
+
+@dataclass
+class Optimizer:
+    lr: float = 2e-6
+    min_lr: float = 0.0
+    clip_grad: float = 1.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+
+@dataclass
+class TrainerModel(ModelBase):
+    """policy_trainer and ref_policy (they share the training backend)."""
+
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    train_micro_batch_size: int = "${runtime_args.train_micro_batch_size}"  # type: ignore[assignment]
+    pos_clip_ratio: float = 0.2
+    neg_clip_ratio: float = 0.2
+    diff_clip_ratio: float = 10.0
+    final_clip_ratio: float = 3.0
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    use_group_sequence_policy: bool = False
+    bf16: bool = False  # bf16 compute (set True on GPUs); fp32 otherwise
+    # FSDP
+    fsdp_size: Optional[int] = None  # defaults to num_gpu
+    ulysses_sequence_parallel_size: int = 1
+    meta_init: bool = False
+    groupgemm: bool = False
+    gradient_checkpointing: bool = True
+    save_hf: bool = True
+    use_expandable_segments: bool = False
+    # Megatron
+    seq_length: int = 2048
+    tokenizer_type: str = "HuggingFaceTokenizer"
+    tokenizer_model: Optional[str] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    moe_router_force_load_balancing: bool = False
+    save: Optional[str] = None
+    save_interval: int = 10000
+    log_interval: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    recompute_granularity: Optional[str] = None
+    train_iters: int = 10000
+
+
+@dataclass
+class PolicyTrainer(TrainerModel):
+    trainable: bool = True
+    num_gpu: int = 1
+    gpu_per_process: Optional[int] = 1
+    generation_batch_size: int = 8
+    free_gpu_memory: FreeGpuMemory = field(
+        default_factory=lambda: FreeGpuMemory(True, True, True))
+
+
+@dataclass
+class RefPolicy(TrainerModel):
+    num_gpu: int = "${models.policy_trainer.num_gpu}"  # type: ignore[assignment]
+    gpu_per_process: Optional[int] = 1
+    load: Optional[str] = "${models.policy_trainer.load}"
+    generation_batch_size: int = 8
+    packing: bool = "${models.policy_trainer.packing}"  # type: ignore[assignment]
+    max_token_in_packing: int = "${models.policy_trainer.max_token_in_packing}"  # type: ignore[assignment]
+    free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
+
+
+@dataclass
+class Policy(ModelBase):
+    """The rollout engine (vLLM, SGLang or transformers)."""
+
+    num_gpu: int = "${models.policy_trainer.num_gpu}"  # type: ignore[assignment]
+    gpu_per_process: Optional[int] = 1
+    load: Optional[str] = "${models.policy_trainer.load}"
+    generation_batch_size: int = 256  # max concurrent sequences in the engine
+    num_inference_per_prompt: int = 32  # responses sampled per prompt (the GRPO group)
+    eval_num_inference_per_prompt: int = "${models.policy.num_inference_per_prompt}"  # type: ignore[assignment]
+    max_prompt_tokens_length: int = 1024  # longer prompts are dropped from the data
+    max_response_tokens_length: int = 2048  # max new tokens per response
+    seq_length: int = 2048  # ChatLearn's legacy total length; see max_*_tokens_length
+    max_new_tokens: Optional[int] = None  # legacy alias of max_response_tokens_length
+    max_seq_len_to_capture: int = 2348
+    max_num_batched_tokens: int = 32768
+    dtype: str = "auto"  # auto (the model's torch_dtype) | float32 | bfloat16 | float16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    eval_temperature: float = 0.6
+    eval_top_p: float = 0.95
+    eval_top_k: int = 20
+    eval_presence_penalty: float = 0.0
+    eval_frequency_penalty: float = 0.0
+    eval_repetition_penalty: float = 1.0
+    enable_thinking: bool = False
+    vllm_prompt_key: str = "prompt"
+    vllm_input_ids_key: str = "input_ids"
+    enable_stage_resume: bool = False
+    gpu_memory_utilization: float = 0.8
+    enforce_eager: bool = False
+    free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
+
+
+@dataclass
+class Reward(ModelBase):
+    num_cpu: int = 2
+    cpu_per_process: Optional[int] = 1
+    generation_batch_size: int = 256
+    correct_score: float = 1.0
+    incorrect_score: float = 0.0
+
+
+@dataclass
+class Models:
+    policy: Policy = field(default_factory=Policy)
+    policy_trainer: PolicyTrainer = field(default_factory=PolicyTrainer)
+    ref_policy: RefPolicy = field(default_factory=RefPolicy)
+    reward: Reward = field(default_factory=Reward)
+
+
+@dataclass
+class RuntimeEnv:
+    """Ray runtime environment (accepted for ChatLearn compatibility)."""
+
+    excludes: List[str] = field(default_factory=lambda: ["*pt", "logs", "tensorboards", ".nfs*"])
+    platform: str = "DLC"
+    pip: List[str] = field(default_factory=list)
+    working_dir: Optional[str] = None
+    py_modules: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    runtime_args: RuntimeArgs = field(default_factory=RuntimeArgs)
+    models: Models = field(default_factory=Models)
+    runtime_env: RuntimeEnv = field(default_factory=RuntimeEnv)
+

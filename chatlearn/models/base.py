@@ -1,0 +1,128 @@
+"""The one interface every backend implements.
+
+A *batch* travels between stages as a plain ``dict[str, np.ndarray]`` (columnar, ragged
+sequences packed with offsets, never padded), so that Ray moves it zero-copy:
+
+    tokens        int64   [T]    prompt + response tokens of every sample, concatenated
+    offsets       int64   [N+1]  sample i is tokens[offsets[i]:offsets[i+1]]
+    prompt_lens   int64   [N]    the first prompt_lens[i] tokens of sample i are its prompt
+
+Per-token values are aligned with ``tokens`` (length T): position j holds the value for
+token j given the tokens before it; positions inside a prompt hold 0 and are masked out.
+
+    rollout_logprobs  float32 [T]  from the rollout engine (sampled tokens)
+    old_logprobs      float32 [T]  from policy_trainer before the update
+    ref_logprobs      float32 [T]  from ref_policy (present when the KL term is used)
+    advantages        float32 [N]  one per sample (GRPO: group-relative)
+
+Parts that a model can hold on its devices: ``weights``, ``optimizer``, ``grads``,
+``kv_cache``. ``offload(parts)`` frees their storage on the device for real (the data is
+kept on the host), ``onload(parts)`` restores it bit for bit.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Iterable, Iterator
+
+import numpy as np
+
+Batch = dict  # dict[str, np.ndarray]; see the module docstring
+Bucket = list  # list[tuple[str, np.ndarray]] in Hugging Face parameter names
+
+PARTS = ("weights", "optimizer", "grads", "kv_cache")
+
+
+def sample_slices(batch: Batch) -> Iterator[slice]:
+    """Slices of ``tokens`` for each sample."""
+    off = batch["offsets"]
+    for i in range(len(off) - 1):
+        yield slice(int(off[i]), int(off[i + 1]))
+
+
+def response_mask(batch: Batch) -> np.ndarray:
+    """bool [T]: True on response tokens (the ones a loss or a log-prob covers)."""
+    off, plen = batch["offsets"], batch["prompt_lens"]
+    mask = np.zeros(int(off[-1]), dtype=bool)
+    for i in range(len(plen)):
+        mask[int(off[i] + plen[i]) : int(off[i + 1])] = True
+    return mask
+
+
+TOKEN_KEYS = ("tokens", "rollout_logprobs", "old_logprobs", "ref_logprobs")
+
+
+def select_samples(batch: Batch, index) -> Batch:
+    """A new batch holding the given samples, in the given order.
+
+    Keys in ``TOKEN_KEYS`` are per-token; ``offsets`` is rebuilt; every other array or
+    list is per-sample.
+    """
+    index = np.asarray(index, dtype=np.int64)
+    off = batch["offsets"]
+    lens = off[1:] - off[:-1]
+    new_off = np.zeros(len(index) + 1, dtype=np.int64)
+    np.cumsum(lens[index], out=new_off[1:])
+    token_idx = (np.concatenate([np.arange(off[i], off[i + 1]) for i in index])
+                 if len(index) else np.zeros(0, np.int64))
+    out: Batch = {"offsets": new_off}
+    for key, val in batch.items():
+        if key == "offsets":
+            continue
+        if key in TOKEN_KEYS:
+            out[key] = val[token_idx]
+        elif isinstance(val, np.ndarray):
+            out[key] = val[index]
+        else:
+            out[key] = [val[i] for i in index]
+    return out
+
+
+class Model(abc.ABC):
+    """What the scheduler needs of every model."""
+
+    @abc.abstractmethod
+    def offload(self, parts: Iterable[str]) -> dict:
+        """Free the named parts on the device; returns {"bytes": int} moved."""
+
+    @abc.abstractmethod
+    def onload(self, parts: Iterable[str]) -> dict:
+        """Restore the named parts bit for bit; returns {"bytes": int} moved."""
+
+
+class Trainer(Model):
+    """policy_trainer and ref_policy (FSDP2 today, Megatron later)."""
+
+    @abc.abstractmethod
+    def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> np.ndarray:
+        """float32 [T] log-probs of every token given its prefix (0 at prompt positions)."""
+
+    @abc.abstractmethod
+    def train(self, batch: Batch) -> dict:
+        """One optimizer step on one global batch; returns metrics (floats)."""
+
+    @abc.abstractmethod
+    def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
+        """Full weights in Hugging Face names, in buckets of about bucket_mb MB."""
+
+    @abc.abstractmethod
+    def save_hf(self, path: str) -> None:
+        """Write a Hugging Face model folder (rank 0 writes; a collective)."""
+
+
+class Rollout(Model):
+    """The policy: vLLM, SGLang or transformers."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
+        """Sample one response per prompt.
+
+        ``sampling``: temperature, top_p, top_k (-1: off), max_tokens, seed (optional).
+        Returns a batch (tokens, offsets, prompt_lens, rollout_logprobs) plus
+        ``finish_reasons`` (int8 [N]: 1 stopped at EOS, 0 cut at max_tokens).
+        ``rollout_logprobs`` are log-probs under the temperature-scaled distribution
+        (no top-p/top-k truncation), the same quantity the trainer computes.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, bucket: Bucket) -> None:
+        """Load one bucket of (hf_name, array) into the engine."""

