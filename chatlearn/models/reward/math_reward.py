@@ -1,0 +1,55 @@
+"""Rule-based math reward: the last ``\\boxed{...}`` of a response checked with math-verify."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (balanced braces), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+class MathReward:
+    """``score`` returns correct_score when the boxed answer equals the ground truth, else incorrect_score."""
+
+    def __init__(self, cfg: dict):
+        self.correct = float(cfg.get("correct_score", 1.0))
+        self.incorrect = float(cfg.get("incorrect_score", 0.0))
+
+    def is_correct(self, response: str, ground_truth: str) -> bool:
+        from math_verify import parse, verify
+
+        answer = last_boxed(response)
+        if answer is None:
+            return False
+        if answer.strip() == ground_truth.strip():
+            return True
+        # math-verify's timeouts use signals, which work only in the main thread; elsewhere they are
+        # turned off (and its warning about that silenced).
+        timeout = 5 if threading.current_thread() is threading.main_thread() else None
+        if timeout is None:
+            for name in ("math_verify.parser", "math_verify.grader"):
+                logging.getLogger(name).setLevel(logging.ERROR)
+        gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=timeout)
+        pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
+        return bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout)
+
+    def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str] | None = None
+              ) -> np.ndarray:
+        return np.array([self.correct if self.is_correct(r, g) else self.incorrect
+                         for r, g in zip(responses, ground_truths)], dtype=np.float32)

@@ -1,0 +1,125 @@
+"""Ray start-up and placement: one placement group of device bundles, models placed on it.
+
+On a machine without a GPU, devices are Ray's *logical* GPUs: the same placement code runs,
+actors get fractional GPU shares and torch runs on the CPU. With ``RAY_ADDRESS`` set, chatlearn
+joins that cluster instead of starting a local one.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import ray
+from omegaconf import DictConfig
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from chatlearn.config.plan import Plan
+from chatlearn.errors import UserError
+from chatlearn.runtime.group import WorkerGroup, create_group
+
+BACKENDS = {
+    "fsdp": "chatlearn.models.trainer.fsdp:FSDPTrainer",
+    "vllm": "chatlearn.models.rollout.vllm:VLLMRollout",
+    "hf": "chatlearn.models.rollout.hf:HFRollout",
+    "sglang": "chatlearn.models.rollout.sglang:SGLangRollout",
+    "reward": "chatlearn.models.reward.math_reward:MathReward",
+}
+
+
+def trainer_cfg(cfg: DictConfig, name: str) -> dict:
+    t, rt = cfg.models[name], cfg.runtime_args
+    opt = cfg.models.policy_trainer.optimizer
+    return {"load": t.load, "trust_remote_code": t.trust_remote_code, "seed": t.seed, "trainable": t.trainable,
+            "lr": opt.lr, "weight_decay": opt.weight_decay, "clip_grad": opt.clip_grad,
+            "train_micro_batch_size": t.train_micro_batch_size, "logprob_micro_batch_size": t.generation_batch_size,
+            "pos_clip_ratio": t.pos_clip_ratio, "neg_clip_ratio": t.neg_clip_ratio, "kl_coef": t.kl_coef,
+            "entropy_coef": t.entropy_coef, "gradient_checkpointing": t.gradient_checkpointing, "bf16": t.bf16,
+            "train_global_batch_size": rt.train_global_batch_size}
+
+
+def rollout_cfg(cfg: DictConfig) -> dict:
+    p = cfg.models.policy
+    return {"load": p.load, "trust_remote_code": p.trust_remote_code, "seed": p.seed,
+            "generation_batch_size": p.generation_batch_size, "max_prompt_tokens_length": p.max_prompt_tokens_length,
+            "max_response_tokens_length": p.max_response_tokens_length, "dtype": resolve_dtype(p.dtype, p.load),
+            "gpu_memory_utilization": p.gpu_memory_utilization, "enforce_eager": p.enforce_eager,
+            "tensor_model_parallel_size": p.tensor_model_parallel_size}
+
+
+def resolve_dtype(dtype: str, model_dir: str) -> str:
+    if dtype != "auto":
+        return dtype
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        conf = json.load(f)
+    found = str(conf.get("torch_dtype") or conf.get("dtype") or "float32").replace("torch.", "")
+    return found if found in ("float32", "bfloat16", "float16") else "float32"
+
+
+class Cluster:
+    """Starts (or joins) Ray, reserves the devices of the plan, and creates each model's actors."""
+
+    def __init__(self, cfg: DictConfig, plan: Plan):
+        self.cfg, self.plan = cfg, plan
+        self.started_ray = False
+        self.pg = None
+        self.groups: dict[str, WorkerGroup] = {}
+
+    def __enter__(self) -> "Cluster":
+        plan, m = self.plan, self.cfg.models
+        reward_cpus = m.reward.num_cpu
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+            else:
+                import torch
+
+                gpus = torch.cuda.device_count() or plan.total_devices  # logical devices without a GPU
+                ray.init(num_cpus=max(os.cpu_count() or 1, reward_cpus), num_gpus=gpus, include_dashboard=False,
+                         logging_level="WARNING", configure_logging=True)
+            self.started_ray = True
+        have = ray.cluster_resources()
+        if have.get("GPU", 0) < plan.total_devices:
+            raise UserError(
+                f"the placement needs {plan.total_devices} devices ({'; '.join(plan.describe()[:len(plan.device_groups)])}) "
+                f"but the Ray cluster has {have.get('GPU', 0):g} GPUs. Lower models.*.num_gpu, colocate models "
+                "(runtime_args.colocation), or add nodes.")
+        if have.get("CPU", 0) < reward_cpus:
+            raise UserError(f"models.reward.num_cpu ({reward_cpus}) exceeds the {have.get('CPU', 0):g} CPUs of "
+                            "the Ray cluster. Lower it.")
+        self.pg = placement_group([{"GPU": 1}] * plan.total_devices, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=300)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for group in self.groups.values():
+            for actor in group.actors:
+                ray.kill(actor)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        if self.started_ray:
+            ray.shutdown()
+
+    def device_offset(self, group_index: int) -> int:
+        return sum(self.plan.devices_per_group[:group_index])
+
+    def create(self, name: str) -> WorkerGroup:
+        cfg, plan = self.cfg, self.plan
+        pl = plan.placements[name]
+        threads = max(1, (os.cpu_count() or 1) // max(1, plan.total_devices))
+        if name == "reward":
+            per = cfg.models.reward.cpu_per_process or 1
+            group = create_group(name, BACKENDS["reward"], dict(cfg.models.reward), num_actors=pl.num_actors,
+                                 pg=None, bundles=[], gpu_fraction=0, cpus=per, threads=per, distributed=False)
+        else:
+            sharing = len([x for x in plan.device_groups[pl.device_group] if x in plan.placements
+                           and plan.placements[x].device_group == pl.device_group])
+            frac = round(1.0 / sharing - 0.005, 2) if sharing > 1 else 1.0
+            bundles = [self.device_offset(pl.device_group) + d for d in pl.devices]
+            if name == "policy":
+                factory, bcfg = BACKENDS[cfg.runtime_args.rollout_backend], rollout_cfg(cfg)
+            else:
+                factory, bcfg = BACKENDS[cfg.runtime_args.train_backend], trainer_cfg(cfg, name)
+            group = create_group(name, factory, bcfg, num_actors=pl.num_actors, pg=self.pg, bundles=bundles,
+                                 gpu_fraction=frac, cpus=0, threads=threads, distributed=name != "policy")
+        self.groups[name] = group
+        return group

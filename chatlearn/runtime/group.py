@@ -1,0 +1,64 @@
+"""A model's Ray actors, created on their devices, with calls fanned out to all of them."""
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from chatlearn.runtime.worker import Worker
+
+
+class WorkerGroup:
+    """N actors of one model. ``call`` runs a method on every actor and returns the results in rank order."""
+
+    def __init__(self, name: str, actors: list):
+        self.name = name
+        self.actors = actors
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call_async(self, method: str, *args, **kwargs) -> list:
+        return [a.call.remote(method, *args, **kwargs) for a in self.actors]
+
+    def call(self, method: str, *args, **kwargs) -> tuple[list, float]:
+        """Results of every actor, and the longest time any of them took."""
+        outs = ray.get(self.call_async(method, *args, **kwargs))
+        return [o for o, _ in outs], max((s for _, s in outs), default=0.0)
+
+    def call_each(self, method: str, per_actor_args: list[tuple]) -> tuple[list, float]:
+        """Actor i runs ``method(*per_actor_args[i])``."""
+        refs = [a.call.remote(method, *args) for a, args in zip(self.actors, per_actor_args)]
+        outs = ray.get(refs)
+        return [o for o, _ in outs], max((s for _, s in outs), default=0.0)
+
+
+def create_group(name: str, factory: str, cfg: dict, *, num_actors: int, pg: PlacementGroup | None,
+                 bundles: list[int], gpu_fraction: float, cpus: float, threads: int,
+                 distributed: bool) -> WorkerGroup:
+    """Start ``num_actors`` actors (actor i on bundle ``bundles[i]``) and build the backend in each.
+
+    ``distributed``: the actors form one torch.distributed world (trainer ranks); rank 0's node
+    hosts the rendezvous.
+    """
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "CHATLEARN_DEBUG"):
+        if var in os.environ:
+            env[var] = os.environ[var]
+    actors = []
+    for i in range(num_actors):
+        opts = {"num_cpus": cpus, "num_gpus": gpu_fraction, "name": None,
+                "runtime_env": {"env_vars": env}}
+        if pg is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundles[i])
+        actors.append(ray.remote(Worker).options(**opts).remote(env, threads))
+    envs: list[dict] = [{} for _ in actors]
+    if distributed:
+        addr, port = ray.get(actors[0].address.remote())
+        envs = [{"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(i), "WORLD_SIZE": str(num_actors),
+                 "LOCAL_RANK": "0"} for i in range(num_actors)]
+    ray.get([a.setup.remote(factory, cfg, e) for a, e in zip(actors, envs)])
+    return WorkerGroup(name, actors)

@@ -1,0 +1,49 @@
+"""The Ray actor that hosts one backend object: a trainer rank, a rollout replica or a reward worker."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import socket
+import time
+
+
+class Worker:
+    """Builds ``module:Class(cfg)`` in its own process and runs its methods on request."""
+
+    def __init__(self, env: dict[str, str], threads: int):
+        os.environ.update(env)
+        import torch
+
+        torch.set_num_threads(threads)
+        self.obj = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port (rank 0 hosts the process group's rendezvous)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, factory: str, cfg: dict, env: dict[str, str] | None = None) -> None:
+        os.environ.update(env or {})
+        import torch
+
+        cfg = dict(cfg)
+        cfg.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        module, name = factory.split(":")
+        self.obj = getattr(importlib.import_module(module), name)(cfg)
+
+    def value(self, method: str, *args, **kwargs):
+        """Like ``call`` without the timing, so the result can be handed to another actor by reference."""
+        return self.call(method, *args, **kwargs)[0]
+
+    def call(self, method: str, *args, **kwargs):
+        """Run ``method`` and return (result, seconds); generators are drained into a list."""
+        start = time.perf_counter()
+        out = getattr(self.obj, method)(*args, **kwargs)
+        if inspect.isgenerator(out):
+            out = list(out)
+        return out, time.perf_counter() - start
