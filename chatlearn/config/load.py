@@ -108,7 +108,8 @@ def _apply_aliases(cfg: DictConfig) -> None:
 
 
 def _resolve(cfg: DictConfig) -> None:
-    missing = sorted(OmegaConf.missing_keys(cfg))
+    # shallowest first: an interpolation that points at a missing key is missing too
+    missing = sorted(OmegaConf.missing_keys(cfg), key=lambda k: (k.count("."), k))
     if missing:
         raise ConfigError("required key has no value. Set it in the YAML file or on the command line "
                           f"({missing[0]}=...).", key=missing[0])

@@ -1,0 +1,246 @@
+"""Config loading: ChatLearn keys, interpolation, overrides, derived sizes, and user errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from chatlearn.cli import main
+from chatlearn.config.load import load_config
+from chatlearn.config.plan import make_plan
+from chatlearn.errors import ConfigError, UserError
+
+TEMPLATE = "template/grpo_fsdp.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+
+
+def test_template_loads_with_interpolation_and_overrides(paths_overrides):
+    cfg = load_config(TEMPLATE, paths_overrides + ["runtime_args.num_episode=3", "models.policy_trainer.num_gpu=2"])
+    assert cfg.runtime_args.num_episode == 3
+    # ${models.policy_trainer.*} interpolations follow the override
+    assert cfg.models.ref_policy.num_gpu == 2 and cfg.models.policy.num_gpu == 2
+    assert cfg.models.policy.load == cfg.models.policy_trainer.load == cfg.models.ref_policy.load
+    assert cfg.models.policy_trainer.train_micro_batch_size == cfg.runtime_args.train_micro_batch_size
+    assert cfg.runtime_args.log_args_dict.log_dir == cfg.runtime_args.output_dir
+
+
+def test_plan_sizes(paths_overrides):
+    cfg = load_config(TEMPLATE, paths_overrides + ["runtime_args.sample_per_episode=64",
+                                                   "runtime_args.train_global_batch_size=32",
+                                                   "runtime_args.train_micro_batch_size=8",
+                                                   "models.policy_trainer.num_gpu=2",
+                                                   "models.policy.num_inference_per_prompt=4"])
+    plan = make_plan(cfg)
+    assert plan.prompts_per_episode == 16 and plan.trainer_dp == 2
+    assert plan.steps_per_episode == 2 and plan.samples_per_rank_per_step == 16 and plan.micro_batches_per_step == 2
+    assert plan.device_groups[0] == ["policy", "policy_trainer", "ref_policy"] and plan.devices_per_group == [2]
+    assert plan.placements["reward"].device_group == -1
+
+
+def test_chatlearn_yaml_with_every_documented_key_loads(tmp_path, tiny_model_dir, arith_data):
+    """Every key of ChatLearn's config reference (FSDP and Megatron sections) is accepted."""
+    train, evald = arith_data
+    yaml_text = textwrap.dedent(f"""
+    runtime_args:
+      train_backend: fsdp
+      rollout_backend: vllm
+      exp_name: grpo_fsdp
+      colocation: [policy,policy_trainer,ref_policy]
+      output_dir: {tmp_path}/out
+      data_path: {train}
+      eval_data_path: {evald}
+      data_checkpoint_path: ${{runtime_args.output_dir}}/data_checkpoint_path/
+      num_episode: 200
+      sample_per_episode: 512
+      train_micro_batch_size: 8
+      train_global_batch_size: 512
+      save_episode_interval: 200
+      data_shuffle: True
+      data_rerank: True
+      max_replay_episode: 2
+      eval_episode_interval: 5
+      enable_eval_before_training: False
+      log_args_dict:
+        log_dir: ${{runtime_args.output_dir}}
+        enable_wandb: False
+        enable_tensorboard: False
+        tensorboard_dir: ${{runtime_args.output_dir}}
+        wandb_project: your_wandb_project
+        wandb_dir: ${{runtime_args.output_dir}}
+        wandb_name: ${{runtime_args.exp_name}}
+        wandb_id: ${{runtime_args.exp_name}}
+        wandb_resume: allow
+    models:
+      policy_trainer:
+        use_expandable_segments: False
+        free_gpu_memory: {{offload_weights: True, offload_optimizer_states: True, free_grad_buffers: True}}
+        optimizer: {{lr: 2e-6, min_lr: 2e-6, clip_grad: 1}}
+        trainable: True
+        generation_batch_size: 8
+        train_micro_batch_size: ${{runtime_args.train_micro_batch_size}}
+        gpu_per_process: 1
+        num_gpu: 2
+        fsdp_size: ${{models.policy_trainer.num_gpu}}
+        ulysses_sequence_parallel_size: 1
+        packing: False
+        meta_init: False
+        groupgemm: False
+        max_token_in_packing: 10000
+        load: {tiny_model_dir}
+        gradient_checkpointing: True
+        pos_clip_ratio: 0.2
+        neg_clip_ratio: 0.2
+        diff_clip_ratio: 10
+        final_clip_ratio: 3
+        entropy_coef: 0.0
+        kl_coef: 0.0
+        save_hf: True
+        bf16: True
+        seq_length: 2048
+        tokenizer_type: 'HuggingFaceTokenizer'
+        tokenizer_model: ${{models.policy.load}}
+        tensor_model_parallel_size: 1
+        pipeline_model_parallel_size: 1
+        expert_tensor_parallel_size: null
+        expert_model_parallel_size: 1
+        virtual_pipeline_model_parallel_size: null
+        decoder_first_pipeline_num_layers: null
+        decoder_last_pipeline_num_layers: null
+        moe_router_force_load_balancing: False
+        save: ${{runtime_args.output_dir}}
+        save_interval: 10000
+        log_interval: 1
+        sequence_parallel: True
+        use_distributed_optimizer: True
+        recompute_granularity: null
+        train_iters: 10000
+        use_group_sequence_policy: False
+      ref_policy:
+        use_expandable_segments: ${{models.policy_trainer.use_expandable_segments}}
+        free_gpu_memory: {{offload_weights: True}}
+        generation_batch_size: 8
+        gpu_per_process: 1
+        num_gpu: ${{models.policy_trainer.num_gpu}}
+        fsdp_size: ${{models.policy_trainer.num_gpu}}
+        meta_init: ${{models.policy_trainer.meta_init}}
+        groupgemm: ${{models.policy_trainer.groupgemm}}
+        trainable: False
+        load: ${{models.policy_trainer.load}}
+        packing: ${{models.policy_trainer.packing}}
+        max_token_in_packing: ${{models.policy_trainer.max_token_in_packing}}
+        seq_length: ${{models.policy_trainer.seq_length}}
+        tokenizer_type: 'HuggingFaceTokenizer'
+        bf16: True
+        sequence_parallel: True
+      policy:
+        free_gpu_memory: {{offload_weights: True}}
+        generation_batch_size: 256
+        gpu_per_process: 1
+        num_gpu: ${{models.policy_trainer.num_gpu}}
+        enforce_eager: False
+        tensor_model_parallel_size: 1
+        trainable: False
+        load: ${{models.policy_trainer.load}}
+        num_inference_per_prompt: 32
+        seq_length: 2048
+        max_seq_len_to_capture: 2348
+        temperature: 1.0
+        top_p: 1.0
+        eval_temperature: 0.6
+        eval_top_p: 0.95
+        eval_top_k: 20
+        vllm_prompt_key: prompt
+        vllm_input_ids_key: input_ids
+        enable_thinking: False
+        enable_stage_resume: False
+        gpu_memory_utilization: 0.8
+      reward:
+        num_cpu: 2
+        cpu_per_process: 1
+        generation_batch_size: 256
+    """)
+    path = tmp_path / "chatlearn.yaml"
+    path.write_text(yaml_text)
+    cfg = load_config(str(path))
+    assert cfg.models.policy_trainer.optimizer.lr == pytest.approx(2e-6)
+    assert cfg.models.policy.num_inference_per_prompt == 32
+    plan = make_plan(cfg)
+    assert plan.steps_per_episode == 1 and plan.trainer_dp == 2 and plan.micro_batches_per_step == 32
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("runtime_args.num_episod=3", "runtime_args.num_episod", ["Did you mean 'runtime_args.num_episode'"]),
+    ("models.policy.temprature=1", "models.policy.temprature", ["Did you mean 'models.policy.temperature'"]),
+    ("models.policy_trainer.optimizer.lr=abc", "models.policy_trainer.optimizer.lr", ["wrong type", "Float"]),
+    ("runtime_args.num_episode=many", "runtime_args.num_episode", ["wrong type"]),
+    ("runtime_args.sample_per_episode=250", "runtime_args.sample_per_episode", ["divisible", "num_inference_per_prompt"]),
+    ("runtime_args.train_global_batch_size=96", "runtime_args.sample_per_episode", ["divisible", "train_global_batch_size"]),
+    ("models.policy_trainer.num_gpu=3", "runtime_args.train_global_batch_size", ["data-parallel"]),
+    ("runtime_args.train_micro_batch_size=48", "models.policy_trainer.train_micro_batch_size", ["per-rank batch"]),
+    ("models.policy.load=/no/such/model", "models.policy.load", ["does not exist"]),
+    ("runtime_args.data_path=/no/such.jsonl", "runtime_args.data_path", ["does not exist"]),
+    ("runtime_args.rollout_backend=vlm", "runtime_args.rollout_backend", ["Did you mean 'vllm'"]),
+    ("runtime_args.colocation=[policy,polcy]", "runtime_args.colocation", ["not a model name"]),
+    ("models.policy.top_p=0", "models.policy.top_p", ["(0, 1]"]),
+])
+def test_config_errors_name_the_key(paths_overrides, override, key, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(TEMPLATE, paths_overrides + [override])
+    msg = str(info.value)
+    assert info.value.key == key, msg
+    assert msg.startswith(key)
+    for w in words:
+        assert w in msg, msg
+
+
+def test_missing_required_key(tmp_path, tiny_model_dir, arith_data):
+    path = tmp_path / "min.yaml"
+    path.write_text(f"runtime_args:\n  data_path: {arith_data[0]}\n  num_episode: 1\n  sample_per_episode: 64\n"
+                    f"  train_global_batch_size: 64\nmodels:\n  policy_trainer:\n    load: {tiny_model_dir}\n")
+    with pytest.raises(ConfigError, match="required key has no value") as info:
+        load_config(str(path))
+    assert info.value.key == "runtime_args.output_dir"
+
+
+def test_model_folder_without_config_json(paths_overrides, tmp_path):
+    (tmp_path / "empty_model").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(TEMPLATE, paths_overrides + [f"models.policy_trainer.load={tmp_path / 'empty_model'}"])
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("runtime_args:\n  num_episode: [1, 2\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(str(bad))
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_cli_exit_code_and_one_paragraph_without_traceback(paths_overrides, capsys):
+    assert main(["run", TEMPLATE, *paths_overrides, "runtime_args.num_episod=3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("error: runtime_args.num_episod")
+    assert "\n\n" not in err.strip()
+
+
+def test_cli_dry_run_prints_config_and_plan(paths_overrides, capsys):
+    assert main(["run", "--dry-run", TEMPLATE, *paths_overrides]) == 0
+    out = capsys.readouterr().out
+    assert "# resolved config" in out and "runtime_args:" in out
+    assert "optimizer steps per episode: 2" in out and "device group 0" in out
+
+
+def test_console_script_exits_2(paths_overrides):
+    proc = subprocess.run([sys.executable, "-m", "chatlearn.cli", "run", TEMPLATE, *paths_overrides,
+                           "models.policy.num_inference_per_prompt=0", "--dry-run"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "models.policy.num_inference_per_prompt" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,45 @@
+"""Shared fixtures: a tiny random model folder and a small arithmetic data set, built offline."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), seed=0)
+
+
+def write_arith(path: str, n: int, start: int = 0) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(start, start + n):
+            a, b = i % 10, (i * 7) % 10
+            f.write(json.dumps({"data_source": "arith",
+                                "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                                "reward_model": {"style": "rule", "ground_truth": str(a + b)}}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def arith_data(tmp_path_factory) -> tuple[str, str]:
+    d = tmp_path_factory.mktemp("data")
+    return write_arith(str(d / "train.jsonl"), 64), write_arith(str(d / "eval.jsonl"), 16, start=100)
+
+
+@pytest.fixture
+def paths_overrides(tiny_model_dir, arith_data, tmp_path) -> list[str]:
+    """Overrides that point the FSDP template at the test model and data."""
+    train, evald = arith_data
+    return [f"models.policy_trainer.load={tiny_model_dir}", f"runtime_args.data_path={train}",
+            f"runtime_args.eval_data_path={evald}", f"runtime_args.output_dir={tmp_path / 'out'}"]
