@@ -98,7 +98,7 @@ class GRPO:
             rewards = self.score(batch, truths, sources)
 
         # 3. reference log-probs; before the trainer so the trainer stays resident to train
-        temperature = p.temperature if p.temperature > 0 else 1.0
+        temperature = self.train_temperature
         with timer("ref_policy", "ref_logprobs"):
             self.sched.ensure("ref_policy", ["weights"])
             batch["ref_logprobs"] = self.logprobs(self.ref, batch, temperature)
@@ -131,6 +131,12 @@ class GRPO:
         return metrics
 
     # ------------------------------------------------------------------ stages
+    @property
+    def train_temperature(self) -> float:
+        """Log-probs are taken under the sampling distribution's temperature (1 for greedy)."""
+        t = self.cfg.models.policy.temperature
+        return t if t > 0 else 1.0
+
     def sampling(self, eval_mode: bool, seed: int) -> dict:
         p = self.cfg.models.policy
         pre = "eval_" if eval_mode else ""
@@ -182,7 +188,7 @@ class GRPO:
         for _ in range(self.cfg.runtime_args.num_training_epoch):
             for s in range(0, plan.samples_per_episode, plan.samples_per_step):
                 sub = select_samples({k: batch[k] for k in keys}, range(s, s + plan.samples_per_step))
-                outs, _ = self.trainer.call("train", ray.put(sub))
+                outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
                 for k, v in outs[0].items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 steps += 1
