@@ -1,0 +1,67 @@
+"""End to end: ``chatlearn run`` on the embedded default, shortened, for each rollout backend."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=64", "runtime_args.train_global_batch_size=32",
+         "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
+         "runtime_args.eval_episode_interval=2", "runtime_args.save_episode_interval=2",
+         "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01"]
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_short_run(backend, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *SHORT,
+           f"runtime_args.rollout_backend={backend}", f"runtime_args.output_dir={out}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=580,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # one progress line per episode (and one for the eval before training)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("episode")]
+    assert len(lines) == 4, proc.stdout
+    assert "eval" in lines[0] and "reward" in lines[1]
+
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["episode"] for r in rows] == [0, 1, 2, 3]
+    assert "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[2] and "eval/reward_mean" in rows[3]
+    for r in rows[1:]:
+        for key in ("train/reward_mean", "train/loss", "train/grad_norm", "train/kl", "time/generate",
+                    "time/train", "time/weight_push", "sched/transitions"):
+            assert key in r, key
+        # rollout engine and trainer agree on the log-probs of the sampled tokens: in episode 1 on the
+        # initial weights, afterwards on the weights pushed at the end of the previous episode
+        assert r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, r
+    assert rows[2]["train/kl"] > 0  # the policy moved away from the reference
+
+    # HF checkpoints at save_episode_interval and at the end, loadable by transformers
+    ckpts = sorted(os.listdir(out / "checkpoints" / "hf"))
+    assert ckpts == ["episode_2", "episode_3"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "hf" / "episode_3")
+    AutoTokenizer.from_pretrained(out / "checkpoints" / "hf" / "episode_3")
+
+    # every transition recorded; on the shared device only one model computes at a time
+    events = read_jsonl(out / "timeline.jsonl")
+    transitions = [e for e in events if e["kind"] == "transition"]
+    assert transitions and all(e["seconds"] >= 0 and e["parts"] for e in transitions)
+    for e in events:
+        if e["kind"] == "stage" and e["model"] != "reward" and e["stage"] != "weight_push":
+            others = [m for m, parts in e["resident"].items() if m != e["model"] and
+                      set(parts) & {"weights", "optimizer", "kv_cache"}]
+            assert not others, e
