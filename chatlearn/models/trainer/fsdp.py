@@ -1,0 +1,441 @@
+"""FSDP2 trainer around a Hugging Face causal LM: ``policy_trainer`` and ``ref_policy``.
+
+Sharding: ``fully_shard`` on every decoder layer, then on the root, over a 1-D device mesh
+of all ranks (so each parameter, its gradient and its Adam states are split on dim 0).
+
+Data: every rank receives the FULL batch (see ``chatlearn.models.base``); rank r works on
+its contiguous share of samples ``[r*N/W, (r+1)*N/W)``, and results are gathered or
+all-reduced so that every rank returns the same thing.
+
+The GRPO loss is the token mean over the whole global batch::
+
+    per_token = policy_loss + kl_coef * k3(logp, ref_logp) - entropy_coef * H
+    loss      = sum_{response tokens t of the global batch} per_token_t / T_global
+
+Each micro-batch backpropagates ``sum(per_token) * W / T_global``; FSDP's reduce-scatter
+averages gradients over the W ranks, so the summed shards are exactly d(loss)/d(theta).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from chatlearn.algorithms.grpo import (
+    entropy_from_logits,
+    kl_k3,
+    logprobs_from_logits,
+    policy_loss,
+)
+from chatlearn.models.base import PARTS, Batch, Bucket, Trainer, response_mask
+
+OFFLOADABLE = ("weights", "optimizer")  # "grads" are dropped, "kv_cache" does not exist here
+# Files of a model folder that save_pretrained writes itself; save_hf copies the others
+# (tokenizer, chat template, remote code) from the folder the model was loaded from.
+_WRITTEN_BY_SAVE = ("config.json", "generation_config.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
+                    ".bin.index.json")
+
+
+def init_distributed() -> torch.device:
+    """Join the process group (from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) if needed.
+
+    nccl and ``cuda:LOCAL_RANK`` when CUDA is available (``cuda:0`` when the process sees a
+    single GPU, as a Ray actor does), else gloo and ``cpu``.
+    """
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    return device
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules of the classes HF marks as not splittable (the decoder layers)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found to shard "
+                         f"(_no_split_modules={sorted(names)})")
+    return layers
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """uint8 tensor over the whole storage (same memory)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class _Stash:
+    """Storages freed on the device (``resize_(0)``) with their bytes kept on the host.
+
+    Resizing the storage in place keeps every tensor viewing it valid (FSDP2's
+    ``_sharded_param_data``, the DTensor's local shard, Adam's state): after ``restore`` the
+    same views see the same bytes again, at a new address.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        storages = {}
+        for t in tensors:
+            st = _local(t).untyped_storage()
+            if st.nbytes() > 0:
+                storages.setdefault(st.data_ptr(), st)
+        self.items = []
+        for st in storages.values():
+            host = torch.empty(st.nbytes(), dtype=torch.uint8,
+                               pin_memory=st.device.type == "cuda")
+            host.copy_(_bytes_view(st))
+            st.resize_(0)
+            self.items.append((st, host))
+        self.nbytes = sum(host.numel() for _, host in self.items)
+
+    def restore(self) -> int:
+        for st, host in self.items:
+            st.resize_(host.numel())
+            _bytes_view(st).copy_(host)
+        return self.nbytes
+
+
+class FSDPTrainer(Trainer):
+    """FSDP2 trainer of a Hugging Face causal LM (``trainable``: policy_trainer; else
+    ref_policy: frozen, no optimizer, forward only).
+
+    Training runs the model in train mode (HF gradient checkpointing needs it), so any
+    dropout in the model config is active; RL usually wants it 0 (Qwen2's default).
+    """
+
+    def __init__(self, cfg: dict):
+        """cfg: load, trust_remote_code, seed, trainable, lr, weight_decay, clip_grad,
+        train_micro_batch_size, logprob_micro_batch_size, pos_clip_ratio, neg_clip_ratio,
+        kl_coef, entropy_coef, gradient_checkpointing, bf16 (all required)."""
+        self.cfg = dict(cfg)
+        self.device = init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.trainable = bool(cfg["trainable"])
+        torch.manual_seed(int(cfg["seed"]))
+        self.model = self._build_model()
+        self.optimizer = (torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"],
+                                            weight_decay=cfg["weight_decay"],
+                                            betas=(0.9, 0.999), eps=1e-8)
+                          if self.trainable else None)
+        self._stashes: dict[str, _Stash] = {}
+
+    # ------------------------------------------------------------------ setup
+    def _build_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.cfg
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg["load"], dtype=torch.float32, trust_remote_code=cfg["trust_remote_code"])
+        model.config.use_cache = False
+        if self.trainable and cfg["gradient_checkpointing"]:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not self.trainable:
+            model.requires_grad_(False)
+        model.train(False)
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if cfg["bf16"] and self.device.type == "cuda" else MixedPrecisionPolicy())
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+
+    def _reshard(self) -> None:
+        """Free every unsharded parameter (the root keeps them after a forward)."""
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def _require_weights(self) -> None:
+        if "weights" in self._stashes:
+            raise RuntimeError("FSDPTrainer: weights are offloaded; call onload(['weights'])")
+
+    # ------------------------------------------------------------------ batches
+    def _my_samples(self, batch: Batch) -> np.ndarray:
+        """Indices of this rank's contiguous share of the samples."""
+        n = len(batch["offsets"]) - 1
+        if n % self.world:
+            raise ValueError(f"FSDPTrainer: the batch has {n} samples, which does not "
+                             f"divide by the {self.world} trainer ranks")
+        if n and int(np.min(batch["prompt_lens"])) < 1:
+            raise ValueError("FSDPTrainer: every sample needs a prompt of at least 1 token")
+        share = n // self.world
+        return np.arange(self.rank * share, (self.rank + 1) * share)
+
+    def _forward(self, batch: Batch, idx: np.ndarray, temperature: float, with_entropy: bool):
+        """One padded forward over samples ``idx``.
+
+        Returns ``(logp, entropy or None, pos)``: values for the response tokens of those
+        samples, in order, and ``pos`` their positions in ``batch["tokens"]``.
+        logp_t = log softmax(z_{t-1} / temperature)[token_t].
+        """
+        off, plen = batch["offsets"], batch["prompt_lens"]
+        lens = [int(off[i + 1] - off[i]) for i in idx]
+        width = max(lens)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        rows, cols, pos = [], [], []
+        for b, (i, n) in enumerate(zip(idx, lens)):
+            ids[b, :n] = torch.from_numpy(np.asarray(batch["tokens"][off[i]:off[i + 1]]))
+            mask[b, :n] = 1
+            resp = np.arange(int(plen[i]), n)
+            rows.append(np.full(len(resp), b))
+            cols.append(resp)
+            pos.append(int(off[i]) + resp)
+        rows_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
+        cols_t = torch.from_numpy(np.concatenate(cols)).to(self.device)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = torch.arange(width, device=self.device).expand(len(idx), width)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                            use_cache=False).logits
+        z = logits[rows_t, cols_t - 1].float() / temperature  # [M, V]
+        logp = logprobs_from_logits(z, ids[rows_t, cols_t])
+        entropy = entropy_from_logits(z) if with_entropy else None
+        return logp, entropy, np.concatenate(pos)
+
+    def _micro_batches(self, idx: np.ndarray, size: int) -> list[np.ndarray]:
+        return [idx[i:i + size] for i in range(0, len(idx), size)]
+
+    def _all_gather_tokens(self, batch: Batch, values: torch.Tensor) -> np.ndarray:
+        """values: float32 [T] filled on this rank's token range -> the full [T] from all."""
+        off, n = batch["offsets"], len(batch["offsets"]) - 1
+        share = n // self.world
+        bounds = [(int(off[r * share]), int(off[(r + 1) * share])) for r in range(self.world)]
+        width = max(hi - lo for lo, hi in bounds)
+        lo, hi = bounds[self.rank]
+        mine = torch.zeros(width, dtype=torch.float32, device=self.device)
+        mine[:hi - lo] = values[lo:hi]
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(parts, mine)
+        out = np.zeros(int(off[-1]), dtype=np.float32)
+        for (lo, hi), part in zip(bounds, parts):
+            out[lo:hi] = part[:hi - lo].cpu().numpy()
+        return out
+
+    # ------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch, temperature: float = 1.0,
+                         with_entropy: bool = False):
+        """float32 [T] log-probs (0 at prompt positions) on every rank; with
+        ``with_entropy`` also the entropy of the temperature-scaled distribution, [T]."""
+        self._require_weights()
+        self.model.train(False)
+        total = int(batch["offsets"][-1])
+        logp_all = torch.zeros(total, dtype=torch.float32, device=self.device)
+        ent_all = torch.zeros_like(logp_all) if with_entropy else None
+        size = self.cfg["logprob_micro_batch_size"]
+        for mb in self._micro_batches(self._my_samples(batch), size):
+            logp, ent, pos = self._forward(batch, mb, temperature, with_entropy)
+            pos_t = torch.from_numpy(pos).to(self.device)
+            logp_all[pos_t] = logp
+            if with_entropy:
+                ent_all[pos_t] = ent
+        self._reshard()
+        logp_np = self._all_gather_tokens(batch, logp_all)
+        if with_entropy:
+            return logp_np, self._all_gather_tokens(batch, ent_all)
+        return logp_np
+
+    # ------------------------------------------------------------------ training
+    def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """Forward + backward over the global batch; gradients stay in ``param.grad``
+        (sharded DTensors, already averaged over ranks). Returns the loss metrics; no step.
+
+        Gradient accumulation: FSDP2 reduce-scatters after every micro-batch's backward and
+        adds the result into the sharded ``.grad`` (as verl does). Skipping the sync
+        (``set_requires_gradient_sync(False)``) would save those collectives but keep a full
+        unsharded gradient per rank, which defeats sharding. Every rank runs the same number
+        of micro-batches (equal shares), so the collectives line up.
+        """
+        if not self.trainable:
+            raise RuntimeError("FSDPTrainer: this model is not trainable (ref_policy)")
+        self._require_weights()
+        if "optimizer" in self._stashes:
+            raise RuntimeError(
+                "FSDPTrainer: optimizer state is offloaded; call onload(['optimizer'])")
+        cfg = self.cfg
+        kl_coef, ent_coef = float(cfg["kl_coef"]), float(cfg["entropy_coef"])
+        has_ref = "ref_logprobs" in batch
+        if kl_coef > 0 and not has_ref:
+            raise ValueError("FSDPTrainer: kl_coef > 0 needs ref_logprobs in the batch")
+        num_tokens = int(response_mask(batch).sum())
+        if num_tokens == 0:
+            raise ValueError("FSDPTrainer: the batch has no response tokens")
+        scale = self.world / num_tokens
+
+        def per_token(name, pos):
+            return torch.from_numpy(np.asarray(batch[name])[pos]).to(self.device, torch.float32)
+
+        self.model.train(True)
+        # sums over this rank's tokens: loss, policy_loss, kl, entropy, clipped
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        for mb in self._micro_batches(self._my_samples(batch), cfg["train_micro_batch_size"]):
+            logp, ent, pos = self._forward(batch, mb, temperature, ent_coef > 0)
+            counts = np.diff(batch["offsets"])[mb] - batch["prompt_lens"][mb]
+            adv = torch.from_numpy(np.repeat(np.asarray(batch["advantages"], np.float32)[mb],
+                                             counts)).to(self.device)
+            pg, clipped = policy_loss(logp, per_token("old_logprobs", pos), adv,
+                                      cfg["pos_clip_ratio"], cfg["neg_clip_ratio"])
+            loss = pg
+            kl = kl_k3(logp, per_token("ref_logprobs", pos)) if has_ref else None
+            if kl_coef > 0:
+                loss = loss + kl_coef * kl
+            if ent_coef > 0:
+                loss = loss - ent_coef * ent
+            (loss.sum() * scale).backward()
+            with torch.no_grad():
+                sums += torch.stack([
+                    loss.sum(), pg.sum(),
+                    kl.sum() if kl is not None else loss.new_zeros(()),
+                    ent.sum() if ent is not None else loss.new_zeros(()),
+                    clipped.sum().to(loss.dtype)]).double()
+        self._reshard()
+        dist.all_reduce(sums)
+        mean = (sums / num_tokens).tolist()
+        metrics = {"loss": mean[0], "policy_loss": mean[1], "clip_frac": mean[4],
+                   "num_tokens": float(num_tokens)}
+        if has_ref:
+            metrics["kl"] = mean[2]
+        if ent_coef > 0:
+            metrics["entropy"] = mean[3]
+        return metrics
+
+    def train(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """One optimizer step on one global batch (see the module docstring for the loss).
+
+        ``temperature`` must be the one ``old_logprobs`` were computed with.
+        """
+        metrics = self.compute_grads(batch, temperature)
+        max_norm = float(self.cfg["clip_grad"])
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics["grad_norm"] = float(norm)
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Unsharded gradients on the CPU by parameter name (a collective; for tests)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                out[name] = g.detach().to("cpu", torch.float32, copy=True)
+        return out
+
+    def zero_grad(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    # ------------------------------------------------------------------ residency
+    def _part_tensors(self, part: str) -> list[torch.Tensor]:
+        if part == "weights":
+            return list(self.model.parameters())
+        if self.optimizer is None:
+            return []
+        return [v for state in self.optimizer.state.values() for k, v in state.items()
+                if k != "step" and torch.is_tensor(v)]
+
+    @staticmethod
+    def _check_parts(parts: Iterable[str]) -> list[str]:
+        parts = list(parts)
+        unknown = [p for p in parts if p not in PARTS]
+        if unknown:
+            raise ValueError(f"FSDPTrainer: unknown parts {unknown}; known: {PARTS}")
+        return parts
+
+    def offload(self, parts: Iterable[str]) -> dict:
+        """Free the device storage of ``weights`` (the local shards) and ``optimizer``
+        (exp_avg, exp_avg_sq), keeping a host copy; ``grads`` are dropped (set to None).
+        Parts already offloaded are skipped. Returns {"bytes": bytes copied to the host}."""
+        parts = self._check_parts(parts)
+        if "grads" in parts:
+            self.zero_grad()
+        self._reshard()
+        moved = 0
+        for part in OFFLOADABLE:
+            if part in parts and part not in self._stashes:
+                self._stashes[part] = _Stash(self._part_tensors(part))
+                moved += self._stashes[part].nbytes
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"bytes": moved}
+
+    def onload(self, parts: Iterable[str]) -> dict:
+        """Restore offloaded parts bit for bit. Returns {"bytes": bytes copied back}."""
+        parts = self._check_parts(parts)
+        moved = 0
+        for part in OFFLOADABLE:
+            if part in parts and part in self._stashes:
+                moved += self._stashes.pop(part).restore()
+        return {"bytes": moved}
+
+    # ------------------------------------------------------------------ weights out
+    def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
+        """Full float32 weights as ``[(hf_name, np.ndarray), ...]`` buckets of about
+        ``bucket_mb`` MiB (a bucket is closed before the parameter that would overflow it;
+        a parameter larger than that is a bucket of its own).
+
+        A collective: every rank must iterate the generator to the end. All ranks yield at
+        the same points; rank 0's buckets hold the arrays, the other ranks' are empty
+        lists. Only parameters are exported (no buffers); a tied ``lm_head.weight`` is not
+        listed separately: it is the same parameter as the input embedding, exported once
+        under ``model.embed_tokens.weight``.
+        """
+        self._require_weights()
+        self._reshard()
+        limit = bucket_mb * 2 ** 20
+        bucket: Bucket = []
+        size = 0
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            nbytes = full.numel() * 4
+            if size and size + nbytes > limit:
+                yield bucket
+                bucket, size = [], 0
+            if self.rank == 0:
+                bucket.append((name, full.detach().to("cpu", torch.float32, copy=True).numpy()))
+            size += nbytes
+            del full
+        if size:
+            yield bucket
+
+    def save_hf(self, path: str) -> None:
+        """Write a Hugging Face folder at ``path`` (rank 0 writes; a collective): weights,
+        config, and the other files of the ``load`` folder (tokenizer, chat template)."""
+        self._require_weights()
+        self._reshard()
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=state)
+            src = self.cfg["load"]
+            for name in os.listdir(src):
+                file = os.path.join(src, name)
+                if (os.path.isfile(file) and name not in _WRITTEN_BY_SAVE
+                        and not name.endswith(_WEIGHT_SUFFIXES)):
+                    shutil.copy2(file, os.path.join(path, name))
+        dist.barrier()

@@ -1,0 +1,406 @@
+"""FSDPTrainer on CPU (gloo): 2 ranks vs 1 rank, against plain transformers, residency,
+weight export and the token-mean normalisation of the GRPO loss.
+
+Two jobs run once per module (2 ranks and 1 rank, spawned processes with a hard
+deadline); the tests compare what they return.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+TEMPERATURE = 0.8
+JOB_TIMEOUT_S = 150
+
+# --------------------------------------------------------------------------- helpers
+
+
+def make_tiny_model(path: str) -> str:
+    """tests/tiny_model.py's random Qwen2 folder (with a tokenizer), with the (tied)
+    embeddings scaled to std 0.1 so that logits are O(1) as in a trained model: with
+    std 1 log-probs are about -150 and float32 rounding alone exceeds 1e-5."""
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location(
+        "tiny_model", Path(__file__).resolve().parents[1] / "tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.make_tiny_model(path, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def trainer_cfg(path: str, **over) -> dict:
+    cfg = dict(load=path, trust_remote_code=False, seed=0, trainable=True, lr=1e-3,
+               weight_decay=0.01, clip_grad=1.0, train_micro_batch_size=2,
+               logprob_micro_batch_size=3, pos_clip_ratio=0.2, neg_clip_ratio=0.2,
+               kl_coef=0.1, entropy_coef=0.01, gradient_checkpointing=False, bf16=False)
+    cfg.update(over)
+    return cfg
+
+
+def hf_logprobs(path: str, batch: dict, temperature: float = 1.0):
+    """Reference: one plain transformers forward per sample (no FSDP, no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    logp = np.zeros(len(batch["tokens"]), np.float32)
+    ent = np.zeros(len(batch["tokens"]), np.float32)
+    off, plen = batch["offsets"], batch["prompt_lens"]
+    with torch.no_grad():
+        for i in range(len(plen)):
+            ids = torch.from_numpy(batch["tokens"][off[i]:off[i + 1]])
+            z = model(input_ids=ids[None]).logits[0].double() / temperature
+            lsm = torch.log_softmax(z, -1)
+            for p in range(int(plen[i]), len(ids)):
+                logp[off[i] + p] = lsm[p - 1, ids[p]]
+                ent[off[i] + p] = -(lsm[p - 1].exp() * lsm[p - 1]).sum()
+    return logp, ent
+
+
+def make_batch(vocab: int, n: int = 8, seed: int = 0) -> dict:
+    """A ragged batch: prompts of 1..6 tokens, responses of 1..7 tokens."""
+    rng = np.random.default_rng(seed)
+    plen = rng.integers(1, 7, n)
+    rlen = rng.integers(1, 8, n)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(plen + rlen, out=offsets[1:])
+    return {"tokens": rng.integers(0, vocab, int(offsets[-1])).astype(np.int64),
+            "offsets": offsets, "prompt_lens": plen.astype(np.int64),
+            "advantages": rng.normal(size=n).astype(np.float32)}
+
+
+def add_logprobs(batch: dict, logp: np.ndarray, seed: int = 1) -> dict:
+    """old/ref log-probs near the current ones (so some ratios are clipped)."""
+    from chatlearn.models.base import response_mask
+
+    rng = np.random.default_rng(seed)
+    mask = response_mask(batch)
+    old = np.where(mask, logp + rng.normal(0, 0.3, len(logp)), 0).astype(np.float32)
+    ref = np.where(mask, logp + rng.normal(0, 0.5, len(logp)), 0).astype(np.float32)
+    return dict(batch, old_logprobs=old, ref_logprobs=ref)
+
+
+def probe_logits(trainer, ids: torch.Tensor) -> torch.Tensor:
+    """A plain forward through the FSDP model (a collective: all ranks call it)."""
+    with torch.no_grad():
+        out = trainer.model(input_ids=ids, use_cache=False).logits.detach().clone()
+    trainer._reshard()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(fn, rank, world, port, out, args):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, *args)
+    except BaseException:
+        result = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    import torch.distributed as dist
+    if dist.is_initialized() and "error" not in result:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, out: Path, *args, timeout: float = JOB_TIMEOUT_S) -> list:
+    """Run fn(rank, world, *args) in `world` spawned processes; their results, by rank.
+
+    A rank that fails makes the others be killed at once (they would wait forever in a
+    collective); so does the deadline.
+    """
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, str(out), args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    failed = False
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not failed:
+        time.sleep(0.2)
+        for r, p in enumerate(procs):
+            if not p.is_alive():
+                file = out / f"rank{r}.pt"
+                failed |= not file.exists() or "error" in torch.load(file, weights_only=False)
+    timed_out = any(p.is_alive() for p in procs) and time.monotonic() >= deadline
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False)
+               if (out / f"rank{r}.pt").exists() else {"error": f"rank {r}: no result"}
+               for r in range(world)]
+    errors = [res["error"] for res in results if "error" in res]
+    if errors or timed_out:
+        raise AssertionError(("timed out\n" if timed_out else "") + "\n".join(errors))
+    return results
+
+
+# --------------------------------------------------------------------------- rank jobs
+
+
+def _parity_part(trainer, batch) -> dict:
+    """Log-probs, gradients (before any step), then one real step."""
+    logp, ent = trainer.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
+    metrics = trainer.compute_grads(batch)
+    grads = trainer.full_grads()
+    trainer.zero_grad()
+    step = trainer.train(batch)
+    return {"logp": logp, "entropy": ent, "metrics": metrics, "step_metrics": step,
+            "grads": grads if trainer.rank == 0 else None}
+
+
+def _residency_part(trainer, batch, probe) -> dict:
+    """Offload weights + optimizer + grads, check the storage is gone, onload, compare."""
+    from chatlearn.models.trainer.fsdp import _local
+
+    def states():
+        return [_local(v).clone() for s in trainer.optimizer.state.values()
+                for k, v in s.items() if k != "step"]
+
+    def fsdp_internal_bytes():  # FSDP2 internals: padded shards and all-gathered copies
+        total = 0
+        for m in trainer.model.modules():
+            state = getattr(m, "_get_fsdp_state", None)
+            for group in (state()._fsdp_param_groups if state else []):
+                for fp in group.fsdp_params:
+                    total += fp._sharded_param_data.untyped_storage().nbytes()
+                    if hasattr(fp, "_unsharded_param"):
+                        total += fp._unsharded_param.untyped_storage().nbytes()
+        return total
+
+    logits0 = probe_logits(trainer, probe)
+    weights0 = [_local(p).clone() for p in trainer.model.parameters()]
+    states0 = states()
+    expected = sum(_local(t).untyped_storage().nbytes() for t in trainer._part_tensors("weights")
+                   + trainer._part_tensors("optimizer"))
+    off = trainer.offload(["weights", "optimizer", "grads"])
+    res = {
+        "offload_bytes": off["bytes"], "expected_bytes": expected,
+        "weight_bytes_live": sum(_local(p).untyped_storage().nbytes()
+                                 for p in trainer.model.parameters()),
+        "state_bytes_live": sum(_local(v).untyped_storage().nbytes()
+                                for s in trainer.optimizer.state.values()
+                                for k, v in s.items() if k != "step"),
+        "fsdp_internal_bytes_live": fsdp_internal_bytes(),
+        "grads_none": all(p.grad is None for p in trainer.model.parameters()),
+        "again_bytes": trainer.offload(["weights", "optimizer"])["bytes"],
+    }
+    try:
+        trainer.compute_logprobs(batch)
+        res["refused"] = False
+    except RuntimeError:
+        res["refused"] = True
+    res["onload_bytes"] = trainer.onload(["weights", "optimizer", "grads"])["bytes"]
+    res["logits_equal"] = torch.equal(probe_logits(trainer, probe), logits0)
+    res["weights_equal"] = all(torch.equal(_local(p), w)
+                               for p, w in zip(trainer.model.parameters(), weights0))
+    res["states_equal"] = all(torch.equal(a, b) for a, b in zip(states(), states0))
+    res["after_onload"] = trainer.train(batch)
+    return res
+
+
+def _export_part(trainer, probe, out: str) -> dict:
+    buckets = list(trainer.export_weights(bucket_mb=1))
+    trainer.save_hf(os.path.join(out, "saved"))
+    return {"num_buckets": len(buckets),
+            "bucket_sizes": [len(b) for b in buckets],
+            "exported": {k: v for b in buckets for k, v in b},
+            "probe_logits": probe_logits(trainer, probe)}
+
+
+def job_two_ranks(rank, world, path, batch, probe, out):
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    trainer = FSDPTrainer(trainer_cfg(path))
+    res = _parity_part(trainer, batch)
+    res.update(_residency_part(trainer, batch, probe))
+    res.update(_export_part(trainer, probe, out))
+    return res
+
+
+def job_one_rank(rank, world, path, batch, out):
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    trainer = FSDPTrainer(trainer_cfg(path))
+    res = _parity_part(trainer, batch)
+    # gradient checkpointing gives the same gradients
+    ckpt = FSDPTrainer(trainer_cfg(path, gradient_checkpointing=True))
+    res["ckpt_metrics"] = ckpt.compute_grads(batch)
+    res["ckpt_grads"] = ckpt.full_grads()
+    # (e) old == current log-probs, no KL / entropy: loss = -token-mean of the advantage
+    plain = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0))
+    logp = plain.compute_logprobs(batch)
+    res["token_mean_metrics"] = plain.compute_grads(dict(batch, old_logprobs=logp))
+    # ref_policy: not trainable, same log-probs, no optimizer
+    ref = FSDPTrainer(trainer_cfg(path, trainable=False))
+    res["ref_logp"] = ref.compute_logprobs(batch, temperature=TEMPERATURE)
+    res["ref_requires_grad"] = any(p.requires_grad for p in ref.model.parameters())
+    res["ref_offload"] = ref.offload(["weights", "optimizer", "grads"])["bytes"]
+    res["ref_onload"] = ref.onload(["weights", "optimizer", "grads"])["bytes"]
+    try:
+        ref.train(batch)
+        res["ref_train_refused"] = False
+    except RuntimeError:
+        res["ref_train_refused"] = True
+    return res
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoConfig
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    batch = make_batch(vocab)
+    logp, ent = hf_logprobs(path, batch)
+    batch = add_logprobs(batch, logp)
+    probe = torch.from_numpy(np.random.default_rng(3).integers(0, vocab, (2, 9)))
+    return {"path": path, "batch": batch, "probe": probe}
+
+
+@pytest.fixture(scope="module")
+def two(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two")
+    t0 = time.monotonic()
+    results = run_ranks(job_two_ranks, 2, out, setup["path"], setup["batch"], setup["probe"],
+                        str(out))
+    print(f"2-rank job: {time.monotonic() - t0:.1f}s")
+    return results, out
+
+
+@pytest.fixture(scope="module")
+def one(setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    return run_ranks(job_one_rank, 1, out, setup["path"], setup["batch"], str(out))[0]
+
+
+# --------------------------------------------------------------------------- tests
+
+METRICS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "num_tokens")
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_match_one_rank(two, one):
+    (r0, r1), _ = two
+    for name in METRICS:  # identical on every rank, and equal to the 1-rank run
+        assert r0["metrics"][name] == r1["metrics"][name], name
+        assert r0["metrics"][name] == pytest.approx(one["metrics"][name], abs=1e-6), name
+    for name in METRICS + ("grad_norm", "lr"):
+        assert r0["step_metrics"][name] == r1["step_metrics"][name], name
+        tol = {"rel": 1e-5} if name == "grad_norm" else {"abs": 1e-6}  # a sum of squares
+        assert r0["step_metrics"][name] == pytest.approx(one["step_metrics"][name], **tol)
+    assert 0 < r0["metrics"]["clip_frac"] < 1 and r0["metrics"]["kl"] > 0
+    assert r0["step_metrics"]["loss"] == pytest.approx(r0["metrics"]["loss"], abs=1e-7)
+    g2, g1 = r0["grads"], one["grads"]
+    assert g2.keys() == g1.keys() and "lm_head.weight" not in g2
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=0, atol=1e-6, msg=name)
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in g1.values())).item()
+    assert one["step_metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert norm > 1.0  # so clip_grad=1.0 really clipped
+
+
+@pytest.mark.timeout(240)
+def test_gradient_checkpointing_gives_the_same_gradients(one):
+    for name in METRICS:
+        assert one["ckpt_metrics"][name] == pytest.approx(one["metrics"][name], abs=1e-6)
+    for name, g in one["grads"].items():
+        torch.testing.assert_close(one["ckpt_grads"][name], g, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.timeout(240)
+def test_compute_logprobs_matches_plain_transformers(setup, two, one):
+    (r0, r1), _ = two
+    logp, ent = hf_logprobs(setup["path"], setup["batch"], TEMPERATURE)
+    for res in (r0, r1, one):
+        assert res["logp"].dtype == np.float32 and res["logp"].shape == logp.shape
+        np.testing.assert_allclose(res["logp"], logp, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(res["entropy"], ent, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(one["ref_logp"], logp, rtol=0, atol=1e-5)
+    batch = setup["batch"]
+    first = batch["offsets"][:-1]
+    assert np.all(r0["logp"][first] == 0)  # the first token of each sample has no prefix
+    from chatlearn.models.base import response_mask
+    assert np.all(r0["logp"][~response_mask(batch)] == 0)
+    assert np.all(r0["logp"][response_mask(batch)] < 0)
+
+
+@pytest.mark.timeout(240)
+def test_offload_frees_storage_and_onload_restores_bit_for_bit(two):
+    (r0, r1), _ = two
+    for res in (r0, r1):
+        assert res["offload_bytes"] == res["expected_bytes"] > 0
+        assert res["weight_bytes_live"] == 0 and res["state_bytes_live"] == 0
+        assert res["fsdp_internal_bytes_live"] == 0
+        assert res["grads_none"] and res["again_bytes"] == 0 and res["refused"]
+        assert res["onload_bytes"] == res["offload_bytes"]
+        assert res["logits_equal"] and res["weights_equal"] and res["states_equal"]
+        assert np.isfinite(res["after_onload"]["loss"])
+
+
+@pytest.mark.timeout(240)
+def test_ref_policy_is_frozen(one):
+    assert not one["ref_requires_grad"] and one["ref_train_refused"]
+    assert one["ref_offload"] == one["ref_onload"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_export_weights_and_save_hf_load_in_transformers(setup, two):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    (r0, r1), out = two
+    assert r1["exported"] == {} and r0["num_buckets"] == r1["num_buckets"] >= 2
+    assert all(n == 0 for n in r1["bucket_sizes"])
+    config = AutoConfig.from_pretrained(setup["path"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = {k: torch.from_numpy(v) for k, v in r0["exported"].items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert set(missing) == {"lm_head.weight"} and not unexpected  # tied to the embeddings
+    model.tie_weights()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        logits = model(input_ids=setup["probe"]).logits
+    torch.testing.assert_close(logits, r0["probe_logits"], rtol=0, atol=1e-5)
+    initial = AutoModelForCausalLM.from_pretrained(setup["path"], dtype=torch.float32)
+    assert not torch.equal(initial.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+
+    saved = AutoModelForCausalLM.from_pretrained(out / "saved", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(saved(input_ids=setup["probe"]).logits, r0["probe_logits"],
+                                   rtol=0, atol=1e-5)
+    tok = AutoTokenizer.from_pretrained(out / "saved")
+    assert tok.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False)
+
+
+@pytest.mark.timeout(240)
+def test_loss_is_the_token_mean_of_minus_advantage(setup, one):
+    batch = setup["batch"]
+    n_tokens = np.diff(batch["offsets"]) - batch["prompt_lens"]
+    expected = -float(np.sum(batch["advantages"].astype(np.float64) * n_tokens) / n_tokens.sum())
+    m = one["token_mean_metrics"]
+    assert m["num_tokens"] == n_tokens.sum()
+    assert m["loss"] == pytest.approx(expected, abs=1e-5)
+    assert m["policy_loss"] == pytest.approx(expected, abs=1e-5)
+    assert m["clip_frac"] == 0.0 and "entropy" not in m
