@@ -198,7 +198,7 @@ class GRPO:
         bucket_mb = self.cfg.runtime_args.coalesced_buffer_mb
         refs = [a.value.remote("export_weights", bucket_mb) for a in self.trainer.actors]
         # rank 0 holds the full weights; the rollout replicas read them from the object store
-        ray.get(self.policy.call_async("update_weights", refs[0]))
+        ray.get([a.call_per_item.remote("update_weights", refs[0]) for a in self.policy.actors])
         ray.get(refs)
 
     def should_save(self, episode: int) -> bool:

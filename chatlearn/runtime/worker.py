@@ -13,9 +13,12 @@ class Worker:
 
     def __init__(self, env: dict[str, str], threads: int):
         os.environ.update(env)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         import torch
+        from transformers.utils import logging as hf_logging
 
         torch.set_num_threads(threads)
+        hf_logging.disable_progress_bar()  # per-file loading bars would flood the run's log
         self.obj = None
 
     def address(self) -> tuple[str, int]:
@@ -39,6 +42,14 @@ class Worker:
     def value(self, method: str, *args, **kwargs):
         """Like ``call`` without the timing, so the result can be handed to another actor by reference."""
         return self.call(method, *args, **kwargs)[0]
+
+    def call_per_item(self, method: str, items: list):
+        """Run ``method(item)`` for each item (e.g. one weight bucket at a time); returns (None, seconds)."""
+        start = time.perf_counter()
+        fn = getattr(self.obj, method)
+        for item in items:
+            fn(item)
+        return None, time.perf_counter() - start
 
     def call(self, method: str, *args, **kwargs):
         """Run ``method`` and return (result, seconds); generators are drained into a list."""

@@ -195,7 +195,7 @@ class FSDPTrainer(Trainer):
         mask = torch.zeros(len(idx), width, dtype=torch.long)
         rows, cols, pos = [], [], []
         for b, (i, n) in enumerate(zip(idx, lens)):
-            ids[b, :n] = torch.from_numpy(np.asarray(batch["tokens"][off[i]:off[i + 1]]))
+            ids[b, :n] = torch.as_tensor(np.array(batch["tokens"][off[i]:off[i + 1]]))  # copy: Ray arrays are read-only
             mask[b, :n] = 1
             resp = np.arange(int(plen[i]), n)
             rows.append(np.full(len(resp), b))
