@@ -56,7 +56,8 @@ def make_tiny_model(path: str, seed: int = 0, vocab_size: int = 320,
     """Write a random-init fp32 Qwen2 model (hidden 128, head_dim 32, 2 layers) to ``path``.
 
     ``vocab_size`` is the embedding size (at least the tokenizer's, rounded up as real
-    checkpoints do). Returns ``path``.
+    checkpoints do); ``init_std`` the embedding init scale (it sets how peaked the
+    next-token distribution is); ``eos_boost`` how likely <|im_end|> is. Returns ``path``.
     """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM

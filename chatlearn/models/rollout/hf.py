@@ -1,0 +1,317 @@
+"""Rollout over Hugging Face transformers: batched ``model.generate`` with a KV cache.
+
+The simplest engine, and on a CPU the fastest one for small models. It returns, for each
+sampled token, ``log_softmax(raw_logits / temperature)`` at that token: the untruncated,
+temperature-scaled distribution that the trainer computes too (top-p/top-k only shape
+what is sampled, never the reported log-probs).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from chatlearn.models.base import Batch, Bucket, Rollout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers shared by the rollout backends
+# ---------------------------------------------------------------------------------------
+
+def parse_sampling(sampling: dict) -> dict:
+    """Normalise a sampling dict: temperature, top_p, top_k (-1: off), max_tokens, seed.
+
+    ``greedy`` is True for temperature 0 or top_k == 1; greedy log-probs are reported at
+    temperature 1 (``temperature`` is 1.0 in the result then).
+    """
+    temperature = float(sampling.get("temperature", 1.0))
+    top_k = int(sampling.get("top_k", -1))
+    top_k = -1 if top_k <= 0 else top_k
+    greedy = temperature <= 0.0 or top_k == 1
+    seed = sampling.get("seed")
+    return {
+        "greedy": greedy,
+        "temperature": 1.0 if greedy else temperature,
+        "top_p": float(sampling.get("top_p", 1.0)),
+        "top_k": top_k,
+        "max_tokens": int(sampling["max_tokens"]),
+        "seed": None if seed is None else int(seed),
+    }
+
+
+def check_lengths(prompts: list, max_tokens: int, max_prompt_len: int,
+                  max_response_len: int) -> None:
+    """Reject prompts and responses longer than the engine was configured for."""
+    if max_tokens < 1 or max_tokens > max_response_len:
+        raise ValueError(f"max_tokens={max_tokens} must be in [1, {max_response_len}] "
+                         "(max_response_tokens_length)")
+    for i, p in enumerate(prompts):
+        if len(p) == 0 or len(p) > max_prompt_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; expected 1 to {max_prompt_len} "
+                             "(max_prompt_tokens_length)")
+
+
+def pack_samples(prompts: list, responses: list, logprobs: list, finished: list) -> Batch:
+    """Pack prompts and their responses into a rollout batch (see ``chatlearn.models.base``).
+
+    ``responses[i]``/``logprobs[i]``: the sampled tokens of sample i and their log-probs;
+    ``finished[i]``: True when the response ended with EOS.
+    """
+    n = len(prompts)
+    prompt_lens = np.array([len(p) for p in prompts], dtype=np.int64)
+    resp_lens = np.array([len(r) for r in responses], dtype=np.int64)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(prompt_lens + resp_lens, out=offsets[1:])
+    tokens = np.empty(int(offsets[-1]), dtype=np.int64)
+    lps = np.zeros(int(offsets[-1]), dtype=np.float32)
+    for i in range(n):
+        start, mid, end = int(offsets[i]), int(offsets[i] + prompt_lens[i]), int(offsets[i + 1])
+        tokens[start:mid] = prompts[i]
+        tokens[mid:end] = responses[i]
+        lps[mid:end] = logprobs[i]
+    return {
+        "tokens": tokens,
+        "offsets": offsets,
+        "prompt_lens": prompt_lens,
+        "rollout_logprobs": lps,
+        "finish_reasons": np.asarray(finished, dtype=np.int8).reshape(n),
+    }
+
+
+def to_torch(value) -> torch.Tensor:
+    """A CPU tensor viewing ``value`` (numpy array or tensor) without copying when possible.
+
+    Read-only numpy arrays (as Ray hands them out) are accepted: the tensor is only read.
+    bfloat16 arrays from ``ml_dtypes`` are reinterpreted bit for bit.
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    arr = np.asarray(value)
+    if arr.dtype.name == "bfloat16":
+        return to_torch(arr.view(np.uint16)).view(torch.bfloat16)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.from_numpy(arr)
+
+
+def eos_token_ids(generation_config, model_config) -> list[int]:
+    """End-of-sequence ids: the generation config's, else the model config's."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def set_cpu_threads(threads) -> None:
+    """Set torch's intra-op (OpenMP) thread count for this process, when given.
+
+    Where other busy processes share the cores (a trainer next to the rollout), spinning
+    OpenMP workers slow a CPU engine down several times over; one thread avoids that.
+    """
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+# ---------------------------------------------------------------------------------------
+# The transformers backend
+# ---------------------------------------------------------------------------------------
+
+class HFRollout(Rollout):
+    """Rollout with ``transformers`` ``generate``.
+
+    cfg keys: ``load`` (model folder), ``trust_remote_code`` (False), ``seed`` (0),
+    ``generation_batch_size`` (sequences per generate call, 64), ``max_prompt_tokens_length``,
+    ``max_response_tokens_length``, ``dtype`` ("float32" | "bfloat16" | "float16" | "auto":
+    the checkpoint's), ``device`` ("cpu" | "cuda"; default: cuda where available); optional
+    ``cpu_threads`` (see ``set_cpu_threads``).
+    """
+
+    def __init__(self, cfg: dict):
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.cfg = dict(cfg)
+        default_device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(cfg.get("device") or default_device)
+        dtype = cfg.get("dtype", "float32")
+        self.batch_size = int(cfg.get("generation_batch_size", 64))
+        self.max_prompt_len = int(cfg["max_prompt_tokens_length"])
+        self.max_response_len = int(cfg["max_response_tokens_length"])
+        self._rng = np.random.default_rng(int(cfg.get("seed", 0)))
+        if self.device.type == "cpu":
+            set_cpu_threads(cfg.get("cpu_threads"))
+
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg["load"], dtype="auto" if dtype == "auto" else DTYPES[dtype],
+            trust_remote_code=bool(cfg.get("trust_remote_code", False)))
+        self.model = model.to(self.device).eval()
+        self.dtype = self.model.dtype
+        loaded = self.model.generation_config
+        self.eos_ids = eos_token_ids(loaded, self.model.config)
+        pad = getattr(loaded, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.model.config, "pad_token_id", None)
+        if isinstance(pad, (list, tuple)):
+            pad = pad[0] if pad else None
+        if pad is None:
+            pad = self.eos_ids[0] if self.eos_ids else 0
+        self.pad_id = int(pad)
+        # Sampling is defined by the sampling dict alone: a clean generation config keeps
+        # a checkpoint's defaults (top_k, repetition_penalty, ...) from leaking in.
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
+            bos_token_id=getattr(loaded, "bos_token_id", None))
+
+        # Weights loaded from safetensors may sit in storages that cannot be resized (file
+        # backed); give those their own memory so that offload can really free it.
+        with torch.no_grad():
+            for param in self.model.parameters():
+                if not param.data.untyped_storage().resizable():
+                    param.data = param.data.clone()
+        # Parameters by every name they are known under (a tied lm_head.weight included).
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        # Offloaded storages: (storage, host copy) pairs; empty while the weights are on.
+        self._offloaded: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+
+    # -- generation -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
+        if self._offloaded:
+            raise RuntimeError("HFRollout.generate: weights are offloaded; call onload first")
+        sp = parse_sampling(sampling)
+        prompts = [[int(t) for t in p] for p in prompts]
+        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len)
+        seed = sp["seed"] if sp["seed"] is not None else int(self._rng.integers(2**31))
+
+        responses, logprobs, finished = [], [], []
+        devices = [self.device] if self.device.type == "cuda" else []
+        # A private RNG stream: same seed + same weights + same prompts => same samples,
+        # without touching the caller's global RNG state.
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), self.batch_size):
+                r, lp, f = self._generate_chunk(prompts[start:start + self.batch_size], sp)
+                responses += r
+                logprobs += lp
+                finished += f
+        return pack_samples(prompts, responses, logprobs, finished)
+
+    def _generate_chunk(self, prompts: list[list[int]], sp: dict):
+        from transformers import GenerationConfig
+
+        n, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, width - len(p):] = 1
+
+        gen_cfg = GenerationConfig(
+            do_sample=not sp["greedy"],
+            temperature=sp["temperature"],
+            top_p=1.0 if sp["greedy"] else sp["top_p"],
+            top_k=0 if sp["greedy"] or sp["top_k"] < 0 else sp["top_k"],
+            max_new_tokens=sp["max_tokens"],
+            eos_token_id=self.eos_ids or None,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+            output_logits=True,  # the raw logits: untouched by temperature, top-p or top-k
+            return_dict_in_generate=True,
+        )
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            generation_config=gen_cfg)
+        new_tokens = out.sequences[:, width:]  # [n, steps]
+        steps = new_tokens.shape[1]
+        token_lp = torch.empty((n, steps), dtype=torch.float32, device=new_tokens.device)
+        for s, logits in enumerate(out.logits):  # one [n, vocab] tensor per step
+            lp = torch.log_softmax(logits.float() / sp["temperature"], dim=-1)
+            token_lp[:, s] = lp.gather(1, new_tokens[:, s:s + 1]).squeeze(1)
+
+        new_tokens, token_lp = new_tokens.cpu().numpy(), token_lp.cpu().numpy()
+        is_eos = np.isin(new_tokens, self.eos_ids) if self.eos_ids else np.zeros_like(new_tokens, bool)
+        responses, logprobs, finished = [], [], []
+        for i in range(n):
+            hits = np.flatnonzero(is_eos[i])
+            # Up to and including the first EOS; a sequence without EOS ran all the steps
+            # (generate stops early only once every sequence has ended).
+            length = int(hits[0]) + 1 if len(hits) else steps
+            responses.append(new_tokens[i, :length])
+            logprobs.append(token_lp[i, :length])
+            finished.append(bool(len(hits)))
+        return responses, logprobs, finished
+
+    # -- weights ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, bucket: Bucket) -> None:
+        """Copy (hf_name, array) pairs into the model's parameters (and persistent buffers).
+
+        A tied ``lm_head.weight`` is the embedding itself: either name updates it.
+        """
+        if self._offloaded:
+            raise RuntimeError("HFRollout.update_weights: weights are offloaded; onload first")
+        buffers = None
+        for name, value in bucket:
+            target = self._params.get(name)
+            if target is None:
+                if buffers is None:
+                    buffers = dict(self.model.named_buffers())
+                target = buffers.get(name)
+            if target is None:
+                raise KeyError(f"HFRollout.update_weights: unknown weight {name!r}")
+            src = to_torch(value)
+            if tuple(src.shape) != tuple(target.shape):
+                raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(target.shape)}")
+            target.data.copy_(src)
+
+    # -- memory -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def offload(self, parts: Iterable[str]) -> dict:
+        """``weights``: copy every parameter storage to host memory, then free it.
+
+        Buffers (e.g. rotary ``inv_freq``) stay in place. ``kv_cache``: the cache lives
+        only inside a ``generate`` call, so there is nothing to free.
+        """
+        if "weights" not in set(parts) or self._offloaded:
+            return {"bytes": 0}
+        pin = self.device.type == "cuda"
+        seen, moved = set(), 0
+        for param in self.model.parameters():
+            storage = param.data.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue  # tied / shared storages are handled once
+            seen.add(storage.data_ptr())
+            device_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host.copy_(device_bytes)
+            self._offloaded.append((storage, host))
+            moved += storage.nbytes()
+        for storage, _ in self._offloaded:
+            storage.resize_(0)
+        return {"bytes": moved}
+
+    @torch.no_grad()
+    def onload(self, parts: Iterable[str]) -> dict:
+        """Restore the offloaded parameter storages bit for bit (same tensors, same views)."""
+        if "weights" not in set(parts) or not self._offloaded:
+            return {"bytes": 0}
+        moved = 0
+        for storage, host in self._offloaded:
+            storage.resize_(host.numel())
+            device_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            device_bytes.copy_(host, non_blocking=host.is_pinned())
+            moved += host.numel()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._offloaded = []
+        return {"bytes": moved}

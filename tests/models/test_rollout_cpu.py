@@ -1,0 +1,299 @@
+"""Rollout backends (transformers and vLLM) on a tiny random Qwen2 model, on CPU.
+
+Every backend must return well-formed batches whose log-probs equal a fresh full-sequence
+transformers forward (``log_softmax(logits / T)`` at the sampled tokens, no top-k/top-p
+truncation), take new weights, offload and onload without changing a bit, and be
+reproducible under a seed. One engine per backend is shared by the whole module.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from tiny_model import make_tiny_model  # tests/ is on sys.path (tests/conftest.py)
+
+BACKENDS = ["hf", "vllm"]
+MAX_PROMPT, MAX_RESPONSE = 32, 24
+TOL = 1e-4
+
+
+# -- fixtures ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Two random models of the same shape: "old" (seed 0) and "new" (seed 1)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: make_tiny_model(str(root / name), seed=seed)
+            for name, seed in (("old", 0), ("new", 1))}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """Full-sequence transformers forwards of either model, loaded once."""
+    return Reference(model_dirs)
+
+
+@pytest.fixture(scope="module")
+def restore_threads():
+    """The engines run with ``cpu_threads=1`` (on a shared machine, spinning OpenMP workers
+    slow a CPU engine down several times over), and vLLM's in-process engine replaces
+    ``torch.set_num_threads``: put both back for the tests that follow."""
+    threads, setter = torch.get_num_threads(), torch.set_num_threads
+    yield
+    torch.set_num_threads = setter
+    torch.set_num_threads(threads)
+
+
+def _cfg(load: str) -> dict:
+    return {
+        "load": load,
+        "trust_remote_code": False,
+        "seed": 1234,
+        "generation_batch_size": 16,
+        "max_prompt_tokens_length": MAX_PROMPT,
+        "max_response_tokens_length": MAX_RESPONSE,
+        "dtype": "float32",
+        "device": "cpu",
+        "gpu_memory_utilization": 0.5,
+        "enforce_eager": True,
+        "tensor_model_parallel_size": 1,
+        "cpu_threads": 1,
+    }
+
+
+@pytest.fixture(scope="module")
+def hf(model_dirs, restore_threads):
+    from chatlearn.models.rollout.hf import HFRollout
+
+    return HFRollout(_cfg(model_dirs["old"]))
+
+
+@pytest.fixture(scope="module")
+def vllm(model_dirs, restore_threads):
+    pytest.importorskip("vllm")
+    from chatlearn.models.rollout.vllm import VLLMRollout
+
+    rollout = VLLMRollout(_cfg(model_dirs["old"]))
+    yield rollout
+    rollout.llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(params=BACKENDS)
+def rollout(request, model_dirs):
+    """A backend holding the "old" weights (whatever an earlier test pushed)."""
+    engine = request.getfixturevalue(request.param)
+    push(engine, model_dirs["old"])
+    return engine
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+class Reference:
+    def __init__(self, model_dirs):
+        from transformers import AutoModelForCausalLM
+
+        self.models = {
+            name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for name, path in model_dirs.items()}
+
+    @torch.no_grad()
+    def logits(self, name: str, batch: dict) -> list[torch.Tensor]:
+        """Per sample: logits [response_len, vocab] predicting each response token."""
+        out = []
+        for sl, plen in zip(slices(batch), batch["prompt_lens"]):
+            ids = torch.from_numpy(batch["tokens"][sl])[None]
+            logits = self.models[name](ids).logits[0].float()
+            out.append(logits[int(plen) - 1:-1])
+        return out
+
+    def logprobs(self, name: str, batch: dict, temperature: float) -> np.ndarray:
+        """float32 [T] aligned with tokens, like rollout_logprobs."""
+        out = np.zeros(len(batch["tokens"]), dtype=np.float32)
+        for sl, plen, logits in zip(slices(batch), batch["prompt_lens"], self.logits(name, batch)):
+            resp = torch.from_numpy(batch["tokens"][sl][int(plen):])
+            lp = torch.log_softmax(logits / temperature, dim=-1).gather(1, resp[:, None])[:, 0]
+            out[sl.start + int(plen):sl.stop] = lp.numpy()
+        return out
+
+
+def slices(batch):
+    off = batch["offsets"]
+    return [slice(int(off[i]), int(off[i + 1])) for i in range(len(off) - 1)]
+
+
+def prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 290, size=int(rng.integers(3, 13))).tolist() for _ in range(n)]
+
+
+def state_dict(path: str) -> list:
+    from safetensors.numpy import load_file
+
+    return list(load_file(os.path.join(path, "model.safetensors")).items())
+
+
+def push(engine, path: str) -> None:
+    """Push a model folder's weights as two buckets (split inside a layer), no lm_head."""
+    weights = [(k, v) for k, v in state_dict(path) if k != "lm_head.weight"]
+    cut = next(i for i, (k, _) in enumerate(weights) if k.endswith("self_attn.k_proj.weight"))
+    engine.update_weights(weights[:cut])
+    engine.update_weights(weights[cut:])
+
+
+def eos_id(engine) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(engine.cfg["load"]).eos_token_id
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key]), key
+
+
+# -- tests ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_batch_is_well_formed(rollout):
+    ps = prompts()
+    batch = rollout.generate(ps, {"temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                  "max_tokens": MAX_RESPONSE, "seed": 7})
+    eos = eos_id(rollout)
+    n = len(ps)
+    assert batch["tokens"].dtype == np.int64 and batch["offsets"].dtype == np.int64
+    assert batch["prompt_lens"].dtype == np.int64
+    assert batch["rollout_logprobs"].dtype == np.float32
+    assert batch["finish_reasons"].dtype == np.int8
+    assert batch["offsets"].shape == (n + 1,) and batch["offsets"][0] == 0
+    assert batch["offsets"][-1] == len(batch["tokens"]) == len(batch["rollout_logprobs"])
+    assert batch["prompt_lens"].tolist() == [len(p) for p in ps]
+    for i, (sl, plen) in enumerate(zip(slices(batch), batch["prompt_lens"])):
+        tokens, lps = batch["tokens"][sl], batch["rollout_logprobs"][sl]
+        assert tokens[:plen].tolist() == ps[i]
+        resp = tokens[plen:]
+        assert 1 <= len(resp) <= MAX_RESPONSE
+        assert np.all(lps[:plen] == 0) and np.all(lps[plen:] <= 0)
+        assert eos not in resp[:-1].tolist()  # nothing after an EOS
+        if batch["finish_reasons"][i] == 1:
+            assert resp[-1] == eos
+        else:
+            assert batch["finish_reasons"][i] == 0
+            assert len(resp) == MAX_RESPONSE and resp[-1] != eos
+    # The tiny model ends about half of its samples within MAX_RESPONSE tokens.
+    assert set(batch["finish_reasons"].tolist()) == {0, 1}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_a_full_forward(rollout, reference, temperature):
+    batch = rollout.generate(prompts(), {"temperature": temperature, "top_p": 1.0,
+                                         "top_k": -1, "max_tokens": MAX_RESPONSE, "seed": 3})
+    expected = reference.logprobs("old", batch, temperature)
+    np.testing.assert_allclose(batch["rollout_logprobs"], expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.timeout(240)
+def test_logprobs_ignore_top_k_top_p_truncation(rollout, reference):
+    """top-k/top-p shape what is sampled; the log-probs stay those of the full softmax."""
+    batch = rollout.generate(prompts(), {"temperature": 0.7, "top_p": 0.9, "top_k": 5,
+                                         "max_tokens": MAX_RESPONSE, "seed": 5})
+    for sl, plen, logits in zip(slices(batch), batch["prompt_lens"],
+                                reference.logits("old", batch)):
+        resp = batch["tokens"][sl][int(plen):]
+        top5 = torch.topk(logits, 5, dim=-1).indices.numpy()
+        assert all(tok in row for tok, row in zip(resp, top5))
+    expected = reference.logprobs("old", batch, 0.7)
+    np.testing.assert_allclose(batch["rollout_logprobs"], expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.timeout(240)
+def test_greedy_is_argmax_with_temperature_one_logprobs(rollout, reference):
+    batch = rollout.generate(prompts(8), {"temperature": 0.0, "max_tokens": 12})
+    for sl, plen, logits in zip(slices(batch), batch["prompt_lens"],
+                                reference.logits("old", batch)):
+        resp = batch["tokens"][sl][int(plen):]
+        assert resp.tolist() == logits.argmax(-1).tolist()
+    expected = reference.logprobs("old", batch, 1.0)
+    np.testing.assert_allclose(batch["rollout_logprobs"], expected, atol=TOL, rtol=0)
+    # top_k == 1 is greedy too
+    assert_same(batch, rollout.generate(prompts(8), {"temperature": 0.9, "top_k": 1,
+                                                     "max_tokens": 12}))
+
+
+@pytest.mark.timeout(240)
+def test_same_seed_same_outputs(rollout):
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": MAX_RESPONSE}
+    a = rollout.generate(prompts(), dict(sampling, seed=11))
+    b = rollout.generate(prompts(), dict(sampling, seed=11))
+    c = rollout.generate(prompts(), dict(sampling, seed=12))
+    assert_same(a, b)
+    assert not np.array_equal(a["tokens"], c["tokens"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("offloaded", [("weights", "kv_cache"), ("kv_cache",)],
+                         ids=["all", "kv_cache"])
+def test_update_weights_between_the_two_wake_steps(rollout, reference, model_dirs, offloaded):
+    """offload -> onload(weights) -> push new weights -> onload(kv_cache) -> generate."""
+    sampling = {"temperature": 0.7, "top_p": 1.0, "top_k": -1,
+                "max_tokens": MAX_RESPONSE, "seed": 9}
+    rollout.offload(offloaded)
+    rollout.onload(["weights"])
+    push(rollout, model_dirs["new"])
+    if "kv_cache" in offloaded and hasattr(rollout, "llm"):
+        with pytest.raises(RuntimeError):  # not before the KV cache is back
+            rollout.generate(prompts(2), sampling)
+    rollout.onload(["kv_cache"])
+    batch = rollout.generate(prompts(), sampling)
+    got = batch["rollout_logprobs"]
+    np.testing.assert_allclose(got, reference.logprobs("new", batch, 0.7), atol=TOL, rtol=0)
+    assert np.abs(got - reference.logprobs("old", batch, 0.7)).max() > 1e-2
+
+    # and back, without sleeping in between
+    push(rollout, model_dirs["old"])
+    batch = rollout.generate(prompts(), sampling)
+    np.testing.assert_allclose(batch["rollout_logprobs"],
+                               reference.logprobs("old", batch, 0.7), atol=TOL, rtol=0)
+
+
+@pytest.mark.timeout(240)
+def test_offload_onload_is_bit_identical(rollout):
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                "max_tokens": MAX_RESPONSE, "seed": 21}
+    before = rollout.generate(prompts(), sampling)
+    out = rollout.offload(["weights", "kv_cache"])
+    assert isinstance(out["bytes"], int)
+    with pytest.raises(RuntimeError):
+        rollout.generate(prompts(2), sampling)
+    rollout.onload(["weights"])
+    rollout.onload(["kv_cache"])
+    assert_same(before, rollout.generate(prompts(), sampling))
+
+
+@pytest.mark.timeout(240)
+def test_hf_offload_frees_parameter_storage(hf, model_dirs):
+    push(hf, model_dirs["old"])
+    params = list(hf.model.parameters())
+    weights = [p.detach().clone() for p in params]
+    buffers = {n: b.clone() for n, b in hf.model.named_buffers()}
+    total = sum(p.untyped_storage().nbytes() for p in params)  # tied: counted once below
+    out = hf.offload(["weights"])
+    assert 0 < out["bytes"] <= total
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)
+    for name, buf in hf.model.named_buffers():  # rotary inv_freq and co. untouched
+        assert torch.equal(buf, buffers[name])
+    assert hf.offload(["weights"]) == {"bytes": 0}  # already off
+    assert hf.onload(["weights"]) == out
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))
+    assert hf.offload(["kv_cache"]) == {"bytes": 0} == hf.onload(["kv_cache"])
+
+
+@pytest.mark.timeout(240)
+def test_rejects_out_of_range_lengths(rollout):
+    with pytest.raises(ValueError):
+        rollout.generate([[5] * (MAX_PROMPT + 1)], {"temperature": 1.0, "max_tokens": 4})
+    with pytest.raises(ValueError):
+        rollout.generate([[5, 6]], {"temperature": 1.0, "max_tokens": MAX_RESPONSE + 1})
