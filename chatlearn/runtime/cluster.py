@@ -43,7 +43,8 @@ def rollout_cfg(cfg: DictConfig) -> dict:
             "generation_batch_size": p.generation_batch_size, "max_prompt_tokens_length": p.max_prompt_tokens_length,
             "max_response_tokens_length": p.max_response_tokens_length, "dtype": resolve_dtype(p.dtype, p.load),
             "gpu_memory_utilization": p.gpu_memory_utilization, "enforce_eager": p.enforce_eager,
-            "tensor_model_parallel_size": p.tensor_model_parallel_size}
+            "tensor_model_parallel_size": p.tensor_model_parallel_size,
+            "max_num_batched_tokens": p.max_num_batched_tokens}
 
 
 def resolve_dtype(dtype: str, model_dir: str) -> str:

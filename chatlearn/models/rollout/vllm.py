@@ -240,13 +240,22 @@ class VLLMRollout(Rollout):
         self.max_response_len = int(cfg["max_response_tokens_length"])
         self._rng = np.random.default_rng(int(cfg.get("seed", 0)))
         self._sleep_mode = bool(current_platform.is_sleep_mode_available())
+        max_num_seqs = int(cfg.get("generation_batch_size", 64))
+        max_model_len = self.max_prompt_len + self.max_response_len
+        batched_tokens = cfg.get("max_num_batched_tokens")
+        if current_platform.is_cpu():
+            # vLLM's CPU sampler cannot rewind a seeded generator ("CPU Generator does not use
+            # offset"), which it does when a prompt's prefill is split over steps (chunked
+            # prefill). A step budget that fits every sequence whole never splits one.
+            batched_tokens = max(int(batched_tokens or 0), max_num_seqs * max_model_len)
         self.llm = vllm.LLM(
             model=cfg["load"],
             trust_remote_code=bool(cfg.get("trust_remote_code", False)),
             dtype=cfg.get("dtype", "float32"),
             seed=int(cfg.get("seed", 0)),
-            max_num_seqs=int(cfg.get("generation_batch_size", 64)),
-            max_model_len=self.max_prompt_len + self.max_response_len,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=int(batched_tokens) if batched_tokens else None,
             gpu_memory_utilization=float(cfg.get("gpu_memory_utilization", 0.9)),
             enforce_eager=bool(cfg.get("enforce_eager", False)),
             tensor_parallel_size=int(cfg.get("tensor_model_parallel_size", 1)),
