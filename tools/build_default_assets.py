@@ -1,0 +1,711 @@
+#!/usr/bin/env python
+"""Build ChatLearn's embedded default model and data set.
+
+Writes, under ``--out`` (default ``assets/``):
+
+* ``arith/train.jsonl`` and ``arith/eval.jsonl``: the task ``a + b`` with ``a, b`` in
+  0..99, in ChatLearn's data format. The eval split holds 200 pairs that never occur in
+  the training split.
+* ``tiny_qwen2/``: a complete local Hugging Face model folder (``Qwen2ForCausalLM``,
+  about 1M parameters, fp32) with a byte-level BPE tokenizer trained on the task's text
+  and a ChatML chat template. Transformers and vLLM load it with ``HF_HUB_OFFLINE=1``.
+  Its weights come from a short supervised warm start on the training split, stopped
+  once greedy accuracy on held-out training examples reaches ``--target-accuracy``, so
+  the model reliably answers in the form ``\\boxed{N}<|im_end|>`` but gets the sum
+  right only some of the time: a starting point where GRPO has something to learn.
+* ``README.md``: what is in the folder and the numbers measured at build time.
+
+Everything is seeded, so running the script twice on the same machine and software
+gives byte-identical files. Usage, from the repository root::
+
+    python tools/build_default_assets.py [--out assets] [--check-vllm]
+
+``--check-vllm`` also loads the model with vLLM (the CPU build works) and reports its
+accuracy on the eval prompts; ``--check-only`` runs the checks on an existing folder
+without rebuilding it. The script ends with a report: vocabulary size, parameter count,
+warm-start steps and time, and eval accuracy (greedy and sampled at the eval settings)
+with the share of responses that end with ``<|im_end|>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+# Offline by construction: nothing here needs the model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+# --------------------------------------------------------------------------------------
+# Task definition
+# --------------------------------------------------------------------------------------
+
+DATA_SOURCE = "arith"
+MAX_OPERAND = 99
+NUM_EVAL = 200
+PROMPT_TEMPLATE = "What is {a} + {b}? Put the final answer in \\boxed{{}}."
+RESPONSE_TEMPLATE = "\\boxed{{{answer}}}"
+
+# Special tokens, Qwen2 style.
+ENDOFTEXT = "<|endoftext|>"  # padding
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"  # end of a turn: the eos token for generation
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+# ChatML, as used by Qwen2 (without a default system prompt, to keep prompts short).
+# Extra keyword arguments such as ``enable_thinking`` are accepted and ignored.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+# Qwen2's pre-tokenizer pattern: words, single digits (``\p{N}`` without ``{1,3}``),
+# punctuation runs, and whitespace.
+PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TOKENIZER_VOCAB_SIZE = 320  # upper bound; the task's text saturates a little below it
+VOCAB_MULTIPLE = 64  # the model's embedding table is rounded up to a multiple of this
+
+# Model shape. vLLM's CPU attention needs head_dim >= 32 (128 / 4 heads = 32).
+MODEL_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+# Evaluation settings (the defaults ChatLearn uses for evaluation).
+EVAL_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
+MAX_NEW_TOKENS = 16
+MAX_PROMPT_TOKENS = 40  # after the chat template
+
+
+# --------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------
+
+
+def make_record(a: int, b: int, split: str, index: int) -> dict:
+    """One example in ChatLearn's data format."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(a=a, b=b)}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index},
+    }
+
+
+def make_splits(seed: int) -> tuple[list[dict], list[dict]]:
+    """All (a, b) pairs, shuffled; the first NUM_EVAL are held out for evaluation."""
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    random.Random(seed).shuffle(pairs)
+    eval_pairs, train_pairs = pairs[:NUM_EVAL], pairs[NUM_EVAL:]
+    train = [make_record(a, b, "train", i) for i, (a, b) in enumerate(train_pairs)]
+    evals = [make_record(a, b, "eval", i) for i, (a, b) in enumerate(eval_pairs)]
+    return train, evals
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------
+
+
+def tokenizer_corpus(records: list[dict]):
+    """Text the tokenizer is trained on: roles, prompts and responses of the task.
+
+    Special tokens are left out: they are added to the vocabulary as whole tokens, and
+    their spelling must not produce merges of its own.
+    """
+    for role in ("system", "user", "assistant"):
+        yield role + "\n"
+    yield "You are a helpful assistant."
+    for rec in records:
+        for message in rec["prompt"]:
+            yield message["content"]
+        yield RESPONSE_TEMPLATE.format(answer=rec["reward_model"]["ground_truth"])
+
+
+def build_tokenizer(records: list[dict]):
+    """Train a byte-level BPE tokenizer and wrap it for transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # The same pipeline as Qwen2's tokenizer class, which is what AutoTokenizer rebuilds
+    # from this folder (config.json says qwen2): NFC, then the split, then byte level.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            # Split first (every digit on its own), then map bytes to printable symbols.
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,  # ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any byte can be encoded
+        show_progress=False,
+    )
+    tok.train_from_iterator(tokenizer_corpus(records), trainer)
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Model and supervised warm start
+# --------------------------------------------------------------------------------------
+
+
+def build_model(tokenizer, seed: int):
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    vocab_size = len(tokenizer)
+    vocab_size = -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        dtype="float32",
+        architectures=["Qwen2ForCausalLM"],
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).float()
+    # Only the end-of-turn / padding ids: no sampling defaults, so that engines that read
+    # generation_config.json (vLLM does) keep the caller's sampling parameters.
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
+    )
+    return model
+
+
+def encode_examples(tokenizer, records: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) per example; the response ends with <|im_end|>."""
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    out = []
+    for rec in records:
+        prompt_ids = tokenizer.apply_chat_template(
+            rec["prompt"], tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        answer = RESPONSE_TEMPLATE.format(answer=rec["reward_model"]["ground_truth"])
+        response_ids = tokenizer.encode(answer, add_special_tokens=False) + [eos_id]
+        out.append((list(prompt_ids), response_ids))
+    return out
+
+
+def collate(examples, pad_id: int):
+    """Right-padded batch; the loss covers the response tokens only."""
+    length = max(len(p) + len(r) for p, r in examples)
+    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), length), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
+    for i, (p, r) in enumerate(examples):
+        n = len(p) + len(r)
+        input_ids[i, :n] = torch.tensor(p + r)
+        labels[i, len(p) : n] = torch.tensor(r)
+        attention_mask[i, :n] = 1
+    return input_ids, attention_mask, labels
+
+
+def supervised_warm_start(model, tokenizer, train_records, val_records, args) -> dict:
+    """Next-token loss on the response tokens of random training examples.
+
+    Supervised accuracy on this task stays near zero for a while and then rises steeply
+    once the model picks up carrying; where exactly that happens moves with small
+    numerical differences. Rather than a fixed step count, training therefore stops at the
+    first check where greedy accuracy on a validation set (examples the warm start never
+    trains on) reaches ``args.target_accuracy``: the model then starts weak but not
+    hopeless, near the point where learning speeds up, which suits RL.
+    """
+    examples = encode_examples(tokenizer, train_records)
+    pad_id = tokenizer.pad_token_id
+    gen = torch.Generator().manual_seed(args.seed + 1)  # batch order, independent of checks
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0
+    )
+    start = time.perf_counter()
+    step, val_acc = 0, 0.0
+    while step < args.max_sft_steps:
+        model.train()
+        # Linear warm-up, then a constant learning rate.
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+        idx = torch.randint(len(examples), (args.batch_size,), generator=gen).tolist()
+        input_ids, attention_mask, labels = collate([examples[i] for i in idx], pad_id)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if step >= args.min_sft_steps and step % args.check_every == 0:
+            model.eval()
+            responses, ended = hf_generate(
+                model, tokenizer, val_records, greedy=True, samples=1, seed=0
+            )
+            val_acc = summarize(responses, ended, val_records, 1)["accuracy"]
+            print(
+                f"  sft step {step:4d}  loss {loss.item():.4f}  "
+                f"validation greedy accuracy {val_acc:.3f}",
+                flush=True,
+            )
+            if val_acc >= args.target_accuracy:
+                break
+        elif step % 50 == 0:
+            print(f"  sft step {step:4d}  loss {loss.item():.4f}", flush=True)
+    model.eval()
+    return {"steps": step, "seconds": time.perf_counter() - start, "val_accuracy": val_acc}
+
+
+# --------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None
+
+
+def score(response: str, ground_truth: str) -> tuple[bool, bool]:
+    """(math_verify verdict, exact match) on the last boxed answer of ``response``."""
+    from math_verify import parse, verify
+
+    boxed = last_boxed(response)
+    if boxed is None:
+        return False, False
+    exact = boxed.strip() == ground_truth
+    try:
+        mv = bool(verify(parse(f"\\boxed{{{ground_truth}}}"), parse(f"\\boxed{{{boxed}}}")))
+    except Exception:  # a malformed answer counts as wrong
+        mv = False
+    return mv, exact
+
+
+def summarize(responses, ended, records, samples_per_prompt: int) -> dict:
+    """Accuracy (math_verify and exact match) and share of responses ending with eos."""
+    n = len(responses)
+    mv_ok = exact_ok = agree = 0
+    for k, text in enumerate(responses):
+        rec = records[k // samples_per_prompt]
+        mv, exact = score(text, rec["reward_model"]["ground_truth"])
+        mv_ok += mv
+        exact_ok += exact
+        agree += mv == exact
+    return {
+        "accuracy": mv_ok / n,
+        "exact_accuracy": exact_ok / n,
+        "verifier_agreement": agree / n,
+        "eos_rate": sum(ended) / n,
+        "responses": n,
+    }
+
+
+@torch.no_grad()
+def hf_generate(model, tokenizer, records, *, greedy: bool, samples: int, seed: int):
+    """Responses and whether each ended with <|im_end|> within MAX_NEW_TOKENS."""
+    prompts = [
+        tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+        for r in records
+        for _ in range(samples)
+    ]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, **EVAL_SAMPLING)
+    torch.manual_seed(seed)
+    out = model.generate(
+        **batch,
+        max_new_tokens=MAX_NEW_TOKENS,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **kwargs,
+    )
+    new = out[:, batch["input_ids"].shape[1] :]
+    responses, ended = [], []
+    for row in new.tolist():
+        if tokenizer.eos_token_id in row:
+            row = row[: row.index(tokenizer.eos_token_id)]
+            ended.append(True)
+        else:
+            ended.append(False)
+        responses.append(tokenizer.decode(row, skip_special_tokens=True))
+    return responses, ended
+
+
+def hf_evaluate(model, tokenizer, records, samples: int, seed: int) -> dict:
+    """Greedy (one response per prompt) and sampled (``samples`` per prompt) accuracy."""
+    responses, ended = hf_generate(model, tokenizer, records, greedy=True, samples=1, seed=seed)
+    greedy = summarize(responses, ended, records, 1)
+    greedy["texts"] = responses
+    sampled = summarize(
+        *hf_generate(model, tokenizer, records, greedy=False, samples=samples, seed=seed),
+        records,
+        samples,
+    )
+    return {"greedy": greedy, "sampled": sampled}
+
+
+def vllm_evaluate(model_dir: Path, records, samples: int, seed: int) -> dict:
+    """Load the folder with vLLM; greedy and sampled accuracy at the eval settings."""
+    # In-process engine, no thread pinning (both matter on small CPU machines), and a
+    # small KV cache: the default reserves most of the memory.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    start = time.perf_counter()
+    llm = LLM(
+        model=str(model_dir), dtype="float32", max_model_len=128, enforce_eager=True, seed=seed
+    )
+    load_s = time.perf_counter() - start
+    prompts = [
+        {
+            "prompt_token_ids": list(
+                tokenizer.apply_chat_template(
+                    r["prompt"], tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            )
+        }
+        for r in records
+    ]
+    result = {"load_s": load_s, "eos_token_id": tokenizer.eos_token_id}
+    for name, params in (
+        ("greedy", SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)),
+        # No per-request seed: on vLLM's CPU backend it fails ("CPU Generator does not use
+        # offset"); the engine-wide seed given to LLM(...) makes sampling reproducible.
+        ("sampled", SamplingParams(max_tokens=MAX_NEW_TOKENS, n=samples, **EVAL_SAMPLING)),
+    ):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        responses, ended, stop_ids = [], [], set()
+        for out in outputs:
+            for comp in out.outputs:
+                responses.append(comp.text)
+                stopped = comp.finish_reason == "stop"
+                ended.append(stopped)
+                if stopped and comp.token_ids:
+                    stop_ids.add(comp.token_ids[-1])
+        summary = summarize(responses, ended, records, len(responses) // len(records))
+        summary.update(seconds=elapsed, stop_token_ids=sorted(stop_ids), texts=responses)
+        result[name] = summary
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# Checks on the written folder
+# --------------------------------------------------------------------------------------
+
+
+def check_tokenizer(model_dir: Path) -> None:
+    """Chat template, exact round trips, single-digit tokens, special tokens."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "hi"}]
+    expected = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    got = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got == expected, f"chat template gives {got!r}"
+    got = tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert got == expected, f"chat template with enable_thinking gives {got!r}"
+    for text in ("\\boxed{182}", "The sum is 37 + 45 = 82, so \\boxed{82}.", "héllo ✓\n\tx"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text, f"round trip of {text!r} gives {tok.decode(ids)!r}"
+    # AutoTokenizer must tokenize exactly as the trained tokenizer.json does.
+    raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    for text in (expected + "\\boxed{182}<|im_end|>", "e\u0301 ①  x\n\n y", "I'm 12"):
+        assert raw.encode(text).ids == tok.encode(text, add_special_tokens=False), text
+    digits = tok.tokenize(" 12345")
+    assert digits[-5:] == list("12345"), f"digits are not single tokens: {digits}"
+    assert tok.eos_token == IM_END and tok.pad_token == ENDOFTEXT and tok.padding_side == "left"
+    print(f"  tokenizer checks passed: chat template {got!r}, exact round trips, single digits")
+
+
+# --------------------------------------------------------------------------------------
+# README
+# --------------------------------------------------------------------------------------
+
+
+def write_readme(path: Path, info: dict) -> None:
+    """Describe the folder. Only deterministic numbers go here, so that rebuilds match."""
+    g, s = info["eval"]["greedy"], info["eval"]["sampled"]
+    samples = s["responses"] // info["num_eval"]
+    settings = ", ".join(f"{k} {v}" for k, v in EVAL_SAMPLING.items())
+    shape = MODEL_SHAPE
+    text = f"""# Default assets
+
+The small model and task that ChatLearn uses by default, for examples and tests that run
+on a CPU. Everything here is generated, seeded, by `tools/build_default_assets.py`.
+Rebuild from the repository root with
+
+    python tools/build_default_assets.py --out assets
+
+It takes one to two minutes on a CPU; `--check-vllm` also loads the model with vLLM
+and reports its accuracy.
+
+## `arith/`: the task
+
+`a + b` with `a` and `b` in 0..{MAX_OPERAND}, answered as `\\boxed{{N}}`.
+`eval.jsonl`: {info["num_eval"]} held-out pairs; `train.jsonl`: the other {info["num_train"]}.
+One JSON object a line, in ChatLearn's data format:
+
+    {info["example"]}
+
+## `tiny_qwen2/`: the model
+
+A Hugging Face `Qwen2ForCausalLM` folder that transformers and vLLM load offline.
+
+- Shape: {info["num_params"]:,} parameters in fp32; hidden {shape["hidden_size"]}, \
+{shape["num_hidden_layers"]} layers, {shape["num_attention_heads"]} heads of size \
+{shape["hidden_size"] // shape["num_attention_heads"]}, {shape["num_key_value_heads"]} KV heads, \
+MLP {shape["intermediate_size"]}, tied embeddings, vocabulary {info["model_vocab"]}.
+- Tokenizer: byte-level BPE with {info["tokenizer_vocab"]} tokens trained on the task's text;
+  every digit is a token of its own. ChatML chat template
+  (`<|im_start|>role\\ncontent<|im_end|>\\n`); eos `<|im_end|>`; padding `<|endoftext|>`,
+  on the left.
+- Weights: random init, then a supervised warm start on the training split (loss on the
+  response tokens only, batch {info["batch_size"]}, lr {info["lr"]}). It stops as soon as
+  greedy accuracy on {info["num_val"]} training examples it does not train on reaches
+  {info["target"]}; here after {info["sft"]["steps"]} steps. The model answers in the right
+  format but often gets the sum wrong, so RL has room to improve it.
+
+Measured at build time on the eval split ({info["num_eval"]} prompts, at most
+{MAX_NEW_TOKENS} new tokens, Hugging Face `generate`):
+
+| decoding | accuracy | ends with eos |
+|---|---|---|
+| greedy | {g["accuracy"]:.3f} | {g["eos_rate"]:.3f} |
+| sampled ({settings}; {samples} per prompt) | {s["accuracy"]:.3f} | {s["eos_rate"]:.3f} |
+"""
+    path.write_text(text, encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="assets", help="output folder (default: assets)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
+    p.add_argument(
+        "--target-accuracy",
+        type=float,
+        default=0.3,
+        help="stop the warm start once greedy validation accuracy reaches this",
+    )
+    p.add_argument("--min-sft-steps", type=int, default=100)
+    p.add_argument("--max-sft-steps", type=int, default=1500)
+    p.add_argument("--check-every", type=int, default=5, help="steps between validation checks")
+    p.add_argument(
+        "--num-val", type=int, default=200, help="validation examples held out of the warm start"
+    )
+    p.add_argument("--eval-samples", type=int, default=4, help="samples per eval prompt")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the least hurt when other processes share the cores)",
+    )
+    p.add_argument("--check-vllm", action="store_true", help="also load and sample with vLLM")
+    p.add_argument(
+        "--check-only", action="store_true", help="check an existing folder; build nothing"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    model_dir, data_dir = out / "tiny_qwen2", out / "arith"
+    t0 = time.perf_counter()
+
+    if not args.check_only:
+        train, evals = make_splits(args.seed)
+        # The warm start holds out the last examples of the training split to decide when
+        # to stop; they stay in train.jsonl for RL.
+        sft_train, val = train[: -args.num_val], train[-args.num_val :]
+        train_keys = {r["prompt"][0]["content"] for r in train}
+        assert not any(r["prompt"][0]["content"] in train_keys for r in evals)
+
+        for d in (model_dir, data_dir):
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+        write_jsonl(data_dir / "train.jsonl", train)
+        write_jsonl(data_dir / "eval.jsonl", evals)
+
+        tokenizer = build_tokenizer(train + evals)
+        model = build_model(tokenizer, args.seed)
+        num_params = sum(p.numel() for p in model.parameters())
+        prompt_lens = [len(p) for p, _ in encode_examples(tokenizer, evals)]
+        assert max(prompt_lens) <= MAX_PROMPT_TOKENS, f"prompts too long: {max(prompt_lens)}"
+        print(
+            f"tokenizer: {len(tokenizer)} tokens (model vocabulary {model.config.vocab_size}); "
+            f"prompt length {min(prompt_lens)}..{max(prompt_lens)} tokens; "
+            f"model: {num_params:,} parameters",
+            flush=True,
+        )
+
+        sft = supervised_warm_start(model, tokenizer, sft_train, val, args)
+        tokenizer.save_pretrained(model_dir)
+        model.save_pretrained(model_dir)
+        del model
+    else:
+        evals = read_jsonl(data_dir / "eval.jsonl")
+        train = read_jsonl(data_dir / "train.jsonl")
+        sft = None
+
+    # Everything below reads the folder back, as users of the assets will.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print("checking the written folder", flush=True)
+    check_tokenizer(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    result = hf_evaluate(model, tokenizer, evals, samples=args.eval_samples, seed=args.seed)
+    eval_s = time.perf_counter() - start
+
+    info = dict(
+        num_train=len(train),
+        num_eval=len(evals),
+        num_params=num_params,
+        model_vocab=model.config.vocab_size,
+        tokenizer_vocab=len(tokenizer),
+        sft=sft,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        num_val=args.num_val,
+        target=args.target_accuracy,
+        example=json.dumps(evals[0], ensure_ascii=False),
+        eval=result,
+    )
+    if not args.check_only:
+        write_readme(out / "README.md", info)
+
+    vllm_result = None
+    if args.check_vllm:
+        vllm_result = vllm_evaluate(model_dir, evals, args.eval_samples, args.seed)
+
+    # Report.
+    def describe(r: dict) -> str:
+        return (
+            f"accuracy {r['accuracy']:.3f} (exact match {r['exact_accuracy']:.3f}), "
+            f"ends with eos {r['eos_rate']:.3f}"
+        )
+
+    settings = ", ".join(f"{k}={v}" for k, v in EVAL_SAMPLING.items())
+    g, s = result["greedy"], result["sampled"]
+    print("\n=== default assets ===")
+    print(f"output folder        {out}")
+    print(f"data                 {len(train)} train / {len(evals)} eval examples")
+    print(f"tokenizer vocabulary {len(tokenizer)} (model vocabulary {model.config.vocab_size})")
+    print(f"parameters           {num_params:,}")
+    if sft is not None:
+        print(
+            f"warm start           {sft['steps']} steps, batch {args.batch_size}, lr {args.lr}: "
+            f"{sft['seconds']:.1f} s; validation greedy accuracy {sft['val_accuracy']:.3f}"
+        )
+    print(f"eval (HF generate, {eval_s:.1f} s)")
+    print(f"  greedy             {describe(g)}")
+    print(f"  sampled            {describe(s)}  [{s['responses']} responses, {settings}]")
+    if vllm_result is not None:
+        vg, vs = vllm_result["greedy"], vllm_result["sampled"]
+        same = sum(a == b for a, b in zip(vg["texts"], g["texts"], strict=True)) / len(g["texts"])
+        stop_ids = sorted(set(vg["stop_token_ids"]) | set(vs["stop_token_ids"]))
+        print(f"eval (vLLM, engine start {vllm_result['load_s']:.1f} s)")
+        print(
+            f"  greedy             {describe(vg)}; same response as HF for {same:.3f} "
+            f"of prompts  [{vg['seconds']:.2f} s]"
+        )
+        print(
+            f"  sampled            {describe(vs)}  [{vs['responses']} responses, "
+            f"{vs['seconds']:.2f} s]"
+        )
+        print(
+            f"  stopped on ids     {stop_ids} (eos {vllm_result['eos_token_id']}); "
+            f"e.g. {vs['texts'][0]!r}"
+        )
+    # The intended operating point: right format, sum right only some of the time.
+    if min(g["eos_rate"], s["eos_rate"]) < 0.95 or not 0.1 <= s["accuracy"] <= 0.45:
+        print(
+            "WARNING: the model is outside its intended range (eos rate >= 0.95, sampled "
+            "accuracy about 0.15 to 0.35); adjust --target-accuracy or --lr"
+        )
+    for f in sorted(p for p in out.rglob("*") if p.is_file()):
+        print(f"  {f.relative_to(out)!s:34s} {f.stat().st_size:>10,d} bytes")
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
