@@ -69,6 +69,7 @@ class Cluster:
         plan, m = self.plan, self.cfg.models
         reward_cpus = m.reward.num_cpu
         if not ray.is_initialized():
+            os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # plain "(Worker pid=...)" prefixes in logs
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
             else:

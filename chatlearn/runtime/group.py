@@ -43,7 +43,9 @@ def create_group(name: str, factory: str, cfg: dict, *, num_actors: int, pg: Pla
     ``distributed``: the actors form one torch.distributed world (trainer ranks); rank 0's node
     hosts the rendezvous.
     """
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           # engine start-up chatter would bury the run's own progress lines
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "CHATLEARN_DEBUG"):
         if var in os.environ:
             env[var] = os.environ[var]
