@@ -40,6 +40,7 @@ there, the engine only pauses, and the reported bytes are 0.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Iterable
 
@@ -240,6 +241,10 @@ class VLLMRollout(Rollout):
         self.max_response_len = int(cfg["max_response_tokens_length"])
         self._rng = np.random.default_rng(int(cfg.get("seed", 0)))
         self._sleep_mode = bool(current_platform.is_sleep_mode_available())
+        if not self._sleep_mode:
+            # Every offload/onload would log "sleep mode is not supported on CPU" (twice per
+            # episode): the engine only pauses there, which is what we want.
+            logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
         max_num_seqs = int(cfg.get("generation_batch_size", 64))
         max_model_len = self.max_prompt_len + self.max_response_len
         batched_tokens = cfg.get("max_num_batched_tokens")
