@@ -18,6 +18,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="YAML config, e.g. template/grpo_fsdp.yaml")
     run.add_argument("overrides", nargs="*", help="overrides such as runtime_args.num_episode=10")
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
+    run.add_argument("--no-resume", action="store_true",
+                     help="start fresh even if output_dir holds a checkpoint (same as "
+                          "runtime_args.enable_resume_training=False)")
     run.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return parser
 
@@ -52,7 +55,8 @@ def _run(args) -> int:
     from chatlearn.config.load import load_config
     from chatlearn.config.plan import make_plan
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if args.no_resume else [])
+    cfg = load_config(args.config, overrides)
     plan = make_plan(cfg)
     if args.dry_run:
         print("# resolved config")

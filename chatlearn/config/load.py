@@ -139,9 +139,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("num_episode", "sample_per_episode", "train_global_batch_size", "train_micro_batch_size",
                 "num_training_epoch"):
         _positive(rt[key], f"runtime_args.{key}")
-    for key in ("save_episode_interval", "eval_episode_interval"):
+    for key in ("save_episode_interval", "eval_episode_interval", "keep_last_checkpoints"):
         if rt[key] < 0:
-            raise ConfigError("must be 0 (off) or a positive number of episodes.", key=f"runtime_args.{key}")
+            raise ConfigError("must be 0 or a positive number.", key=f"runtime_args.{key}")
     for name in ("policy", "policy_trainer", "ref_policy"):
         mc = m[name]
         if mc.num_gpu < 1:

@@ -56,8 +56,9 @@ class RuntimeArgs:
     num_training_epoch: int = 1  # passes over an episode's samples
     train_micro_batch_size: int = 8  # samples per forward/backward on one trainer rank
     train_global_batch_size: int = MISSING  # samples per optimizer step, all ranks together
-    save_episode_interval: int = 0  # save an HF checkpoint every N episodes (0: only at the end)
-    enable_resume_training: bool = True
+    save_episode_interval: int = 0  # save a checkpoint every N episodes (0: only at the end)
+    enable_resume_training: bool = True  # continue from the newest complete checkpoint in output_dir
+    keep_last_checkpoints: int = 3  # 0 keeps all
     # data
     data_ratio: List[int] = field(default_factory=list)
     data_shuffle: bool = True

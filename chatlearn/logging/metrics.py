@@ -20,6 +20,16 @@ class MetricsWriter:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
+    def truncate_after(self, episode: int) -> None:
+        """Drop rows past ``episode`` (written by a run that crashed after its last checkpoint)."""
+        self._file.close()
+        with open(self.path, encoding="utf-8") as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["episode"] <= episode]
+        with open(self.path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(self.path + ".tmp", self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+
     def close(self) -> None:
         self._file.close()
 

@@ -1,0 +1,116 @@
+"""Training checkpoints that survive a crash at any moment.
+
+Layout under ``<output_dir>/checkpoints``::
+
+    latest                    name of the newest complete checkpoint (replaced atomically)
+    episode_000020/           one checkpoint, under one step counter (the episode)
+        trainer/              policy_trainer's sharded state (torch.distributed.checkpoint)
+        hf/                   Hugging Face folder of the policy (when save_hf)
+        state.json            episode, data sampler state, ...
+        COMPLETE              written last
+
+A checkpoint is written into ``episode_N.tmp`` and renamed once complete, so a crash leaves
+either the previous checkpoints untouched plus a stray ``.tmp`` folder (removed on the next
+save) or the new one complete. Only the newest ``keep`` checkpoints are kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Callable
+
+from chatlearn.errors import UserError
+
+MARKER = "COMPLETE"
+_NAME = re.compile(r"^episode_(\d+)$")
+
+
+class CheckpointManager:
+    def __init__(self, root: str, keep: int):
+        self.root = root
+        self.keep = keep
+
+    @staticmethod
+    def name(episode: int) -> str:
+        return f"episode_{episode:06d}"
+
+    def complete(self) -> list[tuple[int, str]]:
+        """(episode, path) of every complete checkpoint, oldest first."""
+        if not os.path.isdir(self.root):
+            return []
+        out = []
+        for entry in os.listdir(self.root):
+            m = _NAME.match(entry)
+            path = os.path.join(self.root, entry)
+            if m and os.path.isfile(os.path.join(path, MARKER)):
+                out.append((int(m.group(1)), path))
+        return sorted(out)
+
+    def latest(self) -> tuple[int, str] | None:
+        """The newest complete checkpoint: the ``latest`` pointer, or the highest complete one."""
+        pointer = os.path.join(self.root, "latest")
+        if os.path.isfile(pointer):
+            try:
+                with open(pointer, encoding="utf-8") as f:
+                    name = f.read().strip()
+            except OSError as err:
+                raise UserError(f"cannot read checkpoint pointer {pointer!r}: {err}. Fix its permissions, or start "
+                                "fresh with --no-resume.")
+            m = _NAME.match(name)
+            if m and os.path.isfile(os.path.join(self.root, name, MARKER)):
+                return int(m.group(1)), os.path.join(self.root, name)
+        found = self.complete()
+        return found[-1] if found else None
+
+    def save(self, episode: int, write: Callable[[str], None], state: dict) -> str:
+        """Write a checkpoint: ``write(tmp_dir)`` fills it, then state.json, the marker, the rename."""
+        os.makedirs(self.root, exist_ok=True)
+        final = os.path.join(self.root, self.name(episode))
+        tmp = final + ".tmp"
+        for entry in os.listdir(self.root):  # leftovers of an interrupted save
+            if entry.endswith(".tmp"):
+                shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
+        os.makedirs(tmp)
+        write(tmp)
+        with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
+            json.dump({"episode": episode, **state}, f, indent=1)
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            f.write("ok\n")
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = os.path.join(self.root, "latest")
+        with open(pointer + ".tmp", "w", encoding="utf-8") as f:
+            f.write(self.name(episode) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer + ".tmp", pointer)
+        _fsync_dir(self.root)
+        if self.keep > 0:
+            for _, path in self.complete()[:-self.keep]:
+                shutil.rmtree(path, ignore_errors=True)
+        return final
+
+    @staticmethod
+    def read_state(path: str) -> dict:
+        try:
+            with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            raise UserError(f"checkpoint {path!r} has no readable state.json ({err}). Delete that folder to resume "
+                            "from the one before it, or start fresh with --no-resume.")
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
