@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import time
 from typing import Callable
 
 from chatlearn.errors import UserError
@@ -74,6 +75,8 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
         os.makedirs(tmp)
         write(tmp)
+        # A window in which to interrupt a save, for crash tests only.
+        time.sleep(float(os.environ.get("CHATLEARN_CHECKPOINT_TEST_DELAY", "0")))
         with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
             json.dump({"episode": episode, **state}, f, indent=1)
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:

@@ -17,6 +17,7 @@ averages gradients over the W ranks, so the summed shards are exactly d(loss)/d(
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Iterable, Iterator
@@ -24,7 +25,14 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -35,6 +43,8 @@ from chatlearn.algorithms.grpo import (
     logprobs_from_logits,
     policy_loss,
 )
+from chatlearn.checkpoint import sharded
+from chatlearn.errors import UserError
 from chatlearn.models.base import PARTS, Batch, Bucket, Trainer, response_mask
 
 OFFLOADABLE = ("weights", "optimizer")  # "grads" are dropped, "kv_cache" does not exist here
@@ -439,3 +449,124 @@ class FSDPTrainer(Trainer):
                         and not name.endswith(_WEIGHT_SUFFIXES)):
                     shutil.copy2(file, os.path.join(path, name))
         dist.barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _require_onloaded(self, what: str) -> None:
+        offloaded = [part for part in OFFLOADABLE if part in self._stashes]
+        if offloaded:
+            raise RuntimeError(f"FSDPTrainer.{what}: {' and '.join(offloaded)} offloaded; "
+                               f"call onload({offloaded}) first")
+
+    def _checkpoint_state(self, with_optimizer: bool) -> dict:
+        """The sharded state that checkpoints hold: ``{"model": {name: DTensor}}`` plus,
+        ``with_optimizer``, ``"optimizer"`` (keyed by parameter name). The tensors are the
+        live shards (no copies); tied aliases are left out (stored once, under the first
+        name). For an optimizer without state, ``get_state_dict`` creates it with one
+        zero-gradient step at lr 0 (the parameters do not change).
+        """
+        if not with_optimizer:
+            state = {sharded.MODEL_KEY: get_model_state_dict(self.model)}
+        else:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            state = {sharded.MODEL_KEY: model_sd, sharded.OPTIMIZER_KEY: optim_sd}
+        for alias in sharded.tied_aliases(self.model):
+            state[sharded.MODEL_KEY].pop(alias, None)
+        return state
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write the model and optimizer shards, this rank's RNG states and the trainer
+        metadata into the folder ``path`` (see ``chatlearn.checkpoint.sharded``).
+
+        A collective: every rank calls it with the same path, on a file system all ranks
+        share. Rank 0 writes the ``.complete`` marker last, once every rank has finished;
+        making the folder appear atomically (temporary name, rename) is the caller's part.
+        Weights and optimizer must be onloaded.
+        """
+        self._require_onloaded("save_checkpoint")
+        rng = sharded.capture_rng_state(self.device)  # before anything that could draw
+        self._reshard()
+        os.makedirs(path, exist_ok=True)
+        if self.rank == 0:
+            sharded.clear_complete(path)
+        # An optimizer that has not stepped yet has no state: only the model is saved then
+        # (creating the state here would change the first step's Adam bias correction).
+        stepped = self.optimizer is not None and bool(self.optimizer.state)
+        state = self._checkpoint_state(with_optimizer=stepped)
+        dcp.save(state, checkpoint_id=path)
+        sharded.save_rng_state(path, self.rank, rng)
+        if self.rank == 0:
+            tensors = {name: {"shape": list(t.shape), "dtype": sharded.dtype_name(t.dtype)}
+                       for name, t in state[sharded.MODEL_KEY].items()}
+            sharded.write_meta(path, {
+                "world_size": self.world,
+                "trainable": self.trainable,
+                "has_optimizer": self.optimizer is not None,
+                "optimizer_stepped": stepped,
+                "hf_source": (os.path.abspath(self.cfg["load"]) if os.path.isdir(self.cfg["load"])
+                              else self.cfg["load"]),
+                "trust_remote_code": bool(self.cfg["trust_remote_code"]),
+                "hf_config": json.loads(self.model.config.to_json_string(use_diff=False)),
+                "tensors": tensors,
+                "tied": sharded.tied_aliases(self.model),
+                "torch_version": torch.__version__,
+            })
+        dist.barrier()
+        if self.rank == 0:
+            sharded.mark_complete(path)
+        dist.barrier()  # on every rank, a return means the checkpoint is complete
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a checkpoint written by ``save_checkpoint``, with any number of ranks
+        (DCP reshards). The model state, the optimizer state (when trainable) and the RNG
+        states are restored; pending gradients are dropped. With the world size it was saved
+        with, rank r gets rank r's RNG states back; otherwise those of rank r mod N.
+
+        A collective. Weights and optimizer must be onloaded. A missing, incomplete or
+        mismatched checkpoint raises a UserError on every rank before any collective.
+        """
+        self._require_onloaded("load_checkpoint")
+        meta = sharded.read_meta(path)
+        if self.optimizer is not None and not meta.get("has_optimizer"):
+            raise UserError(f"checkpoint {path!r} holds no optimizer state (it was saved by a "
+                            "frozen reference model), so a trainable model cannot resume from "
+                            "it. Load a checkpoint of the policy trainer.")
+        rng = sharded.load_rng_state(path, self.rank % int(meta["world_size"]))
+        reader = sharded.SafeFileSystemReader(path)
+        reader.read_metadata()  # DCP's metadata: a UserError now if damaged (then cached)
+        self._reshard()
+        self._check_checkpoint_tensors(path, meta,
+                                       self._checkpoint_state(False)[sharded.MODEL_KEY])
+        # Pending gradients would stop get_state_dict from creating the optimizer state
+        # that the checkpoint is loaded into.
+        self.zero_grad()
+        with_optimizer = self.optimizer is not None and bool(meta.get("optimizer_stepped"))
+        state = self._checkpoint_state(with_optimizer)
+        dcp.load(state, storage_reader=reader, planner=sharded.SafeLoadPlanner())
+        model_sd = state[sharded.MODEL_KEY]
+        for alias, name in sharded.tied_aliases(self.model).items():
+            model_sd[alias] = model_sd[name]
+        if with_optimizer:
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
+                           optim_state_dict=state[sharded.OPTIMIZER_KEY])
+        else:
+            set_model_state_dict(self.model, model_sd)
+            if self.optimizer is not None:  # saved before the first step: no state yet
+                self.optimizer.state.clear()
+        sharded.restore_rng_state(rng, self.device)
+
+    @staticmethod
+    def _check_checkpoint_tensors(path: str, meta: dict, model_sd: dict) -> None:
+        """Same tensor names and shapes in the checkpoint as in this model, or a UserError."""
+        saved = meta.get("tensors", {})
+        problems = [f"{name} is missing from the checkpoint" for name in model_sd
+                    if name not in saved]
+        problems += [f"{name} is in the checkpoint but not in this model" for name in saved
+                     if name not in model_sd]
+        problems += [f"{name} has shape {list(model_sd[name].shape)} in this model but "
+                     f"{saved[name]['shape']} in the checkpoint" for name in model_sd
+                     if name in saved and list(model_sd[name].shape) != saved[name]["shape"]]
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise UserError(f"checkpoint {path!r} does not fit this model: "
+                            f"{'; '.join(problems[:3])}{more}. Load a checkpoint saved from "
+                            f"the same model (it was saved from {meta.get('hf_source')!r}).")

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic, resumable training state, and the offline merge to Hugging Face."""

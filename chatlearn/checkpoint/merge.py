@@ -1,0 +1,335 @@
+"""Offline merge: a sharded trainer checkpoint -> a Hugging Face model folder.
+
+``merge_checkpoint(ckpt_dir, out_dir)`` reads the model entries (``model.*``) of a
+checkpoint written by ``FSDPTrainer.save_checkpoint`` (any number of ranks) and writes what
+``save_pretrained`` would: safetensors shards split by size (``model.safetensors``, or
+``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``), config.json
+with its ``dtype`` set, and the other files of the Hugging Face folder the trainer loaded
+(generation config, tokenizer, chat template).
+
+It streams: the shard headers are computed from the checkpoint metadata up front, then each
+tensor is read alone from the DCP files (``dcp.load`` of one key, which reads only that
+tensor's chunks), cast, and appended to its shard. Peak memory is about the largest tensor
+(plus one rank's chunk of it), whatever the model size. The optimizer state is never read.
+
+Every tensor is checked against the model that config.json describes (built on the
+``meta`` device, so no memory is allocated): a missing key, an unexpected key, a wrong shape
+or a non-float tensor where a float one belongs is a UserError naming the key. Tied weights
+(``lm_head.weight`` with ``tie_word_embeddings``) are not written, as ``save_pretrained``
+does not write them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from chatlearn.checkpoint import sharded
+from chatlearn.errors import UserError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+# Files of the source folder that are not copied: config.json is rewritten, weights are
+# what the merge produces.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
+                    ".bin.index.json", ".h5", ".msgpack", ".gguf")
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5 * 10**9 bytes, ``"500MiB"`` -> 500 * 2**20, ``"1000"`` -> 1000 (as
+    ``save_pretrained``'s ``max_shard_size``: KB/MB/GB are powers of 10)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise UserError(f"max shard size {text!r} is not a size. Write it as a number of "
+                            "bytes or with a unit, e.g. 5GB, 500MB or 2GiB.")
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    if value <= 0:
+        raise UserError(f"max shard size {text!r} must be positive, e.g. 5GB.")
+    return value
+
+
+@dataclass
+class _Entry:
+    name: str  # Hugging Face name
+    shape: tuple[int, ...]
+    src_dtype: torch.dtype  # as stored in the checkpoint
+    out_dtype: torch.dtype  # as written
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.out_dtype.itemsize
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def find_checkpoint(path: str) -> str:
+    """``path`` itself, or its ``trainer/`` subfolder when ``path`` is a run's checkpoint
+    folder that keeps the trainer state there."""
+    inner = os.path.join(path, "trainer")
+    if (not os.path.isfile(os.path.join(path, sharded.META_FILE))
+            and os.path.isfile(os.path.join(inner, sharded.META_FILE))):
+        return inner
+    return path
+
+
+def _source_folder(ckpt: str, meta: dict, hf_config: str | None) -> str:
+    """The Hugging Face folder to take config.json and the tokenizer from."""
+    if hf_config is not None:
+        if not os.path.isfile(os.path.join(hf_config, CONFIG_NAME)):
+            raise UserError(f"--hf-config {hf_config!r} is not a Hugging Face model folder "
+                            f"(no {CONFIG_NAME} in it). Pass the folder of the model the "
+                            "trainer loaded (config.json, tokenizer files).")
+        return hf_config
+    src = meta.get("hf_source")
+    if not src or not os.path.isfile(os.path.join(src, CONFIG_NAME)):
+        raise UserError(f"the model folder that checkpoint {ckpt!r} was trained from, {src!r}, "
+                        f"is gone or has no {CONFIG_NAME}. Pass --hf-config DIR with a copy of "
+                        "that folder (config.json, tokenizer files).")
+    return src
+
+
+def _check_out_dir(out_dir: str) -> None:
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise UserError(f"output folder {out_dir!r} already exists and is not empty. Choose a "
+                        "new folder, or remove that one first.")
+
+
+def expected_tensors(config, trust_remote_code: bool = False):
+    """``({name: (shape, dtype)}, {alias: name})`` of the causal LM that ``config``
+    describes, built on the ``meta`` device (no memory); tied aliases are not in the first."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code)
+    aliases = sharded.tied_aliases(model)
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+                if name not in aliases}
+    return expected, aliases
+
+
+def _plan(ckpt: str, meta: dict, src: str, out_dtype: torch.dtype) -> list[_Entry]:
+    """Check the checkpoint's model tensors against config.json; the tensors to write, in
+    the model's order."""
+    from transformers import AutoConfig
+
+    trust = bool(meta.get("trust_remote_code", False))
+    try:
+        config = AutoConfig.from_pretrained(src, trust_remote_code=trust)
+        expected, aliases = expected_tensors(config, trust)
+    except Exception as err:  # anything raised here comes from config.json (or its code)
+        cause = " ".join(str(err).split()) or type(err).__name__
+        raise UserError(f"cannot build the model described by {os.path.join(src, CONFIG_NAME)!r} "
+                        f"({cause}). Pass --hf-config DIR with the folder of the model the "
+                        "trainer loaded.") from None
+    prefix = sharded.MODEL_KEY + "."
+    found = {key[len(prefix):]: md
+             for key, md in sharded.read_dcp_metadata(ckpt).state_dict_metadata.items()
+             if key.startswith(prefix)}
+    saved_aliases = meta.get("tied", {})
+    config_file = os.path.join(src, CONFIG_NAME)
+    problems = []
+    for name, md in found.items():
+        if name in saved_aliases:  # stored under its first name as well
+            continue
+        if name in aliases:
+            problems.append(f"unexpected key {name!r}: {config_file} ties it to "
+                            f"{aliases[name]!r}, but the checkpoint holds it as a tensor of "
+                            "its own")
+        elif name not in expected:
+            problems.append(f"unexpected key {name!r} (not in the model that {config_file} "
+                            "describes)")
+        elif not isinstance(md, TensorStorageMetadata):
+            problems.append(f"key {name!r} is not a tensor in the checkpoint")
+    entries = []
+    for name, (shape, dtype) in expected.items():
+        md = found.get(name)
+        if md is None:
+            problems.append(f"missing key {name!r}: expected shape {list(shape)} from "
+                            f"{config_file}, not found in the checkpoint")
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            continue  # reported above
+        got_shape, got_dtype = tuple(md.size), md.properties.dtype
+        if got_shape != shape:
+            problems.append(f"key {name!r}: expected shape {list(shape)} from {config_file}, "
+                            f"found {list(got_shape)} in the checkpoint")
+        elif got_dtype.is_floating_point != dtype.is_floating_point or (
+                not dtype.is_floating_point and got_dtype != dtype):
+            problems.append(f"key {name!r}: expected dtype {sharded.dtype_name(dtype)}, found "
+                            f"{sharded.dtype_name(got_dtype)} in the checkpoint")
+        elif got_dtype not in _SAFETENSORS_DTYPES:
+            problems.append(f"key {name!r}: dtype {sharded.dtype_name(got_dtype)} cannot be "
+                            "written to safetensors")
+        else:
+            entries.append(_Entry(name, shape, got_dtype,
+                                  out_dtype if got_dtype.is_floating_point else got_dtype))
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise UserError(f"checkpoint {ckpt!r} does not match the model of {config_file}: "
+                        f"{'; '.join(problems[:5])}{more}. Pass --hf-config DIR with the "
+                        "folder of the model this checkpoint was trained from, or use a "
+                        "checkpoint of that model.")
+    return entries
+
+
+def _split(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+    """Greedy split in order, as save_pretrained does: a shard is closed before the tensor
+    that would overflow it; a tensor larger than ``max_bytes`` is a shard of its own."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return shards
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _read_tensor(reader: sharded.SafeFileSystemReader, entry: _Entry) -> torch.Tensor:
+    """One model tensor, whole, from the DCP files (only its chunks are read)."""
+    key = f"{sharded.MODEL_KEY}.{entry.name}"
+    state = {key: torch.empty(entry.shape, dtype=entry.src_dtype)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=reader, planner=sharded.SafeLoadPlanner(), no_dist=True)
+    return state[key]
+
+
+def _write_shard(file: str, entries: list[_Entry], reader) -> None:
+    """A safetensors file written sequentially: the header (known from the metadata), then
+    each tensor's bytes as soon as it is read and cast."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        header[e.name] = {"dtype": _SAFETENSORS_DTYPES[e.out_dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(file, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for e in entries:
+            tensor = _read_tensor(reader, e).to(e.out_dtype).contiguous()
+            data = tensor.reshape(-1).view(torch.uint8).numpy()
+            if data.nbytes != e.nbytes:
+                raise AssertionError(f"{e.name}: {data.nbytes} bytes, expected {e.nbytes}")
+            f.write(memoryview(data))
+            del tensor, data
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _copy_hf_files(src: str, out: str, dtype: str) -> list[str]:
+    """config.json with its dtype set, and the other non-weight files of ``src``."""
+    with open(os.path.join(src, CONFIG_NAME), encoding="utf-8") as f:
+        config = json.load(f)
+    config["dtype"] = dtype
+    if "torch_dtype" in config:  # the name before transformers 4.56
+        config["torch_dtype"] = dtype
+    with open(os.path.join(out, CONFIG_NAME), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    copied = [CONFIG_NAME]
+    for name in sorted(os.listdir(src)):
+        file = os.path.join(src, name)
+        if (os.path.isfile(file) and name != CONFIG_NAME and not name.startswith(".")
+                and not name.endswith(_WEIGHT_SUFFIXES)):
+            shutil.copy2(file, os.path.join(out, name))
+            copied.append(name)
+    return copied
+
+
+def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
+                     dtype: str = "float32", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                     log: Callable[[str], None] | None = None) -> dict:
+    """Write the Hugging Face folder ``out_dir`` from the trainer checkpoint ``ckpt_dir``.
+
+    ``hf_config``: the folder to take config.json and the tokenizer files from (default: the
+    one the trainer loaded, recorded in the checkpoint). ``dtype``: float32, bfloat16 or
+    float16 (floating tensors are cast to it). ``max_shard_size``: bytes per safetensors
+    file, as ``save_pretrained``'s. ``out_dir`` must not exist or be empty; it is written
+    under a temporary name and renamed when complete.
+
+    Returns a summary: out_dir, dtype, num_tensors, total_bytes, shards (file names),
+    copied (other files), seconds. Bad input raises a UserError.
+    """
+    start = time.monotonic()
+    log = log or (lambda msg: None)
+    if dtype not in DTYPES:
+        raise UserError(f"dtype {dtype!r} is not supported. Choose one of {', '.join(DTYPES)}.")
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors files are little-endian; this machine is not")
+    max_bytes = parse_size(max_shard_size)
+    ckpt = find_checkpoint(ckpt_dir)
+    meta = sharded.read_meta(ckpt)
+    src = _source_folder(ckpt, meta, hf_config)
+    out_dir = os.path.abspath(out_dir)
+    _check_out_dir(out_dir)
+    entries = _plan(ckpt, meta, src, DTYPES[dtype])
+    shards = _split(entries, max_bytes)
+    names = ([WEIGHTS_NAME] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(e.nbytes for e in entries)
+    log(f"merging {len(entries)} tensors ({total / 1e6:.1f} MB as {dtype}) from {ckpt} "
+        f"into {len(shards)} shard(s)")
+
+    tmp = out_dir + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        reader = sharded.SafeFileSystemReader(ckpt)
+        for name, shard in zip(names, shards):
+            _write_shard(os.path.join(tmp, name), shard, reader)
+            log(f"wrote {name} ({sum(e.nbytes for e in shard) / 1e6:.1f} MB, "
+                f"{len(shard)} tensors)")
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {e.name: name for name, shard in zip(names, shards)
+                                    for e in shard}}
+            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+                f.write("\n")
+        copied = _copy_hf_files(src, tmp, dtype)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty (checked above)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out_dir": out_dir, "dtype": dtype, "num_tensors": len(entries),
+            "total_bytes": total, "shards": names, "copied": copied,
+            "seconds": time.monotonic() - start}
