@@ -86,15 +86,21 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError(f"sample_per_episode ({spe}) must be divisible by train_global_batch_size ({gbs}): "
                           "an episode's samples are split into whole optimizer steps.",
                           key="runtime_args.sample_per_episode")
+    for name in ("policy_trainer", "ref_policy"):  # both run on the training backend
+        mc = m[name]
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if mc[key] < 1:
+                raise ConfigError(f"must be a positive integer, got {mc[key]}.", key=f"models.{name}.{key}")
+        model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
+        if mc.num_gpu < model_parallel or mc.num_gpu % model_parallel:
+            raise ConfigError(f"num_gpu ({mc.num_gpu}) must be divisible by tensor_model_parallel_size x "
+                              f"pipeline_model_parallel_size ({mc.tensor_model_parallel_size} x "
+                              f"{mc.pipeline_model_parallel_size}).", key=f"models.{name}.num_gpu")
+        if rt.train_backend == "fsdp" and model_parallel != 1:
+            raise ConfigError("the FSDP backend shards data-parallel only: set tensor_model_parallel_size and "
+                              "pipeline_model_parallel_size to 1, or use train_backend: megatron.",
+                              key=f"models.{name}.tensor_model_parallel_size")
     dp = t.num_gpu // (t.tensor_model_parallel_size * t.pipeline_model_parallel_size)
-    if dp < 1 or t.num_gpu % (t.tensor_model_parallel_size * t.pipeline_model_parallel_size):
-        raise ConfigError(f"num_gpu ({t.num_gpu}) must be divisible by tensor_model_parallel_size x "
-                          f"pipeline_model_parallel_size ({t.tensor_model_parallel_size} x "
-                          f"{t.pipeline_model_parallel_size}).", key="models.policy_trainer.num_gpu")
-    if rt.train_backend == "fsdp" and (t.tensor_model_parallel_size, t.pipeline_model_parallel_size) != (1, 1):
-        raise ConfigError("the FSDP backend shards data-parallel only: set tensor_model_parallel_size and "
-                          "pipeline_model_parallel_size to 1, or use train_backend: megatron.",
-                          key="models.policy_trainer.tensor_model_parallel_size")
     if gbs % dp:
         raise ConfigError(f"train_global_batch_size ({gbs}) must be divisible by the trainer's data-parallel size "
                           f"({dp}).", key="runtime_args.train_global_batch_size")

@@ -1,0 +1,739 @@
+"""Megatron-core trainer: ``policy_trainer`` and ``ref_policy`` with tensor, pipeline and
+data parallelism, interchangeable with the FSDP2 trainer (same config keys, batches,
+log-probs, loss and metric names).
+
+Ranks: ``world = tp * pp * dp`` in Megatron's default order (tensor-parallel ranks
+adjacent); global rank 0 is tensor rank 0 of the first pipeline stage of data-parallel
+replica 0.
+
+Data: every rank receives the FULL batch (see ``chatlearn.models.base``); data-parallel
+replica d works on its contiguous share of samples ``[d*N/dp, (d+1)*N/dp)``; all tensor and
+pipeline ranks of a replica see the same samples. Results are all-reduced so that every
+rank returns the same thing.
+
+Loss: the GRPO loss of the FSDP trainer, the token mean over the whole global batch::
+
+    per_token = policy_loss + kl_coef * k3(logp, ref_logp) - entropy_coef * H
+    loss      = sum_{response tokens t of the global batch} per_token_t / T_global
+
+Each micro-batch returns ``sum(per_token)`` and its token count to Megatron's schedule
+(``calculate_per_token_loss``); after the data-parallel gradient reduction Megatron divides
+the gradients by the token count summed over replicas, so they are exactly
+d(loss)/d(theta). Log-probs and entropy are computed on the vocabulary-parallel logits
+without gathering them (:mod:`.logprobs`).
+
+Megatron's schedules (``get_forward_backward_func``: 1F1B with pipeline parallelism, a plain
+micro-batch loop without), its ``DistributedDataParallel`` wrapper (gradients in fp32
+buffers) and its optimizer (Adam with decoupled weight decay on every parameter, gradient
+clipping by the global norm, optionally the distributed optimizer) do the training.
+megatron-core calls CUDA directly, so this trainer needs a GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from chatlearn.algorithms.grpo import kl_k3, policy_loss
+from chatlearn.checkpoint import sharded
+from chatlearn.errors import UserError
+from chatlearn.models.base import PARTS, Batch, Bucket, Trainer, response_mask
+from chatlearn.models.trainer.fsdp import _Stash, init_distributed
+from chatlearn.models.trainer.megatron import checkpoint as ckpt_format
+from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
+from chatlearn.models.trainer.megatron.model import (
+    HFArch,
+    HFCheckpoint,
+    Mapping,
+    build_gpt_model,
+    hf_shapes,
+    local_shard,
+    mappings,
+    tied_output_mapping,
+    to_hf,
+    to_megatron,
+    transformer_config,
+)
+
+OFFLOADABLE = ("weights", "optimizer")  # "grads" are dropped, "kv_cache" does not exist here
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
+                    ".bin.index.json")
+
+
+def _require_cuda() -> None:
+    """megatron-core calls CUDA directly (current device, streams, its CUDA RNG tracker) in
+    its forward/backward, DDP wrapper and schedules: fail early and clearly without it."""
+    try:
+        torch.cuda.current_device()
+    except (AssertionError, RuntimeError) as err:
+        raise RuntimeError(
+            "the Megatron trainer needs a CUDA GPU (megatron-core calls CUDA directly); on a "
+            f"machine without one use train_backend: fsdp ({err})") from err
+
+
+def _init_model_parallel(tp: int, pp: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():  # a second trainer in the same process
+        have = (ps.get_tensor_model_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise ValueError(f"MegatronTrainer: this process already uses (tp, pp) = {have}, "
+                             f"not {(tp, pp)}")
+        return
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"MegatronTrainer: {world} ranks do not divide into "
+                         f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+@dataclass
+class _MicroBatch:
+    ids: torch.Tensor  # int64 [rows, width], right-padded
+    positions: torch.Tensor  # int64 [rows, width]
+    rows: torch.Tensor  # [M] row of each response token in ids
+    cols: torch.Tensor  # [M] its column (the logits that predict it are at cols - 1)
+    pos: np.ndarray  # [M] its position in batch["tokens"]
+    samples: np.ndarray  # indices of the samples in the batch (real rows only)
+
+
+class MegatronTrainer(Trainer):
+    """Megatron-core trainer of a Hugging Face Qwen2 / Llama checkpoint (``trainable``:
+    policy_trainer; else ref_policy: frozen, no optimizer, forward only)."""
+
+    def __init__(self, cfg: dict):
+        """cfg: the FSDP trainer's keys (load, trust_remote_code, seed, trainable, lr,
+        weight_decay, clip_grad, train_micro_batch_size, logprob_micro_batch_size,
+        pos_clip_ratio, neg_clip_ratio, kl_coef, entropy_coef, gradient_checkpointing, bf16)
+        plus tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
+        use_distributed_optimizer (all required). bf16 applies on CUDA only (fp32 otherwise);
+        gradient_checkpointing recomputes every layer (full recompute); trust_remote_code is
+        not used (the architecture is read from config.json)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        self.cfg = dict(cfg)
+        _require_cuda()
+        self.tp = int(cfg["tensor_model_parallel_size"])
+        self.pp = int(cfg["pipeline_model_parallel_size"])
+        if self.tp > 1:
+            # Megatron's advice for tensor parallelism: one hardware queue, so that its
+            # communication kernels are scheduled in issue order (set before CUDA starts)
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        self.device = init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.trainable = bool(cfg["trainable"])
+        _init_model_parallel(self.tp, self.pp)
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp = ps.get_data_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        if self.rank == 0 and (self.tp_rank, self.pp_rank, self.dp_rank) != (0, 0, 0):
+            raise RuntimeError("MegatronTrainer: global rank 0 must be tensor, pipeline and "
+                               "data-parallel rank 0 (Megatron's default rank order)")
+        seed = int(cfg["seed"])
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+        self.arch = HFArch.from_folder(cfg["load"])
+        self.dtype = (torch.bfloat16 if cfg["bf16"] and self.device.type == "cuda"
+                      else torch.float32)
+        self.config = transformer_config(
+            self.arch, tp=self.tp, pp=self.pp, sequence_parallel=bool(cfg["sequence_parallel"]),
+            params_dtype=self.dtype, cpu_init=self.device.type == "cpu",
+            recompute=self.trainable and bool(cfg["gradient_checkpointing"]))
+        local_vocab = self.arch.padded_vocab(self.tp) // self.tp
+        self.vocab_start = self.tp_rank * local_vocab
+        self.vocab_valid = max(0, min(local_vocab, self.arch.vocab_size - self.vocab_start))
+
+        self.gpt = build_gpt_model(self.arch, self.config).to(self.device)
+        self._params = self._global_names()
+        self.mappings = mappings(self.arch)
+        self._layer_stage = self._gather_layer_stages()
+        self._hf_shapes = {name: shape for m in self.mappings
+                           for name, shape in zip(m.hf, hf_shapes(self.arch, m))}
+        self._load_hf(cfg["load"])
+        self.model, self.optimizer = self._wrap()
+        self._stashes: dict[str, _Stash] = {}
+        self._grads_freed = False
+
+    # ------------------------------------------------------------------ setup
+    def _global_names(self) -> dict[str, torch.nn.Parameter]:
+        """This stage's parameters by global Megatron name (global layer indices)."""
+        out = {}
+        layers = self.gpt.decoder.layers
+        for name, p in self.gpt.named_parameters():
+            if name.startswith("decoder.layers."):
+                local, rest = name[len("decoder.layers."):].split(".", 1)
+                name = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
+            out[name] = p
+        return out
+
+    def _gather_layer_stages(self) -> dict[int, int]:
+        """Global layer index -> pipeline stage that holds it (known on every rank)."""
+        mine = [layer.layer_number - 1 for layer in self.gpt.decoder.layers]
+        stages = [None] * self.pp
+        dist.all_gather_object(stages, mine, group=self.pp_group)
+        return {layer: stage for stage, layers in enumerate(stages) for layer in layers}
+
+    def _owner(self, m: Mapping) -> int:
+        if m.layer is not None:
+            return self._layer_stage[m.layer]
+        return 0 if m.first_stage else self.pp - 1
+
+    @torch.no_grad()
+    def _load_hf(self, path: str) -> None:
+        """Copy this rank's shard of every parameter from the Hugging Face checkpoint."""
+        ckpt = HFCheckpoint(path)
+        todo = [m for m in self.mappings if m.megatron in self._params]
+        if "output_layer.weight" in self._params and self.arch.tied_embeddings:
+            todo.append(tied_output_mapping())  # last stage's copy of the tied embeddings
+        for m in todo:
+            full = to_megatron(self.arch, m, [ckpt.get(n) for n in m.hf], self.tp)
+            param = self._params[m.megatron]
+            shard = local_shard(full, m, self.tp, self.tp_rank)
+            if shard.shape != param.shape:
+                raise ValueError(f"{path}: {m.hf} give a {tuple(shard.shape)} shard for "
+                                 f"{m.megatron}, which is {tuple(param.shape)}")
+            param.copy_(shard)
+        missing = set(self._params) - {m.megatron for m in todo}
+        if missing:
+            raise ValueError(f"MegatronTrainer: no checkpoint mapping for {sorted(missing)}")
+
+    def _wrap(self):
+        """Trainable: Megatron's DDP wrapper and optimizer. Frozen: the bare model."""
+        if not self.trainable:
+            self.gpt.requires_grad_(False)
+            return self.gpt, None
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg, distributed = self.cfg, bool(self.cfg["use_distributed_optimizer"])
+        ddp = DistributedDataParallel(
+            config=self.config, module=self.gpt,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=distributed))
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=float(cfg["lr"]),
+                            weight_decay=float(cfg["weight_decay"]),
+                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+                            clip_grad=float(cfg["clip_grad"]),  # <= 0: no clipping
+                            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+                            use_distributed_optimizer=distributed),
+            [ddp],
+            config_overrides={})  # weight decay on every parameter, as the FSDP trainer
+        self.config.no_sync_func = ddp.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = optimizer.scale_loss
+        return ddp, optimizer
+
+    def _require_weights(self) -> None:
+        if "weights" in self._stashes:
+            raise RuntimeError("MegatronTrainer: weights are offloaded; call onload(['weights'])")
+
+    # ------------------------------------------------------------------ batches
+    def _my_samples(self, batch: Batch) -> np.ndarray:
+        """Indices of this data-parallel replica's contiguous share of the samples."""
+        n = len(batch["offsets"]) - 1
+        if n % self.dp:
+            raise ValueError(f"MegatronTrainer: the batch has {n} samples, which does not "
+                             f"divide by the {self.dp} data-parallel replicas")
+        if n and int(np.min(batch["prompt_lens"])) < 1:
+            raise ValueError("MegatronTrainer: every sample needs a prompt of at least 1 token")
+        share = n // self.dp
+        return np.arange(self.dp_rank * share, (self.dp_rank + 1) * share)
+
+    def _micro_batches(self, batch: Batch, size: int) -> list[_MicroBatch]:
+        """This replica's samples in micro-batches of ``size``, right-padded.
+
+        With pipeline parallelism every micro-batch has the same shape (``size`` rows, the
+        longest sample's width; empty rows are padding), as the stages exchange activations
+        of a fixed shape. Under sequence parallelism the width is a multiple of ``tp``.
+        """
+        idx = self._my_samples(batch)
+        if len(idx) == 0:
+            raise ValueError("MegatronTrainer: the batch has no samples")
+        off, plen = batch["offsets"], batch["prompt_lens"]
+        lens = np.diff(off)[idx]
+        uniform = self.pp > 1
+        size = min(size, len(idx))
+        out = []
+        for start in range(0, len(idx), size):
+            mb = idx[start:start + size]
+            width = int(lens.max() if uniform else np.diff(off)[mb].max())
+            if self.config.sequence_parallel:
+                width = -(-width // self.tp) * self.tp
+            nrows = size if uniform else len(mb)
+            ids = torch.zeros(nrows, width, dtype=torch.long)
+            rows, cols, pos = [], [], []
+            for b, i in enumerate(mb):
+                n = int(off[i + 1] - off[i])
+                ids[b, :n] = torch.as_tensor(np.array(batch["tokens"][off[i]:off[i + 1]]))  # copy: Ray arrays are read-only
+                resp = np.arange(int(plen[i]), n)
+                rows.append(np.full(len(resp), b))
+                cols.append(resp)
+                pos.append(int(off[i]) + resp)
+            out.append(_MicroBatch(
+                ids=ids.to(self.device),
+                positions=torch.arange(width, device=self.device).expand(nrows, width),
+                rows=torch.from_numpy(np.concatenate(rows)).to(self.device),
+                cols=torch.from_numpy(np.concatenate(cols)).to(self.device),
+                pos=np.concatenate(pos), samples=mb))
+        return out
+
+    def _token_logprobs(self, mb: _MicroBatch, logits: torch.Tensor, temperature: float,
+                        with_entropy: bool):
+        """logits [rows, width, V/tp] (this rank's vocabulary slice) -> float32 log-probs
+        (and entropy) of the response tokens of ``mb``, in order."""
+        z = logits[mb.rows, mb.cols - 1, :self.vocab_valid].float() / temperature
+        return vocab_parallel_logprobs(z, mb.ids[mb.rows, mb.cols], self.vocab_start,
+                                       self.tp_group, with_entropy)
+
+    def _run(self, micro_batches: list[_MicroBatch], loss_func, forward_only: bool) -> list:
+        """Megatron's forward(-backward) schedule over ``micro_batches``; returns what
+        ``loss_func`` reported for each (on the last pipeline stage; [] elsewhere)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            logits = model(input_ids=mb.ids, position_ids=mb.positions, attention_mask=None)
+            return logits, partial(loss_func, mb)
+
+        first = micro_batches[0]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches),
+            model=[self.model], num_microbatches=len(micro_batches),
+            seq_length=first.ids.shape[1], micro_batch_size=first.ids.shape[0],
+            forward_only=forward_only)
+
+    def _reporter(self) -> bool:
+        """The one rank per replica whose results count (last stage, tensor rank 0)."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    # ------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def compute_logprobs(self, batch: Batch, temperature: float = 1.0,
+                         with_entropy: bool = False):
+        """float32 [T] log-probs (0 at prompt positions) on every rank; with
+        ``with_entropy`` also the entropy of the temperature-scaled distribution, [T]."""
+        self._require_weights()
+        self.model.train(False)
+        micro = self._micro_batches(batch, self.cfg["logprob_micro_batch_size"])
+
+        def loss_func(mb, logits):
+            logp, ent = self._token_logprobs(mb, logits, temperature, with_entropy)
+            count = torch.tensor(len(logp), dtype=torch.int, device=self.device)
+            return logp.new_zeros(()), count, {"logp": logp, "entropy": ent}
+
+        outs = self._run(micro, loss_func, forward_only=True)
+        total = int(batch["offsets"][-1])
+        values = torch.zeros(2 if with_entropy else 1, total, dtype=torch.float32,
+                             device=self.device)
+        if self._reporter():
+            for mb, out in zip(micro, outs):
+                pos = torch.from_numpy(mb.pos).to(self.device)
+                values[0, pos] = out["logp"]
+                if with_entropy:
+                    values[1, pos] = out["entropy"]
+        dist.all_reduce(values)  # one rank contributes each token; the others add zeros
+        values = values.cpu().numpy()
+        return (values[0], values[1]) if with_entropy else values[0]
+
+    # ------------------------------------------------------------------ training
+    def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """Forward + backward over the global batch; gradients are left in Megatron's fp32
+        gradient buffers (reduced over replicas and divided by the global token count).
+        Returns the loss metrics; no step."""
+        if not self.trainable:
+            raise RuntimeError("MegatronTrainer: this model is not trainable (ref_policy)")
+        self._require_weights()
+        if "optimizer" in self._stashes:
+            raise RuntimeError(
+                "MegatronTrainer: optimizer state is offloaded; call onload(['optimizer'])")
+        self._restore_grads()
+        cfg = self.cfg
+        kl_coef, ent_coef = float(cfg["kl_coef"]), float(cfg["entropy_coef"])
+        has_ref = "ref_logprobs" in batch
+        if kl_coef > 0 and not has_ref:
+            raise ValueError("MegatronTrainer: kl_coef > 0 needs ref_logprobs in the batch")
+        num_tokens = int(response_mask(batch).sum())
+        if num_tokens == 0:
+            raise ValueError("MegatronTrainer: the batch has no response tokens")
+        lens = np.diff(batch["offsets"]) - batch["prompt_lens"]
+        advantages = np.asarray(batch["advantages"], np.float32)
+
+        def per_token(name, pos):
+            return torch.from_numpy(np.asarray(batch[name])[pos]).to(self.device, torch.float32)
+
+        def loss_func(mb, logits):
+            logp, ent = self._token_logprobs(mb, logits, temperature, ent_coef > 0)
+            adv = torch.from_numpy(np.repeat(advantages[mb.samples], lens[mb.samples])).to(
+                self.device)
+            pg, clipped = policy_loss(logp, per_token("old_logprobs", mb.pos), adv,
+                                      cfg["pos_clip_ratio"], cfg["neg_clip_ratio"])
+            loss = pg
+            kl = kl_k3(logp, per_token("ref_logprobs", mb.pos)) if has_ref else None
+            if kl_coef > 0:
+                loss = loss + kl_coef * kl
+            if ent_coef > 0:
+                loss = loss - ent_coef * ent
+            zero = loss.new_zeros(())
+            sums = torch.stack([loss.sum(), pg.sum(), kl.sum() if kl is not None else zero,
+                                ent.sum() if ent is not None else zero,
+                                clipped.sum().to(loss.dtype)]).detach().double()
+            count = torch.tensor(len(logp), dtype=torch.int, device=self.device)
+            return loss.sum(), count, {"sums": sums}
+
+        self.model.train(True)
+        outs = self._run(self._micro_batches(batch, cfg["train_micro_batch_size"]),
+                         loss_func, forward_only=False)
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        if self._reporter():
+            for out in outs:
+                sums += out["sums"]
+        dist.all_reduce(sums)
+        mean = (sums / num_tokens).tolist()
+        metrics = {"loss": mean[0], "policy_loss": mean[1], "clip_frac": mean[4],
+                   "num_tokens": float(num_tokens)}
+        if has_ref:
+            metrics["kl"] = mean[2]
+        if ent_coef > 0:
+            metrics["entropy"] = mean[3]
+        return metrics
+
+    def train(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """One optimizer step on one global batch (see the module docstring for the loss).
+
+        ``temperature`` must be the one ``old_logprobs`` were computed with.
+        """
+        metrics = self.compute_grads(batch, temperature)
+        _, grad_norm, _ = self.optimizer.step()
+        self.zero_grad()
+        metrics["grad_norm"] = float(grad_norm)
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients by Hugging Face name, unsharded, on the CPU: complete on rank 0, empty
+        on the others (a collective; for tests). Not available with the distributed
+        optimizer, which keeps only each replica's reduced shard of the gradients."""
+        if not self.trainable:
+            raise RuntimeError("MegatronTrainer: this model is not trainable (ref_policy)")
+        if self.cfg["use_distributed_optimizer"]:
+            raise NotImplementedError("MegatronTrainer.full_grads: gradients are "
+                                      "reduce-scattered under the distributed optimizer")
+        return {name: t for name, t in self._gather_hf("grads") if t is not None}
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None and not self._grads_freed:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+
+    # ------------------------------------------------------------------ residency
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        return [b.grad_data for b in self.model.buffers + self.model.expert_parallel_buffers]
+
+    def _optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def _optimizer_params(self) -> Iterator[tuple[str, torch.Tensor, dict]]:
+        """``(key, param, state)`` for every parameter of every inner torch optimizer, in a
+        fixed order (``key`` = "<optimizer>.<index>")."""
+        for i, opt in enumerate(self._optimizers()):
+            inner = opt.optimizer
+            params = [p for group in inner.param_groups for p in group["params"]]
+            for j, p in enumerate(params):
+                yield f"{i}.{j}", p, inner.state
+
+    def _part_tensors(self, part: str) -> list[torch.Tensor]:
+        """``weights``: the model parameters (in DDP's parameter buffers when the distributed
+        optimizer is used). ``optimizer``: Adam's moments, and the fp32 main parameters of a
+        mixed-precision optimizer (those that are not the model's own storage)."""
+        weights = list(self.gpt.parameters())
+        if part == "weights":
+            return weights
+        if self.optimizer is None:
+            return []
+        # storages by address (a freed storage's is 0, like that of every view of it)
+        weight_storages = {w.untyped_storage().data_ptr() for w in weights}
+        out = []
+        for _, p, state in self._optimizer_params():
+            out += [v for k, v in state.get(p, {}).items() if k != "step" and torch.is_tensor(v)]
+            if p.untyped_storage().data_ptr() not in weight_storages:
+                out.append(p)
+        return out
+
+    def _free_grads(self) -> None:
+        """Drop the gradients: free the storage of Megatron's gradient buffers."""
+        if not self._grads_freed:
+            self.zero_grad()
+            for buf in self._grad_buffers():
+                buf.untyped_storage().resize_(0)
+            self._grads_freed = True
+
+    def _restore_grads(self) -> None:
+        """Re-allocate freed gradient buffers (zeros); the views into them stay valid."""
+        if self._grads_freed:
+            for buf in self._grad_buffers():
+                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+                buf.zero_()
+            self._grads_freed = False
+
+    @staticmethod
+    def _check_parts(parts: Iterable[str]) -> list[str]:
+        parts = list(parts)
+        unknown = [p for p in parts if p not in PARTS]
+        if unknown:
+            raise ValueError(f"MegatronTrainer: unknown parts {unknown}; known: {PARTS}")
+        return parts
+
+    def offload(self, parts: Iterable[str]) -> dict:
+        """Free the device storage of ``weights`` and ``optimizer`` (Adam moments, fp32 main
+        parameters), keeping a host copy; ``grads`` are dropped (their buffers freed; they
+        come back as zeros). Parts already offloaded are skipped. Returns {"bytes": bytes
+        copied to the host}."""
+        parts = self._check_parts(parts)
+        if "grads" in parts:
+            self._free_grads()
+        moved = 0
+        for part in OFFLOADABLE:
+            if part in parts and part not in self._stashes:
+                self._stashes[part] = _Stash(self._part_tensors(part))
+                moved += self._stashes[part].nbytes
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"bytes": moved}
+
+    def onload(self, parts: Iterable[str]) -> dict:
+        """Restore offloaded parts bit for bit (gradients as zeros). Returns {"bytes": bytes
+        copied back}."""
+        parts = self._check_parts(parts)
+        if "grads" in parts:
+            self._restore_grads()
+        moved = 0
+        for part in OFFLOADABLE:
+            if part in parts and part in self._stashes:
+                moved += self._stashes.pop(part).restore()
+        return {"bytes": moved}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _layout(self) -> dict:
+        return {"world_size": self.world, "tensor_model_parallel_size": self.tp,
+                "pipeline_model_parallel_size": self.pp,
+                "use_distributed_optimizer": bool(self.cfg["use_distributed_optimizer"]),
+                "dtype": sharded.dtype_name(self.dtype)}
+
+    def _require_onloaded(self, what: str) -> None:
+        offloaded = [part for part in OFFLOADABLE if part in self._stashes]
+        if offloaded:
+            raise RuntimeError(f"MegatronTrainer.{what}: {' and '.join(offloaded)} offloaded; "
+                               f"call onload({offloaded}) first")
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write this rank's parameter shards, optimizer state and RNG states, and (rank 0)
+        the metadata into the folder ``path`` (see :mod:`.checkpoint`).
+
+        A collective: every rank calls it with the same path, on a file system all ranks
+        share. Rank 0 writes the ``.complete`` marker last, once every rank has finished.
+        Weights and optimizer must be onloaded.
+        """
+        from megatron.core import tensor_parallel
+        from safetensors.torch import save_file
+
+        self._require_onloaded("save_checkpoint")
+        rng = sharded.capture_rng_state(self.device)  # before anything that could draw
+        os.makedirs(path, exist_ok=True)
+        if self.rank == 0:
+            sharded.clear_complete(path)
+        tensors = {f"model.{name}": p for name, p in self._params.items()}
+        if self.optimizer is not None:
+            weight_storages = {p.untyped_storage().data_ptr() for p in self.gpt.parameters()}
+            for key, p, state in self._optimizer_params():
+                for name, value in state.get(p, {}).items():
+                    tensors[f"optimizer.{key}.{name}"] = torch.as_tensor(value)
+                if p.untyped_storage().data_ptr() not in weight_storages:
+                    tensors[f"main.{key}"] = p
+        for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+            tensors[f"rng_tracker.{name}"] = state
+        # copies: safetensors refuses tensors that share memory (views into DDP's buffers)
+        save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()},
+                  ckpt_format.rank_file(path, self.rank))
+        sharded.save_rng_state(path, self.rank, rng)
+        stepped = torch.tensor(float(any(k.startswith("optimizer.") for k in tensors)),
+                               device=self.device)
+        dist.all_reduce(stepped, op=dist.ReduceOp.MAX)
+        if self.rank == 0:
+            ckpt_format.write_meta(path, {
+                **self._layout(),
+                "trainable": self.trainable,
+                "has_optimizer": self.optimizer is not None,
+                "optimizer_stepped": bool(stepped.item()),
+                "hf_source": (os.path.abspath(self.cfg["load"]) if os.path.isdir(self.cfg["load"])
+                              else self.cfg["load"]),
+                "torch_version": torch.__version__,
+            })
+        dist.barrier()
+        if self.rank == 0:
+            sharded.mark_complete(path)
+        dist.barrier()  # on every rank, a return means the checkpoint is complete
+
+    @torch.no_grad()
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a checkpoint written by ``save_checkpoint`` with the same world size,
+        parallel sizes and optimizer kind: parameters, optimizer state (when trainable), RNG
+        states; pending gradients are dropped. A collective; weights and optimizer must be
+        onloaded. A missing, incomplete or mismatched checkpoint raises a UserError on every
+        rank before any collective."""
+        from megatron.core import tensor_parallel
+        from safetensors import safe_open
+
+        self._require_onloaded("load_checkpoint")
+        meta = ckpt_format.read_meta(path, self._layout())
+        if self.optimizer is not None and not meta.get("has_optimizer"):
+            raise UserError(f"checkpoint {path!r} holds no optimizer state (it was saved by a "
+                            "frozen reference model), so a trainable model cannot resume from "
+                            "it. Load a checkpoint of the policy trainer.")
+        file = ckpt_format.rank_file(path, self.rank)
+        if not os.path.isfile(file):
+            raise UserError(f"checkpoint {path!r} has no shard for rank {self.rank} ({file} is "
+                            "missing): the checkpoint is damaged. Use another checkpoint.")
+        rng = sharded.load_rng_state(path, self.rank)
+        self.zero_grad()
+        with safe_open(file, framework="pt") as f:
+            keys = set(f.keys())
+            missing = [f"model.{n}" for n in self._params if f"model.{n}" not in keys]
+            if missing:
+                raise UserError(f"checkpoint {path!r} does not fit this model: {missing[:3]} "
+                                f"missing. Load a checkpoint saved from the same model (it was "
+                                f"saved from {meta.get('hf_source')!r}).")
+            for name, p in self._params.items():
+                value = f.get_tensor(f"model.{name}")
+                if value.shape != p.shape:
+                    raise UserError(f"checkpoint {path!r} does not fit this model: {name} has "
+                                    f"shape {list(value.shape)} there, {list(p.shape)} here.")
+                p.copy_(value)
+            if self.optimizer is not None:
+                for key, p, state in self._optimizer_params():
+                    state.pop(p, None)
+                    prefix = f"optimizer.{key}."
+                    saved = {k[len(prefix):]: f.get_tensor(k) for k in keys if k.startswith(prefix)}
+                    if saved:  # Adam keeps "step" on the CPU, its moments beside the parameter;
+                        # copies: the file's tensors are not resizable, as offloading needs
+                        state[p] = {k: v.to("cpu" if k == "step" else p.device, copy=True)
+                                    for k, v in saved.items()}
+                    if f"main.{key}" in keys:
+                        p.copy_(f.get_tensor(f"main.{key}"))
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            states = {k.split(".", 1)[1]: f.get_tensor(k) for k in keys
+                      if k.startswith("rng_tracker.")}
+            if states:
+                tracker.set_states(states)
+        sharded.restore_rng_state(rng, self.device)
+
+    # ------------------------------------------------------------------ weights out
+    def _gather_tp(self, local: torch.Tensor, m: Mapping) -> torch.Tensor:
+        if m.split_dim is None or self.tp == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=m.split_dim)
+
+    def _gather_hf(self, source: str) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(hf_name, float32 CPU tensor on rank 0, None elsewhere)`` for every parameter
+        (``source``: "weights" or "grads"), in a fixed order; a collective.
+
+        The stage that holds a parameter gathers its tensor-parallel shards (replica 0
+        only); when that stage is not the first, it sends the result to rank 0 over rank
+        0's pipeline group.
+        """
+        ranks = dist.get_process_group_ranks(self.pp_group) if self.pp > 1 else [0]
+        on_rank0_pipeline = self.dp_rank == 0 and self.tp_rank == 0
+        dtype = torch.float32 if source == "grads" else self.dtype
+        for m in self.mappings:
+            owner = self._owner(m)
+            shapes = hf_shapes(self.arch, m)
+            hf = None
+            if self.pp_rank == owner and self.dp_rank == 0:
+                param = self._params[m.megatron]
+                local = param.main_grad if source == "grads" else param.detach()
+                hf = to_hf(self.arch, m, self._gather_tp(local.to(dtype), m), self.tp)
+            if owner != 0 and on_rank0_pipeline:
+                sizes = [int(np.prod(s)) for s in shapes]
+                flat = (torch.cat([t.reshape(-1) for t in hf]) if hf is not None
+                        else torch.empty(sum(sizes), dtype=dtype, device=self.device))
+                dist.broadcast(flat, src=ranks[owner], group=self.pp_group)
+                hf = [t.view(s) for t, s in zip(flat.split(sizes), shapes)]
+            for i, name in enumerate(m.hf):
+                yield name, (hf[i].to("cpu", torch.float32, copy=True) if self.rank == 0
+                             else None)
+
+    def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
+        """Full float32 weights as ``[(hf_name, np.ndarray), ...]`` buckets of about
+        ``bucket_mb`` MiB (a bucket is closed before the parameter that would overflow it;
+        a parameter larger than that is a bucket of its own).
+
+        A collective: every rank must iterate the generator to the end. All ranks yield at
+        the same points; rank 0's buckets hold the arrays, the other ranks' are empty
+        lists. Tied output embeddings are not listed separately (they are
+        ``model.embed_tokens.weight``).
+        """
+        self._require_weights()
+        limit = bucket_mb * 2 ** 20
+        bucket: Bucket = []
+        size = 0
+        for name, tensor in self._gather_hf("weights"):
+            nbytes = int(np.prod(self._hf_shapes[name])) * 4
+            if size and size + nbytes > limit:
+                yield bucket
+                bucket, size = [], 0
+            if tensor is not None:
+                bucket.append((name, tensor.numpy()))
+            size += nbytes
+        if size:
+            yield bucket
+
+    def save_hf(self, path: str) -> None:
+        """Write a Hugging Face folder at ``path`` (rank 0 writes; a collective): float32
+        safetensors weights, and the other files of the ``load`` folder (config with its
+        dtype set to float32, generation config, tokenizer, chat template)."""
+        self._require_weights()
+        state = {name: t for name, t in self._gather_hf("weights") if t is not None}
+        if self.rank == 0:
+            from huggingface_hub import save_torch_state_dict
+
+            os.makedirs(path, exist_ok=True)
+            save_torch_state_dict(state, path, metadata={"format": "pt"})
+            src = self.cfg["load"]
+            for name in os.listdir(src):
+                file = os.path.join(src, name)
+                if not os.path.isfile(file) or name.endswith(_WEIGHT_SUFFIXES):
+                    continue
+                if name == "config.json":
+                    with open(file, encoding="utf-8") as f:
+                        conf = json.load(f)
+                    for key in ("torch_dtype", "dtype"):
+                        if key in conf:
+                            conf[key] = "float32"
+                    with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+                        json.dump(conf, f, indent=2)
+                else:
+                    shutil.copy2(file, os.path.join(path, name))
+        dist.barrier()
