@@ -41,7 +41,8 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
         try:
             table = pq.read_table(path)
         except Exception as err:  # pyarrow raises several types for a bad file
-            raise UserError(f"cannot read parquet file {path!r}: {err}. Check that it is a valid parquet file.")
+            raise UserError(f"cannot read parquet file {path!r}: {_brief(err).rstrip('.')}. Check that it is a valid "
+                            "parquet file.")
         return [(row, f"{path}:row {i + 1}") for i, row in enumerate(table.to_pylist())]
     rows = []
     try:
@@ -61,6 +62,28 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read data file {path!r}: {err}. Check the path and that it is UTF-8 text.")
     return rows
+
+
+def _brief(err: Exception, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " (...)"
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool, key: str):
+    """The tokenizer of a Hugging Face model folder; a folder without a usable one is a user error."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers raises OSError, ValueError, JSONDecodeError, ... for a bad folder
+        raise UserError(f"cannot load a tokenizer from {path!r}: {_brief(err)}. Point it at a "
+                        "model folder that holds the tokenizer files (tokenizer.json or the tokenizer's vocabulary "
+                        "files, tokenizer_config.json).", key=key) from err
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"the tokenizer in {path!r} has no chat template, and prompts are formatted with it. Add "
+                        "one to the folder (chat_template.jinja, or chat_template in tokenizer_config.json), or "
+                        "use the folder of the model's instruct/chat version.", key=key)
+    return tokenizer
 
 
 @dataclass
@@ -87,11 +110,19 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                                 f"{', '.join(sorted(row)) or 'nothing'}). Add it, or set the prompt key.")
             prompt = row[prompt_key]
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
-                raise UserError(f"{where}: {prompt_key!r} must be a string or a list of chat messages "
-                                "({'role': ..., 'content': ...}).")
-            token_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      enable_thinking=enable_thinking)
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
+                    for m in messages):
+                raise UserError(f"{where}: {prompt_key!r} must be a string or a non-empty list of chat messages "
+                                "({'role': '...', 'content': '...'}); fix that row.")
+            try:
+                token_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          enable_thinking=enable_thinking)
+            except Exception as err:  # the template is user code (jinja): any error is about the data or it
+                raise UserError(f"{where}: the tokenizer's chat template fails on this row: "
+                                f"{type(err).__name__}: {_brief(err)}. Fix the row, or give the "
+                                "model folder a chat template (chat_template.jinja or tokenizer_config.json) that "
+                                "accepts it.") from err
             if hasattr(token_ids, "keys"):  # some tokenizers return a BatchEncoding
                 token_ids = token_ids["input_ids"]
             if len(token_ids) > max_prompt_tokens:
@@ -99,6 +130,10 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                 continue
             ids.append(list(token_ids))
             reward_model = row.get("reward_model") or {}
+            if not isinstance(reward_model, dict):
+                raise UserError(f"{where}: 'reward_model' must be an object such as "
+                                "{\"style\": \"rule\", \"ground_truth\": \"42\"}, "
+                                f"not a {type(reward_model).__name__}; fix that row.")
             truths.append(str(reward_model.get("ground_truth", row.get("ground_truth", ""))))
             sources.append(str(row.get("data_source", os.path.basename(path))))
     if not ids:

@@ -1,0 +1,34 @@
+"""Throughput and memory metrics of an episode (``perf/*``, ``memory/*``)."""
+from __future__ import annotations
+
+import numpy as np
+import ray
+
+
+def throughput(batch: dict, metrics: dict, epochs: int) -> dict:
+    """Tokens per second of the generate and train stages, from the stage times in ``metrics``.
+
+    Generation counts the response tokens sampled; training counts every token of every sample
+    (prompt and response) once per pass over the episode (``num_training_epoch``).
+    """
+    offsets = np.asarray(batch["offsets"])
+    total = float(offsets[-1] - offsets[0])
+    response = total - float(np.sum(batch["prompt_lens"]))
+    out = {}
+    if metrics.get("time/generate", 0) > 0:
+        out["perf/generate_tokens_per_s"] = response / metrics["time/generate"]
+    if metrics.get("time/train", 0) > 0:
+        out["perf/train_tokens_per_s"] = total * epochs / metrics["time/train"]
+    return out
+
+
+def peak_memory(groups: dict) -> dict:
+    """``memory/<model>_peak_mb``: the largest peak over a model's actors, where they report one."""
+    names = sorted(groups)
+    refs = {name: [actor.memory.remote() for actor in groups[name].actors] for name in names}
+    out = {}
+    for name in names:
+        peaks = [r["peak_mb"] for r in ray.get(refs[name]) if r.get("peak_mb") is not None]
+        if peaks:
+            out[f"memory/{name}_peak_mb"] = max(peaks)
+    return out

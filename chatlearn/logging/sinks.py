@@ -1,0 +1,195 @@
+"""Where a run's metrics go: ``metrics.jsonl`` always, TensorBoard and Weights & Biases on request.
+
+``runtime_args.log_args_dict`` switches the optional sinks (ChatLearn's keys):
+
+* ``enable_tensorboard``: event files in ``tensorboard_dir`` (default ``<log_dir>/tensorboard``);
+  every metric is a scalar with the episode as its step, and the resolved config is a text entry.
+* ``enable_wandb``: a W&B run in ``wandb_dir`` (W&B writes under ``<wandb_dir>/wandb/``; default
+  ``<log_dir>``, so ``<log_dir>/wandb/``) with ``wandb_project``, ``wandb_name``, ``wandb_id``,
+  ``wandb_resume``; the resolved config is the run's config, the episode its x-axis. ``WANDB_MODE``
+  is honoured; without it and without an API key the run is recorded offline (``wandb sync``
+  uploads it later) instead of prompting for a key.
+
+The config logged to TensorBoard and W&B has secrets redacted (see :func:`redact`).
+"""
+from __future__ import annotations
+
+import netrc
+import os
+import re
+import sys
+from urllib.parse import urlparse
+
+from omegaconf import DictConfig, OmegaConf
+
+from chatlearn.errors import UserError
+from chatlearn.logging.metrics import MetricsWriter
+
+REDACTED = "***"
+# A key is secret when its last word is "key" or "token" (api_key, hf_token, accessToken), or when
+# its name contains one of the words below anywhere. Looking at the last word only keeps settings
+# such as max_prompt_tokens_length, max_token_in_packing or tokenizer_model visible.
+_SECRET_LAST_WORDS = {"key", "token"}
+_SECRET_PARTS = ("secret", "password", "passwd", "apikey", "credential")
+
+
+def is_secret(name: str) -> bool:
+    lowered = name.lower()
+    if any(part in lowered for part in _SECRET_PARTS):
+        return True
+    words = [w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()) if w]
+    return bool(words) and words[-1] in _SECRET_LAST_WORDS
+
+
+def redact(value):
+    """A copy of a nested dict/list with the value of every secret-named key replaced by ``***``."""
+    if isinstance(value, dict):
+        return {k: (REDACTED if is_secret(str(k)) and v is not None else redact(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    return value
+
+
+def loggable_config(cfg: DictConfig) -> dict:
+    """The resolved config as plain containers, secrets redacted."""
+    return redact(OmegaConf.to_container(cfg, resolve=True))
+
+
+def sink_dirs(cfg: DictConfig) -> tuple[str, str]:
+    """(tensorboard_dir, wandb_dir) with their defaults applied."""
+    la = cfg.runtime_args.log_args_dict
+    log_dir = la.log_dir or cfg.runtime_args.output_dir
+    return la.tensorboard_dir or os.path.join(log_dir, "tensorboard"), la.wandb_dir or log_dir
+
+
+class MetricSinks:
+    """Every sink of a run behind one ``write(episode, metrics)`` / ``close()``.
+
+    ``metrics.jsonl`` is the record of the run; a TensorBoard or W&B failure in the middle of
+    training is reported once and that sink is switched off, instead of ending the run.
+    """
+
+    def __init__(self, cfg: DictConfig, *, out=None):
+        self._out = out  # None: sys.stdout at the time of printing (the live progress may redirect it)
+        self.jsonl = MetricsWriter(cfg.runtime_args.output_dir)
+        self.path = self.jsonl.path
+        self._sinks: list = []
+        self._closed = False
+        la = cfg.runtime_args.log_args_dict
+        tb_dir, wandb_dir = sink_dirs(cfg)
+        try:
+            if la.enable_tensorboard:
+                self._sinks.append(TensorBoardSink(tb_dir, cfg))
+            if la.enable_wandb:
+                self._sinks.append(WandbSink(wandb_dir, cfg, out=self._out))
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, episode: int, metrics: dict) -> None:
+        self.jsonl.write(episode, metrics)
+        for sink in list(self._sinks):
+            try:
+                sink.write(episode, metrics)
+            except Exception as err:  # noqa: BLE001 (a monitoring failure must not end training)
+                self._sinks.remove(sink)
+                print(f"[chatlearn] {sink.name} logging stopped after an error: {err}", file=self._out or sys.stdout,
+                      flush=True)
+                _close_quietly(sink)
+
+    def truncate_after(self, episode: int) -> None:
+        """Drop ``metrics.jsonl`` rows past ``episode`` (on resume; the other sinks keep their history)."""
+        self.jsonl.truncate_after(episode)
+
+    def close(self) -> None:
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            _close_quietly(sink)
+        if not self._closed:
+            self._closed = True
+            self.jsonl.close()
+
+
+def _close_quietly(sink) -> None:
+    try:
+        sink.close()
+    except Exception:  # noqa: BLE001 (closing is best effort)
+        pass
+
+
+class TensorBoardSink:
+    name = "TensorBoard"
+
+    def __init__(self, log_dir: str, cfg: DictConfig):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise UserError(f"runtime_args.log_args_dict.enable_tensorboard is True but TensorBoard cannot be "
+                            f"imported ({err}). Install it (pip install tensorboard) or turn the option off.")
+        try:
+            self.writer = SummaryWriter(log_dir=log_dir)
+        except OSError as err:
+            raise UserError(f"cannot write TensorBoard logs to {log_dir!r}: {err}. Fix "
+                            "runtime_args.log_args_dict.tensorboard_dir.")
+        yaml_text = OmegaConf.to_yaml(OmegaConf.create(loggable_config(cfg)))
+        # indented lines render as a preformatted block in TensorBoard's markdown
+        self.writer.add_text("config", "\n".join("    " + line for line in yaml_text.splitlines()), 0)
+        self.writer.flush()
+
+    def write(self, episode: int, metrics: dict) -> None:
+        for key, value in sorted(metrics.items()):
+            if value is not None:
+                self.writer.add_scalar(key, float(value), episode)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    name = "W&B"
+
+    def __init__(self, root: str, cfg: DictConfig, *, out=None):
+        try:
+            import wandb
+        except ImportError as err:
+            raise UserError(f"runtime_args.log_args_dict.enable_wandb is True but wandb cannot be imported "
+                            f"({err}). Install it (pip install wandb) or turn the option off.")
+        la, rt = cfg.runtime_args.log_args_dict, cfg.runtime_args
+        mode = None  # wandb reads WANDB_MODE itself
+        if not os.environ.get("WANDB_MODE") and not wandb_credentials_configured():
+            mode = "offline"
+            print(f"[chatlearn] wandb: no API key configured (WANDB_API_KEY or `wandb login`); recording the run "
+                  f"offline under {os.path.join(root, 'wandb')} (upload it later with `wandb sync`)",
+                  file=out or sys.stdout, flush=True)
+        os.makedirs(root, exist_ok=True)
+        try:
+            self.run = wandb.init(project=la.wandb_project or rt.exp_name, name=la.wandb_name, id=la.wandb_id,
+                                  resume=la.wandb_resume, dir=root, mode=mode, config=loggable_config(cfg),
+                                  # the run's own console output stays on the console only
+                                  settings=wandb.Settings(console="off", quiet=True))
+        except Exception as err:  # noqa: BLE001 (wandb raises its own error types for auth and network)
+            raise UserError(f"cannot start the W&B run: {' '.join(str(err).split())}. Check WANDB_API_KEY and "
+                            "the runtime_args.log_args_dict.wandb_* keys, or set WANDB_MODE=offline.")
+        self.run.define_metric("episode")
+        self.run.define_metric("*", step_metric="episode")
+
+    def write(self, episode: int, metrics: dict) -> None:
+        row = {k: float(v) for k, v in metrics.items() if v is not None}
+        row["episode"] = episode
+        self.run.log(row)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def wandb_credentials_configured() -> bool:
+    """Whether W&B would find credentials: WANDB_API_KEY, an identity token file, or ``wandb login``'s netrc."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False

@@ -1,0 +1,281 @@
+"""Bad inputs, one row each: exit code 2 and one paragraph on stderr that names the culprit and the fix.
+
+Config mistakes are caught by ``chatlearn run --dry-run``; data mistakes surface in ``chatlearn run``
+while the prompts are loaded, before Ray starts (``ray.init`` fails the test here if it is called).
+No traceback unless ``--debug`` is given.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from chatlearn.cli import main
+from conftest import REPO
+
+TEMPLATE = "template/grpo_fsdp.yaml"
+ROW = {"data_source": "arith", "prompt": [{"role": "user", "content": "What is 1 + 2?"}],
+       "reward_model": {"style": "rule", "ground_truth": "3"}}
+
+
+@dataclass
+class Ctx:
+    """Paths of one test: the tiny model, a working base config, and a scratch folder."""
+
+    tmp: str
+    model: str
+    base: list  # overrides for a valid config
+
+    def file(self, name: str, content: str | bytes) -> str:
+        path = os.path.join(self.tmp, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
+        return path
+
+    def model_copy(self, name: str, drop=(), replace=None) -> str:
+        path = os.path.join(self.tmp, name)
+        shutil.copytree(self.model, path, ignore=shutil.ignore_patterns(*drop))
+        for fname, text in (replace or {}).items():
+            with open(os.path.join(path, fname), "w") as f:
+                f.write(text)
+        return path
+
+    def data(self, *lines: str) -> str:
+        return self.file("data/train.jsonl", "".join(line + "\n" for line in lines))
+
+
+def rows(n=4, **override):
+    return [json.dumps({**ROW, **override}) for _ in range(n)]
+
+
+def dry(*overrides):
+    return lambda c: ["run", TEMPLATE, *c.base, *overrides, "--dry-run"]
+
+
+def run_with(*overrides):
+    return lambda c: ["run", TEMPLATE, *c.base, *overrides]
+
+
+def data_case(*lines):
+    return lambda c: data_at(c, c.data(*lines))
+
+
+def data_at(c, path):
+    return ["run", TEMPLATE, *c.base, f"runtime_args.data_path={path}"]
+
+
+def with_model(make_model, dry_run=True):
+    """The config pointed at the model folder ``make_model(ctx)`` builds."""
+    return lambda c: ["run", TEMPLATE, *c.base, f"models.policy_trainer.load={make_model(c)}",
+                      *(["--dry-run"] if dry_run else [])]
+
+
+def _folder_with_dir_entry(c: Ctx) -> str:
+    c.file("dfolder/a.jsonl", "\n".join(rows(2)) + "\n")
+    os.makedirs(os.path.join(c.tmp, "dfolder", "sub.jsonl"), exist_ok=True)  # a folder named like a data file
+    return os.path.join(c.tmp, "dfolder")
+
+
+def _model_without_template(c: Ctx) -> str:
+    with open(os.path.join(c.model, "tokenizer_config.json")) as f:
+        conf = json.load(f)
+    conf.pop("chat_template", None)
+    return c.model_copy("nochat", drop=["chat_template.jinja"], replace={"tokenizer_config.json": json.dumps(conf)})
+
+
+MIN_YAML = "runtime_args:\n  num_episode: 1\nmodels:\n  policy_trainer:\n    load: {model}\n"
+
+# id, argv(ctx), words naming the culprit, words saying how to fix it
+CASES = [
+    # ---------------------------------------------------------------- config keys and values
+    ("unknown key", dry("runtime_args.num_episod=3"), ["runtime_args.num_episod"],
+     ["Did you mean 'runtime_args.num_episode'"]),
+    ("unknown section", dry("model.policy.load=x"), ["model: unknown key"], ["remove it or fix its spelling"]),
+    ("unknown key in YAML", lambda c: ["run", c.file("typo.yaml", "runtime_args:\n  sampel_per_episode: 8\n")],
+     ["runtime_args.sampel_per_episode", "typo.yaml"], ["Did you mean 'runtime_args.sample_per_episode'"]),
+    ("int expected", dry("runtime_args.num_episode=many"), ["runtime_args.num_episode", "wrong type"],
+     ["Fix the value"]),
+    ("float expected", dry("models.policy_trainer.optimizer.lr=abc"), ["models.policy_trainer.optimizer.lr"],
+     ["Fix the value"]),
+    ("list expected", dry("runtime_args.colocation=policy"), ["runtime_args.colocation"], ["lists as [a, b]"]),
+    ("required key missing", lambda c: ["run", c.file("min.yaml", MIN_YAML.format(model=c.model)), "--dry-run"],
+     ["runtime_args.data_path", "required key has no value"], ["Set it in the YAML file or on the command line"]),
+    ("samples not divisible by group", dry("runtime_args.sample_per_episode=250"),
+     ["runtime_args.sample_per_episode", "num_inference_per_prompt"], ["Use a multiple"]),
+    ("samples not divisible by batch", dry("runtime_args.train_global_batch_size=96"),
+     ["runtime_args.sample_per_episode", "train_global_batch_size (96)"], ["must be divisible"]),
+    ("micro batch does not divide", dry("runtime_args.train_micro_batch_size=48"),
+     ["models.policy_trainer.train_micro_batch_size", "(48)"], ["must be divisible"]),
+    ("batch over ranks", dry("models.policy_trainer.num_gpu=3"),
+     ["runtime_args.train_global_batch_size", "data-parallel size (3)"], ["must be divisible"]),
+    ("colocation unknown model", dry("runtime_args.colocation=[policy,critic]"),
+     ["runtime_args.colocation", "'critic'"], ["use some of policy, policy_trainer, ref_policy, reward"]),
+    ("colocation model twice", dry("runtime_args.colocation=[policy,policy_trainer,policy]"),
+     ["runtime_args.colocation", "'policy' more than once"], ["List each model once"]),
+    ("invalid choice", dry("runtime_args.rollout_backend=vlm"), ["runtime_args.rollout_backend", "'vlm'"],
+     ["Did you mean 'vllm'"]),
+    ("invalid wandb_resume", dry("runtime_args.log_args_dict.wandb_resume=sometimes"),
+     ["runtime_args.log_args_dict.wandb_resume", "'sometimes'"], ["is not one of allow, must, never, auto"]),
+    ("memory fraction out of range", dry("models.policy.gpu_memory_utilization=1.5"),
+     ["models.policy.gpu_memory_utilization"], ["must be in (0, 1]"]),
+    ("negative interval", dry("runtime_args.eval_episode_interval=-1"), ["runtime_args.eval_episode_interval"],
+     ["must be 0 or a positive number"]),
+    ("zero count", dry("models.policy.num_inference_per_prompt=0"), ["models.policy.num_inference_per_prompt"],
+     ["must be a positive integer"]),
+    ("top_p out of range", dry("models.policy.top_p=0"), ["models.policy.top_p"], ["must be in (0, 1]"]),
+    ("eval on without eval data", dry("runtime_args.eval_data_path=null"), ["runtime_args.eval_data_path"],
+     ["Set it, or turn evaluation off"]),
+    ("bad interpolation", dry("models.policy.load=${models.nope.load}"), ["models.policy.load", "interpolation"],
+     ["Check the ${...} reference"]),
+    # ---------------------------------------------------------------- files and folders
+    ("config file missing", lambda c: ["run", os.path.join(c.tmp, "nope.yaml")], ["nope.yaml", "does not exist"],
+     ["Pass the path of a YAML config"]),
+    ("config file is a folder", lambda c: ["run", c.tmp], ["config file", "is a folder"],
+     ["Pass the path of a YAML config file"]),
+    ("bad YAML", lambda c: ["run", c.file("bad.yaml", "runtime_args:\n  num_episode: [1, 2\n")],
+     ["bad.yaml", "not valid YAML", "line"], ["Fix the syntax at the line and column shown"]),
+    ("YAML not a mapping", lambda c: ["run", c.file("list.yaml", "- 1\n- 2\n")], ["list.yaml", "ListConfig"],
+     ["must hold a mapping with 'runtime_args' and 'models'"]),
+    ("override without =", dry("runtime_args.num_episode"), ["'runtime_args.num_episode'"],
+     ["not of the form key.path=value, for example runtime_args.num_episode=10"]),
+    ("override with empty key part", dry("runtime_args..num_episode=2"), ["'runtime_args..num_episode=2'"],
+     ["not of the form key.path=value"]),
+    ("override value not YAML", dry("runtime_args.colocation=[policy"), ["'runtime_args.colocation=[policy'"],
+     ["Write lists as [a,b]"]),
+    ("model folder missing", dry("models.policy_trainer.load=/no/such/model"),
+     ["models.policy_trainer.load", "'/no/such/model'", "does not exist"],
+     ["Point it at a local Hugging Face model folder"]),
+    ("model folder without config.json", with_model(lambda c: c.model_copy("m", drop=["config.json"])),
+     ["models.policy_trainer.load", "no config.json"], ["Point it at the folder that holds config.json"]),
+    ("config.json not JSON", with_model(lambda c: c.model_copy("m", replace={"config.json": "{oops"})),
+     ["models.policy_trainer.load", "config.json is not valid JSON"], ["Restore the model folder's config.json"]),
+    ("output_dir is a file", lambda c: dry(f"runtime_args.output_dir={c.file('a_file', 'x')}")(c),
+     ["runtime_args.output_dir", "is a file"], ["Point it at a folder"]),
+    ("output_dir under a file", lambda c: dry(f"runtime_args.output_dir={c.file('b_file', 'x')}/out")(c),
+     ["runtime_args.output_dir", "a parent of", "is a file"], ["Point it at a folder"]),
+    ("data path missing", dry("runtime_args.data_path=/no/such.jsonl"), ["runtime_args.data_path", "/no/such.jsonl"],
+     ["Fix the path"]),
+    # ---------------------------------------------------------------- data (loaded by `run`, before Ray)
+    ("malformed JSON line", data_case(*rows(2), '{"prompt": "What is 1 + 2?"', *rows(1)),
+     ["train.jsonl:3", "malformed JSON"], ["fix or remove that line"]),
+    ("row not an object", data_case(*rows(1), "[1, 2]"), ["train.jsonl:2", "expected a JSON object, got list"],
+     ["must be an object with a 'prompt' field"]),
+    ("missing prompt key", data_case(*rows(2), json.dumps({"question": "What is 1 + 2?"})),
+     ["train.jsonl:3", "no 'prompt' field", "question"], ["Add it"]),
+    ("prompt of the wrong type", data_case(json.dumps({"prompt": 42})), ["train.jsonl:1", "'prompt'"],
+     ["must be a string or a non-empty list of chat messages"]),
+    ("empty message list", data_case(json.dumps({"prompt": []})), ["train.jsonl:1"], ["non-empty list"]),
+    ("message without role", data_case(json.dumps({"prompt": [{"content": "hi"}]})), ["train.jsonl:1"],
+     ["{'role': '...', 'content': '...'}"]),
+    ("reward_model not an object", data_case(json.dumps({**ROW, "reward_model": "3"})),
+     ["train.jsonl:1", "'reward_model'", "not a str"], ["must be an object such as"]),
+    ("empty dataset", data_case(), ["runtime_args.data_path", "no usable prompts"], ["add data"]),
+    ("every prompt too long", run_with("models.policy.max_prompt_tokens_length=2"),
+     ["runtime_args.data_path", "longer than models.policy.max_prompt_tokens_length (2)"], ["raise it"]),
+    ("eval data malformed", lambda c: ["run", TEMPLATE, *c.base,
+                                       f"runtime_args.eval_data_path={c.file('e/eval.jsonl', 'not json')}"],
+     ["eval.jsonl:1", "malformed JSON"], ["fix or remove that line"]),
+    ("file not UTF-8", lambda c: data_at(c, c.file("d/latin1.jsonl", b'{"prompt": "caf\xe9"}\n')),
+     ["latin1.jsonl", "cannot read data file"], ["UTF-8 text"]),
+    ("unreadable entry in a data folder", lambda c: data_at(c, _folder_with_dir_entry(c)),
+     ["sub.jsonl", "cannot read data file"], ["Check the path"]),
+    ("data folder without data files", lambda c: data_at(c, os.path.dirname(c.file("nodata/a.txt", "x"))),
+     ["nodata", "holds no .jsonl, .json or .parquet file"], ["Put the data files there"]),
+    ("parquet that is not parquet", lambda c: data_at(c, c.file("p/train.parquet", "a,b\n1,2\n")),
+     ["train.parquet", "cannot read parquet file"], ["Check that it is a valid parquet file"]),
+    ("model folder without chat template", with_model(_model_without_template, dry_run=False),
+     ["models.policy.load", "no chat template"], ["Add one to the folder"]),
+    ("model folder with a broken tokenizer",
+     with_model(lambda c: c.model_copy("badtok", replace={"tokenizer.json": "{oops"}), dry_run=False),
+     ["models.policy.load", "cannot load a tokenizer"], ["Point it at a model folder that holds the tokenizer files"]),
+]
+
+
+@pytest.fixture
+def ctx(tmp_path, tiny_model_dir, arith_data, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("CHATLEARN_DEBUG", raising=False)
+    train, evald = arith_data
+    base = [f"models.policy_trainer.load={tiny_model_dir}", f"runtime_args.data_path={train}",
+            f"runtime_args.eval_data_path={evald}", f"runtime_args.output_dir={tmp_path / 'out'}",
+            "runtime_args.rollout_backend=hf"]
+    return Ctx(str(tmp_path), tiny_model_dir, base)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray must not start for a user error")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    yield
+    assert not ray.is_initialized()
+
+
+def check_message(err: str, culprit: list, fix: list) -> None:
+    assert "Traceback" not in err, err
+    message = err[err.index("error: "):]  # libraries may log warnings before it
+    assert "\n\n" not in message.strip(), message
+    flat = " ".join(message.split())
+    for w in culprit + fix:
+        assert w in flat, f"{w!r} not in: {flat}"
+
+
+def test_table_has_enough_rows():
+    assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("argv, culprit, fix", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(ctx, no_ray, capsys, argv, culprit, fix):
+    assert main(argv(ctx)) == 2
+    check_message(capsys.readouterr().err, culprit, fix)
+
+
+def test_debug_shows_the_traceback(ctx, capsys):
+    assert main(["run", TEMPLATE, *ctx.base, "runtime_args.num_episod=3", "--dry-run", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ConfigError" in err
+    assert "error: runtime_args.num_episod: unknown key" in err  # the paragraph follows the traceback
+
+
+def test_unknown_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["run", TEMPLATE, "--dryrun"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --dryrun" in err and "usage: chatlearn" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name, make", [
+    ("bad YAML", lambda c: ["run", c.file("bad.yaml", "runtime_args: [\n")]),
+    ("malformed data line", lambda c: ["run", TEMPLATE, *c.base, f"runtime_args.data_path={c.data('{oops')}"]),
+])
+def test_console_script(ctx, name, make):
+    """The installed entry point: exit code 2, the paragraph on stderr, nothing started."""
+    proc = subprocess.run([sys.executable, "-m", "chatlearn.cli", *make(ctx)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "error: " in proc.stderr
+    assert "[chatlearn] train data" not in proc.stdout  # stopped while loading, before the run was set up
+
+
+def test_debug_env_variable(ctx, monkeypatch, capsys):
+    monkeypatch.setenv("CHATLEARN_DEBUG", "1")
+    assert main(["run", TEMPLATE, *ctx.base, "runtime_args.num_episode=many", "--dry-run"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_message_is_wrapped_as_one_paragraph(ctx, capsys):
+    long_path = os.path.join(ctx.tmp, "a" * 60, "b" * 60, "missing.jsonl")
+    assert main(["run", TEMPLATE, *ctx.base, f"runtime_args.data_path={long_path}", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert all(len(line) <= 100 or " " not in line for line in err.splitlines())
+    assert long_path in err  # a path is never broken across lines
