@@ -48,13 +48,14 @@ def test_short_run(backend, tmp_path):
         assert r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, r
     assert rows[2]["train/kl"] > 0  # the policy moved away from the reference
 
-    # HF checkpoints at save_episode_interval and at the end, loadable by transformers
-    ckpts = sorted(os.listdir(out / "checkpoints" / "hf"))
-    assert ckpts == ["episode_2", "episode_3"]
+    # checkpoints at save_episode_interval and at the end, with an HF folder transformers loads
+    ckpts = sorted(p for p in os.listdir(out / "checkpoints") if p.startswith("episode_"))
+    assert ckpts == ["episode_000002", "episode_000003"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "episode_000003"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "hf" / "episode_3")
-    AutoTokenizer.from_pretrained(out / "checkpoints" / "hf" / "episode_3")
+    AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "episode_000003" / "hf")
+    AutoTokenizer.from_pretrained(out / "checkpoints" / "episode_000003" / "hf")
 
     # every transition recorded; on the shared device only one model computes at a time
     events = read_jsonl(out / "timeline.jsonl")

@@ -1,0 +1,136 @@
+"""Evaluation-only runs: ``chatlearn eval CONFIG [overrides] [--checkpoint PATH]``.
+
+Only the rollout engine and the reward workers are built. Every eval prompt is sampled
+``eval_num_inference_per_prompt`` times with the ``eval_*`` sampling parameters; each sample is
+written to ``<output_dir>/eval/samples.jsonl`` and the aggregate metrics, per data source and
+overall, to ``<output_dir>/eval/metrics.json``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections import defaultdict
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from chatlearn.config.load import check_data_paths, check_model_folder
+from chatlearn.config.plan import ModelPlacement, Plan
+from chatlearn.data.dataset import load_prompts, load_tokenizer
+from chatlearn.errors import UserError
+from chatlearn.runtime.cluster import Cluster
+from chatlearn.runtime.rollouts import Rollouts
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one prompt with n samples of which c are correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def aggregate(rewards: np.ndarray, correct: np.ndarray, resp_lens: np.ndarray, truncated: np.ndarray,
+              sources: list[str], k: int) -> dict:
+    """Metrics over samples laid out prompt by prompt (k samples each), per data source and overall."""
+    groups = defaultdict(list)
+    for i in range(0, len(sources), k):
+        groups[sources[i]].append(i)
+    out = {}
+    for name, starts in [("all", [i for v in groups.values() for i in v])] + sorted(groups.items()):
+        idx = np.concatenate([np.arange(i, i + k) for i in starts])
+        m = {"num_prompts": len(starts), "num_samples": int(len(idx)),
+             "reward_mean": float(rewards[idx].mean()),
+             "pass@1": float(np.mean([pass_at_k(k, int(correct[i:i + k].sum()), 1) for i in starts])),
+             "response_len_mean": float(resp_lens[idx].mean()),
+             "truncated_frac": float(truncated[idx].mean())}
+        if k > 1:
+            m[f"pass@{k}"] = float(np.mean([pass_at_k(k, int(correct[i:i + k].sum()), k) for i in starts]))
+        out[name] = m
+    return out
+
+
+def resolve_model(path: str) -> str:
+    """A Hugging Face folder to evaluate: a model folder, a run's checkpoint (its ``hf/``), or the
+    trainer's sharded checkpoint (merged into a temporary folder)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if os.path.isfile(os.path.join(path, "hf", "config.json")):
+        return os.path.join(path, "hf")
+    if os.path.isdir(os.path.join(path, "trainer")) or os.path.isfile(os.path.join(path, ".metadata")):
+        from chatlearn.checkpoint.merge import merge_checkpoint
+
+        out = os.path.join(tempfile.mkdtemp(prefix="chatlearn_eval_"), "model")
+        print(f"[chatlearn] merging the sharded checkpoint {path} into {out}", flush=True)
+        merge_checkpoint(path, out)
+        return out
+    raise UserError(f"--checkpoint {path!r} is neither a Hugging Face model folder (config.json), a run's "
+                    "checkpoint folder (checkpoints/episode_N with hf/ or trainer/), nor a sharded trainer "
+                    "checkpoint. Point it at one of those.")
+
+
+class Evaluator(Rollouts):
+    def __init__(self, cfg: DictConfig, cluster: Cluster, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.policy = cluster.create("policy")
+        self.reward = cluster.create("reward")
+
+    def run(self, prompt_set, k: int) -> tuple[list[dict], dict]:
+        p = self.cfg.models.policy
+        prompts = [ids for ids in prompt_set.prompt_ids for _ in range(k)]
+        truths = [g for g in prompt_set.ground_truths for _ in range(k)]
+        sources = [s for s in prompt_set.data_sources for _ in range(k)]
+        batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
+        texts = self.responses_text(batch)
+        rewards = self.score(batch, truths, sources, texts=texts)
+        correct = rewards >= self.cfg.models.reward.correct_score
+        resp_lens = (batch["offsets"][1:] - batch["offsets"][:-1]) - batch["prompt_lens"]
+        truncated = batch["finish_reasons"] == 0
+        prompt_texts = self.tokenizer.batch_decode(prompt_set.prompt_ids, skip_special_tokens=False)
+        samples = [{"prompt": prompt_texts[i // k], "response": texts[i], "reward": float(rewards[i]),
+                    "ground_truth": truths[i], "data_source": sources[i], "sample_index": i % k,
+                    "response_tokens": int(resp_lens[i]), "truncated": bool(truncated[i])}
+                   for i in range(len(texts))]
+        return samples, aggregate(rewards, correct, resp_lens, truncated, sources, k)
+
+
+def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
+    rt, p = cfg.runtime_args, cfg.models.policy
+    if not rt.eval_data_path:
+        raise UserError("runtime_args.eval_data_path: is not set; chatlearn eval needs the data to evaluate. Set it.")
+    check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path")
+    if checkpoint:
+        cfg = OmegaConf.merge(cfg, {"models": {"policy": {"load": resolve_model(checkpoint)}}})
+        p = cfg.models.policy
+    check_model_folder(p.load, "models.policy.load")
+    tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
+    prompt_set = load_prompts(rt.eval_data_path.split(","), tokenizer, max_prompt_tokens=p.max_prompt_tokens_length,
+                              enable_thinking=p.enable_thinking, what="runtime_args.eval_data_path")
+    k = p.eval_num_inference_per_prompt
+    print(f"[chatlearn] evaluating {p.load} on {len(prompt_set)} prompts x {k} samples", flush=True)
+    # only the rollout engine (on its own devices) and the reward workers
+    r = cfg.models.reward
+    plan = Plan(group_size=k, prompts_per_episode=len(prompt_set), samples_per_episode=len(prompt_set) * k,
+                trainer_dp=1, samples_per_step=1, samples_per_rank_per_step=1, micro_batches_per_step=1,
+                steps_per_episode=0, rollout_replicas=p.num_gpu, device_groups=[["policy"]],
+                devices_per_group=[p.num_gpu],
+                placements={"policy": ModelPlacement("policy", p.num_gpu, 0, list(range(p.num_gpu))),
+                            "reward": ModelPlacement("reward", r.num_cpu // (r.cpu_per_process or 1), -1, [],
+                                                     float(r.cpu_per_process or 1))})
+    with Cluster(cfg, plan) as cluster:
+        samples, metrics = Evaluator(cfg, cluster, tokenizer).run(prompt_set, k)
+    out_dir = os.path.join(rt.output_dir, "eval")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps(s) + "\n")
+    with open(os.path.join(out_dir, "metrics.json"), "w", encoding="utf-8") as f:
+        json.dump({"model": p.load, "samples_per_prompt": k, "metrics": metrics}, f, indent=1)
+    for name, m in metrics.items():
+        extra = f" | pass@{k} {m[f'pass@{k}']:.3f}" if k > 1 else ""
+        print(f"eval {name}: reward {m['reward_mean']:.3f} | pass@1 {m['pass@1']:.3f}{extra} | "
+              f"len {m['response_len_mean']:.1f} | truncated {m['truncated_frac']:.3f} | {m['num_prompts']} prompts",
+              flush=True)
+    print(f"[chatlearn] samples in {out_dir}/samples.jsonl, metrics in {out_dir}/metrics.json", flush=True)
+    return metrics

@@ -1,0 +1,88 @@
+"""Exact resume: SIGKILL during an episode and during a checkpoint save, rerun, same metrics."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+
+RUN = ["runtime_args.num_episode=4", "runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_size=16",
+       "runtime_args.train_micro_batch_size=8", "models.policy.num_inference_per_prompt=4",
+       "runtime_args.eval_episode_interval=2", "models.policy.eval_num_inference_per_prompt=1",
+       "runtime_args.save_episode_interval=1", "runtime_args.rollout_backend=hf", "models.policy_trainer.kl_coef=0.01"]
+
+
+def command(out):
+    return [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *RUN,
+            f"runtime_args.output_dir={out}"]
+
+
+def learning_metrics(out):
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"), encoding="utf-8")]
+    keep = ("train/", "eval/")
+    return [{k: v for k, v in r.items() if k == "episode" or k.startswith(keep)} for r in rows]
+
+
+def run_and_kill(out, when, env=None):
+    """Start a run, SIGKILL it once ``when()`` is true, and wait for it to die."""
+    proc = subprocess.Popen(command(out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    deadline = time.time() + 400
+    try:
+        while not when():
+            assert proc.poll() is None, "the run ended before it could be interrupted"
+            assert time.time() < deadline, "timed out waiting for the moment to interrupt"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def rows_written(out):
+    path = os.path.join(out, "metrics.jsonl")
+    return sum(1 for _ in open(path, encoding="utf-8")) if os.path.exists(path) else 0
+
+
+def finish(out):
+    proc = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_sigkill_during_episode_and_during_save_resume_exactly(tmp_path):
+    ref = tmp_path / "uninterrupted"
+    finish(ref)
+    expected = learning_metrics(ref)
+    assert [r["episode"] for r in expected] == [0, 1, 2, 3, 4]
+
+    # 1) killed during episode 3 (episodes 0..2 logged, checkpoint 2 complete)
+    out = tmp_path / "killed_in_episode"
+    run_and_kill(out, lambda: rows_written(out) >= 3)
+    ckpts = out / "checkpoints"
+    assert (ckpts / "episode_000002" / "COMPLETE").exists()
+    stdout = finish(out)
+    assert "resuming from" in stdout and "episode 2)" in stdout
+    assert learning_metrics(out) == expected
+
+    # 2) killed in the middle of writing checkpoint 2: checkpoint 1 stays usable
+    out = tmp_path / "killed_in_save"
+    tmp_ckpt = out / "checkpoints" / "episode_000002.tmp"
+    run_and_kill(out, lambda: (tmp_ckpt / "trainer").exists(), env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "5"})
+    ckpts = out / "checkpoints"
+    assert tmp_ckpt.exists() and not (ckpts / "episode_000002").exists()
+    assert (ckpts / "latest").read_text().strip() == "episode_000001"
+    assert (ckpts / "episode_000001" / "COMPLETE").exists()
+    stdout = finish(out)
+    assert "episode 1)" in stdout
+    assert learning_metrics(out) == expected
+    assert not tmp_ckpt.exists()
+    kept = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("episode_"))
+    assert kept == ["episode_000002", "episode_000003", "episode_000004"]  # keep_last_checkpoints=3
