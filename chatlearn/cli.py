@@ -1,4 +1,6 @@
-"""Command line: ``chatlearn run CONFIG [key.path=value ...] [--dry-run]``."""
+"""Command line: ``chatlearn run CONFIG [key.path=value ...] [--dry-run]``,
+``chatlearn merge CKPT_DIR OUT_DIR`` (trainer checkpoint -> Hugging Face folder) and
+``chatlearn plot OUTPUT_DIR`` (PNG plots of a run's metrics)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +24,32 @@ def _parser() -> argparse.ArgumentParser:
                      help="start fresh even if output_dir holds a checkpoint (same as "
                           "runtime_args.enable_resume_training=False)")
     run.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    ev = sub.add_parser("eval", help="evaluate a model with a YAML config (rollout engine and reward only)",
+                        description="Sample eval_data_path with the eval_* parameters and "
+                                    "eval_num_inference_per_prompt samples per prompt; write every sample and "
+                                    "per-data-source metrics under OUTPUT_DIR/eval/.")
+    ev.add_argument("config", help="YAML config, e.g. template/grpo_fsdp.yaml")
+    ev.add_argument("overrides", nargs="*", help="overrides such as models.policy.eval_num_inference_per_prompt=8")
+    ev.add_argument("--checkpoint", metavar="PATH", help="evaluate this instead of models.policy.load: a Hugging "
+                                                         "Face folder, a run's checkpoints/episode_N, or a "
+                                                         "sharded trainer checkpoint")
+    ev.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    merge = sub.add_parser("merge", help="turn a trainer checkpoint into a Hugging Face model folder",
+                           description="Merge a sharded trainer checkpoint (any number of ranks) into a "
+                                       "Hugging Face model folder: safetensors shards, config, tokenizer.")
+    merge.add_argument("ckpt_dir", help="checkpoint folder written by the trainer (or a run's checkpoint "
+                                        "folder holding it under trainer/)")
+    merge.add_argument("out_dir", help="new Hugging Face model folder to write")
+    merge.add_argument("--hf-config", metavar="DIR", help="take config.json and the tokenizer files from "
+                                                          "DIR (default: the folder the trainer loaded)")
+    merge.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                       help="dtype of the written weights (default: float32, as trained)")
+    merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+    merge.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    plot = sub.add_parser("plot", help="plot a run's metrics",
+                          description="Write PNG plots of OUTPUT_DIR/metrics.jsonl into OUTPUT_DIR/plots/.")
+    plot.add_argument("output_dir", help="a run's output folder (runtime_args.output_dir)")
+    plot.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return parser
 
 
@@ -33,11 +61,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if rest:
+        if args.command not in ("run", "eval"):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides or []) + rest
     debug = args.debug or os.environ.get("CHATLEARN_DEBUG") == "1"
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "eval":
+            return _eval(args)
+        if args.command == "plot":
+            return _plot(args)
+        if args.command == "merge":
+            return _merge(args)
     except UserError as err:
         if debug:
             traceback.print_exc()
@@ -46,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    return 0
+
+
+def _eval(args) -> int:
+    from chatlearn.config.load import load_config
+    from chatlearn.runtime.evaluate import evaluate_only
+
+    evaluate_only(load_config(args.config, args.overrides), checkpoint=args.checkpoint)
     return 0
 
 
@@ -68,6 +112,24 @@ def _run(args) -> int:
     from chatlearn.runtime.engine import train
 
     train(cfg, plan, debug=args.debug or cfg.runtime_args.debug)
+    return 0
+
+
+def _merge(args) -> int:
+    from chatlearn.checkpoint.merge import merge_checkpoint
+
+    out = merge_checkpoint(args.ckpt_dir, args.out_dir, hf_config=args.hf_config, dtype=args.dtype,
+                           max_shard_size=args.max_shard_size, log=lambda msg: print(msg, flush=True))
+    print(f"wrote {out['out_dir']}: {out['num_tensors']} tensors, {out['total_bytes'] / 1e6:.1f} MB "
+          f"({out['dtype']}) in {len(out['shards'])} shard(s), in {out['seconds']:.1f}s")
+    return 0
+
+
+def _plot(args) -> int:
+    from chatlearn.logging.plots import write_plots
+
+    for path in write_plots(args.output_dir):
+        print(path)
     return 0
 
 

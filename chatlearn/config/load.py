@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import os
 from typing import Iterable, Sequence
 
@@ -17,6 +18,8 @@ from omegaconf.errors import (ConfigKeyError, InterpolationKeyError, Interpolati
 
 from chatlearn.config.schema import MODEL_NAMES, ROLLOUT_BACKENDS, TRAIN_BACKENDS, Config
 from chatlearn.errors import ConfigError, UserError
+
+WANDB_RESUME = ("allow", "must", "never", "auto")
 
 
 def load_config(path: str, overrides: Sequence[str] = ()) -> DictConfig:
@@ -33,6 +36,9 @@ def load_config(path: str, overrides: Sequence[str] = ()) -> DictConfig:
 
 # --------------------------------------------------------------------------- reading
 def _read_yaml(path: str) -> DictConfig:
+    if os.path.isdir(path):
+        raise UserError(f"config file {path!r} is a folder. Pass the path of a YAML config file, for example "
+                        "template/grpo_fsdp.yaml.")
     if not os.path.isfile(path):
         raise UserError(f"config file {path!r} does not exist (cwd: {os.getcwd()}). "
                         "Pass the path of a YAML config, for example template/grpo_fsdp.yaml.")
@@ -55,14 +61,17 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
     items = []
     for item in overrides:
         key, sep, _ = item.partition("=")
-        if not sep or not key or " " in key:
+        if not sep or not key or " " in key or "" in key.split("."):
             raise UserError(f"command-line override {item!r} is not of the form key.path=value, "
                             "for example runtime_args.num_episode=10.")
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as err:
+            raise UserError(f"command-line override {item!r}: the value is not valid YAML "
+                            f"({' '.join(str(err).split())}). Write lists as [a,b] and quote values with "
+                            "special characters, e.g. 'key=\"a: b\"'.") from None
         items.append(item)
-    try:
-        return OmegaConf.from_dotlist(items)
-    except OmegaConfBaseException as err:
-        raise UserError(f"cannot parse the command-line overrides: {err}")
+    return OmegaConf.from_dotlist(items)
 
 
 def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
@@ -108,12 +117,12 @@ def _apply_aliases(cfg: DictConfig) -> None:
 
 
 def _resolve(cfg: DictConfig) -> None:
-    # shallowest first: an interpolation that points at a missing key is missing too
-    missing = sorted(OmegaConf.missing_keys(cfg), key=lambda k: (k.count("."), k))
-    if missing:
-        raise ConfigError("required key has no value. Set it in the YAML file or on the command line "
-                          f"({missing[0]}=...).", key=missing[0])
     try:
+        # shallowest first: an interpolation that points at a missing key is missing too
+        missing = sorted(OmegaConf.missing_keys(cfg), key=lambda k: (k.count("."), k))
+        if missing:
+            raise ConfigError("required key has no value. Set it in the YAML file or on the command line "
+                              f"({missing[0]}=...).", key=missing[0])
         OmegaConf.resolve(cfg)
     except (InterpolationKeyError, InterpolationResolutionError, MissingMandatoryValue) as err:
         raise ConfigError(f"cannot resolve an interpolation: {_first_line(err)}. "
@@ -128,8 +137,11 @@ def validate(cfg: DictConfig) -> None:
     rt, m = cfg.runtime_args, cfg.models
     _choice(rt.train_backend, TRAIN_BACKENDS, "runtime_args.train_backend")
     _choice(rt.rollout_backend, ROLLOUT_BACKENDS, "runtime_args.rollout_backend")
-    if rt.train_backend == "megatron":
-        raise ConfigError("the Megatron-core trainer is not part of this release yet; use train_backend: fsdp.",
+    if rt.train_backend == "megatron" and not _importable("megatron.core"):
+        raise ConfigError("the Megatron trainer needs megatron-core, which is not installed in this Python "
+                          "environment. Install it with pip install -e '.[megatron]' -c "
+                          "requirements/constraints-cpu.txt (on a GPU machine, without the -c option), or use "
+                          "train_backend: fsdp.",
                           key="runtime_args.train_backend")
     if rt.rollout_backend in ("vllm", "sglang") and importlib.util.find_spec(rt.rollout_backend) is None:
         raise ConfigError(f"{rt.rollout_backend!r} is not installed in this Python environment. Install it "
@@ -142,6 +154,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("save_episode_interval", "eval_episode_interval", "keep_last_checkpoints"):
         if rt[key] < 0:
             raise ConfigError("must be 0 or a positive number.", key=f"runtime_args.{key}")
+    _choice(rt.log_args_dict.wandb_resume, WANDB_RESUME, "runtime_args.log_args_dict.wandb_resume")
     for name in ("policy", "policy_trainer", "ref_policy"):
         mc = m[name]
         if mc.num_gpu < 1:
@@ -203,6 +216,11 @@ def validate(cfg: DictConfig) -> None:
     if r.num_cpu % (r.cpu_per_process or 1):
         raise ConfigError(f"num_cpu ({r.num_cpu}) must be divisible by cpu_per_process ({r.cpu_per_process}).",
                           key="models.reward.num_cpu")
+    coloc = list(rt.colocation)
+    twice = sorted({name for name in coloc if coloc.count(name) > 1})
+    if twice:
+        raise ConfigError(f"names {', '.join(map(repr, twice))} more than once. List each model once, e.g. "
+                          "[policy,policy_trainer,ref_policy].", key="runtime_args.colocation")
     _check_paths(cfg)
     from chatlearn.config.plan import make_plan  # noqa: PLC0415 (plan validates sizes)
     make_plan(cfg)
@@ -218,8 +236,32 @@ def _check_paths(cfg: DictConfig) -> None:
                               "enable_eval_before_training). Set it, or turn evaluation off.",
                               key="runtime_args.eval_data_path")
         check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path")
-    for name in ("policy", "policy_trainer", "ref_policy"):
+    # the trainer first: the other models' load follows it by default
+    for name in ("policy_trainer", "ref_policy", "policy"):
         check_model_folder(cfg.models[name].load, f"models.{name}.load")
+    check_output_folder(rt.output_dir, "runtime_args.output_dir")
+    la = rt.log_args_dict
+    check_output_folder(la.log_dir, "runtime_args.log_args_dict.log_dir")
+    if la.enable_tensorboard and la.tensorboard_dir:
+        check_output_folder(la.tensorboard_dir, "runtime_args.log_args_dict.tensorboard_dir")
+    if la.enable_wandb and la.wandb_dir:
+        check_output_folder(la.wandb_dir, "runtime_args.log_args_dict.wandb_dir")
+
+
+def check_output_folder(path: str, key: str) -> None:
+    """``path`` is a folder, or can be created as one (its nearest existing parent is a writable folder)."""
+    if not path:
+        raise ConfigError("is empty. Set it to the folder to write to.", key=key)
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        what = (f"{path!r} is a file" if probe == os.path.abspath(path)
+                else f"{probe!r}, a parent of {path!r}, is a file")
+        raise ConfigError(f"{what}, not a folder. Point it at a folder (created if missing) or move the file.",
+                          key=key)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write to {probe!r} (permission denied). Point it at a writable folder.", key=key)
 
 
 def check_data_paths(value: str, key: str) -> list[str]:
@@ -244,6 +286,22 @@ def check_model_folder(path: str, key: str) -> None:
                           "folder. Point it at the folder that holds config.json and the weights.", key=key)
     if not os.access(os.path.join(path, "config.json"), os.R_OK):
         raise ConfigError(f"{path}/config.json is not readable. Fix its permissions.", key=key)
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            conf = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}/config.json is not valid JSON ({err}). Restore the model folder's config.json.",
+                          key=key) from None
+    if not isinstance(conf, dict):
+        raise ConfigError(f"{path}/config.json must hold a JSON object (the model's configuration). Restore the "
+                          "model folder's config.json.", key=key)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a missing or broken parent package
+        return False
 
 
 def _choice(value, choices, key):

@@ -19,6 +19,7 @@ from chatlearn.runtime.group import WorkerGroup, create_group
 
 BACKENDS = {
     "fsdp": "chatlearn.models.trainer.fsdp:FSDPTrainer",
+    "megatron": "chatlearn.models.trainer.megatron:MegatronTrainer",
     "vllm": "chatlearn.models.rollout.vllm:VLLMRollout",
     "hf": "chatlearn.models.rollout.hf:HFRollout",
     "sglang": "chatlearn.models.rollout.sglang:SGLangRollout",
@@ -34,7 +35,11 @@ def trainer_cfg(cfg: DictConfig, name: str) -> dict:
             "train_micro_batch_size": t.train_micro_batch_size, "logprob_micro_batch_size": t.generation_batch_size,
             "pos_clip_ratio": t.pos_clip_ratio, "neg_clip_ratio": t.neg_clip_ratio, "kl_coef": t.kl_coef,
             "entropy_coef": t.entropy_coef, "gradient_checkpointing": t.gradient_checkpointing, "bf16": t.bf16,
-            "train_global_batch_size": rt.train_global_batch_size}
+            "train_global_batch_size": rt.train_global_batch_size,
+            # Megatron parallelism (the FSDP trainer shards data-parallel only and ignores them)
+            "tensor_model_parallel_size": t.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": t.pipeline_model_parallel_size,
+            "sequence_parallel": t.sequence_parallel, "use_distributed_optimizer": t.use_distributed_optimizer}
 
 
 def rollout_cfg(cfg: DictConfig) -> dict:

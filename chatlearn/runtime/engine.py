@@ -17,7 +17,6 @@ With full colocation that is four turns per episode (policy -> ref -> trainer ->
 from __future__ import annotations
 
 import os
-import shutil
 import time
 
 import numpy as np
@@ -25,15 +24,21 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from chatlearn.algorithms.grpo import group_advantages
+from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.plan import Plan
-from chatlearn.data.dataset import PromptSampler, PromptSet, load_prompts
-from chatlearn.logging.metrics import MetricsWriter, summary_line
-from chatlearn.models.base import concat_batches, response_mask, select_samples
+from chatlearn.data.dataset import PromptSampler, PromptSet, load_prompts, load_tokenizer
+from chatlearn.logging.metrics import summary_line
+from chatlearn.logging.perf import peak_memory, throughput
+from chatlearn.logging.plots import plot_after_run
+from chatlearn.logging.progress import RunProgress
+from chatlearn.logging.sinks import MetricSinks
+from chatlearn.models.base import response_mask, select_samples
 from chatlearn.runtime.cluster import Cluster
+from chatlearn.runtime.rollouts import Rollouts
 from chatlearn.runtime.scheduler import MODEL_PARTS, Scheduler, Timeline, movable_parts
 
 
-class GRPO:
+class GRPO(Rollouts):
     """Holds the models and data of a run; ``train()`` runs the episodes."""
 
     def __init__(self, cfg: DictConfig, plan: Plan, cluster: Cluster, tokenizer, train_set: PromptSet,
@@ -58,17 +63,22 @@ class GRPO:
         self.policy, self.trainer = self.sched.groups["policy"], self.sched.groups["policy_trainer"]
         self.ref, self.reward = self.sched.groups["ref_policy"], self.sched.groups["reward"]
         self.sampler = PromptSampler(len(train_set), shuffle=rt.data_shuffle, seed=rt.seed)
-        self.metrics = MetricsWriter(self.out)
+        self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
+        self.metrics = MetricSinks(cfg)
+        self.progress = RunProgress(rt.num_episode)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
         rt = self.cfg.runtime_args
         last: dict = {}
-        if rt.enable_eval_before_training and self.eval_set is not None:
+        start = self.resume() + 1 if rt.enable_resume_training else 1
+        if start == 1 and rt.enable_eval_before_training and self.eval_set is not None:
+            self.progress.begin(0)
             last = self.evaluate()
             self.log(0, last)
-        for episode in range(1, rt.num_episode + 1):
+        for episode in range(start, rt.num_episode + 1):
             self.timeline.episode = episode
+            self.progress.begin(episode)
             metrics = self.episode(episode)
             final = episode == rt.num_episode
             if self.eval_set is not None and rt.eval_episode_interval > 0 and (
@@ -81,7 +91,7 @@ class GRPO:
     def episode(self, episode: int) -> dict:
         cfg, plan, n = self.cfg, self.plan, self.plan.group_size
         p, t = cfg.models.policy, cfg.models.policy_trainer
-        timer = StageTimer(self.sched)
+        timer = StageTimer(self.sched, self.progress)
         start = time.perf_counter()
 
         # 1. rollout: sample n responses for each prompt
@@ -111,8 +121,9 @@ class GRPO:
         with timer("policy_trainer", "train"):
             self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
             step_metrics = self.optimize(batch)
-            if self.should_save(episode):
-                self.save_hf(episode)
+        if self.should_save(episode):  # the trainer is still resident with its optimizer state
+            with timer("policy_trainer", "checkpoint"):
+                self.save_checkpoint(episode)
 
         # 5. new weights into the rollout engine: its weights first, the push, then its KV cache
         with timer("policy", "weight_push"):
@@ -127,6 +138,7 @@ class GRPO:
         metrics["train/logprob_diff_rollout_vs_trainer_mean"] = float(diff.mean()) if diff.size else 0.0
         metrics["train/logprob_diff_rollout_vs_trainer_max"] = float(diff.max()) if diff.size else 0.0
         metrics.update(timer.totals())
+        metrics.update(throughput(batch, metrics, cfg.runtime_args.num_training_epoch))
         metrics["time/episode"] = time.perf_counter() - start
         return metrics
 
@@ -136,43 +148,6 @@ class GRPO:
         """Log-probs are taken under the sampling distribution's temperature (1 for greedy)."""
         t = self.cfg.models.policy.temperature
         return t if t > 0 else 1.0
-
-    def sampling(self, eval_mode: bool, seed: int) -> dict:
-        p = self.cfg.models.policy
-        pre = "eval_" if eval_mode else ""
-        return {"temperature": p[pre + "temperature"], "top_p": p[pre + "top_p"], "top_k": p[pre + "top_k"],
-                "max_tokens": p.max_response_tokens_length, "seed": seed}
-
-    def generate(self, prompts: list[list[int]], sampling: dict) -> dict:
-        """Spread the prompts over the rollout replicas and reassemble the batch in prompt order.
-
-        With ``data_rerank`` the samples of one prompt go to different replicas (round robin), so a
-        replica's share mixes prompts; otherwise each replica gets a contiguous slice.
-        """
-        replicas = len(self.policy)
-        order = np.arange(len(prompts))
-        if self.cfg.runtime_args.data_rerank:
-            shares = [order[r::replicas] for r in range(replicas)]
-        else:
-            shares = np.array_split(order, replicas)
-        args = [([prompts[i] for i in share], {**sampling, "seed": sampling["seed"] * 1000 + r})
-                for r, share in enumerate(shares)]
-        outs, _ = self.policy.call_each("generate", args)
-        batch = concat_batches([o for o, s in zip(outs, shares) if len(s)])
-        position = np.concatenate(shares)
-        return select_samples(batch, np.argsort(position))
-
-    def responses_text(self, batch: dict) -> list[str]:
-        off, plen, tokens = batch["offsets"], batch["prompt_lens"], batch["tokens"]
-        return self.tokenizer.batch_decode([tokens[off[i] + plen[i]:off[i + 1]] for i in range(len(plen))],
-                                           skip_special_tokens=True)
-
-    def score(self, batch: dict, truths: list[str], sources: list[str]) -> np.ndarray:
-        texts = self.responses_text(batch)
-        shares = np.array_split(np.arange(len(texts)), len(self.reward))
-        outs, _ = self.reward.call_each("score", [([texts[i] for i in s], [truths[i] for i in s],
-                                                   [sources[i] for i in s]) for s in shares])
-        return np.concatenate(outs).astype(np.float32)
 
     def logprobs(self, group, batch: dict, temperature: float) -> np.ndarray:
         ref = ray.put({k: batch[k] for k in ("tokens", "offsets", "prompt_lens")})
@@ -188,6 +163,7 @@ class GRPO:
         for _ in range(self.cfg.runtime_args.num_training_epoch):
             for s in range(0, plan.samples_per_episode, plan.samples_per_step):
                 sub = select_samples({k: batch[k] for k in keys}, range(s, s + plan.samples_per_step))
+                self.progress.stage("train", f"step {steps + 1}/{plan.steps_per_episode}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
                 for k, v in outs[0].items():
                     sums[k] = sums.get(k, 0.0) + float(v)
@@ -205,14 +181,33 @@ class GRPO:
         rt = self.cfg.runtime_args
         return episode == rt.num_episode or (rt.save_episode_interval > 0 and episode % rt.save_episode_interval == 0)
 
-    def save_hf(self, episode: int) -> None:
-        """Write ``<output_dir>/checkpoints/hf/episode_N`` atomically (a temporary folder, then a rename)."""
-        final = os.path.join(self.out, "checkpoints", "hf", f"episode_{episode}")
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.trainer.call("save_hf", os.path.abspath(tmp))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+    def save_checkpoint(self, episode: int) -> None:
+        """The trainer's sharded state, the data sampler and the episode, under one step counter,
+        plus a Hugging Face folder of the policy when ``save_hf`` (see CheckpointManager)."""
+        def write(tmp: str) -> None:
+            self.trainer.call("save_checkpoint", os.path.abspath(os.path.join(tmp, "trainer")))
+            if self.cfg.models.policy_trainer.save_hf:
+                self.trainer.call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
+
+        self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict()})
+
+    def resume(self) -> int:
+        """Continue from the newest complete checkpoint; returns its episode (0: none)."""
+        found = self.ckpt.latest()
+        if found is None:
+            return 0
+        episode, path = found
+        state = self.ckpt.read_state(path)
+        print(f"[chatlearn] resuming from {path} (episode {episode})", flush=True)
+        self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
+        self.trainer.call("load_checkpoint", os.path.abspath(os.path.join(path, "trainer")))
+        self.sampler.load_state_dict(state["sampler"])
+        # the rollout engine still holds the initial weights: give it the checkpoint's
+        self.sched.ensure("policy", ["weights"], keep={"policy_trainer": ["weights"]})
+        self.push_weights()
+        self.sched.ensure("policy", ["kv_cache"])
+        self.metrics.truncate_after(episode)  # rows a crashed run wrote past the checkpoint
+        return episode
 
     def evaluate(self) -> dict:
         p = self.cfg.models.policy
@@ -222,6 +217,7 @@ class GRPO:
         truths = [g for g in es.ground_truths for _ in range(k)]
         sources = [s for s in es.data_sources for _ in range(k)]
         start = time.perf_counter()
+        self.progress.stage("eval")
         self.sched.ensure("policy", ["weights", "kv_cache"])
         batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
         rewards = self.score(batch, truths, sources)
@@ -241,15 +237,16 @@ class GRPO:
                 f"{prefix}/truncated_frac": float(1.0 - batch["finish_reasons"].mean())}
 
     def log(self, episode: int, metrics: dict) -> None:
+        metrics = {**metrics, **peak_memory(self.sched.groups)}
         self.metrics.write(episode, metrics)
-        print(summary_line(episode, self.cfg.runtime_args.num_episode, metrics), flush=True)
+        self.progress.finish(episode, summary_line(episode, self.cfg.runtime_args.num_episode, metrics))
 
 
 class StageTimer:
     """Times stages (``time/<stage>``) and the turns inside them (``time/transitions``)."""
 
-    def __init__(self, sched: Scheduler):
-        self.sched = sched
+    def __init__(self, sched: Scheduler, progress: RunProgress | None = None):
+        self.sched, self.progress = sched, progress
         self._totals: dict[str, float] = {}
         self._mark = len(sched.timeline.events)
 
@@ -258,6 +255,8 @@ class StageTimer:
 
         class _Ctx:
             def __enter__(self):
+                if timer.progress is not None:
+                    timer.progress.stage(stage)
                 self.start = time.perf_counter()
 
             def __exit__(self, *exc):
@@ -277,12 +276,10 @@ class StageTimer:
 
 
 def train(cfg: DictConfig, plan: Plan, debug: bool = False) -> dict:
-    from transformers import AutoTokenizer
-
     rt, p = cfg.runtime_args, cfg.models.policy
     os.makedirs(rt.output_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(rt.output_dir, "config.yaml"))
-    tokenizer = AutoTokenizer.from_pretrained(p.load, trust_remote_code=p.trust_remote_code)
+    tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
     data = dict(max_prompt_tokens=p.max_prompt_tokens_length, enable_thinking=p.enable_thinking)
     train_set = load_prompts(rt.data_path.split(","), tokenizer, **data)
     eval_set = None
@@ -300,8 +297,10 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False) -> dict:
         try:
             last = run.train()
         finally:
+            run.progress.close()
             run.metrics.close()
             run.timeline.close()
+    plot_after_run(rt.output_dir)
     print(f"[chatlearn] done: metrics in {os.path.join(rt.output_dir, 'metrics.jsonl')}, "
-          f"checkpoints in {os.path.join(rt.output_dir, 'checkpoints', 'hf')}", flush=True)
+          f"checkpoints in {os.path.join(rt.output_dir, 'checkpoints')}", flush=True)
     return last

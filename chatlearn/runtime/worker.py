@@ -4,7 +4,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import resource
 import socket
+import sys
 import time
 
 
@@ -50,6 +52,16 @@ class Worker:
         for item in items:
             fn(item)
         return None, time.perf_counter() - start
+
+    def memory(self) -> dict:
+        """Peak memory of this process in MiB: CUDA memory allocated by torch when this process uses
+        CUDA, else the peak resident set size (RSS). Peaks are since the process started."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return {"peak_mb": torch.cuda.max_memory_allocated() / 2**20, "device": "cuda"}
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return {"peak_mb": rss / (2**20 if sys.platform == "darwin" else 2**10), "device": "cpu"}
 
     def call(self, method: str, *args, **kwargs):
         """Run ``method`` and return (result, seconds); generators are drained into a list."""
