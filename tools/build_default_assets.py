@@ -44,6 +44,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from chatlearn.models.reward.math_reward import last_boxed  # noqa: E402  (the reward's own parser)
+
 # --------------------------------------------------------------------------------------
 # Task definition
 # --------------------------------------------------------------------------------------
@@ -308,11 +310,6 @@ def supervised_warm_start(model, tokenizer, train_records, val_records, args) ->
 # --------------------------------------------------------------------------------------
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
     i = start + len("\\boxed{")
     depth = 1
     for j in range(i, len(text)):

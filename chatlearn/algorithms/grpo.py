@@ -83,3 +83,15 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum_j values_j * mask_j / max(sum_j mask_j, 1)."""
     return masked_sum(values, mask) / mask.to(values.dtype).sum().clamp(min=1.0)
+
+
+def loss_metrics(sums: list[float], num_tokens: int, has_ref: bool, with_entropy: bool) -> dict:
+    """Token means over a global batch from the all-reduced sums
+    ``[loss, policy_loss, kl, entropy, clipped]`` of its ``num_tokens`` response tokens."""
+    mean = [x / num_tokens for x in sums]
+    metrics = {"loss": mean[0], "policy_loss": mean[1], "clip_frac": mean[4], "num_tokens": float(num_tokens)}
+    if has_ref:
+        metrics["kl"] = mean[2]
+    if with_entropy:
+        metrics["entropy"] = mean[3]
+    return metrics

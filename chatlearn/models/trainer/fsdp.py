@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from chatlearn.algorithms.grpo import (
     entropy_from_logits,
-    kl_k3,
+    kl_k3, loss_metrics,
     logprobs_from_logits,
     policy_loss,
 )
@@ -320,14 +320,7 @@ class FSDPTrainer(Trainer):
                     clipped.sum().to(loss.dtype)]).double()
         self._reshard()
         dist.all_reduce(sums)
-        mean = (sums / num_tokens).tolist()
-        metrics = {"loss": mean[0], "policy_loss": mean[1], "clip_frac": mean[4],
-                   "num_tokens": float(num_tokens)}
-        if has_ref:
-            metrics["kl"] = mean[2]
-        if ent_coef > 0:
-            metrics["entropy"] = mean[3]
-        return metrics
+        return loss_metrics(sums.tolist(), num_tokens, has_ref, ent_coef > 0)
 
     def train(self, batch: Batch, temperature: float = 1.0) -> dict:
         """One optimizer step on one global batch (see the module docstring for the loss).

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from chatlearn.algorithms.grpo import kl_k3, policy_loss
+from chatlearn.algorithms.grpo import kl_k3, loss_metrics, policy_loss
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
 from chatlearn.models.base import PARTS, Batch, Bucket, Trainer, response_mask
@@ -408,14 +408,7 @@ class MegatronTrainer(Trainer):
             for out in outs:
                 sums += out["sums"]
         dist.all_reduce(sums)
-        mean = (sums / num_tokens).tolist()
-        metrics = {"loss": mean[0], "policy_loss": mean[1], "clip_frac": mean[4],
-                   "num_tokens": float(num_tokens)}
-        if has_ref:
-            metrics["kl"] = mean[2]
-        if ent_coef > 0:
-            metrics["entropy"] = mean[3]
-        return metrics
+        return loss_metrics(sums.tolist(), num_tokens, has_ref, ent_coef > 0)
 
     def train(self, batch: Batch, temperature: float = 1.0) -> dict:
         """One optimizer step on one global batch (see the module docstring for the loss).
