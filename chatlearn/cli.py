@@ -75,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "merge":
             return _merge(args)
     except UserError as err:
+        # raised inside a Ray actor it arrives wrapped (RayTaskError(UserError)): report the original
+        err = getattr(err, "cause", None) or err
         if debug:
             traceback.print_exc()
-        print(_paragraph(f"error: {err}"), file=sys.stderr)
+        print(_paragraph(f"error: {err.message}"), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

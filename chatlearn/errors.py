@@ -12,7 +12,8 @@ class UserError(Exception):
 
     def __init__(self, message: str, *, key: str | None = None):
         self.key = key
-        super().__init__(f"{key}: {message}" if key else message)
+        self.message = f"{key}: {message}" if key else message  # kept when Ray wraps the error
+        super().__init__(self.message)
 
 
 class ConfigError(UserError):

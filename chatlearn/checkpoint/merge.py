@@ -17,6 +17,14 @@ Every tensor is checked against the model that config.json describes (built on t
 or a non-float tensor where a float one belongs is a UserError naming the key. Tied weights
 (``lm_head.weight`` with ``tie_word_embeddings``) are not written, as ``save_pretrained``
 does not write them.
+
+A Megatron trainer checkpoint (``MegatronTrainer.save_checkpoint``: one safetensors file per
+rank) is merged the same way: for each Megatron parameter the tensor-parallel shards are read
+one at a time from the ranks of data-parallel rank 0 (each pipeline stage holds its layers
+under their global names) into the full Megatron layout, which the trainer's own mapping
+(``chatlearn.models.trainer.megatron.model.to_hf``) turns into the Hugging Face tensors: fused
+QKV split per query group, fused gate/up split, vocabulary padding cut. Peak memory is about
+one full parameter. The shapes are checked up front from the safetensors headers.
 """
 from __future__ import annotations
 
@@ -136,9 +144,21 @@ def expected_tensors(config, trust_remote_code: bool = False):
     return expected, aliases
 
 
-def _plan(ckpt: str, meta: dict, src: str, out_dtype: torch.dtype) -> list[_Entry]:
-    """Check the checkpoint's model tensors against config.json; the tensors to write, in
-    the model's order."""
+def _dcp_found(ckpt: str) -> dict:
+    """``{name: (shape, dtype) or None (not a tensor)}`` of the model entries of a DCP
+    checkpoint."""
+    prefix = sharded.MODEL_KEY + "."
+    return {key[len(prefix):]: ((tuple(md.size), md.properties.dtype)
+                                if isinstance(md, TensorStorageMetadata) else None)
+            for key, md in sharded.read_dcp_metadata(ckpt).state_dict_metadata.items()
+            if key.startswith(prefix)}
+
+
+def _plan(ckpt: str, meta: dict, src: str, out_dtype: torch.dtype, found: dict,
+          problems: list[str] | None = None) -> list[_Entry]:
+    """Check the checkpoint's model tensors (``found``: ``{name: (shape, dtype) or None}``)
+    against config.json; the tensors to write, in the model's order. ``problems``: ones
+    already found by the reader, reported with the others."""
     from transformers import AutoConfig
 
     trust = bool(meta.get("trust_remote_code", False))
@@ -150,13 +170,9 @@ def _plan(ckpt: str, meta: dict, src: str, out_dtype: torch.dtype) -> list[_Entr
         raise UserError(f"cannot build the model described by {os.path.join(src, CONFIG_NAME)!r} "
                         f"({cause}). Pass --hf-config DIR with the folder of the model the "
                         "trainer loaded.") from None
-    prefix = sharded.MODEL_KEY + "."
-    found = {key[len(prefix):]: md
-             for key, md in sharded.read_dcp_metadata(ckpt).state_dict_metadata.items()
-             if key.startswith(prefix)}
     saved_aliases = meta.get("tied", {})
     config_file = os.path.join(src, CONFIG_NAME)
-    problems = []
+    problems = list(problems or [])
     for name, md in found.items():
         if name in saved_aliases:  # stored under its first name as well
             continue
@@ -167,18 +183,18 @@ def _plan(ckpt: str, meta: dict, src: str, out_dtype: torch.dtype) -> list[_Entr
         elif name not in expected:
             problems.append(f"unexpected key {name!r} (not in the model that {config_file} "
                             "describes)")
-        elif not isinstance(md, TensorStorageMetadata):
+        elif md is None:
             problems.append(f"key {name!r} is not a tensor in the checkpoint")
     entries = []
     for name, (shape, dtype) in expected.items():
-        md = found.get(name)
-        if md is None:
+        if name not in found:
             problems.append(f"missing key {name!r}: expected shape {list(shape)} from "
                             f"{config_file}, not found in the checkpoint")
             continue
-        if not isinstance(md, TensorStorageMetadata):
+        md = found[name]
+        if md is None:
             continue  # reported above
-        got_shape, got_dtype = tuple(md.size), md.properties.dtype
+        got_shape, got_dtype = md
         if got_shape != shape:
             problems.append(f"key {name!r}: expected shape {list(shape)} from {config_file}, "
                             f"found {list(got_shape)} in the checkpoint")
@@ -215,6 +231,166 @@ def _split(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
     return shards
 
 
+# --------------------------------------------------------------------------- Megatron
+
+
+def _checkpoint_format(path: str) -> str | None:
+    """The ``format`` recorded in ``path``'s metadata file (None when unreadable: the
+    format's own reader then says what is wrong)."""
+    try:
+        with open(os.path.join(path, sharded.META_FILE), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return meta.get("format") if isinstance(meta, dict) else None
+
+
+_FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+class _MegatronSource:
+    """The model tensors of a Megatron trainer checkpoint, as Hugging Face tensors.
+
+    ``found``: ``{hf name: (shape, dtype) or None}`` from the safetensors headers (the full
+    shapes are run through the trainer's mapping on the ``meta`` device); ``problems``: what
+    does not fit. ``read(entry)``: one Hugging Face tensor; the other tensors of the same
+    Megatron parameter (q/k/v, gate/up) are kept until they are asked for (they come next
+    in the model's order)."""
+
+    def __init__(self, ckpt: str, meta: dict, src: str):
+        from safetensors import safe_open
+
+        from chatlearn.models.trainer.megatron import checkpoint as megatron_format
+        from chatlearn.models.trainer.megatron.model import HFArch, mappings
+
+        self.ckpt = ckpt
+        self.problems: list[str] = []
+        self.found: dict = {}
+        self._cache: dict[str, torch.Tensor] = {}
+        try:
+            self.arch = HFArch.from_folder(src)
+        except (NotImplementedError, KeyError, OSError, ValueError) as err:
+            raise UserError(f"cannot map checkpoint {ckpt!r} to the model of "
+                            f"{os.path.join(src, CONFIG_NAME)!r} ({err}). Pass --hf-config DIR "
+                            "with the folder of the model the trainer loaded.") from None
+        try:
+            self.tp = int(meta["tensor_model_parallel_size"])
+            self.pp = int(meta["pipeline_model_parallel_size"])
+            world = int(meta["world_size"])
+            if min(self.tp, self.pp, world) < 1 or world % (self.tp * self.pp):
+                raise ValueError(f"world_size {world} is not a multiple of tp x pp")
+        except (KeyError, TypeError, ValueError) as err:
+            raise UserError(f"the metadata of checkpoint {ckpt!r} has no valid parallel layout "
+                            f"({err}): the checkpoint is damaged. Use another checkpoint.") from None
+        dp = world // (self.tp * self.pp)
+        # Megatron's rank order (tp-cp-ep-dp-pp): rank = tp_rank + tp * (dp_rank + dp * pp_rank);
+        # the ranks of data-parallel rank 0 hold one copy of every shard
+        self.shards: dict[str, dict[int, tuple[str, tuple, str]]] = {}
+        for pp_rank in range(self.pp):
+            for tp_rank in range(self.tp):
+                rank = tp_rank + self.tp * dp * pp_rank
+                file = megatron_format.rank_file(ckpt, rank)
+                if not os.path.isfile(file):
+                    raise UserError(f"checkpoint {ckpt!r} has no shard for rank {rank} ({file} "
+                                    "is missing): the checkpoint is damaged. Use another "
+                                    "checkpoint.")
+                with safe_open(file, framework="pt") as f:
+                    for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                        if key.startswith("model."):
+                            sl = f.get_slice(key)
+                            self.shards.setdefault(key[len("model."):], {})[tp_rank] = (
+                                file, tuple(sl.get_shape()), sl.get_dtype())
+        self.mappings = {}
+        for m in mappings(self.arch):
+            for name in m.hf:
+                self.mappings[name] = m
+        known = {m.megatron for m in self.mappings.values()}
+        if self.arch.tied_embeddings:
+            known.add("output_layer.weight")  # the last stage's copy of the embeddings
+        for name in self.shards:
+            if name not in known:
+                self.problems.append(f"unexpected Megatron parameter {name!r} (not in the "
+                                     f"model that {os.path.join(src, CONFIG_NAME)} describes)")
+        done = set()
+        for m in self.mappings.values():
+            if m.megatron in done:
+                continue
+            done.add(m.megatron)
+            self._describe(m)
+
+    def _full_shape(self, m) -> tuple[tuple, torch.dtype] | None:
+        shards = self.shards.get(m.megatron)
+        if shards is None:
+            return None  # reported as missing Hugging Face keys
+        if sorted(shards) != list(range(self.tp)):
+            absent = sorted(set(range(self.tp)) - set(shards))
+            self.problems.append(f"Megatron parameter {m.megatron!r} has no shard for "
+                                 f"tensor-parallel rank(s) {absent}")
+            return None
+        shapes = [shards[r][1] for r in range(self.tp)]
+        dtypes = {shards[r][2] for r in range(self.tp)}
+        if len(dtypes) > 1 or next(iter(dtypes)) not in _FROM_SAFETENSORS:
+            self.problems.append(f"Megatron parameter {m.megatron!r} has dtype(s) "
+                                 f"{sorted(dtypes)} in the checkpoint")
+            return None
+        dim = m.split_dim
+        rest = [s[:dim] + s[dim + 1:] if dim is not None and len(s) > dim else s for s in shapes]
+        if any(r != rest[0] for r in rest) or (dim is not None and len(shapes[0]) <= dim):
+            self.problems.append(f"Megatron parameter {m.megatron!r}: its tensor-parallel "
+                                 f"shards have shapes {[list(s) for s in shapes]}, which do not "
+                                 "concatenate")
+            return None
+        full = list(shapes[0])
+        if dim is not None:
+            full[dim] = sum(s[dim] for s in shapes)
+        return tuple(full), _FROM_SAFETENSORS[dtypes.pop()]
+
+    def _describe(self, m) -> None:
+        from chatlearn.models.trainer.megatron.model import to_hf
+
+        got = self._full_shape(m)
+        if got is None:
+            return
+        shape, dtype = got
+        try:
+            outs = to_hf(self.arch, m, torch.empty(shape, dtype=dtype, device="meta"), self.tp)
+        except RuntimeError as err:
+            self.problems.append(f"Megatron parameter {m.megatron!r} of shape {list(shape)} "
+                                 f"does not split into {list(m.hf)} "
+                                 f"({' '.join(str(err).split())})")
+            return
+        for name, t in zip(m.hf, outs):
+            self.found[name] = (tuple(t.shape), dtype)
+
+    def read(self, entry: _Entry) -> torch.Tensor:
+        from safetensors import safe_open
+
+        from chatlearn.models.trainer.megatron.model import to_hf
+
+        if entry.name in self._cache:
+            return self._cache.pop(entry.name)
+        m = self.mappings[entry.name]
+        shape, dtype = self._full_shape(m)
+        shards = self.shards[m.megatron]
+        if m.split_dim is None:
+            with safe_open(shards[0][0], framework="pt") as f:
+                full = f.get_tensor(f"model.{m.megatron}")
+        else:  # one shard at a time into the full tensor
+            full = torch.empty(shape, dtype=dtype)
+            start = 0
+            for r in range(self.tp):
+                file, shard_shape, _ = shards[r]
+                size = shard_shape[m.split_dim]
+                with safe_open(file, framework="pt") as f:
+                    full.narrow(m.split_dim, start, size).copy_(f.get_tensor(f"model.{m.megatron}"))
+                start += size
+        outs = dict(zip(m.hf, to_hf(self.arch, m, full, self.tp)))
+        del full
+        tensor = outs.pop(entry.name)
+        self._cache.update(outs)
+        return tensor
+
+
 # --------------------------------------------------------------------------- writing
 
 
@@ -228,7 +404,8 @@ def _read_tensor(reader: sharded.SafeFileSystemReader, entry: _Entry) -> torch.T
     return state[key]
 
 
-def _write_shard(file: str, entries: list[_Entry], reader) -> None:
+def _write_shard(file: str, entries: list[_Entry],
+                 read: Callable[[_Entry], torch.Tensor]) -> None:
     """A safetensors file written sequentially: the header (known from the metadata), then
     each tensor's bytes as soon as it is read and cast."""
     header: dict = {"__metadata__": {"format": "pt"}}
@@ -243,7 +420,7 @@ def _write_shard(file: str, entries: list[_Entry], reader) -> None:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for e in entries:
-            tensor = _read_tensor(reader, e).to(e.out_dtype).contiguous()
+            tensor = read(e).to(e.out_dtype).contiguous()
             data = tensor.reshape(-1).view(torch.uint8).numpy()
             if data.nbytes != e.nbytes:
                 raise AssertionError(f"{e.name}: {data.nbytes} bytes, expected {e.nbytes}")
@@ -294,12 +471,22 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
     if sys.byteorder != "little":
         raise RuntimeError("safetensors files are little-endian; this machine is not")
     max_bytes = parse_size(max_shard_size)
+    from chatlearn.models.trainer.megatron import checkpoint as megatron_format
+
     ckpt = find_checkpoint(ckpt_dir)
-    meta = sharded.read_meta(ckpt)
+    megatron = _checkpoint_format(ckpt) == megatron_format.FORMAT
+    meta = megatron_format.read_meta(ckpt, {}) if megatron else sharded.read_meta(ckpt)
     src = _source_folder(ckpt, meta, hf_config)
     out_dir = os.path.abspath(out_dir)
     _check_out_dir(out_dir)
-    entries = _plan(ckpt, meta, src, DTYPES[dtype])
+    if megatron:
+        source = _MegatronSource(ckpt, meta, src)
+        entries = _plan(ckpt, meta, src, DTYPES[dtype], source.found, source.problems)
+        read = source.read
+    else:
+        entries = _plan(ckpt, meta, src, DTYPES[dtype], _dcp_found(ckpt))
+        reader = sharded.SafeFileSystemReader(ckpt)
+        read = lambda e: _read_tensor(reader, e)  # noqa: E731
     shards = _split(entries, max_bytes)
     names = ([WEIGHTS_NAME] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -311,9 +498,8 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        reader = sharded.SafeFileSystemReader(ckpt)
         for name, shard in zip(names, shards):
-            _write_shard(os.path.join(tmp, name), shard, reader)
+            _write_shard(os.path.join(tmp, name), shard, read)
             log(f"wrote {name} ({sum(e.nbytes for e in shard) / 1e6:.1f} MB, "
                 f"{len(shard)} tensors)")
         if len(shards) > 1:
