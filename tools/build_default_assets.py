@@ -310,18 +310,6 @@ def supervised_warm_start(model, tokenizer, train_records, val_records, args) ->
 # --------------------------------------------------------------------------------------
 
 
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j]
-    return None
-
-
 def score(response: str, ground_truth: str) -> tuple[bool, bool]:
     """(math_verify verdict, exact match) on the last boxed answer of ``response``."""
     from math_verify import parse, verify
