@@ -192,12 +192,14 @@ def job_tp2(rank, world, setup, out):
         res = _parity_part(trainer, batch)
         res.update(_residency_part(trainer, batch))
         trainer.save_hf(os.path.join(out, "saved"))
+        trainer.save_checkpoint(os.path.join(out, "checkpoint"))  # for the offline merge
         res["saved_logp"] = trainer.compute_logprobs(batch, temperature=TEMPERATURE)
         res["saved_weights"], _ = _exported(trainer)
         sp = MegatronTrainer(megatron_cfg(path, tp=2, sequence_parallel=True))
         res["sp"] = _parity_part(sp, batch)
         untied = MegatronTrainer(megatron_cfg(setup["untied"], tp=2, trainable=False))
         res["untied"] = _frozen_part(untied, batch)
+        untied.save_checkpoint(os.path.join(out, "untied_checkpoint"))
     return res
 
 
@@ -267,8 +269,13 @@ def tp2(setup, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pp2(setup, tmp_path_factory):
-    return _run(job_pp2, 2, setup, tmp_path_factory)[0]
+def pp2_run(setup, tmp_path_factory):
+    return _run(job_pp2, 2, setup, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pp2(pp2_run):
+    return pp2_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -504,3 +511,51 @@ def test_save_hf_loads_in_transformers(setup, tp2):
     tok = AutoTokenizer.from_pretrained(saved)
     assert tok.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False)
 
+
+
+@needs_megatron
+@pytest.mark.timeout(400)
+def test_merge_turns_megatron_checkpoints_into_hf_folders(setup, tp2, pp2_run, tmp_path):
+    """``chatlearn merge`` of Megatron checkpoints: TP=2 (tied; untied with the vocabulary
+    padded to 322 rows) and PP=2 (tied, the layers on two stages) give the trainer's exported
+    weights exactly, and a model that transformers loads with the same logits."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.checkpoint.merge import merge_checkpoint
+
+    (tp2_ranks, tp2_out), (pp2_ranks, pp2_out) = tp2, pp2_run
+    cases = [  # (checkpoint, source model, the weights the trainer exported at that point,
+        #         whether training moved them away from the source model's)
+        ("tp2", tp2_out / "checkpoint", setup["path"], tp2_ranks[0]["saved_weights"], True),
+        ("tp2-untied", tp2_out / "untied_checkpoint", setup["untied"],
+         tp2_ranks[0]["untied"]["weights0"], False),  # frozen
+        ("pp2", pp2_out / "checkpoint", setup["path"], pp2_ranks[0]["weights1"], True),
+    ]
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(0))
+    for name, ckpt, source, exported, trained in cases:
+        out = tmp_path / name
+        summary = merge_checkpoint(str(ckpt), str(out), max_shard_size="100KB")
+        assert summary["num_tensors"] == len(exported) and len(summary["shards"]) > 1, name
+        merged = {}
+        for shard in summary["shards"]:
+            merged.update(load_file(out / shard))
+        assert set(merged) == set(exported), name
+        for key, w in exported.items():
+            assert merged[key].dtype == np.float32 and np.array_equal(merged[key], w), (name, key)
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        reference.load_state_dict({k: torch.from_numpy(v) for k, v in exported.items()},
+                                  strict=False)
+        with torch.no_grad():
+            got, want = model(ids).logits, reference(ids).logits
+            initial = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)(ids).logits
+        assert torch.equal(want, initial) != trained, name
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+    from chatlearn.errors import UserError
+
+    with pytest.raises(UserError, match="does not match the model of .*embed_tokens"):
+        # the tied model's checkpoint against the untied model (other vocabulary, lm_head)
+        merge_checkpoint(str(tp2_out / "checkpoint"), str(tmp_path / "wrong"),
+                         hf_config=setup["untied"])
+    assert not (tmp_path / "wrong").exists()
