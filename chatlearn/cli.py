@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
                                                          "sharded trainer checkpoint")
     ev.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     merge = sub.add_parser("merge", help="turn a trainer checkpoint into a Hugging Face model folder",
-                           description="Merge a sharded trainer checkpoint (any number of ranks) into a "
+                           description="Merge a trainer checkpoint (FSDP or Megatron, any number of ranks) into a "
                                        "Hugging Face model folder: safetensors shards, config, tokenizer.")
     merge.add_argument("ckpt_dir", help="checkpoint folder written by the trainer (or a run's checkpoint "
                                         "folder holding it under trainer/)")
