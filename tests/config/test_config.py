@@ -188,6 +188,7 @@ def test_chatlearn_yaml_with_every_documented_key_loads(tmp_path, tiny_model_dir
     ("models.policy.load=/no/such/model", "models.policy.load", ["does not exist"]),
     ("runtime_args.data_path=/no/such.jsonl", "runtime_args.data_path", ["does not exist"]),
     ("runtime_args.rollout_backend=vlm", "runtime_args.rollout_backend", ["Did you mean 'vllm'"]),
+    ("runtime_args.rollout_backend=sglang", "runtime_args.rollout_backend", ["not part of this release"]),
     ("runtime_args.colocation=[policy,polcy]", "runtime_args.colocation", ["not a model name"]),
     ("models.policy.top_p=0", "models.policy.top_p", ["(0, 1]"]),
 ])
