@@ -171,16 +171,7 @@ def read_meta(path: str) -> dict:
         raise UserError(f"{path!r} is not a chatlearn trainer checkpoint: it lacks "
                         f"{META_FILE} or the torch.distributed.checkpoint file {DCP_METADATA}. "
                         "Pass a trainer checkpoint folder (the one holding both).")
-    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-        raise UserError(f"checkpoint {path!r} is incomplete (no {COMPLETE_MARKER} marker): "
-                        "its writing was interrupted or is still running. Use an earlier "
-                        "checkpoint, or wait until the save has finished.")
-    try:
-        with open(meta_file, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot read the checkpoint metadata {meta_file!r} ({err}): the "
-                        "checkpoint is damaged. Use another checkpoint.") from None
+    meta = read_complete_json(path, meta_file)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UserError(f"{meta_file!r} is not a {FORMAT} checkpoint metadata file. Pass a "
                         "trainer checkpoint folder written by chatlearn.")
@@ -188,6 +179,21 @@ def read_meta(path: str) -> dict:
         raise UserError(f"checkpoint {path!r} has format version {meta['version']}, newer "
                         f"than this chatlearn reads ({VERSION}). Upgrade chatlearn.")
     return meta
+
+
+def read_complete_json(path: str, meta_file: str):
+    """The JSON in ``meta_file`` of the checkpoint folder ``path``, once its completion marker
+    is there (shared by the FSDP and Megatron checkpoint formats); a UserError otherwise."""
+    if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        raise UserError(f"checkpoint {path!r} is incomplete (no {COMPLETE_MARKER} marker): "
+                        "its writing was interrupted or is still running. Use an earlier "
+                        "checkpoint, or wait until the save has finished.")
+    try:
+        with open(meta_file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read the checkpoint metadata {meta_file!r} ({err}): the "
+                        "checkpoint is damaged. Use another checkpoint.") from None
 
 
 # --------------------------------------------------------------------------- safe reading

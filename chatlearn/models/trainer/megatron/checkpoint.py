@@ -49,15 +49,7 @@ def read_meta(path: str, expected: dict) -> dict:
     if not os.path.isdir(path) or not os.path.isfile(meta_file):
         raise UserError(f"{path!r} is not a chatlearn Megatron trainer checkpoint folder (no "
                         f"{sharded.META_FILE}). Pass the folder written by save_checkpoint.")
-    if not os.path.isfile(os.path.join(path, sharded.COMPLETE_MARKER)):
-        raise UserError(f"checkpoint {path!r} is incomplete (no {sharded.COMPLETE_MARKER} "
-                        "marker): its writing was interrupted. Use an earlier checkpoint.")
-    try:
-        with open(meta_file, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot read the checkpoint metadata {meta_file!r} ({err}): the "
-                        "checkpoint is damaged. Use another checkpoint.") from None
+    meta = sharded.read_complete_json(path, meta_file)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise UserError(f"checkpoint {path!r} has format {found!r}, not {FORMAT!r}: it was "
