@@ -1,0 +1,231 @@
+"""Rollout over SGLang's offline engine (``sglang.Engine``, SGLang >= 0.5.3; GPU only).
+
+Tested only against a fake of the engine API (``tests/models/fake_sglang``); not yet run
+against real SGLang on hardware (``tests/models/test_rollout_cpu.py`` holds the GPU test).
+
+Engine. ``sglang.Engine(model_path=load, tp_size, mem_fraction_static, dtype,
+context_length = max prompt + max response, max_running_requests = generation_batch_size,
+disable_cuda_graph = enforce_eager, random_seed = seed, skip_tokenizer_init=True,
+enable_memory_saver=True, enable_weights_cpu_backup=True,
+enable_deterministic_inference=True)``.
+
+Log-probs. ``generate(..., return_logprob=True)`` returns, per output token,
+``meta_info["output_token_logprobs"][j] = (logprob, token_id, text)``. SGLang's sampler
+(``srt/layers/sampler.py``) reports for a sampled token ``log(softmax(logits / T))``:
+temperature-scaled and not truncated by top-k/top-p (those only shape the draw), the
+quantity the trainer computes. Greedy requests (temperature 0, which SGLang turns into
+``top_k = 1`` at temperature 1, or ``top_k = 1``) report ``log_softmax(logits)``, the
+same convention as the other backends. With ``SGLANG_RETURN_ORIGINAL_LOGPROB`` set, SGLang
+reports the pre-temperature ``log_softmax(logits)`` instead: that is refused.
+
+Seeds. SGLang seeds a request (``sampling_seed``, hashed with the token position) only
+under ``enable_deterministic_inference``; without it, samples depend on batch order. It
+is switched on so that a seed reproduces the samples, as for vLLM; it costs throughput
+(batch-invariant kernels). Request i of a call gets ``sampling_seed = seed + i``.
+
+Weights. Each bucket goes to ``update_weights_from_tensor(named_tensors=[(hf_name,
+tensor)], flush_cache=False)``, which SGLang serialises to every TP rank and loads with
+the model's own loader (HF names; q/k/v and gate/up are fused there). Tensors are put on
+the rollout's device first (CUDA IPC, as verl does). A tied ``lm_head.weight`` is not
+sent (SGLang's loaders skip it). The prefix (radix) cache is flushed once before the next
+generation. The streamed push of ``chatlearn.runtime.weight_sync`` (``begin_weight_update``,
+``load_weight_bucket``, ``finish_weight_update``) takes the same path, bucket by bucket.
+
+Memory. ``offload`` is ``release_memory_occupation(tags=[...])`` with the tags
+``weights`` and ``kv_cache`` (torch_memory_saver; weights are kept in host memory by
+``enable_weights_cpu_backup``), ``onload`` is ``resume_memory_occupation`` per tag, so
+new weights can be pushed between the two wake steps. CUDA-graph memory is not released.
+The reported bytes are those of the weights (from the checkpoint's tensor shapes, at the
+engine's dtype); SGLang does not report the KV cache's size, which counts as 0.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from chatlearn.errors import UserError
+from chatlearn.models.base import Batch, Bucket, Rollout
+from chatlearn.models.rollout.hf import (check_lengths, eos_token_ids, pack_samples,
+                                         parse_sampling, to_torch)
+
+TAGS = ("weights", "kv_cache")
+FINISH_REASONS = {"stop": 1, "length": 0}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def import_sglang():
+    """``import sglang``, or a UserError that says how to install it."""
+    try:
+        import sglang
+    except ImportError as err:
+        raise UserError(
+            f"the SGLang rollout backend needs the sglang package, which cannot be imported here ({err}). "
+            "Install it on a machine with NVIDIA GPUs: pip install -e '.[sglang]'; or use "
+            "rollout_backend: vllm (or hf).", key="runtime_args.rollout_backend") from None
+    for name in ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB"):
+        if os.environ.get(name, "").lower() in ("1", "true", "yes"):
+            raise UserError(
+                f"the environment variable {name} makes SGLang report log-probs before temperature, "
+                "which differ from the trainer's at any temperature other than 1. Unset it for chatlearn "
+                "runs.", key="runtime_args.rollout_backend")
+    return sglang
+
+
+def checkpoint_bytes(model_dir: str, dtype: str) -> int:
+    """Bytes of the checkpoint's tensors at ``dtype``: sum(numel) * itemsize."""
+    from safetensors import safe_open
+
+    numel = 0
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
+                for key in f.keys():
+                    numel += int(np.prod(f.get_slice(key).get_shape()))
+    return numel * DTYPE_BYTES.get(dtype, 4)
+
+
+class SGLangRollout(Rollout):
+    """Rollout with ``sglang.Engine`` (see the module docstring).
+
+    cfg keys (from ``chatlearn.runtime.cluster.rollout_cfg``): ``load``,
+    ``trust_remote_code``, ``seed``, ``generation_batch_size``, ``max_prompt_tokens_length``,
+    ``max_response_tokens_length``, ``dtype``, ``gpu_memory_utilization``,
+    ``enforce_eager``, ``tensor_model_parallel_size``.
+    """
+
+    def __init__(self, cfg: dict):
+        sglang = import_sglang()
+        from transformers import AutoConfig, GenerationConfig
+
+        self.cfg = dict(cfg)
+        self.max_prompt_len = int(cfg["max_prompt_tokens_length"])
+        self.max_response_len = int(cfg["max_response_tokens_length"])
+        self._rng = np.random.default_rng(int(cfg["seed"]))
+        config = AutoConfig.from_pretrained(cfg["load"], trust_remote_code=bool(cfg["trust_remote_code"]))
+        try:
+            generation_config = GenerationConfig.from_pretrained(cfg["load"])
+        except OSError:  # no generation_config.json
+            generation_config = None
+        self.eos_ids = eos_token_ids(generation_config, config)
+        self._tied = bool(getattr(config, "tie_word_embeddings", False))
+        self._device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.engine = sglang.Engine(
+            model_path=cfg["load"],
+            trust_remote_code=bool(cfg["trust_remote_code"]),
+            skip_tokenizer_init=True,  # token ids in and out
+            dtype=cfg["dtype"],
+            context_length=self.max_prompt_len + self.max_response_len,
+            tp_size=int(cfg["tensor_model_parallel_size"]),
+            mem_fraction_static=float(cfg["gpu_memory_utilization"]),
+            max_running_requests=int(cfg["generation_batch_size"]),
+            disable_cuda_graph=bool(cfg["enforce_eager"]),
+            random_seed=int(cfg["seed"]),
+            enable_memory_saver=True,
+            enable_weights_cpu_backup=True,
+            enable_deterministic_inference=True,
+        )
+        self._weight_bytes = checkpoint_bytes(cfg["load"], cfg["dtype"])
+        self._released: set[str] = set()
+        self._stale_cache = False
+
+    # -- generation -----------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
+        if self._released:
+            raise RuntimeError(f"SGLangRollout.generate: {sorted(self._released)} offloaded; "
+                               "call onload first")
+        sp = parse_sampling(sampling)
+        prompts = [[int(t) for t in p] for p in prompts]
+        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len)
+        if not prompts:
+            return pack_samples([], [], [], [])
+        if self._stale_cache:
+            self.engine.flush_cache()
+            self._stale_cache = False
+        base = sp["seed"] if sp["seed"] is not None else int(self._rng.integers(2**31))
+        params = [{
+            "max_new_tokens": sp["max_tokens"],
+            "temperature": 0.0 if sp["greedy"] else sp["temperature"],
+            "top_p": 1.0 if sp["greedy"] else sp["top_p"],
+            "top_k": -1 if sp["greedy"] else sp["top_k"],
+            "stop_token_ids": list(self.eos_ids),
+            "sampling_seed": (base + i) % 2**31,  # one stream per request: reproducible
+        } for i in range(len(prompts))]
+        outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+
+        responses, logprobs, finished = [], [], []
+        for out in outputs:
+            meta = out["meta_info"]
+            reason = (meta.get("finish_reason") or {}).get("type")
+            if reason not in FINISH_REASONS:
+                raise RuntimeError(f"SGLang request {meta.get('id')} ended with {meta.get('finish_reason')!r}")
+            ids = [int(t) for t in out["output_ids"]]
+            steps = meta["output_token_logprobs"]
+            if [int(s[1]) for s in steps] != ids:
+                raise RuntimeError(f"SGLang request {meta.get('id')}: output_token_logprobs do not match "
+                                   "output_ids")
+            responses.append(ids)
+            logprobs.append([float(s[0]) for s in steps])
+            finished.append(FINISH_REASONS[reason])
+        return pack_samples(prompts, responses, logprobs, finished)
+
+    # -- weights ----------------------------------------------------------------------
+
+    def update_weights(self, bucket: Bucket) -> None:
+        """Load one bucket of (hf_name, array) into the engine (see the module docstring)."""
+        if "weights" in self._released:
+            raise RuntimeError("SGLangRollout.update_weights: weights are offloaded; onload them first")
+        named = [(name, to_torch(value).to(self._device, copy=True)) for name, value in bucket
+                 if not (self._tied and name == "lm_head.weight")]
+        if not named:
+            return
+        result = self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False)
+        if isinstance(result, tuple) and result and not result[0]:
+            raise RuntimeError(f"SGLang update_weights_from_tensor failed: {result[1:]}")
+        self._stale_cache = True
+
+    def begin_weight_update(self) -> None:
+        """Start a streamed update (``chatlearn.runtime.weight_sync``); the weights must be on."""
+        if "weights" in self._released:
+            raise RuntimeError("SGLangRollout: weights are offloaded; onload them before a push")
+
+    def load_weight_bucket(self, weights: list) -> None:
+        """Load one bucket of ``(hf_name, tensor)`` views; they are copied to the rollout's
+        device first, since the views are valid only during this call."""
+        self.update_weights(weights)
+
+    def finish_weight_update(self) -> None:
+        """End a streamed update; the prefix cache is flushed before the next generation."""
+
+    # -- memory -----------------------------------------------------------------------
+
+    def offload(self, parts: Iterable[str]) -> dict:
+        """``release_memory_occupation`` of the named parts that are on; returns the bytes freed."""
+        parts = set(parts)
+        tags = [t for t in TAGS if t in parts and t not in self._released]
+        if not tags:
+            return {"bytes": 0}
+        self.engine.release_memory_occupation(tags=tags)
+        self._released.update(tags)
+        if "kv_cache" in tags:
+            self._stale_cache = False  # the cache is gone with its memory
+        return {"bytes": self._bytes(tags)}
+
+    def onload(self, parts: Iterable[str]) -> dict:
+        """``resume_memory_occupation`` per part, weights first."""
+        parts = set(parts)
+        tags = [t for t in TAGS if t in parts and t in self._released]
+        for tag in tags:
+            self.engine.resume_memory_occupation(tags=[tag])
+            self._released.discard(tag)
+        return {"bytes": self._bytes(tags)}
+
+    def _bytes(self, tags) -> int:
+        return self._weight_bytes if "weights" in tags else 0
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
