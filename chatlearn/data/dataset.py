@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -91,23 +91,49 @@ class PromptSet:
     """Tokenized prompts plus what the reward needs, one entry per prompt."""
 
     prompt_ids: list[list[int]]
-    ground_truths: list[str]
+    ground_truths: list  # the value at ground_truth_key (None when it is null)
     data_sources: list[str]
     dropped_too_long: int
+    extras: list[dict] = field(default_factory=list)  # the row's other columns (given to reward functions)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
 
+def _ground_truth(row: dict, key: str, where: str):
+    """``row`` at the dotted path ``key`` (e.g. ``reward_model.ground_truth``); a missing field is a UserError."""
+    value, walked = row, []
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: {'.'.join(walked)!r} must be an object such as "
+                            f"{{\"{part}\": \"42\"}} holding the ground truth ({key}), not a "
+                            f"{type(value).__name__}; fix that row, or set runtime_args.ground_truth_key.")
+        if part not in value:
+            raise UserError(f"{where}: the row has no {key!r} field (the ground truth; at {part!r} it has: "
+                            f"{', '.join(sorted(map(str, value))) or 'nothing'}). Add it, or set "
+                            "runtime_args.ground_truth_key to the field holding the answer (null if the reward "
+                            "needs none).")
+        value = value[part]
+        walked.append(part)
+    return value
+
+
 def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_thinking: bool,
-                 prompt_key: str = "prompt", what: str = "runtime_args.data_path") -> PromptSet:
-    ids, truths, sources = [], [], []
+                 prompt_key: str, ground_truth_key: str | None,
+                 what: str = "runtime_args.data_path") -> PromptSet:
+    """Read every row, apply the chat template to ``row[prompt_key]`` (a string becomes one user message;
+    ``enable_thinking`` is passed to the template) and drop prompts longer than ``max_prompt_tokens``.
+    ``extras`` keeps each row without the prompt, ``data_source`` and ground-truth columns (the first
+    part of ``ground_truth_key``)."""
+    ids, truths, sources, extras = [], [], [], []
     dropped = 0
+    taken = {prompt_key, "data_source"} | ({ground_truth_key.split(".")[0]} if ground_truth_key else set())
     for path in list_data_files(paths):
         for row, where in read_rows(path):
             if prompt_key not in row:
                 raise UserError(f"{where}: the row has no {prompt_key!r} field (it has: "
-                                f"{', '.join(sorted(row)) or 'nothing'}). Add it, or set the prompt key.")
+                                f"{', '.join(sorted(row)) or 'nothing'}). Add it, or set the prompt key "
+                                "(runtime_args.prompt_key) to the field holding the prompt.")
             prompt = row[prompt_key]
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if not isinstance(messages, list) or not messages or not all(
@@ -115,6 +141,7 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                     for m in messages):
                 raise UserError(f"{where}: {prompt_key!r} must be a string or a non-empty list of chat messages "
                                 "({'role': '...', 'content': '...'}); fix that row.")
+            truth = _ground_truth(row, ground_truth_key, where) if ground_truth_key else None
             try:
                 token_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                           enable_thinking=enable_thinking)
@@ -129,18 +156,14 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                 dropped += 1
                 continue
             ids.append(list(token_ids))
-            reward_model = row.get("reward_model") or {}
-            if not isinstance(reward_model, dict):
-                raise UserError(f"{where}: 'reward_model' must be an object such as "
-                                "{\"style\": \"rule\", \"ground_truth\": \"42\"}, "
-                                f"not a {type(reward_model).__name__}; fix that row.")
-            truths.append(str(reward_model.get("ground_truth", row.get("ground_truth", ""))))
+            truths.append(truth)
             sources.append(str(row.get("data_source", os.path.basename(path))))
+            extras.append({k: v for k, v in row.items() if k not in taken})
     if not ids:
         reason = (f"all {dropped} prompts are longer than models.policy.max_prompt_tokens_length "
                   f"({max_prompt_tokens}); raise it" if dropped else "the files hold no rows; add data")
         raise UserError(f"{what}: no usable prompts: {reason}.")
-    return PromptSet(ids, truths, sources, dropped)
+    return PromptSet(ids, truths, sources, dropped, extras)
 
 
 class PromptSampler:

@@ -10,10 +10,11 @@ import json
 import os
 
 import ray
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from chatlearn.config.plan import Plan
+from chatlearn.algorithms.lr_schedule import resolve_schedule
+from chatlearn.config.plan import Plan, make_plan
 from chatlearn.errors import UserError
 from chatlearn.runtime.group import WorkerGroup, create_group
 
@@ -23,18 +24,28 @@ BACKENDS = {
     "vllm": "chatlearn.models.rollout.vllm:VLLMRollout",
     "hf": "chatlearn.models.rollout.hf:HFRollout",
     "sglang": "chatlearn.models.rollout.sglang:SGLangRollout",
-    "reward": "chatlearn.models.reward.math_reward:MathReward",
+    "reward": "chatlearn.models.reward.functions:RewardManager",
 }
 
 
 def trainer_cfg(cfg: DictConfig, name: str) -> dict:
-    t, rt = cfg.models[name], cfg.runtime_args
-    opt = cfg.models.policy_trainer.optimizer
+    t, rt, pt = cfg.models[name], cfg.runtime_args, cfg.models.policy_trainer
+    opt = pt.optimizer
+    # the schedule's steps: lr_warmup_* and lr_decay_iters resolved against the run's optimizer steps
+    warmup, decay = resolve_schedule(opt.lr_warmup_iters, opt.lr_warmup_fraction, opt.lr_decay_iters,
+                                     make_plan(cfg).steps_per_episode * rt.num_episode)
     return {"load": t.load, "trust_remote_code": t.trust_remote_code, "seed": t.seed, "trainable": t.trainable,
             "lr": opt.lr, "weight_decay": opt.weight_decay, "clip_grad": opt.clip_grad,
             "train_micro_batch_size": t.train_micro_batch_size, "logprob_micro_batch_size": t.generation_batch_size,
             "pos_clip_ratio": t.pos_clip_ratio, "neg_clip_ratio": t.neg_clip_ratio, "kl_coef": t.kl_coef,
             "entropy_coef": t.entropy_coef, "gradient_checkpointing": t.gradient_checkpointing, "bf16": t.bf16,
+            "packing": t.packing, "max_token_in_packing": t.max_token_in_packing,
+            # policy loss, KL and learning-rate schedule (chatlearn.algorithms), the policy trainer's
+            "clip_ratio_c": pt.clip_ratio_c, "use_group_sequence_policy": pt.use_group_sequence_policy,
+            "loss_agg_mode": pt.loss_agg_mode, "max_response_tokens_length": cfg.models.policy.max_response_tokens_length,
+            "kl_estimator": pt.kl_estimator, "kl_in_reward": pt.kl_in_reward,
+            "min_lr": opt.min_lr, "lr_decay_style": opt.lr_decay_style, "lr_warmup_iters": warmup,
+            "lr_decay_iters": decay, "lr_warmup_init": opt.lr_warmup_init,
             "train_global_batch_size": rt.train_global_batch_size,
             # Megatron parallelism (the FSDP trainer shards data-parallel only and ignores them)
             "tensor_model_parallel_size": t.tensor_model_parallel_size,
@@ -52,6 +63,14 @@ def rollout_cfg(cfg: DictConfig) -> dict:
             "max_num_batched_tokens": p.max_num_batched_tokens}
 
 
+def reward_cfg(cfg: DictConfig) -> dict:
+    """The reward functions as explicit entries; relative paths start from the driver's directory."""
+    from chatlearn.models.reward.functions import resolve_entries
+
+    return {"functions": resolve_entries(OmegaConf.to_container(cfg.models.reward, resolve=True)),
+            "base_dir": os.getcwd()}
+
+
 def resolve_dtype(dtype: str, model_dir: str) -> str:
     if dtype != "auto":
         return dtype
@@ -59,6 +78,25 @@ def resolve_dtype(dtype: str, model_dir: str) -> str:
         conf = json.load(f)
     found = str(conf.get("torch_dtype") or conf.get("dtype") or "float32").replace("torch.", "")
     return found if found in ("float32", "bfloat16", "float16") else "float32"
+
+
+def use_auth_token_if_present() -> None:
+    """Send Ray's authentication token when one is available and the mode is not chosen.
+
+    ``ray start --head`` turns token authentication on and stores the token (by default in
+    ``~/.ray/auth_token``), but a driver that connects by address sends it only in token mode
+    (``RAY_AUTH_MODE=token``); clusters without authentication accept such a driver too.
+    Ray's own helper does that (it also refreshes Ray's cached config, which has read the
+    environment at import).
+    """
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 class Cluster:
@@ -76,12 +114,23 @@ class Cluster:
         if not ray.is_initialized():
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # plain "(Worker pid=...)" prefixes in logs
             if os.environ.get("RAY_ADDRESS"):
-                ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+                print(f"[chatlearn] joining the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
+                use_auth_token_if_present()
+                try:
+                    ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+                except (ConnectionError, RuntimeError, ValueError) as err:
+                    raise UserError(
+                        f"could not join the Ray cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']!r} ({err}). "
+                        "Start it first (`ray start --head` on the head node, `ray start --address=HEAD:PORT` "
+                        "on the others) and use the address it prints, or unset RAY_ADDRESS to run on this "
+                        "machine alone.") from err
             else:
                 import torch
 
                 gpus = torch.cuda.device_count() or plan.total_devices  # logical devices without a GPU
-                ray.init(num_cpus=max(os.cpu_count() or 1, reward_cpus), num_gpus=gpus, include_dashboard=False,
+                # "local": a new cluster of this run's own, even where `ray start` ran before
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, reward_cpus), num_gpus=gpus,
+                         include_dashboard=False,
                          logging_level="WARNING", configure_logging=True)
             self.started_ray = True
         have = ray.cluster_resources()
@@ -115,7 +164,7 @@ class Cluster:
         threads = max(1, (os.cpu_count() or 1) // max(1, plan.total_devices))
         if name == "reward":
             per = cfg.models.reward.cpu_per_process or 1
-            group = create_group(name, BACKENDS["reward"], dict(cfg.models.reward), num_actors=pl.num_actors,
+            group = create_group(name, BACKENDS["reward"], reward_cfg(cfg), num_actors=pl.num_actors,
                                  pg=None, bundles=[], gpu_fraction=0, cpus=per, threads=per, distributed=False)
         else:
             sharing = len([x for x in plan.device_groups[pl.device_group] if x in plan.placements

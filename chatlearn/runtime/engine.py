@@ -3,30 +3,36 @@
 One episode, in the order the code runs it:
 
 1. rollout: the policy engine samples ``num_inference_per_prompt`` responses per prompt;
-2. reward: CPU workers score them;
-3. reference log-probs (ref_policy);
-4. old log-probs (policy_trainer), group-relative advantages, optimizer steps;
+2. reward: CPU workers score them, while
+3. the reference log-probs (ref_policy) and
+4. the old log-probs (policy_trainer) are computed; then advantages and optimizer steps;
 5. weight push: the rollout engine wakes its weights, receives the new ones, then its KV cache.
 
 The order is chosen to minimise turns on shared devices: the reference model runs before the
 trainer so that the trainer, once resident for its old log-probs, stays resident to train; and the
 rollout engine, resident after the push, stays resident for evaluation and the next rollout.
-With full colocation that is four turns per episode (policy -> ref -> trainer -> policy weights
--> policy KV cache).
+With full colocation that is nine transitions per episode (policy out, ref in, ref out, trainer
+weights in, trainer optimizer in, trainer optimizer out, policy weights in, the push, trainer
+weights out, policy KV cache in); models on disjoint devices make no turns and run concurrently.
+Every episode reports the time spent in model compute and the overhead share (everything else:
+turns, the weight push, Ray dispatch and transfers, the driver's own work).
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import ray
 from omegaconf import DictConfig, OmegaConf
 
-from chatlearn.algorithms.grpo import group_advantages
+from chatlearn.algorithms.grpo import episode_advantages
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.plan import Plan
 from chatlearn.data.dataset import PromptSampler, PromptSet, load_prompts, load_tokenizer
+from chatlearn.errors import UserError
 from chatlearn.logging.metrics import summary_line
 from chatlearn.logging.perf import peak_memory, throughput
 from chatlearn.logging.plots import plot_after_run
@@ -34,8 +40,10 @@ from chatlearn.logging.progress import RunProgress
 from chatlearn.logging.sinks import MetricSinks
 from chatlearn.models.base import response_mask, select_samples
 from chatlearn.runtime.cluster import Cluster
+from chatlearn.runtime.group import Activity
 from chatlearn.runtime.rollouts import Rollouts
 from chatlearn.runtime.scheduler import MODEL_PARTS, Scheduler, Timeline, movable_parts
+from chatlearn.runtime.weight_sync import WeightSync
 
 
 class GRPO(Rollouts):
@@ -52,16 +60,26 @@ class GRPO(Rollouts):
         # Build each model, then let it leave the devices it shares, so the next one has room.
         # The rollout engine comes last: it sizes its KV cache from the memory left free.
         for name in ("policy_trainer", "ref_policy", "reward", "policy"):
+            if name not in plan.placements:  # ref_policy without a KL term
+                continue
             group = cluster.create(name)
             self.sched.groups[name] = group
             if name == "reward":
                 continue
             self.sched.movable[name] = movable_parts(name, m[name].free_gpu_memory)
             self.sched.resident[name] = set(MODEL_PARTS[name])
+            pinned = [p for p in MODEL_PARTS[name] if p not in self.sched.movable[name]]
+            if plan.colocated_with(name) and pinned:
+                print(f"[chatlearn] warning: models.{name}.free_gpu_memory keeps its {', '.join(pinned)} on "
+                      f"the devices it shares with {', '.join(plan.colocated_with(name))}: they stay resident "
+                      "during the other models' turns (set the flags to true to free that memory)", flush=True)
             if plan.colocated_with(name) and name != "policy":
                 self.sched.offload(name, self.sched.movable[name])
+        self.activity = Activity()
+        for group in self.sched.groups.values():
+            group.activity = self.activity
         self.policy, self.trainer = self.sched.groups["policy"], self.sched.groups["policy_trainer"]
-        self.ref, self.reward = self.sched.groups["ref_policy"], self.sched.groups["reward"]
+        self.ref, self.reward = self.sched.groups.get("ref_policy"), self.sched.groups["reward"]
         self.sampler = PromptSampler(len(train_set), shuffle=rt.data_shuffle, seed=rt.seed)
         self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
         self.metrics = MetricSinks(cfg)
@@ -99,25 +117,39 @@ class GRPO(Rollouts):
         prompts = [self.train_set.prompt_ids[i] for i in idx for _ in range(n)]
         truths = [self.train_set.ground_truths[i] for i in idx for _ in range(n)]
         sources = [self.train_set.data_sources[i] for i in idx for _ in range(n)]
+        extra = [self.train_set.extras[i] for i in idx for _ in range(n)]
         with timer("policy", "generate"):
             self.sched.ensure("policy", ["weights", "kv_cache"])
             batch = self.generate(prompts, self.sampling(eval_mode=False, seed=p.seed + episode))
 
-        # 2. reward (CPU workers)
-        with timer("reward", "reward"):
-            rewards = self.score(batch, truths, sources)
-
-        # 3. reference log-probs; before the trainer so the trainer stays resident to train
+        # 2-4. reward, reference and old log-probs. Models on disjoint devices run at the same
+        # time: the reward workers (CPU) score while the log-prob passes run, and the reference
+        # runs next to the trainer when they do not share devices. When they do, the reference
+        # goes first, so that the trainer, once resident for its old log-probs, stays to train.
         temperature = self.train_temperature
-        with timer("ref_policy", "ref_logprobs"):
-            self.sched.ensure("ref_policy", ["weights"])
-            batch["ref_logprobs"] = self.logprobs(self.ref, batch, temperature)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            scoring = pool.submit(timer.timed, "reward", "reward", self.score, batch, truths, sources, extra)
+            ref_task, ref_logprobs = None, None
+            if not plan.uses_ref:
+                pass
+            elif "policy_trainer" in plan.colocated_with("ref_policy"):
+                with timer("ref_policy", "ref_logprobs"):
+                    ref_logprobs = self.ref_logprobs(batch, temperature)
+            else:
+                ref_task = pool.submit(timer.timed, "ref_policy", "ref_logprobs", self.ref_logprobs,
+                                       batch, temperature)
+            with timer("policy_trainer", "old_logprobs"):
+                self.sched.ensure("policy_trainer", ["weights"])
+                old_logprobs = self.logprobs(self.trainer, batch, temperature)
+            if ref_task is not None:
+                ref_logprobs = ref_task.result()
+            rewards, reward_parts = scoring.result()
+        batch["old_logprobs"] = old_logprobs
+        if ref_logprobs is not None:
+            batch["ref_logprobs"] = ref_logprobs
 
-        # 4. old log-probs, advantages, optimizer steps
-        with timer("policy_trainer", "old_logprobs"):
-            self.sched.ensure("policy_trainer", ["weights"])
-            batch["old_logprobs"] = self.logprobs(self.trainer, batch, temperature)
-        batch["advantages"] = group_advantages(rewards, n).astype(np.float32)
+        # 4. advantages, optimizer steps
+        adv_metrics = self.advantages(batch, rewards)
         with timer("policy_trainer", "train"):
             self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
             step_metrics = self.optimize(batch)
@@ -128,18 +160,32 @@ class GRPO(Rollouts):
         # 5. new weights into the rollout engine: its weights first, the push, then its KV cache
         with timer("policy", "weight_push"):
             self.sched.ensure("policy", ["weights"], keep={"policy_trainer": ["weights"]})
-            self.push_weights()
-            self.sched.ensure("policy", ["kv_cache"])
+            push_metrics = self.push_weights()
+        self.sched.ensure("policy", ["kv_cache"])
 
         metrics = {f"train/{k}": v for k, v in step_metrics.items()}
+        metrics.update(adv_metrics)
+        metrics.update(push_metrics)
+        metrics.update({f"perf/logprob_{k}": v for k, v in self.trainer.call("logprob_stats")[0][0].items()})
         metrics.update(self.rollout_metrics(batch, rewards, prefix="train"))
+        metrics.update(self.reward_metrics(reward_parts, prefix="train"))
         mask = response_mask(batch)
         diff = np.abs(batch["rollout_logprobs"][mask] - batch["old_logprobs"][mask])
         metrics["train/logprob_diff_rollout_vs_trainer_mean"] = float(diff.mean()) if diff.size else 0.0
         metrics["train/logprob_diff_rollout_vs_trainer_max"] = float(diff.max()) if diff.size else 0.0
+        metrics["train/mismatch_kl"] = mismatch_kl(batch["old_logprobs"][mask], batch["rollout_logprobs"][mask])
+        warn_at = p.logprob_mismatch_warn
+        if warn_at > 0 and metrics["train/logprob_diff_rollout_vs_trainer_mean"] > warn_at:
+            print(f"[chatlearn] warning: episode {episode}: rollout and trainer log-probs differ by "
+                  f"{metrics['train/logprob_diff_rollout_vs_trainer_mean']:.4f} nats per token on average "
+                  f"(models.policy.logprob_mismatch_warn: {warn_at:g}; mismatch KL "
+                  f"{metrics['train/mismatch_kl']:.2e}): the rollout engine samples from a different "
+                  "distribution than the trainer (dtype, kernels, or a failed weight push)", flush=True)
         metrics.update(timer.totals())
         metrics.update(throughput(batch, metrics, cfg.runtime_args.num_training_epoch))
-        metrics["time/episode"] = time.perf_counter() - start
+        end = time.perf_counter()
+        metrics["time/episode"] = end - start
+        metrics.update(overhead(self.activity.busy(COMPUTE_METHODS, start, end), end - start))
         return metrics
 
     # ------------------------------------------------------------------ stages
@@ -149,20 +195,36 @@ class GRPO(Rollouts):
         t = self.cfg.models.policy.temperature
         return t if t > 0 else 1.0
 
+    def ref_logprobs(self, batch: dict, temperature: float) -> np.ndarray:
+        self.sched.ensure("ref_policy", ["weights"])
+        return self.logprobs(self.ref, batch, temperature)
+
     def logprobs(self, group, batch: dict, temperature: float) -> np.ndarray:
         ref = ray.put({k: batch[k] for k in ("tokens", "offsets", "prompt_lens")})
         outs, _ = group.call("compute_logprobs", ref, temperature)
         return outs[0]
 
+    def advantages(self, batch: dict, rewards: np.ndarray) -> dict:
+        """Sets ``batch["advantages"]`` and ``batch["sample_weights"]`` from the rewards
+        (``advantage_estimator``, ``filter_equal_groups``, ``kl_in_reward``: see
+        :func:`chatlearn.algorithms.grpo.episode_advantages`); returns their ``train/`` metrics."""
+        t = self.cfg.models.policy_trainer
+        batch["advantages"], batch["sample_weights"], metrics = episode_advantages(
+            batch, rewards, self.plan.group_size, estimator=t.advantage_estimator,
+            filter_equal_groups=t.filter_equal_groups, kl_in_reward=t.kl_in_reward,
+            kl_coef=t.kl_coef, kl_estimator=t.kl_estimator)
+        return {f"train/{k}": v for k, v in metrics.items()}
+
     def optimize(self, batch: dict) -> dict:
         """``sample_per_episode / train_global_batch_size`` optimizer steps (times num_training_epoch)."""
         plan = self.plan
-        keys = ("tokens", "offsets", "prompt_lens", "old_logprobs", "ref_logprobs", "advantages")
+        keys = ("tokens", "offsets", "prompt_lens", "old_logprobs", "ref_logprobs", "advantages",
+                "sample_weights")
         sums: dict[str, float] = {}
         steps = 0
         for _ in range(self.cfg.runtime_args.num_training_epoch):
             for s in range(0, plan.samples_per_episode, plan.samples_per_step):
-                sub = select_samples({k: batch[k] for k in keys}, range(s, s + plan.samples_per_step))
+                sub = select_samples({k: batch[k] for k in keys if k in batch}, range(s, s + plan.samples_per_step))
                 self.progress.stage("train", f"step {steps + 1}/{plan.steps_per_episode}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
                 for k, v in outs[0].items():
@@ -170,12 +232,12 @@ class GRPO(Rollouts):
                 steps += 1
         return {k: v / steps for k, v in sums.items()}
 
-    def push_weights(self) -> None:
-        bucket_mb = self.cfg.runtime_args.coalesced_buffer_mb
-        refs = [a.value.remote("export_weights", bucket_mb) for a in self.trainer.actors]
-        # rank 0 holds the full weights; the rollout replicas read them from the object store
-        ray.get([a.call_per_item.remote("update_weights", refs[0]) for a in self.policy.actors])
-        ray.get(refs)
+    def push_weights(self) -> dict:
+        """Stream the trainer's weights into every rollout replica (``WeightSync``: buckets,
+        transport chosen by placement, set up on the first push); returns ``sync/*`` metrics."""
+        if getattr(self, "weight_sync", None) is None:
+            self.weight_sync = WeightSync(self.trainer, self.policy, self.plan, self.cfg)
+        return self.weight_sync.push()
 
     def should_save(self, episode: int) -> bool:
         rt = self.cfg.runtime_args
@@ -200,7 +262,14 @@ class GRPO(Rollouts):
         state = self.ckpt.read_state(path)
         print(f"[chatlearn] resuming from {path} (episode {episode})", flush=True)
         self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
-        self.trainer.call("load_checkpoint", os.path.abspath(os.path.join(path, "trainer")))
+        try:
+            self.trainer.call("load_checkpoint", os.path.abspath(os.path.join(path, "trainer")))
+        except UserError as err:  # from the trainer ranks, wrapped by Ray
+            cause = getattr(err, "cause", None) or err
+            raise UserError(
+                f"cannot resume from the newest checkpoint {path!r}: {cause.message} To resume from the "
+                f"checkpoint before it, delete or move that folder; to start "
+                "over, run with --no-resume or set runtime_args.enable_resume_training=false.") from err
         self.sampler.load_state_dict(state["sampler"])
         # the rollout engine still holds the initial weights: give it the checkpoint's
         self.sched.ensure("policy", ["weights"], keep={"policy_trainer": ["weights"]})
@@ -216,12 +285,14 @@ class GRPO(Rollouts):
         prompts = [ids for ids in es.prompt_ids for _ in range(k)]
         truths = [g for g in es.ground_truths for _ in range(k)]
         sources = [s for s in es.data_sources for _ in range(k)]
+        extra = [x for x in es.extras for _ in range(k)]
         start = time.perf_counter()
         self.progress.stage("eval")
         self.sched.ensure("policy", ["weights", "kv_cache"])
         batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
-        rewards = self.score(batch, truths, sources)
+        rewards, reward_parts = self.score(batch, truths, sources, extra)
         metrics = self.rollout_metrics(batch, rewards, prefix="eval")
+        metrics.update(self.reward_metrics(reward_parts, prefix="eval"))
         for src in sorted(set(sources)):
             sel = np.array([s == src for s in sources])
             metrics[f"eval/{src}/reward_mean"] = float(rewards[sel].mean())
@@ -242,12 +313,32 @@ class GRPO(Rollouts):
         self.progress.finish(episode, summary_line(episode, self.cfg.runtime_args.num_episode, metrics))
 
 
+def mismatch_kl(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray) -> float:
+    """k3 estimate of KL(rollout || trainer) over the response tokens sampled by the rollout:
+    with ``d = old_logp - rollout_logp``, ``mean(exp(d) - d - 1)`` (0 when there are none)."""
+    d = old_logprobs.astype(np.float64) - rollout_logprobs.astype(np.float64)
+    return float(np.mean(np.expm1(d) - d)) if d.size else 0.0
+
+
+# The calls that are model compute; everything else in an episode (turns, weight push, Ray
+# dispatch and transfers, the driver's own work) is overhead.
+COMPUTE_METHODS = {"generate", "score", "compute_logprobs", "train"}
+
+
+def overhead(busy: float, episode: float) -> dict:
+    """``time/model_compute``: seconds of the episode during which at least one model computed
+    (overlapping calls counted once); ``perf/overhead_share``: the rest over the episode time."""
+    return {"time/model_compute": busy,
+            "perf/overhead_share": max(0.0, episode - busy) / episode if episode > 0 else 0.0}
+
+
 class StageTimer:
     """Times stages (``time/<stage>``) and the turns inside them (``time/transitions``)."""
 
     def __init__(self, sched: Scheduler, progress: RunProgress | None = None):
         self.sched, self.progress = sched, progress
         self._totals: dict[str, float] = {}
+        self._lock = threading.Lock()
         self._mark = len(sched.timeline.events)
 
     def __call__(self, model: str, stage: str):
@@ -261,10 +352,22 @@ class StageTimer:
 
             def __exit__(self, *exc):
                 seconds = time.perf_counter() - self.start
-                timer._totals[f"time/{stage}"] = timer._totals.get(f"time/{stage}", 0.0) + seconds
+                with timer._lock:
+                    timer._totals[f"time/{stage}"] = timer._totals.get(f"time/{stage}", 0.0) + seconds
                 timer.sched.stage(model, stage, seconds)
 
         return _Ctx()
+
+    def timed(self, model: str, stage: str, fn, *args):
+        """``fn(*args)`` timed as a stage, for stages run on a worker thread (no progress label)."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            seconds = time.perf_counter() - start
+            with self._lock:
+                self._totals[f"time/{stage}"] = self._totals.get(f"time/{stage}", 0.0) + seconds
+            self.sched.stage(model, stage, seconds)
 
     def totals(self) -> dict:
         events = [e for e in self.sched.timeline.events[self._mark:] if e["kind"] == "transition"]
@@ -280,7 +383,8 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False) -> dict:
     os.makedirs(rt.output_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(rt.output_dir, "config.yaml"))
     tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
-    data = dict(max_prompt_tokens=p.max_prompt_tokens_length, enable_thinking=p.enable_thinking)
+    data = dict(max_prompt_tokens=p.max_prompt_tokens_length, enable_thinking=p.enable_thinking,
+                prompt_key=rt.prompt_key, ground_truth_key=rt.ground_truth_key)
     train_set = load_prompts(rt.data_path.split(","), tokenizer, **data)
     eval_set = None
     if rt.eval_data_path and (rt.eval_episode_interval > 0 or rt.enable_eval_before_training):

@@ -81,18 +81,22 @@ class Evaluator(Rollouts):
         prompts = [ids for ids in prompt_set.prompt_ids for _ in range(k)]
         truths = [g for g in prompt_set.ground_truths for _ in range(k)]
         sources = [s for s in prompt_set.data_sources for _ in range(k)]
+        extra = [x for x in prompt_set.extras for _ in range(k)]
         batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
         texts = self.responses_text(batch)
-        rewards = self.score(batch, truths, sources, texts=texts)
+        rewards, reward_parts = self.score(batch, truths, sources, extra, texts=texts)
         correct = rewards >= self.cfg.models.reward.correct_score
         resp_lens = (batch["offsets"][1:] - batch["offsets"][:-1]) - batch["prompt_lens"]
         truncated = batch["finish_reasons"] == 0
         prompt_texts = self.tokenizer.batch_decode(prompt_set.prompt_ids, skip_special_tokens=False)
         samples = [{"prompt": prompt_texts[i // k], "response": texts[i], "reward": float(rewards[i]),
                     "ground_truth": truths[i], "data_source": sources[i], "sample_index": i % k,
-                    "response_tokens": int(resp_lens[i]), "truncated": bool(truncated[i])}
+                    "response_tokens": int(resp_lens[i]), "truncated": bool(truncated[i]),
+                    "reward_parts": {key: float(v[i]) for key, v in reward_parts.items()}}
                    for i in range(len(texts))]
-        return samples, aggregate(rewards, correct, resp_lens, truncated, sources, k)
+        metrics = aggregate(rewards, correct, resp_lens, truncated, sources, k)
+        metrics["all"].update({f"reward/{key}": float(v.mean()) for key, v in reward_parts.items()})
+        return samples, metrics
 
 
 def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
@@ -106,7 +110,8 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
     check_model_folder(p.load, "models.policy.load")
     tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
     prompt_set = load_prompts(rt.eval_data_path.split(","), tokenizer, max_prompt_tokens=p.max_prompt_tokens_length,
-                              enable_thinking=p.enable_thinking, what="runtime_args.eval_data_path")
+                              enable_thinking=p.enable_thinking, prompt_key=rt.prompt_key,
+                              ground_truth_key=rt.ground_truth_key, what="runtime_args.eval_data_path")
     k = p.eval_num_inference_per_prompt
     print(f"[chatlearn] evaluating {p.load} on {len(prompt_set)} prompts x {k} samples", flush=True)
     # only the rollout engine (on its own devices) and the reward workers

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -10,12 +12,43 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from chatlearn.runtime.worker import Worker
 
 
+class Activity:
+    """When the actors were busy: ``(method, start, end)`` on the driver's clock.
+
+    A call's interval is ``[return - seconds, return]``, with ``seconds`` the longest time an
+    actor spent in the method, so Ray's dispatch and transfers fall outside it.
+    """
+
+    def __init__(self):
+        self.spans: list[tuple[str, float, float]] = []
+        self._lock = threading.Lock()
+
+    def record(self, method: str, seconds: float) -> None:
+        end = time.perf_counter()
+        with self._lock:
+            self.spans.append((method, end - seconds, end))
+
+    def busy(self, methods: set[str], since: float, until: float) -> float:
+        """Seconds in ``[since, until]`` during which at least one call of ``methods`` ran."""
+        spans = sorted((max(s, since), min(e, until)) for m, s, e in self.spans
+                       if m in methods and e > since and s < until)
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in spans:
+            if cur_e is None or s > cur_e:
+                total += (cur_e - cur_s) if cur_e is not None else 0.0
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
+
+
 class WorkerGroup:
     """N actors of one model. ``call`` runs a method on every actor and returns the results in rank order."""
 
     def __init__(self, name: str, actors: list):
         self.name = name
         self.actors = actors
+        self.activity: Activity | None = None  # set by the engine to account busy time
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -26,13 +59,18 @@ class WorkerGroup:
     def call(self, method: str, *args, **kwargs) -> tuple[list, float]:
         """Results of every actor, and the longest time any of them took."""
         outs = ray.get(self.call_async(method, *args, **kwargs))
-        return [o for o, _ in outs], max((s for _, s in outs), default=0.0)
+        return self._done(method, outs)
 
     def call_each(self, method: str, per_actor_args: list[tuple]) -> tuple[list, float]:
         """Actor i runs ``method(*per_actor_args[i])``."""
         refs = [a.call.remote(method, *args) for a, args in zip(self.actors, per_actor_args)]
-        outs = ray.get(refs)
-        return [o for o, _ in outs], max((s for _, s in outs), default=0.0)
+        return self._done(method, ray.get(refs))
+
+    def _done(self, method: str, outs: list) -> tuple[list, float]:
+        seconds = max((s for _, s in outs), default=0.0)
+        if self.activity is not None:
+            self.activity.record(method, seconds)
+        return [o for o, _ in outs], seconds
 
 
 def create_group(name: str, factory: str, cfg: dict, *, num_actors: int, pg: PlacementGroup | None,

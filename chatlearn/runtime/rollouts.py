@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from chatlearn.errors import UserError
 from chatlearn.models.base import concat_batches, select_samples
 
 
@@ -39,10 +40,32 @@ class Rollouts:
         return self.tokenizer.batch_decode([tokens[off[i] + plen[i]:off[i + 1]] for i in range(len(plen))],
                                            skip_special_tokens=True)
 
-    def score(self, batch: dict, truths: list[str], sources: list[str], texts: list[str] | None = None
-              ) -> np.ndarray:
+    def prompts_text(self, batch: dict) -> list[str]:
+        off, plen, tokens = batch["offsets"], batch["prompt_lens"], batch["tokens"]
+        return self.tokenizer.batch_decode([tokens[off[i]:off[i] + plen[i]] for i in range(len(plen))],
+                                           skip_special_tokens=True)
+
+    def score(self, batch: dict, truths: list, sources: list[str], extra: list[dict], texts: list[str] | None = None
+              ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rewards of the samples (the weighted sum of the reward functions) and each function's
+        per-sample outputs by ``"<name>/<key>"``; the reward workers take contiguous shares."""
         texts = self.responses_text(batch) if texts is None else texts
-        shares = np.array_split(np.arange(len(texts)), len(self.reward))
-        outs, _ = self.reward.call_each("score", [([texts[i] for i in s], [truths[i] for i in s],
-                                                   [sources[i] for i in s]) for s in shares])
-        return np.concatenate(outs).astype(np.float32)
+        prompts = self.prompts_text(batch)
+        shares = [s for s in np.array_split(np.arange(len(texts)), len(self.reward)) if len(s)]
+        outs, _ = self.reward.call_each("score", [([prompts[i] for i in s], [texts[i] for i in s],
+                                                   [truths[i] for i in s], [sources[i] for i in s],
+                                                   [extra[i] for i in s]) for s in shares])
+        rewards = np.concatenate([o["score"] for o in outs]).astype(np.float32)
+        for o in outs[1:]:
+            odd = set(o["metrics"]) ^ set(outs[0]["metrics"])
+            if odd:
+                raise UserError(f"reward function {sorted(odd)[0].split('/')[0]!r} (models.reward.functions) "
+                                "returned different dict keys for different batches. Return the same keys for "
+                                "every batch.")
+        parts = {k: np.concatenate([o["metrics"][k] for o in outs]) for k in outs[0]["metrics"]}
+        return rewards, parts
+
+    @staticmethod
+    def reward_metrics(parts: dict[str, np.ndarray], prefix: str) -> dict:
+        """``<prefix>/reward/<name>/<key>``: the mean over the samples of each reward function's output."""
+        return {f"{prefix}/reward/{k}": float(v.mean()) for k, v in parts.items()}

@@ -5,10 +5,16 @@ models of that group that are resident (those their ``free_gpu_memory`` flags al
 onloads the parts ``model`` needs that are not resident. Nothing moves when nothing has to: a
 model that is already resident stays so. Every move and every stage call is recorded in the
 timeline (``<output_dir>/timeline.jsonl``) with its model, parts, bytes and seconds.
+
+The invariant, checked after every move: on one device group, parts of two models are never
+resident at the same time, except the trainer's weights next to the rollout engine's weights
+during a weight push (never optimizer state, gradients or KV cache alongside). Parts that the
+config pins (``free_gpu_memory`` flags off) are exempt, and the run says so when it starts.
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Iterable
 
@@ -29,6 +35,28 @@ def movable_parts(name: str, free_gpu_memory) -> set[str]:
              "grads": free_gpu_memory.free_grad_buffers,
              "kv_cache": True}
     return {p for p in MODEL_PARTS[name] if flags[p]}
+
+
+# Parts of two models may be resident together on one device group only during a weight
+# push: the trainer's weights next to the rollout engine's (never optimizer state or KV cache).
+PUSH_PAIR = {"policy_trainer": {"weights"}, "policy": {"weights"}}
+
+
+def residency_violations(device_groups: list[list[str]], resident: dict,
+                         pinned: dict[str, set[str]] | None = None) -> list[str]:
+    """Device groups where parts of two models are resident at once, beyond ``PUSH_PAIR``.
+
+    ``resident``: model -> resident parts. ``pinned``: parts the config keeps on the device
+    (``free_gpu_memory`` flags off); they are left out of the check.
+    """
+    pinned = pinned or {}
+    problems = []
+    for group in device_groups:
+        held = {m: set(resident.get(m, ())) - set(pinned.get(m, ())) for m in group}
+        held = {m: p for m, p in held.items() if p}
+        if len(held) > 1 and held != PUSH_PAIR:
+            problems.append(", ".join(f"{m}: {sorted(p)}" for m, p in sorted(held.items())))
+    return problems
 
 
 class Timeline:
@@ -55,6 +83,8 @@ class Scheduler:
     def __init__(self, plan: Plan, groups: dict[str, WorkerGroup], movable: dict[str, set[str]],
                  timeline: Timeline):
         self.plan, self.groups, self.movable, self.timeline = plan, groups, movable, timeline
+        # models on disjoint devices may be driven from two threads at once (see the engine)
+        self._lock = threading.RLock()
         # after setup every model holds all its parts
         self.resident: dict[str, set[str]] = {n: set(MODEL_PARTS[n]) for n in groups if n in MODEL_PARTS}
 
@@ -64,6 +94,10 @@ class Scheduler:
         ``keep`` names parts of other models that may stay resident alongside (a weight push
         keeps the trainer's weights next to the rollout engine's).
         """
+        with self._lock:
+            self._ensure(name, parts, keep)
+
+    def _ensure(self, name: str, parts: Iterable[str], keep: dict[str, Iterable[str]] | None) -> None:
         keep = {k: set(v) for k, v in (keep or {}).items()}
         for other in self.plan.colocated_with(name):
             if other not in self.resident:
@@ -81,6 +115,10 @@ class Scheduler:
     def _move(self, name: str, action: str, parts: list[str]) -> None:
         if not parts:
             return
+        with self._lock:
+            self._locked_move(name, action, parts)
+
+    def _locked_move(self, name: str, action: str, parts: list[str]) -> None:
         start = time.perf_counter()
         results, _ = self.groups[name].call(action, parts)
         seconds = time.perf_counter() - start
@@ -89,9 +127,18 @@ class Scheduler:
             self.resident[name] -= set(parts)
         else:
             self.resident[name] |= set(parts)
+        pinned = {m: set(MODEL_PARTS[m]) - self.movable.get(m, set()) for m in self.resident}
+        bad = residency_violations(self.plan.device_groups, self.resident, pinned)
+        if bad:  # a scheduling bug, not a user error
+            raise RuntimeError(f"residency invariant broken after {action} {name} {parts}: {bad}")
         self.timeline.record(kind="transition", model=name, action=action, parts=parts, bytes=moved,
-                             seconds=round(seconds, 6))
+                             seconds=round(seconds, 6), resident=self.snapshot())
 
     def stage(self, name: str, stage: str, seconds: float) -> None:
-        self.timeline.record(kind="stage", model=name, stage=stage, seconds=round(seconds, 6),
-                             resident={m: sorted(p) for m, p in self.resident.items() if p})
+        with self._lock:
+            self.timeline.record(kind="stage", model=name, stage=stage, seconds=round(seconds, 6),
+                                 resident=self.snapshot())
+
+    def snapshot(self) -> dict[str, list[str]]:
+        """Resident parts by model (models with none left out)."""
+        return {m: sorted(p) for m, p in self.resident.items() if p}

@@ -53,6 +53,14 @@ class Worker:
             fn(item)
         return None, time.perf_counter() - start
 
+    def sync(self, op: str, *args):
+        """Run ``op`` of this actor's weight-sync endpoint (``chatlearn.runtime.weight_sync``)."""
+        if getattr(self, "_sync", None) is None:
+            from chatlearn.runtime.weight_sync import Endpoint
+
+            self._sync = Endpoint(self.obj)
+        return getattr(self._sync, op)(*args)
+
     def memory(self) -> dict:
         """Peak memory of this process in MiB: CUDA memory allocated by torch when this process uses
         CUDA, else the peak resident set size (RSS). Peaks are since the process started."""

@@ -56,7 +56,7 @@ def test_policy_loss_matches_loops():
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     adv[:10] = 0.0
     pos, neg = 0.28, 0.2
-    loss, clipped = policy_loss(logp, old, adv, pos, neg)
+    loss, clipped, _ = policy_loss(logp, old, adv, pos, neg)
     for j in range(n):
         ratio = math.exp(logp[j] - old[j])
         a = float(adv[j])
@@ -74,7 +74,7 @@ def test_policy_loss_matches_loops():
 
 def test_policy_loss_gradient_is_zero_on_clipped_tokens():
     logp = torch.tensor([0.5, 0.0, -0.5], requires_grad=True)
-    loss, clipped = policy_loss(logp, torch.zeros(3), torch.ones(3), 0.2, 0.2)
+    loss, clipped, _ = policy_loss(logp, torch.zeros(3), torch.ones(3), 0.2, 0.2)
     loss.sum().backward()
     assert clipped.tolist() == [True, False, False]
     assert logp.grad[0] == 0 and logp.grad[1] != 0 and logp.grad[2] != 0

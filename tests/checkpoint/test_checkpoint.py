@@ -189,6 +189,8 @@ def assert_same_continuation(got, want, exact_step: bool):
         assert torch.equal(got["after"], want["after"])
     else:
         for key, value in want["step"].items():
+            if key == "micro_steps":  # per rank: it depends on the world size
+                continue
             assert got["step"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
         torch.testing.assert_close(got["after"], want["after"], rtol=0, atol=1e-6)
     assert not torch.equal(got["after"], got["logits"])  # the step did change the weights

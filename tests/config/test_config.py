@@ -41,8 +41,18 @@ def test_plan_sizes(paths_overrides):
     plan = make_plan(cfg)
     assert plan.prompts_per_episode == 16 and plan.trainer_dp == 2
     assert plan.steps_per_episode == 2 and plan.samples_per_rank_per_step == 16 and plan.micro_batches_per_step == 2
-    assert plan.device_groups[0] == ["policy", "policy_trainer", "ref_policy"] and plan.devices_per_group == [2]
+    # kl_coef 0 (the template): no KL term, so no reference model is placed or started
+    assert plan.device_groups[0] == ["policy", "policy_trainer"] and plan.devices_per_group == [2]
+    assert not plan.uses_ref and "ref_policy" not in plan.placements
     assert plan.placements["reward"].device_group == -1
+    assert any("ref_policy: not started" in line for line in plan.describe())
+
+    with_kl = make_plan(load_config(TEMPLATE, paths_overrides + ["models.policy_trainer.kl_coef=0.01"]))
+    assert with_kl.uses_ref and with_kl.device_groups[0] == ["policy", "policy_trainer", "ref_policy"]
+    apart = make_plan(load_config(TEMPLATE, paths_overrides + ["models.policy_trainer.kl_coef=0.01",
+                                                               "runtime_args.colocation=[]"]))
+    assert apart.device_groups == [["policy"], ["policy_trainer"], ["ref_policy"]] and apart.total_devices == 3
+    assert apart.colocated_with("policy") == []
 
 
 def test_chatlearn_yaml_with_every_documented_key_loads(tmp_path, tiny_model_dir, arith_data):
@@ -188,7 +198,6 @@ def test_chatlearn_yaml_with_every_documented_key_loads(tmp_path, tiny_model_dir
     ("models.policy.load=/no/such/model", "models.policy.load", ["does not exist"]),
     ("runtime_args.data_path=/no/such.jsonl", "runtime_args.data_path", ["does not exist"]),
     ("runtime_args.rollout_backend=vlm", "runtime_args.rollout_backend", ["Did you mean 'vllm'"]),
-    ("runtime_args.rollout_backend=sglang", "runtime_args.rollout_backend", ["not part of this release"]),
     ("runtime_args.colocation=[policy,polcy]", "runtime_args.colocation", ["not a model name"]),
     ("models.policy.top_p=0", "models.policy.top_p", ["(0, 1]"]),
 ])

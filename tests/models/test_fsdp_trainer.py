@@ -45,7 +45,12 @@ def trainer_cfg(path: str, **over) -> dict:
     cfg = dict(load=path, trust_remote_code=False, seed=0, trainable=True, lr=1e-3,
                weight_decay=0.01, clip_grad=1.0, train_micro_batch_size=2,
                logprob_micro_batch_size=3, pos_clip_ratio=0.2, neg_clip_ratio=0.2,
-               kl_coef=0.1, entropy_coef=0.01, gradient_checkpointing=False, bf16=False)
+               kl_coef=0.1, entropy_coef=0.01, gradient_checkpointing=False, bf16=False,
+               packing=False, max_token_in_packing=32768,
+               clip_ratio_c=None, use_group_sequence_policy=False, loss_agg_mode="token-mean",
+               max_response_tokens_length=16, kl_estimator="k3", kl_in_reward=False,
+               min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=100,
+               lr_warmup_init=0.0)
     cfg.update(over)
     return cfg
 
@@ -227,11 +232,54 @@ def _export_part(trainer, probe, out: str) -> dict:
             "probe_logits": probe_logits(trainer, probe)}
 
 
+LR_SCHEDULE = dict(lr=1e-3, min_lr=1e-4, lr_decay_style="cosine", lr_warmup_iters=2,
+                   lr_decay_iters=6, lr_warmup_init=2e-4)
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# sample 1 (on rank 0 of 2) filtered: the ranks keep different numbers of sequences and tokens
+SAMPLE_WEIGHTS = np.array([1, 0, 1, 1, 1, 1, 1, 1], np.float32)
+
+
+def _loss_modes_part(path, batch) -> dict:
+    """Per loss_agg_mode (with dual clip, low_var_kl; GSPO for the Dr. GRPO mode): metrics
+    and full gradients of one compute_grads over the batch with a filtered sample."""
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    out = {}
+    for mode in AGG_MODES:
+        trainer = FSDPTrainer(trainer_cfg(
+            path, loss_agg_mode=mode, clip_ratio_c=1.1, kl_estimator="low_var_kl",
+            use_group_sequence_policy=mode == "seq-mean-token-sum-norm"))
+        metrics = trainer.compute_grads(dict(batch, sample_weights=SAMPLE_WEIGHTS))
+        out[mode] = {"metrics": metrics, "grads": trainer.full_grads()}
+    return out
+
+
+def _lr_resume_part(path, batch, out) -> dict:
+    """lr of 5 steps of a warmup + cosine schedule, with a checkpoint after step 3; a new
+    trainer resumed from it takes steps 4 and 5; then a step on an all-filtered batch."""
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    cfg = trainer_cfg(path, **LR_SCHEDULE)
+    trainer = FSDPTrainer(cfg)
+    lrs = [trainer.train(batch)["lr"] for _ in range(3)]
+    trainer.save_checkpoint(os.path.join(out, "lr_checkpoint"))
+    lrs += [trainer.train(batch)["lr"] for _ in range(2)]
+    resumed = FSDPTrainer(cfg)
+    resumed.load_checkpoint(os.path.join(out, "lr_checkpoint"))
+    resumed_lrs = [resumed.train(batch)["lr"] for _ in range(2)]
+    weights = [p.detach().clone() for p in resumed.model.parameters()]
+    filtered = resumed.train(dict(batch, sample_weights=np.zeros(8, np.float32)))
+    unchanged = all(torch.equal(p.detach(), w) for p, w in zip(resumed.model.parameters(), weights))
+    return {"lrs": lrs, "resumed_lrs": resumed_lrs, "filtered_step": filtered,
+            "filtered_unchanged": unchanged, "after_filtered_lr": resumed.train(batch)["lr"]}
+
+
 def job_two_ranks(rank, world, path, batch, probe, out):
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
     trainer = FSDPTrainer(trainer_cfg(path))
     res = _parity_part(trainer, batch)
+    res["modes"] = _loss_modes_part(path, batch)
     res.update(_residency_part(trainer, batch, probe))
     res.update(_export_part(trainer, probe, out))
     return res
@@ -250,6 +298,13 @@ def job_one_rank(rank, world, path, batch, out):
     plain = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0))
     logp = plain.compute_logprobs(batch)
     res["token_mean_metrics"] = plain.compute_grads(dict(batch, old_logprobs=logp))
+    res["modes"] = _loss_modes_part(path, batch)
+    res["plain_modes"] = {}
+    for mode in AGG_MODES:  # ratio 1, no KL / entropy: the loss is -agg(advantage)
+        t = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0, loss_agg_mode=mode))
+        res["plain_modes"][mode] = t.compute_grads(dict(batch, old_logprobs=logp,
+                                                        sample_weights=SAMPLE_WEIGHTS))
+    res.update(_lr_resume_part(path, batch, out))
     # ref_policy: not trainable, same log-probs, no optimizer
     ref = FSDPTrainer(trainer_cfg(path, trainable=False))
     res["ref_logp"] = ref.compute_logprobs(batch, temperature=TEMPERATURE)
@@ -404,3 +459,61 @@ def test_loss_is_the_token_mean_of_minus_advantage(setup, one):
     assert m["loss"] == pytest.approx(expected, abs=1e-5)
     assert m["policy_loss"] == pytest.approx(expected, abs=1e-5)
     assert m["clip_frac"] == 0.0 and "entropy" not in m
+
+
+@pytest.mark.timeout(240)
+def test_every_loss_agg_mode_on_two_ranks_matches_the_global_aggregate(two, one):
+    """The loss and gradients summed over 2 ranks (each with its share of the samples and
+    micro-batches) equal the 1-rank global aggregate, for every loss_agg_mode."""
+    (r0, r1), _ = two
+    losses = set()
+    for mode in AGG_MODES:
+        g1 = one["modes"][mode]
+        for name in ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower"):
+            assert r0["modes"][mode]["metrics"][name] == r1["modes"][mode]["metrics"][name]
+            assert r0["modes"][mode]["metrics"][name] == pytest.approx(
+                g1["metrics"][name], rel=1e-5, abs=1e-6), (mode, name)
+        for key, g in g1["grads"].items():
+            torch.testing.assert_close(r0["modes"][mode]["grads"][key], g, rtol=0, atol=1e-6,
+                                       msg=f"{mode} {key}")
+        losses.add(round(g1["metrics"]["loss"], 6))
+    assert len(losses) == len(AGG_MODES)  # the modes really differ
+    assert one["modes"]["token-mean"]["metrics"]["clip_frac_lower"] > 0  # dual clip was active
+
+
+@pytest.mark.timeout(240)
+def test_loss_agg_modes_match_their_formulas(setup, one):
+    """Ratio 1, no KL or entropy: per-token loss -A_i, so each mode's loss is a closed form
+    of the advantages (n_i response lengths, w_i sample weights, L = 16)."""
+    batch = setup["batch"]
+    a = batch["advantages"].astype(np.float64)
+    n = (np.diff(batch["offsets"]) - batch["prompt_lens"]).astype(np.float64)
+    w = SAMPLE_WEIGHTS.astype(np.float64)
+    expected = {
+        "token-mean": -np.sum(w * a * n) / np.sum(w * n),
+        "seq-mean-token-mean": -np.sum(w * a) / np.sum(w),
+        "seq-mean-token-sum": -np.sum(w * a * n) / np.sum(w),
+        "seq-mean-token-sum-norm": -np.sum(w * a * n) / 16 / np.sum(w),
+    }
+    for mode, value in expected.items():
+        m = one["plain_modes"][mode]
+        assert m["loss"] == pytest.approx(value, abs=1e-5), mode
+        assert m["policy_loss"] == pytest.approx(value, abs=1e-5), mode
+        assert m["num_tokens"] == n.sum() and m["clip_frac"] == 0.0
+
+
+@pytest.mark.timeout(240)
+def test_lr_schedule_follows_the_formula_and_survives_resume(one):
+    def lr_at(step):  # warmup 2 steps from 2e-4, cosine to 1e-4 at step 6 (Megatron's)
+        if step <= 2:
+            return 2e-4 + (1e-3 - 2e-4) * step / 2
+        if step > 6:
+            return 1e-4
+        return 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + np.cos(np.pi * (step - 2) / 4))
+
+    np.testing.assert_allclose(one["lrs"], [lr_at(s) for s in range(5)], rtol=1e-12)
+    assert one["resumed_lrs"] == one["lrs"][3:]
+    # a batch whose samples are all filtered: lr 0, no weight changes, the schedule advances
+    assert one["filtered_step"]["lr"] == 0.0 and one["filtered_step"]["loss"] == 0.0
+    assert one["filtered_unchanged"]
+    assert one["after_filtered_lr"] == pytest.approx(lr_at(6), rel=1e-12)

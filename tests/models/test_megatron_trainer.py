@@ -89,6 +89,25 @@ def _parity_part(trainer, batch, full_grads: bool = True) -> dict:
             "grads": grads, "step_metrics": step, "weights1": weights1, "bucket_sizes": sizes}
 
 
+# a non-default loss and schedule: GSPO, Dr. GRPO aggregation, dual clip, low_var_kl, a
+# filtered sample (on data-parallel replica 0), linear decay after a 1-step warmup
+ALT = dict(use_group_sequence_policy=True, loss_agg_mode="seq-mean-token-sum-norm",
+           pos_clip_ratio=0.1, neg_clip_ratio=0.1, clip_ratio_c=1.05, kl_estimator="low_var_kl", lr_decay_style="linear",
+           lr_warmup_iters=1, lr_decay_iters=4, lr_warmup_init=3e-5, min_lr=1e-5)
+ALT_WEIGHTS = np.array([1, 0, 1, 1, 1, 1, 1, 1], np.float32)
+
+
+def _alt_part(trainer, batch, full_grads: bool = True) -> dict:
+    """The ALT configuration: metrics and gradients, then two steps (warmup lr, then lr)."""
+    batch = dict(batch, sample_weights=ALT_WEIGHTS)
+    metrics = trainer.compute_grads(batch)
+    grads = trainer.full_grads() if full_grads else None
+    trainer.zero_grad()
+    steps = [trainer.train(batch) for _ in range(2)]
+    weights, _ = _exported(trainer)
+    return {"metrics": metrics, "grads": grads, "steps": steps, "weights": weights}
+
+
 def _residency_part(trainer, batch) -> dict:
     """Offload weights + optimizer + grads, check the storage is gone, onload, compare."""
     def nbytes(tensors):
@@ -162,10 +181,12 @@ def job_reference(rank, world, setup, out):
 
     fsdp = FSDPTrainer(trainer_cfg(path, lr=LR))
     res = {"fsdp": _parity_part(fsdp, batch)}
+    res["fsdp_alt"] = _alt_part(FSDPTrainer(trainer_cfg(path, lr=LR, **ALT)), batch)
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
         res["tp1"] = _parity_part(MegatronTrainer(megatron_cfg(path)), batch)
+        res["tp1"]["alt"] = _alt_part(MegatronTrainer(megatron_cfg(path, **ALT)), batch)
         ref = MegatronTrainer(megatron_cfg(path, trainable=False))
         res["ref_logp"] = ref.compute_logprobs(batch, temperature=TEMPERATURE)
         res["ref_requires_grad"] = any(p.requires_grad for p in ref.gpt.parameters())
@@ -217,6 +238,7 @@ def job_pp2(rank, world, setup, out):
         res = _parity_part(trainer, batch)
         res.update(_resume_part(trainer, lambda: MegatronTrainer(cfg), batch,
                                 os.path.join(out, "checkpoint")))
+        res["alt"] = _alt_part(MegatronTrainer(megatron_cfg(path, pp=2, **ALT)), batch)
         untied = MegatronTrainer(megatron_cfg(setup["untied"], pp=2, trainable=False))
         res["untied"] = _frozen_part(untied, batch)
     return res
@@ -235,6 +257,8 @@ def job_dp2(rank, world, setup, out):
         res = _parity_part(trainer, batch, full_grads=False)
         res.update(_resume_part(trainer, lambda: MegatronTrainer(cfg), batch,
                                 os.path.join(out, "checkpoint")))
+        res["alt"] = _alt_part(MegatronTrainer(megatron_cfg(
+            path, use_distributed_optimizer=True, **ALT)), batch, full_grads=False)
     return res
 
 
@@ -437,6 +461,33 @@ def test_one_step_matches_fsdp(setup, reference, tp2, pp2, dp2):
         assert set(weights) == set(fsdp["weights1"]), name
         for key, w in fsdp["weights1"].items():
             np.testing.assert_allclose(weights[key], w, rtol=0, atol=1e-5, err_msg=f"{name} {key}")
+
+
+@needs_megatron
+@pytest.mark.timeout(400)
+def test_non_default_loss_and_schedule_match_fsdp(reference, pp2, dp2):
+    """GSPO + seq-mean-token-sum-norm + dual clip + low_var_kl + a filtered sample + a
+    warmup/linear schedule: metrics, gradients, learning rates and two steps match FSDP."""
+    fsdp = reference["fsdp_alt"]
+    assert fsdp["metrics"]["clip_frac_lower"] > 0 and fsdp["metrics"]["clip_frac"] > 0
+    assert [s["lr"] for s in fsdp["steps"]] == [3e-5, LR]
+    runs = {"tp1": [reference["tp1"]["alt"]], "pp2": [r["alt"] for r in pp2],
+            "dp2-distopt": [r["alt"] for r in dp2]}
+    for name, ranks in runs.items():
+        for res in ranks:
+            for key in ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower"):
+                assert res["metrics"][key] == pytest.approx(fsdp["metrics"][key], abs=1e-5), \
+                    (name, key)
+            for got, want in zip(res["steps"], fsdp["steps"]):
+                assert got["lr"] == want["lr"], name
+                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), name
+        if ranks[0]["grads"] is not None:
+            for key, g in fsdp["grads"].items():
+                torch.testing.assert_close(ranks[0]["grads"][key], g, rtol=0, atol=1e-6,
+                                           msg=f"{name} {key}")
+        for key, w in fsdp["weights"].items():
+            np.testing.assert_allclose(ranks[0]["weights"][key], w, rtol=0, atol=1e-5,
+                                       err_msg=f"{name} {key}")
 
 
 @needs_megatron

@@ -1,4 +1,8 @@
-"""Rollout backends (transformers and vLLM) on a tiny random Qwen2 model, on CPU.
+"""Rollout backends (transformers, vLLM, SGLang) on a tiny random Qwen2 model, on CPU.
+
+SGLang runs here against ``tests/models/fake_sglang`` (a CPU fake of its engine API, put on
+``sys.path`` only inside the fixture); ``sglang_gpu`` (marked ``gpu``) runs the same tests
+against the real engine where ``sglang`` and CUDA are present.
 
 Every backend must return well-formed batches whose log-probs equal a fresh full-sequence
 transformers forward (``log_softmax(logits / T)`` at the sampled tokens, no top-k/top-p
@@ -7,14 +11,18 @@ reproducible under a seed. One engine per backend is shared by the whole module.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
+import sys
 
 import numpy as np
 import pytest
 import torch
 from tiny_model import make_tiny_model  # tests/ is on sys.path (tests/conftest.py)
 
-BACKENDS = ["hf", "vllm"]
+BACKENDS = ["hf", "vllm", "sglang", pytest.param("sglang_gpu", marks=pytest.mark.gpu)]
+FAKE_SGLANG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang")
 MAX_PROMPT, MAX_RESPONSE = 32, 24
 TOL = 1e-4
 
@@ -78,6 +86,44 @@ def vllm(model_dirs, restore_threads):
     rollout = VLLMRollout(_cfg(model_dirs["old"]))
     yield rollout
     rollout.llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def fake_sglang():
+    """``import sglang`` finds the fake inside the block, and only there."""
+    def drop():
+        for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+            del sys.modules[name]
+
+    drop()
+    sys.path.insert(0, FAKE_SGLANG)
+    try:
+        yield
+    finally:
+        sys.path.remove(FAKE_SGLANG)
+        drop()
+
+
+@pytest.fixture(scope="module")
+def sglang(model_dirs, restore_threads):
+    from chatlearn.models.rollout.sglang import SGLangRollout
+
+    with fake_sglang():
+        rollout = SGLangRollout(_cfg(model_dirs["old"]))
+    yield rollout
+    rollout.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sglang_gpu(model_dirs):
+    """The real SGLang engine (CUDA); skipped where either is missing."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None:
+        pytest.skip("needs the sglang package and a CUDA GPU")
+    from chatlearn.models.rollout.sglang import SGLangRollout
+
+    rollout = SGLangRollout(_cfg(model_dirs["old"]))
+    yield rollout
+    rollout.shutdown()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -260,7 +306,8 @@ def test_update_weights_between_the_two_wake_steps(rollout, reference, model_dir
 
 
 @pytest.mark.timeout(240)
-def test_offload_onload_is_bit_identical(rollout):
+def test_offload_onload_is_bit_identical(rollout, model_dirs):
+    """The scheduler's order: offload, wake the weights, push, wake the KV cache."""
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1,
                 "max_tokens": MAX_RESPONSE, "seed": 21}
     before = rollout.generate(prompts(), sampling)
@@ -269,6 +316,7 @@ def test_offload_onload_is_bit_identical(rollout):
     with pytest.raises(RuntimeError):
         rollout.generate(prompts(2), sampling)
     rollout.onload(["weights"])
+    push(rollout, model_dirs["old"])  # the weights it held (a CPU engine keeps no copy)
     rollout.onload(["kv_cache"])
     assert_same(before, rollout.generate(prompts(), sampling))
 
@@ -297,3 +345,54 @@ def test_rejects_out_of_range_lengths(rollout):
         rollout.generate([[5] * (MAX_PROMPT + 1)], {"temperature": 1.0, "max_tokens": 4})
     with pytest.raises(ValueError):
         rollout.generate([[5, 6]], {"temperature": 1.0, "max_tokens": MAX_RESPONSE + 1})
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tags", [("weights",), ("kv_cache",)])
+def test_release_and_resume_one_part_keeps_generations(rollout, model_dirs, tags):
+    """Sleep and wake by tag under a fixed seed (the scheduler's order: wake the weights,
+    push, wake the KV cache): the same samples and log-probs after."""
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                "max_tokens": MAX_RESPONSE, "seed": 33}
+    before = rollout.generate(prompts(), sampling)
+    out = rollout.offload(tags)
+    assert isinstance(out["bytes"], int)
+    rollout.onload(["weights"])
+    push(rollout, model_dirs["old"])
+    rollout.onload(["kv_cache"])
+    assert_same(before, rollout.generate(prompts(), sampling))
+
+
+def policy_sampling(eval_mode: bool) -> dict:
+    """The sampling dict the runtime sends, from the schema's defaults of models.policy."""
+    from omegaconf import OmegaConf
+
+    from chatlearn.config.schema import Policy
+    from chatlearn.runtime.rollouts import Rollouts
+
+    policy = OmegaConf.structured(Policy)
+    policy.max_response_tokens_length = MAX_RESPONSE
+    holder = Rollouts()
+    holder.cfg = OmegaConf.create({"models": {"policy": OmegaConf.to_container(policy, resolve=False)}})
+    return holder.sampling(eval_mode=eval_mode, seed=17)
+
+
+@pytest.mark.timeout(240)
+def test_eval_and_train_sampling_reach_the_engine(rollout, reference):
+    """Train sampling (T=1, no truncation) and eval sampling (T=0.6, top-p 0.95, top-k 20):
+    every eval sample lies inside the top-k and top-p sets of the reference distribution at
+    T=0.6 (independently recomputed), and each set's log-probs are the reference's."""
+    train, evals = policy_sampling(False), policy_sampling(True)
+    assert (train["temperature"], train["top_p"], train["top_k"]) == (1.0, 1.0, -1)
+    assert (evals["temperature"], evals["top_p"], evals["top_k"]) == (0.6, 0.95, 20)
+    batch = rollout.generate(prompts(), train)
+    np.testing.assert_allclose(batch["rollout_logprobs"], reference.logprobs("old", batch, 1.0),
+                               atol=TOL, rtol=0)
+    batch = rollout.generate(prompts(), evals)
+    np.testing.assert_allclose(batch["rollout_logprobs"], reference.logprobs("old", batch, 0.6),
+                               atol=TOL, rtol=0)
+    for sl, plen, logits in zip(slices(batch), batch["prompt_lens"], reference.logits("old", batch)):
+        probs = torch.softmax(logits / 0.6, dim=-1)
+        for tok, row in zip(batch["tokens"][sl][int(plen):], probs):
+            assert int((row > row[tok]).sum()) < 20  # inside the top 20
+            assert float(row[row > row[tok]].sum()) <= 0.95 + 1e-4  # inside the 0.95 nucleus

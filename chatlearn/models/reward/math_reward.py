@@ -28,8 +28,8 @@ class MathReward:
     """``score`` returns correct_score when the boxed answer equals the ground truth, else incorrect_score."""
 
     def __init__(self, cfg: dict):
-        self.correct = float(cfg.get("correct_score", 1.0))
-        self.incorrect = float(cfg.get("incorrect_score", 0.0))
+        self.correct = float(cfg["correct_score"])
+        self.incorrect = float(cfg["incorrect_score"])
 
     def is_correct(self, response: str, ground_truth: str) -> bool:
         from math_verify import parse, verify
@@ -49,7 +49,15 @@ class MathReward:
         pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
         return bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout)
 
-    def score(self, responses: list[str], ground_truths: list[str], data_sources: list[str] | None = None
+    def score(self, responses: list[str], ground_truths: list, data_sources: list[str] | None = None
               ) -> np.ndarray:
-        return np.array([self.correct if self.is_correct(r, g) else self.incorrect
+        return np.array([self.correct if self.is_correct(r, str(g)) else self.incorrect
                          for r, g in zip(responses, ground_truths)], dtype=np.float32)
+
+
+def math_reward(*, prompts: list[str], responses: list[str], ground_truths: list, data_sources: list[str],
+                extra: list[dict], correct_score: float, incorrect_score: float) -> list[float]:
+    """``builtin:math``: correct_score where the last ``\\boxed{}`` of the response equals the ground truth
+    (compared as text, then with math-verify), else incorrect_score."""
+    scorer = MathReward({"correct_score": correct_score, "incorrect_score": incorrect_score})
+    return scorer.score(responses, ground_truths).tolist()

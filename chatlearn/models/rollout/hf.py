@@ -273,6 +273,19 @@ class HFRollout(Rollout):
                 raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(target.shape)}")
             target.data.copy_(src)
 
+    def begin_weight_update(self) -> None:
+        """Start a streamed update (``chatlearn.runtime.weight_sync``); nothing to prepare."""
+        if self._offloaded:
+            raise RuntimeError("HFRollout: weights are offloaded; onload them before a push")
+
+    def load_weight_bucket(self, weights: list) -> None:
+        """Copy one bucket's ``(hf_name, tensor)`` views straight into the parameters (no
+        staging: the views are only valid during this call)."""
+        self.update_weights(weights)
+
+    def finish_weight_update(self) -> None:
+        """End a streamed update; every bucket is already in place."""
+
     # -- memory -----------------------------------------------------------------------
 
     @torch.no_grad()

@@ -35,8 +35,11 @@ Memory. ``offload`` puts the engine to sleep (level 1: weights to host memory, K
 dropped; for the KV cache alone the weights are woken straight back). ``onload(["weights"])``
 and ``onload(["kv_cache"])`` wake the parts separately, so that new weights can be pushed
 before the KV cache takes its memory back; the engine generates again once both are on.
-The CPU backend has no sleep mode (vLLM logs that it ignores the calls): nothing is freed
-there, the engine only pauses, and the reported bytes are 0.
+The CPU backend has no sleep mode (vLLM ignores the calls), so the workers free the storage
+themselves (``WorkerExtension.chatlearn_cpu_release``): the KV cache tensors, every parameter
+and the packed copies the CPU linear layers compute with. No host copy of the weights is
+kept (the host is the same memory there): woken weights are refilled by the weight push that
+follows in a training run, or from the model folder if the engine never received weights.
 """
 from __future__ import annotations
 
@@ -180,21 +183,57 @@ class WorkerExtension:
         a quantized method's would quantize twice.
         """
         self.reload_weights(weights_iterator=unpack_weights(weights), is_checkpoint_format=True)
+        _reprocess_shared(self.model_runner.get_model())
+
+    # -- streamed reload: one reload fed bucket by bucket (chatlearn.runtime.weight_sync) ---
+
+    def chatlearn_begin_reload(self) -> None:
+        """Start an in-place reload: vLLM's ``reload_weights`` split into its three steps
+        (``initialize_layerwise_reload``; ``model.load_weights`` per bucket; one
+        ``finalize_layerwise_reload``), so that buckets need no staging: a layer is
+        processed as soon as all of its weights have arrived, and layers split over buckets
+        (q/k/v fused into one parameter) are processed once, whole."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def chatlearn_load_bucket(self, weights: list) -> None:
+        """Feed one bucket (see ``unpack_weights``) to the open reload.
+
+        The tensors may view a buffer that is reused once this returns: a layer still
+        waiting for the rest of its weights keeps references to the ones it got, so those
+        (and only those) are copied.
+        """
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
         model = self.model_runner.get_model()
-        owners: dict[int, list] = {}
-        for module in model.modules():
-            for param in module._parameters.values():
-                if param is not None:
-                    owners.setdefault(id(param), []).append(module)
-        with torch.no_grad():
-            for modules in owners.values():
-                if len(modules) < 2:
-                    continue
-                for module in modules:
-                    method = getattr(module, "quant_method", None)
-                    if type(method).__name__.startswith("Unquantized") and hasattr(
-                            method, "process_weights_after_loading"):
-                        method.process_weights_after_loading(module)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            model.load_weights(unpack_weights(weights))
+            for info in LAYERWISE_INFO.values():
+                for _, bound in getattr(info, "loaded_weights", None) or ():
+                    for key, value in bound.arguments.items():
+                        if isinstance(value, torch.Tensor) and not getattr(value, "_chatlearn_owned", False) \
+                                and not isinstance(value, torch.nn.Parameter):
+                            owned = value.clone()
+                            owned._chatlearn_owned = True
+                            bound.arguments[key] = owned
+
+    def chatlearn_finish_reload(self) -> None:
+        """Close the reload (layers with missing weights get their old tensors back), then
+        refresh the layers that share a parameter (tied ``lm_head``)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        _reprocess_shared(model)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(self.model_runner, reset):
+                getattr(self.model_runner, reset)()
 
     def chatlearn_memory_bytes(self) -> dict:
         """Bytes of this worker's weights and KV cache."""
@@ -213,6 +252,118 @@ class WorkerExtension:
 
         return {"weights": int(weights),
                 "kv_cache": int(size(getattr(self.model_runner, "kv_caches", [])))}
+
+    # -- memory on the CPU backend (vLLM has no sleep mode there) ------------------------
+
+    def chatlearn_cpu_release(self, tags: list) -> int:
+        """Free the storage of ``tags`` ("weights", "kv_cache") in this worker; returns bytes.
+
+        ``kv_cache``: every KV cache storage is resized to 0 (the cache's contents are
+        dropped, as vLLM's sleep mode drops them). ``weights``: the storage of every
+        parameter is resized to 0 and the packed copies the CPU backend computes with
+        (``layer.cpu_linear``'s oneDNN / packed weights) are dropped. No host copy is kept:
+        on the CPU the "host" is the same memory, so a copy would free nothing. The weights
+        come back through ``chatlearn_cpu_resume`` followed by a reload (a weight push or
+        the model folder).
+        """
+        state = self.__dict__.setdefault("_chatlearn_released", {})
+        freed = 0
+        if "kv_cache" in tags and "kv_cache" not in state:
+            storages = _storages(self.model_runner.kv_caches)
+            state["kv_cache"] = [(st, st.nbytes()) for st in storages]
+            for st, nbytes in state["kv_cache"]:
+                st.resize_(0)
+                freed += nbytes
+        if "weights" in tags and "weights" not in state:
+            model = self.model_runner.get_model()
+            storages = _storages(list(model.parameters()))
+            state["weights"] = [(st, st.nbytes()) for st in storages]
+            freed += _packed_bytes(model)
+            for module in model.modules():
+                if "cpu_linear" in module.__dict__:
+                    module.cpu_linear = _released_linear
+            for st, nbytes in state["weights"]:
+                st.resize_(0)
+                freed += nbytes
+        return freed
+
+    def chatlearn_cpu_resume(self, tags: list) -> int:
+        """Give the released storage back; weights still need a reload. The memory is not
+        cleared (the reload overwrites the weights; KV blocks are written before read)."""
+        state = self.__dict__.setdefault("_chatlearn_released", {})
+        restored = 0
+        for tag in ("weights", "kv_cache"):
+            if tag in tags and tag in state:
+                for st, nbytes in state.pop(tag):
+                    st.resize_(nbytes)
+                    restored += nbytes
+        return restored
+
+    def chatlearn_reload_from_folder(self) -> None:
+        """Reload the weights from the model folder the engine was started with."""
+        self.reload_weights(weights_iterator=None, is_checkpoint_format=True)
+        _reprocess_shared(self.model_runner.get_model())
+
+
+def _reprocess_shared(model: torch.nn.Module) -> None:
+    """Re-run the post-load processing of the unquantized layers that share a parameter
+    (see ``WorkerExtension.chatlearn_reload_weights``)."""
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), []).append(module)
+    with torch.no_grad():
+        for modules in owners.values():
+            if len(modules) < 2:
+                continue
+            for module in modules:
+                method = getattr(module, "quant_method", None)
+                if type(method).__name__.startswith("Unquantized") and hasattr(
+                        method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
+
+
+def _storages(tensors) -> list:
+    """The distinct non-empty storages under ``tensors`` (nested lists/dicts allowed)."""
+    found: dict = {}
+
+    def visit(x) -> None:
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            if st.nbytes() > 0:
+                found.setdefault(st.data_ptr(), st)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+
+    visit(tensors)
+    return list(found.values())
+
+
+def _packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the packed weight copies the CPU backend's linear layers compute with."""
+    total = 0
+    for module in model.modules():
+        linear = module.__dict__.get("cpu_linear")
+        if linear is None or linear is torch.nn.functional.linear:
+            continue
+        dtype = getattr(module, "params_dtype", None) or torch.float32
+        if hasattr(module, "output_size_per_partition"):
+            numel = module.output_size_per_partition * module.input_size_per_partition
+        elif hasattr(module, "num_embeddings_per_partition"):
+            numel = module.num_embeddings_per_partition * module.embedding_dim
+        else:
+            continue
+        total += numel * torch.empty(0, dtype=dtype).element_size()
+    return total
+
+
+def _released_linear(x, weight, bias):
+    raise RuntimeError("vLLM worker: the weights were offloaded; reload them first")
 
 
 class VLLMRollout(Rollout):
@@ -277,6 +428,8 @@ class VLLMRollout(Rollout):
         sizes = self.llm.collective_rpc("chatlearn_memory_bytes")
         self._part_bytes = {part: sum(s[part] for s in sizes) for part in SLEEP_PARTS}
         self._asleep: set[str] = set()
+        self._pushed = False  # weights received since start (else they are the folder's)
+        self._awaiting_push = False  # CPU: weights woken empty, the next push refills them
         # Staged weights by name: a name pushed twice before a commit keeps its last value
         # (loading a layer twice in one reload fails).
         self._pending: dict[str, torch.Tensor] = {}
@@ -291,6 +444,9 @@ class VLLMRollout(Rollout):
             raise RuntimeError(f"VLLMRollout.generate: {sorted(self._asleep)} offloaded; "
                                "call onload first")
         self._commit_weights()
+        if self._awaiting_push:
+            raise RuntimeError("VLLMRollout.generate: the weights were offloaded on the CPU (no "
+                               "host copy is kept); push weights before generating")
         sp = parse_sampling(sampling)
         prompts = [[int(t) for t in p] for p in prompts]
         check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len)
@@ -345,6 +501,28 @@ class VLLMRollout(Rollout):
                 tensor = tensor.detach().to("cpu", copy=True)
             self._pending[name] = tensor
 
+    def begin_weight_update(self) -> None:
+        """Start a streamed update (``chatlearn.runtime.weight_sync``): weights staged with
+        ``update_weights`` are committed first, then one reload is opened in every worker."""
+        if "weights" in self._asleep:
+            raise RuntimeError("VLLMRollout: weights are offloaded; onload them before a push")
+        self._commit_weights()
+        self.llm.collective_rpc("chatlearn_begin_reload")
+
+    def load_weight_bucket(self, weights: list) -> None:
+        """Load one bucket of ``(hf_name, tensor)`` views into the open reload. In-process
+        the views go straight to the worker (only tensors of a layer left incomplete by the
+        bucket are copied); a multiprocess engine gets them as safetensors blobs."""
+        if not self._in_process:
+            weights = pack_weights(weights)
+        self.llm.collective_rpc("chatlearn_load_bucket", args=(weights,))
+
+    def finish_weight_update(self) -> None:
+        """Close the reload in every worker; the prefix cache is reset (old-weight blocks)."""
+        self.llm.collective_rpc("chatlearn_finish_reload")
+        self.llm.reset_prefix_cache()
+        self._pushed, self._awaiting_push = True, False
+
     def _commit_weights(self) -> None:
         if not self._pending:
             return
@@ -355,19 +533,26 @@ class VLLMRollout(Rollout):
             pending = pack_weights(pending)
         self.llm.collective_rpc("chatlearn_reload_weights", args=(pending,))
         self.llm.reset_prefix_cache()
+        self._pushed, self._awaiting_push = True, False
 
     # -- memory -----------------------------------------------------------------------
 
     def offload(self, parts: Iterable[str]) -> dict:
         """Free ``weights`` and/or ``kv_cache``; returns the bytes freed.
 
-        With ``weights``: sleep level 1 (weights to host memory, KV cache dropped), so
-        both parts are off afterwards. ``kv_cache`` alone: sleep level 1, then the weights
-        are woken straight back, leaving only the KV cache off.
+        With CUDA: sleep level 1. With ``weights`` both parts are off afterwards (weights
+        to host memory, KV cache dropped); ``kv_cache`` alone: sleep, then the weights are
+        woken straight back. On the CPU (no sleep mode in vLLM) the workers free the
+        storage themselves (``WorkerExtension.chatlearn_cpu_release``): the KV cache, and
+        the weights without a host copy, since the host is the same memory there.
         """
         want = (set(parts) & set(SLEEP_PARTS)) - self._asleep
         if not want:
             return {"bytes": 0}
+        if not self._sleep_mode:
+            freed = sum(self.llm.collective_rpc("chatlearn_cpu_release", args=(sorted(want),)))
+            self._asleep |= want
+            return {"bytes": int(freed)}
         if "weights" in want:
             if self._asleep:  # the KV cache alone is off: the engine sleeps as a whole
                 self.llm.wake_up(tags=["kv_cache"])
@@ -383,20 +568,38 @@ class VLLMRollout(Rollout):
     def onload(self, parts: Iterable[str]) -> dict:
         """Wake ``weights`` and/or ``kv_cache``; staged weights are committed in between,
         before the KV cache takes its memory back. The engine generates again once both
-        are on."""
+        are on.
+
+        On the CPU, woken weights must be reloaded: by the next weight push when the engine
+        has received one since it started (generating before that push is an error), else
+        from the model folder, so that an engine that never received weights comes back
+        bit for bit on its own.
+        """
         parts = set(parts)
         woken = []
+        moved = 0
         if "weights" in parts and "weights" in self._asleep:
-            self.llm.wake_up(tags=["weights"])
+            if self._sleep_mode:
+                self.llm.wake_up(tags=["weights"])
+            else:
+                moved += sum(self.llm.collective_rpc("chatlearn_cpu_resume", args=(["weights"],)))
+                if self._pushed:
+                    self._awaiting_push = True
+                else:
+                    self.llm.collective_rpc("chatlearn_reload_from_folder")
             self._asleep.discard("weights")
             woken.append("weights")
         if "kv_cache" in parts and "kv_cache" in self._asleep:
             if "weights" not in self._asleep:
                 self._commit_weights()
-            self.llm.wake_up(tags=["kv_cache"])
+            if self._sleep_mode:
+                self.llm.wake_up(tags=["kv_cache"])
+            else:
+                moved += sum(self.llm.collective_rpc("chatlearn_cpu_resume", args=(["kv_cache"],)))
+                self.llm.reset_prefix_cache()  # the cached blocks' contents are gone
             self._asleep.discard("kv_cache")
             woken.append("kv_cache")
-        return {"bytes": self._bytes(woken)}
+        return {"bytes": self._bytes(woken) if self._sleep_mode else int(moved)}
 
     def _bytes(self, parts) -> int:
-        return sum(self._part_bytes[p] for p in parts) if self._sleep_mode else 0
+        return sum(self._part_bytes[p] for p in parts)

@@ -7,13 +7,15 @@ Data: every rank receives the FULL batch (see ``chatlearn.models.base``); rank r
 its contiguous share of samples ``[r*N/W, (r+1)*N/W)``, and results are gathered or
 all-reduced so that every rank returns the same thing.
 
-The GRPO loss is the token mean over the whole global batch::
+The loss is aggregated over the whole global batch (:class:`chatlearn.algorithms.grpo.GRPOLoss`)::
 
-    per_token = policy_loss + kl_coef * k3(logp, ref_logp) - entropy_coef * H
-    loss      = sum_{response tokens t of the global batch} per_token_t / T_global
+    per_token = policy_loss + kl_coef * KL(logp, ref_logp) - entropy_coef * H
+    loss      = sum_{response tokens t of the global batch} c_{i(t)} * per_token_t
 
-Each micro-batch backpropagates ``sum(per_token) * W / T_global``; FSDP's reduce-scatter
-averages gradients over the W ranks, so the summed shards are exactly d(loss)/d(theta).
+(c_i = 1 / T_global for ``loss_agg_mode: token-mean``). Each micro-batch backpropagates
+``sum(c * per_token) * W``; FSDP's reduce-scatter averages gradients over the W ranks, so
+the summed shards are exactly d(loss)/d(theta). The learning rate of each step is
+:func:`chatlearn.algorithms.lr_schedule.learning_rate` of Adam's step count.
 """
 from __future__ import annotations
 
@@ -38,14 +40,17 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from chatlearn.algorithms.grpo import (
+    LOSS_SUMS,
+    GRPOLoss,
     entropy_from_logits,
-    kl_k3, loss_metrics,
     logprobs_from_logits,
-    policy_loss,
+    token_sums,
 )
+from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
-from chatlearn.models.base import PARTS, Batch, Bucket, Trainer, response_mask
+from chatlearn.models.base import PARTS, Batch, Bucket, Trainer
+from chatlearn.models.trainer.packing import plan_micro_batches
 
 OFFLOADABLE = ("weights", "optimizer")  # "grads" are dropped, "kv_cache" does not exist here
 # Files of a model folder that save_pretrained writes itself; save_hf copies the others
@@ -134,7 +139,10 @@ class FSDPTrainer(Trainer):
     def __init__(self, cfg: dict):
         """cfg: load, trust_remote_code, seed, trainable, lr, weight_decay, clip_grad,
         train_micro_batch_size, logprob_micro_batch_size, pos_clip_ratio, neg_clip_ratio,
-        kl_coef, entropy_coef, gradient_checkpointing, bf16 (all required)."""
+        kl_coef, entropy_coef, gradient_checkpointing, bf16, packing, max_token_in_packing,
+        clip_ratio_c, use_group_sequence_policy, loss_agg_mode, max_response_tokens_length,
+        kl_estimator, kl_in_reward, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters,
+        lr_warmup_init (all required; the lr_* iters resolved to optimizer steps)."""
         self.cfg = dict(cfg)
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -192,7 +200,16 @@ class FSDPTrainer(Trainer):
         return np.arange(self.rank * share, (self.rank + 1) * share)
 
     def _forward(self, batch: Batch, idx: np.ndarray, temperature: float, with_entropy: bool):
-        """One padded forward over samples ``idx``.
+        """One forward over samples ``idx``: padded, or packed with ``packing``.
+
+        Padded: a right-padded ``[len(idx), max_len]`` batch with an attention mask.
+        Packed: one ``[1, sum(lens)]`` row of the concatenated samples, position ids
+        restarting at 0 for each sample, no attention mask and no KV cache; transformers then derives the
+        sample boundaries from the position ids (``masking_utils.find_packed_sequence_indices``:
+        a new sample wherever the position does not grow by 1) and confines attention to
+        each sample (block-diagonal causal mask for sdpa/eager/flex; varlen for flash).
+        An empty ``idx`` is a dummy micro-step: a 1-token forward that yields no values, so
+        that FSDP's collectives line up across ranks.
 
         Returns ``(logp, entropy or None, pos)``: values for the response tokens of those
         samples, in order, and ``pos`` their positions in ``batch["tokens"]``.
@@ -200,30 +217,57 @@ class FSDPTrainer(Trainer):
         """
         off, plen = batch["offsets"], batch["prompt_lens"]
         lens = [int(off[i + 1] - off[i]) for i in idx]
-        width = max(lens)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        mask = torch.zeros(len(idx), width, dtype=torch.long)
-        rows, cols, pos = [], [], []
+        packed = bool(self.cfg["packing"]) or len(idx) == 0
+        shape = (1, max(sum(lens), 1)) if packed else (len(idx), max(lens))
+        ids = torch.zeros(shape, dtype=torch.long)
+        positions = torch.zeros(shape, dtype=torch.long)
+        mask = None if packed else torch.zeros(shape, dtype=torch.long)
+        rows, cols, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        start = 0
         for b, (i, n) in enumerate(zip(idx, lens)):
-            ids[b, :n] = torch.as_tensor(np.array(batch["tokens"][off[i]:off[i + 1]]))  # copy: Ray arrays are read-only
-            mask[b, :n] = 1
+            row, col = (0, start) if packed else (b, 0)
+            ids[row, col:col + n] = torch.as_tensor(np.array(batch["tokens"][off[i]:off[i + 1]]))  # copy: Ray arrays are read-only
+            positions[row, col:col + n] = torch.arange(n)
+            if mask is not None:
+                mask[row, :n] = 1
             resp = np.arange(int(plen[i]), n)
-            rows.append(np.full(len(resp), b))
-            cols.append(resp)
+            rows.append(np.full(len(resp), row))
+            cols.append(col + resp)
             pos.append(int(off[i]) + resp)
+            start += n
+        if not packed:  # padding keeps increasing positions (ignored: masked out)
+            positions = torch.arange(shape[1]).expand(shape)
         rows_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
         cols_t = torch.from_numpy(np.concatenate(cols)).to(self.device)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = torch.arange(width, device=self.device).expand(len(idx), width)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                            use_cache=False).logits
+        ids, positions = ids.to(self.device), positions.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=None if mask is None else mask.to(self.device),
+                            position_ids=positions, use_cache=False).logits
         z = logits[rows_t, cols_t - 1].float() / temperature  # [M, V]
         logp = logprobs_from_logits(z, ids[rows_t, cols_t])
         entropy = entropy_from_logits(z) if with_entropy else None
         return logp, entropy, np.concatenate(pos)
 
-    def _micro_batches(self, idx: np.ndarray, size: int) -> list[np.ndarray]:
-        return [idx[i:i + size] for i in range(0, len(idx), size)]
+    def _micro_batches(self, batch: Batch, size: int) -> tuple[list[np.ndarray], dict]:
+        """This rank's micro-batches (sample indices) and the pass's stats.
+
+        Without packing: ``size`` samples each, in order. With packing: first-fit-decreasing
+        bins of at most ``max_token_in_packing`` tokens (``size`` is ignored); see
+        :mod:`chatlearn.models.trainer.packing`. Every rank must run the same number of
+        micro-steps (each forward/backward is a sequence of FSDP collectives); every rank
+        holds the full batch, so each computes every rank's plan (deterministic, no
+        collective) and runs ``max over ranks`` micro-steps, the missing ones as dummy
+        micro-steps (empty index arrays: a 1-token forward whose loss is an empty sum, 0,
+        so its backward adds zero gradients). Returns ``(micro_batches, {"pad_token_frac",
+        "micro_steps"})``.
+        """
+        self._my_samples(batch)  # validates the batch
+        n = len(batch["offsets"]) - 1
+        share = n // self.world
+        shares = [np.arange(r * share, (r + 1) * share) for r in range(self.world)]
+        plans, stats = plan_micro_batches(np.diff(batch["offsets"]), shares, size,
+                                          bool(self.cfg["packing"]),
+                                          int(self.cfg["max_token_in_packing"]))
+        return plans[self.rank], stats
 
     def _all_gather_tokens(self, batch: Batch, values: torch.Tensor) -> np.ndarray:
         """values: float32 [T] filled on this rank's token range -> the full [T] from all."""
@@ -246,14 +290,15 @@ class FSDPTrainer(Trainer):
     def compute_logprobs(self, batch: Batch, temperature: float = 1.0,
                          with_entropy: bool = False):
         """float32 [T] log-probs (0 at prompt positions) on every rank; with
-        ``with_entropy`` also the entropy of the temperature-scaled distribution, [T]."""
+        ``with_entropy`` also the entropy of the temperature-scaled distribution, [T].
+        The pass's padding share and micro-steps are kept for :meth:`logprob_stats`."""
         self._require_weights()
         self.model.train(False)
         total = int(batch["offsets"][-1])
         logp_all = torch.zeros(total, dtype=torch.float32, device=self.device)
         ent_all = torch.zeros_like(logp_all) if with_entropy else None
-        size = self.cfg["logprob_micro_batch_size"]
-        for mb in self._micro_batches(self._my_samples(batch), size):
+        micro, self._logprob_stats = self._micro_batches(batch, self.cfg["logprob_micro_batch_size"])
+        for mb in micro:
             logp, ent, pos = self._forward(batch, mb, temperature, with_entropy)
             pos_t = torch.from_numpy(pos).to(self.device)
             logp_all[pos_t] = logp
@@ -265,6 +310,11 @@ class FSDPTrainer(Trainer):
             return logp_np, self._all_gather_tokens(batch, ent_all)
         return logp_np
 
+    def logprob_stats(self) -> dict:
+        """``pad_token_frac`` and ``micro_steps`` of the last ``compute_logprobs`` pass
+        (see :func:`chatlearn.models.trainer.packing.plan_micro_batches`); {} before any."""
+        return dict(getattr(self, "_logprob_stats", {}))
+
     # ------------------------------------------------------------------ training
     def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
         """Forward + backward over the global batch; gradients stay in ``param.grad``
@@ -274,7 +324,8 @@ class FSDPTrainer(Trainer):
         adds the result into the sharded ``.grad`` (as verl does). Skipping the sync
         (``set_requires_gradient_sync(False)``) would save those collectives but keep a full
         unsharded gradient per rank, which defeats sharding. Every rank runs the same number
-        of micro-batches (equal shares), so the collectives line up.
+        of micro-steps (equal shares; with packing, dummy micro-steps make up the difference:
+        see ``_micro_batches``), so the collectives line up.
         """
         if not self.trainable:
             raise RuntimeError("FSDPTrainer: this model is not trainable (ref_policy)")
@@ -282,52 +333,44 @@ class FSDPTrainer(Trainer):
         if "optimizer" in self._stashes:
             raise RuntimeError(
                 "FSDPTrainer: optimizer state is offloaded; call onload(['optimizer'])")
-        cfg = self.cfg
-        kl_coef, ent_coef = float(cfg["kl_coef"]), float(cfg["entropy_coef"])
-        has_ref = "ref_logprobs" in batch
-        if kl_coef > 0 and not has_ref:
-            raise ValueError("FSDPTrainer: kl_coef > 0 needs ref_logprobs in the batch")
-        num_tokens = int(response_mask(batch).sum())
-        if num_tokens == 0:
-            raise ValueError("FSDPTrainer: the batch has no response tokens")
-        scale = self.world / num_tokens
-
-        def per_token(name, pos):
-            return torch.from_numpy(np.asarray(batch[name])[pos]).to(self.device, torch.float32)
-
+        try:
+            objective = GRPOLoss(self.cfg, batch, self.device)
+        except ValueError as err:
+            raise ValueError(f"FSDPTrainer: {err}") from None
         self.model.train(True)
-        # sums over this rank's tokens: loss, policy_loss, kl, entropy, clipped
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
-        for mb in self._micro_batches(self._my_samples(batch), cfg["train_micro_batch_size"]):
-            logp, ent, pos = self._forward(batch, mb, temperature, ent_coef > 0)
-            counts = np.diff(batch["offsets"])[mb] - batch["prompt_lens"][mb]
-            adv = torch.from_numpy(np.repeat(np.asarray(batch["advantages"], np.float32)[mb],
-                                             counts)).to(self.device)
-            pg, clipped = policy_loss(logp, per_token("old_logprobs", pos), adv,
-                                      cfg["pos_clip_ratio"], cfg["neg_clip_ratio"])
-            loss = pg
-            kl = kl_k3(logp, per_token("ref_logprobs", pos)) if has_ref else None
-            if kl_coef > 0:
-                loss = loss + kl_coef * kl
-            if ent_coef > 0:
-                loss = loss - ent_coef * ent
-            (loss.sum() * scale).backward()
-            with torch.no_grad():
-                sums += torch.stack([
-                    loss.sum(), pg.sum(),
-                    kl.sum() if kl is not None else loss.new_zeros(()),
-                    ent.sum() if ent is not None else loss.new_zeros(()),
-                    clipped.sum().to(loss.dtype)]).double()
+        # sums over this rank's tokens, named by LOSS_SUMS
+        sums = torch.zeros(len(LOSS_SUMS), dtype=torch.float64, device=self.device)
+        micro, passes = self._micro_batches(batch, self.cfg["train_micro_batch_size"])
+        for mb in micro:
+            logp, ent, pos = self._forward(batch, mb, temperature, objective.with_entropy)
+            terms, coef, weight = objective.terms(logp, ent, pos)
+            ((terms["loss"] * coef).sum() * self.world).backward()
+            sums += token_sums(terms, coef, weight, ent)
         self._reshard()
         dist.all_reduce(sums)
-        return loss_metrics(sums.tolist(), num_tokens, has_ref, ent_coef > 0)
+        return {**objective.metrics(sums.tolist()), **passes}
+
+    def _optimizer_steps(self) -> int:
+        """Optimizer steps taken so far: Adam's step count (restored with the optimizer state
+        on resume, so the learning-rate schedule continues where it was)."""
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+        return 0
 
     def train(self, batch: Batch, temperature: float = 1.0) -> dict:
         """One optimizer step on one global batch (see the module docstring for the loss).
 
-        ``temperature`` must be the one ``old_logprobs`` were computed with.
+        ``temperature`` must be the one ``old_logprobs`` were computed with. The step's
+        learning rate is the schedule's at the current step count, or 0 when every sample of
+        the batch has weight 0 (a filtered batch: the step then changes no weight, and the
+        schedule still advances).
         """
         metrics = self.compute_grads(batch, temperature)
+        lr = (trainer_learning_rate(self.cfg, self._optimizer_steps())
+              if GRPOLoss.sample_weights(batch).any() else 0.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         max_norm = float(self.cfg["clip_grad"])
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
@@ -336,7 +379,7 @@ class FSDPTrainer(Trainer):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         metrics["grad_norm"] = float(norm)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["lr"] = lr
         return metrics
 
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -424,6 +467,29 @@ class FSDPTrainer(Trainer):
             del full
         if size:
             yield bucket
+
+    def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
+        """``(hf_name, "float32", full shape, group)`` of every exported parameter, in the
+        order of ``export_tensors`` (the same on every rank; no collective). Each parameter is
+        its own group; a tied ``lm_head.weight`` is not listed (see ``export_weights``)."""
+        return [(name, "float32", tuple(p.shape), i)
+                for i, (name, p) in enumerate(self.model.named_parameters())]
+
+    @torch.no_grad()
+    def export_tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(name, full float32 tensor on rank 0, None elsewhere)`` for the parameters named,
+        in ``weight_specs`` order, gathered one at a time (``full_tensor``: a collective, every
+        rank must iterate to the end with the same names). Each full tensor is dropped by this
+        generator before the next is gathered, so a rank holds at most one beyond its shards."""
+        self._require_weights()
+        self._reshard()
+        wanted = set(names)
+        for name, p in self.model.named_parameters():
+            if name not in wanted:
+                continue
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            yield name, (full.detach().float() if self.rank == 0 else None)
+            del full
 
     def save_hf(self, path: str) -> None:
         """Write a Hugging Face folder at ``path`` (rank 0 writes; a collective): weights,

@@ -11,15 +11,18 @@ replica d works on its contiguous share of samples ``[d*N/dp, (d+1)*N/dp)``; all
 pipeline ranks of a replica see the same samples. Results are all-reduced so that every
 rank returns the same thing.
 
-Loss: the GRPO loss of the FSDP trainer, the token mean over the whole global batch::
+Loss: the loss of the FSDP trainer, aggregated over the whole global batch
+(:class:`chatlearn.algorithms.grpo.GRPOLoss`)::
 
-    per_token = policy_loss + kl_coef * k3(logp, ref_logp) - entropy_coef * H
-    loss      = sum_{response tokens t of the global batch} per_token_t / T_global
+    per_token = policy_loss + kl_coef * KL(logp, ref_logp) - entropy_coef * H
+    loss      = sum_{response tokens t of the global batch} c_{i(t)} * per_token_t
 
-Each micro-batch returns ``sum(per_token)`` and its token count to Megatron's schedule
-(``calculate_per_token_loss``); after the data-parallel gradient reduction Megatron divides
-the gradients by the token count summed over replicas, so they are exactly
-d(loss)/d(theta). Log-probs and entropy are computed on the vocabulary-parallel logits
+Each micro-batch returns ``T_global * sum(c * per_token)`` and its token count to Megatron's
+schedule (``calculate_per_token_loss``); after the data-parallel gradient reduction Megatron
+divides the gradients by the token count summed over replicas (T_global), so they are
+exactly d(loss)/d(theta). The learning rate of each step is
+:func:`chatlearn.algorithms.lr_schedule.learning_rate` of Adam's step count, set on the
+optimizer's parameter groups (Megatron's own scheduler is not used). Log-probs and entropy are computed on the vocabulary-parallel logits
 without gathering them (:mod:`.logprobs`).
 
 Megatron's schedules (``get_forward_backward_func``: 1F1B with pipeline parallelism, a plain
@@ -41,10 +44,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from chatlearn.algorithms.grpo import kl_k3, loss_metrics, policy_loss
+from chatlearn.algorithms.grpo import LOSS_SUMS, GRPOLoss, token_sums
+from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
-from chatlearn.models.base import PARTS, Batch, Bucket, Trainer, response_mask
+from chatlearn.models.base import PARTS, Batch, Bucket, Trainer
 from chatlearn.models.trainer.fsdp import _Stash, init_distributed
 from chatlearn.models.trainer.megatron import checkpoint as ckpt_format
 from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
@@ -112,8 +116,8 @@ class MegatronTrainer(Trainer):
     def __init__(self, cfg: dict):
         """cfg: the FSDP trainer's keys (load, trust_remote_code, seed, trainable, lr,
         weight_decay, clip_grad, train_micro_batch_size, logprob_micro_batch_size,
-        pos_clip_ratio, neg_clip_ratio, kl_coef, entropy_coef, gradient_checkpointing, bf16)
-        plus tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
+        pos_clip_ratio, neg_clip_ratio, kl_coef, entropy_coef, gradient_checkpointing, bf16 and
+        the loss and learning-rate schedule keys) plus tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
         use_distributed_optimizer (all required). bf16 applies on CUDA only (fp32 otherwise);
         gradient_checkpointing recomputes every layer (full recompute); trust_remote_code is
         not used (the architecture is read from config.json)."""
@@ -259,12 +263,15 @@ class MegatronTrainer(Trainer):
         share = n // self.dp
         return np.arange(self.dp_rank * share, (self.dp_rank + 1) * share)
 
-    def _micro_batches(self, batch: Batch, size: int) -> list[_MicroBatch]:
-        """This replica's samples in micro-batches of ``size``, right-padded.
+    def _micro_batches(self, batch: Batch, size: int) -> tuple[list[_MicroBatch], dict]:
+        """This replica's samples in micro-batches of ``size``, right-padded, and the pass's
+        stats: ``pad_token_frac`` (padding positions / positions computed, over all
+        replicas; a collective) and ``micro_steps`` (per replica).
 
         With pipeline parallelism every micro-batch has the same shape (``size`` rows, the
         longest sample's width; empty rows are padding), as the stages exchange activations
         of a fixed shape. Under sequence parallelism the width is a multiple of ``tp``.
+        Sequence packing is not available here (the config refuses it with this backend).
         """
         idx = self._my_samples(batch)
         if len(idx) == 0:
@@ -295,7 +302,13 @@ class MegatronTrainer(Trainer):
                 rows=torch.from_numpy(np.concatenate(rows)).to(self.device),
                 cols=torch.from_numpy(np.concatenate(cols)).to(self.device),
                 pos=np.concatenate(pos), samples=mb))
-        return out
+        # every rank counts its replica's tokens: the world sums are tp*pp times the
+        # replicas' sums, which leaves their ratio unchanged
+        counts = torch.tensor([float(lens.sum()), float(sum(m.ids.numel() for m in out))],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        real, computed = counts.tolist()
+        return out, {"pad_token_frac": 1.0 - real / computed, "micro_steps": float(len(out))}
 
     def _token_logprobs(self, mb: _MicroBatch, logits: torch.Tensor, temperature: float,
                         with_entropy: bool):
@@ -334,7 +347,8 @@ class MegatronTrainer(Trainer):
         ``with_entropy`` also the entropy of the temperature-scaled distribution, [T]."""
         self._require_weights()
         self.model.train(False)
-        micro = self._micro_batches(batch, self.cfg["logprob_micro_batch_size"])
+        micro, self._logprob_stats = self._micro_batches(batch,
+                                                         self.cfg["logprob_micro_batch_size"])
 
         def loss_func(mb, logits):
             logp, ent = self._token_logprobs(mb, logits, temperature, with_entropy)
@@ -355,6 +369,11 @@ class MegatronTrainer(Trainer):
         values = values.cpu().numpy()
         return (values[0], values[1]) if with_entropy else values[0]
 
+    def logprob_stats(self) -> dict:
+        """``pad_token_frac`` and ``micro_steps`` of the last ``compute_logprobs`` pass
+        (see ``_micro_batches``); {} before any."""
+        return dict(getattr(self, "_logprob_stats", {}))
+
     # ------------------------------------------------------------------ training
     def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
         """Forward + backward over the global batch; gradients are left in Megatron's fp32
@@ -367,59 +386,55 @@ class MegatronTrainer(Trainer):
             raise RuntimeError(
                 "MegatronTrainer: optimizer state is offloaded; call onload(['optimizer'])")
         self._restore_grads()
-        cfg = self.cfg
-        kl_coef, ent_coef = float(cfg["kl_coef"]), float(cfg["entropy_coef"])
-        has_ref = "ref_logprobs" in batch
-        if kl_coef > 0 and not has_ref:
-            raise ValueError("MegatronTrainer: kl_coef > 0 needs ref_logprobs in the batch")
-        num_tokens = int(response_mask(batch).sum())
-        if num_tokens == 0:
-            raise ValueError("MegatronTrainer: the batch has no response tokens")
-        lens = np.diff(batch["offsets"]) - batch["prompt_lens"]
-        advantages = np.asarray(batch["advantages"], np.float32)
-
-        def per_token(name, pos):
-            return torch.from_numpy(np.asarray(batch[name])[pos]).to(self.device, torch.float32)
+        try:
+            objective = GRPOLoss(self.cfg, batch, self.device)
+        except ValueError as err:
+            raise ValueError(f"MegatronTrainer: {err}") from None
 
         def loss_func(mb, logits):
-            logp, ent = self._token_logprobs(mb, logits, temperature, ent_coef > 0)
-            adv = torch.from_numpy(np.repeat(advantages[mb.samples], lens[mb.samples])).to(
-                self.device)
-            pg, clipped = policy_loss(logp, per_token("old_logprobs", mb.pos), adv,
-                                      cfg["pos_clip_ratio"], cfg["neg_clip_ratio"])
-            loss = pg
-            kl = kl_k3(logp, per_token("ref_logprobs", mb.pos)) if has_ref else None
-            if kl_coef > 0:
-                loss = loss + kl_coef * kl
-            if ent_coef > 0:
-                loss = loss - ent_coef * ent
-            zero = loss.new_zeros(())
-            sums = torch.stack([loss.sum(), pg.sum(), kl.sum() if kl is not None else zero,
-                                ent.sum() if ent is not None else zero,
-                                clipped.sum().to(loss.dtype)]).detach().double()
+            logp, ent = self._token_logprobs(mb, logits, temperature, objective.with_entropy)
+            terms, coef, weight = objective.terms(logp, ent, mb.pos)
             count = torch.tensor(len(logp), dtype=torch.int, device=self.device)
-            return loss.sum(), count, {"sums": sums}
+            # Megatron divides by the global token count: scale the aggregate back up by it
+            loss = (terms["loss"] * coef).sum() * objective.num_tokens
+            return loss, count, {"sums": token_sums(terms, coef, weight, ent)}
 
         self.model.train(True)
-        outs = self._run(self._micro_batches(batch, cfg["train_micro_batch_size"]),
-                         loss_func, forward_only=False)
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        micro, passes = self._micro_batches(batch, self.cfg["train_micro_batch_size"])
+        outs = self._run(micro, loss_func, forward_only=False)
+        sums = torch.zeros(len(LOSS_SUMS), dtype=torch.float64, device=self.device)
         if self._reporter():
             for out in outs:
                 sums += out["sums"]
         dist.all_reduce(sums)
-        return loss_metrics(sums.tolist(), num_tokens, has_ref, ent_coef > 0)
+        return {**objective.metrics(sums.tolist()), **passes}
+
+    def _optimizer_steps(self) -> int:
+        """Optimizer steps taken so far: Adam's step count, the largest over all ranks (a
+        collective; the state is restored with the checkpoint, so the learning-rate schedule
+        continues where it was on resume)."""
+        steps = max([int(state[p]["step"]) for _, p, state in self._optimizer_params()
+                     if "step" in state.get(p, {})] or [0])
+        found = torch.tensor(float(steps), dtype=torch.float64, device=self.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return int(found.item())
 
     def train(self, batch: Batch, temperature: float = 1.0) -> dict:
         """One optimizer step on one global batch (see the module docstring for the loss).
 
-        ``temperature`` must be the one ``old_logprobs`` were computed with.
+        ``temperature`` must be the one ``old_logprobs`` were computed with. The learning
+        rate: as the FSDP trainer's (0 for a batch whose samples all have weight 0).
         """
         metrics = self.compute_grads(batch, temperature)
+        lr = (trainer_learning_rate(self.cfg, self._optimizer_steps())
+              if GRPOLoss.sample_weights(batch).any() else 0.0)
+        for opt in self._optimizers():
+            for group in opt.optimizer.param_groups:
+                group["lr"] = lr
         _, grad_norm, _ = self.optimizer.step()
         self.zero_grad()
         metrics["grad_norm"] = float(grad_norm)
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["lr"] = lr
         return metrics
 
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -649,9 +664,11 @@ class MegatronTrainer(Trainer):
         dist.all_gather(parts, local.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=m.split_dim)
 
-    def _gather_hf(self, source: str) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def _gather_hf(self, source: str, only: set | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """``(hf_name, float32 CPU tensor on rank 0, None elsewhere)`` for every parameter
-        (``source``: "weights" or "grads"), in a fixed order; a collective.
+        (``source``: "weights" or "grads"), in a fixed order; a collective. ``only``: just
+        the mappings that produce one of these HF names (all of the mapping's names).
 
         The stage that holds a parameter gathers its tensor-parallel shards (replica 0
         only); when that stage is not the first, it sends the result to rank 0 over rank
@@ -661,6 +678,8 @@ class MegatronTrainer(Trainer):
         on_rank0_pipeline = self.dp_rank == 0 and self.tp_rank == 0
         dtype = torch.float32 if source == "grads" else self.dtype
         for m in self.mappings:
+            if only is not None and not only.intersection(m.hf):
+                continue
             owner = self._owner(m)
             shapes = hf_shapes(self.arch, m)
             hf = None
@@ -702,6 +721,25 @@ class MegatronTrainer(Trainer):
             size += nbytes
         if size:
             yield bucket
+
+    def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
+        """``(hf_name, "float32", shape, group)`` in ``export_tensors`` order (the same on
+        every rank; no collective). ``group`` is the Megatron parameter the names come from
+        (fused QKV -> q/k/v, fused gate-up -> gate/up), so a bucket never splits a gather.
+        Tied output embeddings are not listed (they are ``model.embed_tokens.weight``)."""
+        return [(name, "float32", tuple(shape), i) for i, m in enumerate(self.mappings)
+                for name, shape in zip(m.hf, hf_shapes(self.arch, m))]
+
+    @torch.no_grad()
+    def export_tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(hf_name, float32 tensor on rank 0, None elsewhere)`` for the names given (whole
+        groups of ``weight_specs``), gathered mapping by mapping (tensor-parallel all-gather,
+        pipeline broadcast to rank 0): a collective, every rank iterates with the same names."""
+        self._require_weights()
+        wanted = set(names)
+        for name, tensor in self._gather_hf("weights", only=wanted):
+            if name in wanted:
+                yield name, tensor
 
     def save_hf(self, path: str) -> None:
         """Write a Hugging Face folder at ``path`` (rank 0 writes; a collective): float32

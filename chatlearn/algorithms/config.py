@@ -1,0 +1,62 @@
+"""Validation of the algorithm keys of ``models.policy_trainer`` (losses, KL, advantages,
+learning-rate schedule); called by ``chatlearn.config.load.validate``."""
+from __future__ import annotations
+
+import difflib
+
+from chatlearn.algorithms.grpo import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
+from chatlearn.algorithms.lr_schedule import LR_DECAY_STYLES, resolve_schedule
+from chatlearn.errors import ConfigError
+
+PREFIX = "models.policy_trainer"
+
+
+def _choice(value, choices, key: str) -> None:
+    if value not in choices:
+        guess = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" Did you mean {guess[0]!r}?" if guess else ""
+        raise ConfigError(f"{value!r} is not one of {', '.join(choices)}.{hint}", key=key)
+
+
+def validate_algorithm(cfg, total_steps: int) -> None:
+    """ConfigError for an invalid policy-loss, KL, advantage or schedule key;
+    ``total_steps``: the run's optimizer steps (num_episode x steps per episode)."""
+    t = cfg.models.policy_trainer
+    _choice(t.loss_agg_mode, LOSS_AGG_MODES, f"{PREFIX}.loss_agg_mode")
+    _choice(t.kl_estimator, KL_ESTIMATORS, f"{PREFIX}.kl_estimator")
+    _choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS, f"{PREFIX}.advantage_estimator")
+    if t.clip_ratio_c is not None and not t.clip_ratio_c > 1:
+        raise ConfigError(f"must be > 1 (the dual-clip bound -A * clip_ratio_c of negative advantages), "
+                          f"got {t.clip_ratio_c}; set null to turn dual clip off, or e.g. 3.0 as verl.",
+                          key=f"{PREFIX}.clip_ratio_c")
+    group = cfg.models.policy.num_inference_per_prompt
+    if group < 2 and (t.advantage_estimator == "rloo" or t.filter_equal_groups):
+        what = ("advantage_estimator: rloo needs another sample of the same prompt as baseline"
+                if t.advantage_estimator == "rloo" else
+                "filter_equal_groups would drop every group of one sample")
+        raise ConfigError(f"{what}, but models.policy.num_inference_per_prompt is {group}. Sample at least "
+                          "2 responses per prompt.", key=f"{PREFIX}.advantage_estimator"
+                          if t.advantage_estimator == "rloo" else f"{PREFIX}.filter_equal_groups")
+    opt, key = t.optimizer, f"{PREFIX}.optimizer"
+    _choice(opt.lr_decay_style, LR_DECAY_STYLES, f"{key}.lr_decay_style")
+    if opt.lr_warmup_iters < 0:
+        raise ConfigError(f"must be >= 0, got {opt.lr_warmup_iters}.", key=f"{key}.lr_warmup_iters")
+    if not 0 <= opt.lr_warmup_fraction <= 1:
+        raise ConfigError(f"must be in [0, 1] (a share of the run's optimizer steps), got "
+                          f"{opt.lr_warmup_fraction}.", key=f"{key}.lr_warmup_fraction")
+    if not 0 <= opt.lr_warmup_init <= opt.lr:
+        raise ConfigError(f"must be in [0, lr] (the warmup starts there and rises to lr = {opt.lr}), got "
+                          f"{opt.lr_warmup_init}.", key=f"{key}.lr_warmup_init")
+    if not 0 <= opt.min_lr <= opt.lr:
+        raise ConfigError(f"must be in [0, lr] (decay ends there; lr = {opt.lr}), got {opt.min_lr}.",
+                          key=f"{key}.min_lr")
+    if opt.lr_decay_iters is not None and opt.lr_decay_iters < 1:
+        raise ConfigError(f"must be a positive number of optimizer steps or null (the run's {total_steps} "
+                          f"steps), got {opt.lr_decay_iters}.", key=f"{key}.lr_decay_iters")
+    warmup, decay = resolve_schedule(opt.lr_warmup_iters, opt.lr_warmup_fraction, opt.lr_decay_iters,
+                                     total_steps)
+    if opt.lr_decay_style != "constant" and warmup >= decay:
+        raise ConfigError(f"the warmup ({warmup} optimizer steps) must end before the decay does "
+                          f"(lr_decay_iters: {decay} steps) for lr_decay_style {opt.lr_decay_style!r}. Lower "
+                          "lr_warmup_iters / lr_warmup_fraction or raise lr_decay_iters.",
+                          key=f"{key}.lr_warmup_iters")

@@ -1,0 +1,75 @@
+"""Micro-batch plans of the trainers' log-prob and training passes, with and without
+sequence packing, and the share of padding tokens they compute.
+
+Without packing a rank's samples are cut, in order, into micro-batches of ``size`` samples;
+each is a right-padded ``[rows, width]`` batch, so it computes ``rows x width`` token
+positions of which ``sum(lens)`` are real.
+
+With packing (``packing: true``) a rank's samples are binned by **first-fit decreasing**:
+samples sorted by length (longest first, ties in batch order) each go into the first bin
+that still has room for them, a new bin when none has, with at most ``max_token_in_packing``
+tokens per bin. A bin is one row of concatenated samples (no padding), so it computes
+exactly ``sum(lens)`` positions. First-fit decreasing uses at most ``11/9 OPT + 6/9`` bins
+(Dosa 2007); the order of the samples does not matter to the results, which are written back
+by position. A sample longer than ``max_token_in_packing`` is an error (as in verl), since
+splitting it would change its attention.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from chatlearn.errors import ConfigError
+
+
+def pack_first_fit_decreasing(lens: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Bins of positions into ``lens`` (each bin in ascending order), each bin's total
+    length at most ``max_tokens``; bins in order of creation. Raises a ConfigError naming
+    ``max_token_in_packing`` when a single length exceeds ``max_tokens``."""
+    lens = np.asarray(lens, dtype=np.int64)
+    if len(lens) and int(lens.max()) > max_tokens:
+        raise ConfigError(
+            f"a sample has {int(lens.max())} tokens (prompt + response), more than "
+            f"max_token_in_packing ({max_tokens}): with packing every sample must fit in one "
+            "packed micro-batch. Raise max_token_in_packing to at least max_prompt_tokens_length "
+            "+ max_response_tokens_length, or turn packing off.",
+            key="models.policy_trainer.max_token_in_packing")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-lens, kind="stable"):
+        n = int(lens[i])
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(int(i))
+                room[b] -= n
+                break
+        else:
+            bins.append([int(i)])
+            room.append(max_tokens - n)
+    return [np.sort(np.asarray(b, dtype=np.int64)) for b in bins]
+
+
+def plan_micro_batches(lens: np.ndarray, shares: list[np.ndarray], size: int, packing: bool,
+                       max_tokens: int) -> tuple[list[list[np.ndarray]], dict]:
+    """Micro-batches of every rank: ``shares[r]`` are rank r's sample indices into ``lens``.
+
+    Returns ``(plans, stats)``: ``plans[r]`` is rank r's list of index arrays, padded with
+    empty arrays to the same number of micro-steps on every rank (an empty array is a dummy
+    micro-step: see the trainers). ``stats``: ``pad_token_frac`` = padding positions /
+    positions computed over all ranks' real micro-steps (0 with packing; dummy micro-steps
+    are not counted), ``micro_steps`` = micro-steps per rank.
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    plans = []
+    for share in shares:
+        if packing:
+            plans.append([share[b] for b in pack_first_fit_decreasing(lens[share], max_tokens)])
+        else:
+            plans.append([share[i:i + size] for i in range(0, len(share), size)])
+    steps = max((len(p) for p in plans), default=0)
+    computed = sum(int(lens[mb].sum()) if packing else len(mb) * int(lens[mb].max())
+                   for p in plans for mb in p)
+    real = sum(int(lens[share].sum()) for share in shares)
+    stats = {"pad_token_frac": 1.0 - real / computed if computed else 0.0,
+             "micro_steps": float(steps)}
+    empty = np.zeros(0, dtype=np.int64)
+    return [p + [empty] * (steps - len(p)) for p in plans], stats

@@ -1,0 +1,347 @@
+"""Streaming, bucketed weight push from the trainer ranks into every rollout replica.
+
+``WeightSync(trainer_group, rollout_group, plan, cfg).push()`` moves the trainer's full weights,
+in Hugging Face names, into the rollout engines, one *bucket* at a time:
+
+* A bucket is one contiguous byte buffer plus a small index of ``(name, dtype, shape, offset)``
+  entries (:class:`BucketIndex`, offsets aligned to ``ALIGN`` bytes). The buckets are planned
+  once from the trainer's ``weight_specs()`` (about ``runtime_args.coalesced_buffer_mb`` MiB each;
+  a bucket is closed before the spec group that would overflow it, so the tensors that one
+  trainer gather produces, e.g. q/k/v split from a fused Megatron QKV, stay together).
+* Bucket k is produced by ``export_tensors(names of bucket k)`` on every trainer rank in
+  lockstep (FSDP's ``full_tensor`` and Megatron's gathers are collectives): each full tensor is
+  gathered, copied into rank 0's slot buffer and dropped, so no rank ever holds more than its
+  shards, ``depth`` slot buffers and one gathered tensor.
+* At most ``depth`` (2) buckets are in flight: the trainer gathers bucket k+1 into one slot while
+  the replicas load bucket k from the other; slot ``k % depth`` is refilled only after every
+  replica has loaded bucket ``k - depth``.
+
+Transports, chosen by placement (:func:`choose_transport`):
+
+* ``shm`` (trainer and rollout on the same device group, CPU): the slots are files in
+  ``/dev/shm`` that rank 0 creates and every replica maps; replicas read the bytes in place
+  (no pickling, no copy until the engine's own load). The files are unlinked once every replica
+  has mapped them, so nothing is left behind if a process dies.
+* ``cuda_ipc`` (same device group, CUDA): the slots are CUDA buffers shared once with
+  ``torch.multiprocessing.reductions.reduce_tensor`` (CUDA IPC handles, as verl and OpenRLHF do
+  for vLLM). NOT EXERCISED on machines without a GPU; the selection logic is tested.
+* ``broadcast`` (different device groups): rank 0 broadcasts each slot to the replicas over a
+  process group of its own (rank 0 + one rank per replica; gloo on CPU, NCCL on CUDA), created
+  once from a ``TCPStore`` hosted by trainer rank 0 (like vLLM's ``StatelessProcessGroup``), so
+  it does not touch the trainers' default group nor vLLM's.
+
+The rollout side receives a bucket as ``(name, tensor)`` views of the buffer, valid only during
+``load_weight_bucket``, between ``begin_weight_update()`` and ``finish_weight_update()``.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import ray
+import torch
+
+ALIGN = 64  # byte alignment of every tensor in a bucket (any dtype's element size divides it)
+DEPTH = 2  # buckets in flight
+TRANSPORTS = ("shm", "cuda_ipc", "broadcast")
+GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+# ------------------------------------------------------------------ bucket plan
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple
+    offset: int  # byte offset in the bucket buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketIndex:
+    entries: tuple
+    nbytes: int  # bytes used in the buffer (the end of the last entry)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_buckets(specs: list, bucket_bytes: int) -> list[BucketIndex]:
+    """Buckets from ``specs``: ``(name, dtype, shape, group)`` in export order.
+
+    Consecutive specs with the same ``group`` are never split; a bucket is closed before the group
+    that would take it past ``bucket_bytes`` (a group larger than that is a bucket of its own).
+    """
+    groups: list[list] = []
+    for spec in specs:
+        if groups and groups[-1][0][3] == spec[3]:
+            groups[-1].append(spec)
+        else:
+            groups.append([spec])
+    buckets, cur, size = [], [], 0
+    for group in groups:
+        need = sum(_align(int(np.prod(s[2], dtype=np.int64)) * getattr(torch, s[1]).itemsize)
+                   for s in group)
+        if cur and size + need > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur += group
+        size += need
+    if cur:
+        buckets.append(cur)
+    out = []
+    for specs_k in buckets:
+        entries, offset = [], 0
+        for name, dtype, shape, _ in specs_k:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * getattr(torch, dtype).itemsize
+            entries.append(Entry(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
+            offset = _align(offset + nbytes)
+        out.append(BucketIndex(tuple(entries), entries[-1].offset + entries[-1].nbytes))
+    return out
+
+
+def bucket_views(index: BucketIndex, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of the uint8 buffer ``buf`` (same memory, no copy)."""
+    return [(e.name, buf[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
+            for e in index.entries]
+
+
+def choose_transport(plan, device_type: str) -> str:
+    """``shm`` / ``cuda_ipc`` when policy and policy_trainer share a device group (CPU / CUDA),
+    ``broadcast`` when they are on different device groups."""
+    same = plan.placements["policy"].device_group == plan.placements["policy_trainer"].device_group
+    if same:
+        return "cuda_ipc" if device_type == "cuda" else "shm"
+    return "broadcast"
+
+
+# ------------------------------------------------------------------ slot buffers
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class ShmSlot:
+    """A shared-memory file of ``nbytes`` mapped into this process (``create``: made here)."""
+
+    def __init__(self, path: str, nbytes: int, create: bool):
+        self.path, self.nbytes = path, nbytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            self.map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _new_broadcast_group(host: str, port: int, rank: int, world: int, device_type: str):
+    """A process group of its own (not the default one) from a TCPStore hosted by rank 0."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=GROUP_TIMEOUT)
+    store = dist.PrefixStore("chatlearn_weight_sync", store)
+    if device_type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, world)
+    return dist.ProcessGroupGloo(store, rank, world, GROUP_TIMEOUT)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+# ------------------------------------------------------------------ actor-side endpoint
+
+class Endpoint:
+    """The sending (trainer rank) or receiving (rollout replica) side, inside a worker actor.
+
+    Trainer backends provide ``weight_specs()`` (``[(hf_name, dtype, shape, group)]``, the same on
+    every rank, no collective) and ``export_tensors(names)`` (a collective generator of
+    ``(name, full tensor on rank 0 / None elsewhere)``). Rollout backends provide
+    ``begin_weight_update()``, ``load_weight_bucket(weights)`` and ``finish_weight_update()``.
+    """
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.buckets: list[BucketIndex] = []
+        self.slots: list = []
+        self.transport = None
+        self.group = None
+        self.peak_live_bytes = 0  # trainer side: max bytes of slots + gathered tensors alive
+
+    # -- trainer side
+    def specs(self) -> dict:
+        return {"specs": self.obj.weight_specs(), "device": torch.device(self.obj.device).type}
+
+    def open_sender(self, transport: str, buckets: list, depth: int, group_addr=None) -> dict:
+        """Allocate rank 0's ``depth`` slots; returns what the replicas need to attach."""
+        self.transport, self.buckets = transport, buckets
+        if self.obj.rank != 0:
+            return {}
+        size = max(b.nbytes for b in buckets)
+        device = torch.device(self.obj.device)
+        if transport == "shm":
+            tag = uuid.uuid4().hex[:12]
+            self.slots = [ShmSlot(os.path.join(_shm_dir(), f"chatlearn-weights-{tag}-{i}"), size, True)
+                          for i in range(depth)]
+            return {"paths": [s.path for s in self.slots], "nbytes": size}
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(depth)]
+        if transport == "cuda_ipc":  # not exercised without a GPU
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            return {"handles": [reduce_tensor(t) for t in self.slots]}
+        host, port, world = group_addr
+        self.group = _new_broadcast_group(host, port, 0, world, device.type)
+        return {}
+
+    def release_names(self) -> None:
+        """Unlink the shm files once every replica has mapped them (the mappings stay valid)."""
+        for s in self.slots:
+            if isinstance(s, ShmSlot):
+                s.unlink()
+
+    def send(self, k: int, slot: int) -> int:
+        """Gather bucket k (all trainer ranks), write it into slot ``slot`` on rank 0, and for
+        ``broadcast`` send it. Returns the bucket's bytes."""
+        index = self.buckets[k]
+        buf = None
+        if self.obj.rank == 0:
+            s = self.slots[slot]
+            buf = (s.tensor if isinstance(s, ShmSlot) else s)[:index.nbytes]
+        views = dict(bucket_views(index, buf)) if buf is not None else {}
+        slots_bytes = sum((s.nbytes if isinstance(s, ShmSlot) else s.numel()) for s in self.slots)
+        for name, tensor in self.obj.export_tensors(index.names):
+            if tensor is not None:
+                self.peak_live_bytes = max(self.peak_live_bytes,
+                                           slots_bytes + tensor.numel() * tensor.element_size())
+                views[name].copy_(tensor)
+            del tensor
+        if self.transport == "broadcast" and buf is not None:
+            _broadcast(self.group, buf)
+        return index.nbytes
+
+    def stats(self) -> dict:
+        return {"peak_live_bytes": self.peak_live_bytes}
+
+    # -- rollout side
+    def open_receiver(self, transport: str, buckets: list, attach: dict, group_addr=None,
+                      rank: int = 0) -> None:
+        self.transport, self.buckets = transport, buckets
+        if transport == "shm":
+            self.slots = [ShmSlot(p, attach["nbytes"], False) for p in attach["paths"]]
+        elif transport == "cuda_ipc":  # not exercised without a GPU
+            self.slots = [fn(*args) for fn, args in attach["handles"]]
+        else:
+            host, port, world = group_addr
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            size = max(b.nbytes for b in buckets)
+            self.slots = [torch.empty(size, dtype=torch.uint8, device=device)]
+            self.group = _new_broadcast_group(host, port, rank, world, device.type)
+
+    def begin(self) -> None:
+        self.obj.begin_weight_update()
+
+    def recv(self, k: int, slot: int, _after=None) -> None:
+        """Load bucket k (``_after``: an object ref the caller makes this call wait for)."""
+        index = self.buckets[k]
+        if self.transport == "broadcast":
+            buf = self.slots[0][:index.nbytes]
+            _broadcast(self.group, buf)
+        else:
+            s = self.slots[slot]
+            buf = (s.tensor if isinstance(s, ShmSlot) else s)[:index.nbytes]
+        self.obj.load_weight_bucket(bucket_views(index, buf))
+
+    def finish(self) -> None:
+        self.obj.finish_weight_update()
+
+
+# ------------------------------------------------------------------ driver side
+
+class WeightSync:
+    """Pushes the trainer's weights into every rollout replica (see the module docstring).
+
+    Set up once (bucket plan, slots, the broadcast group) on the first ``push`` and reused by
+    every later one. ``transport`` overrides the choice by placement (tests, benchmarks).
+    """
+
+    def __init__(self, trainer_group, rollout_group, plan, cfg, transport: str | None = None,
+                 depth: int = DEPTH):
+        self.trainer, self.rollout = trainer_group, rollout_group
+        self.plan, self.cfg = plan, cfg
+        self.depth = depth
+        self.transport = transport
+        self.buckets: list[BucketIndex] | None = None
+
+    def _setup(self) -> None:
+        trainers, replicas = self.trainer.actors, self.rollout.actors
+        info = ray.get(trainers[0].sync.remote("specs"))
+        if self.transport is None:
+            self.transport = choose_transport(self.plan, info["device"])
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown weight-sync transport {self.transport!r}; use one of {TRANSPORTS}")
+        bucket_bytes = int(float(self.cfg.runtime_args.coalesced_buffer_mb) * 2 ** 20)
+        self.buckets = plan_buckets(info["specs"], bucket_bytes)
+        addr = None
+        if self.transport == "broadcast":
+            host, port = ray.get(trainers[0].address.remote())
+            addr = (host, port, 1 + len(replicas))
+        senders = [a.sync.remote("open_sender", self.transport, self.buckets, self.depth, addr)
+                   for a in trainers]
+        if self.transport == "broadcast":  # every member joins the group at the same time
+            ray.get(senders + [r.sync.remote("open_receiver", self.transport, self.buckets, {},
+                                              addr, i + 1) for i, r in enumerate(replicas)])
+            return
+        attach = ray.get(senders)[0]
+        ray.get([r.sync.remote("open_receiver", self.transport, self.buckets, attach)
+                 for r in replicas])
+        ray.get(trainers[0].sync.remote("release_names"))
+
+    def push(self) -> dict:
+        """One full push; returns ``{"sync/bytes": bytes per replica, "sync/push_gbps": GB/s}``
+        (1 GB = 1e9 bytes; the time covers gather, transport and the engines' loads)."""
+        if self.buckets is None:
+            self._setup()
+        start = time.perf_counter()
+        trainers, replicas = self.trainer.actors, self.rollout.actors
+        ray.get([r.sync.remote("begin") for r in replicas])
+        loads: list[list] = []
+        sends: list = []
+        for k in range(len(self.buckets)):
+            slot = k % self.depth
+            if k >= self.depth:
+                ray.get(loads[k - self.depth])  # slot is free once every replica has loaded it
+            refs = [a.sync.remote("send", k, slot) for a in trainers]
+            after = None if self.transport == "broadcast" else refs[0]  # broadcast: meet in it
+            loads.append([r.sync.remote("recv", k, slot, after) for r in replicas])
+            sends += refs
+        ray.get([ref for refs in loads for ref in refs])
+        ray.get(sends)
+        ray.get([r.sync.remote("finish") for r in replicas])
+        seconds = time.perf_counter() - start
+        nbytes = sum(b.nbytes for b in self.buckets)
+        return {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}

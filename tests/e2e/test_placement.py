@@ -1,0 +1,149 @@
+"""Placement end to end: all four models colocated on 2 logical devices (the residency
+invariant over the recorded timeline, and exactly the transitions the schedule needs),
+partial colocation and full disaggregation (training end to end, learning like the
+colocated run), and joining a cluster started with ``ray start --head``."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from conftest import REPO
+from chatlearn.runtime.scheduler import residency_violations
+
+SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=32",
+         "runtime_args.train_global_batch_size=16", "runtime_args.train_micro_batch_size=8",
+         "models.policy.num_inference_per_prompt=4", "runtime_args.eval_episode_interval=3",
+         "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01",
+         "runtime_args.save_episode_interval=0", "models.policy_trainer.save_hf=false"]
+
+# the turns of one steady-state episode under full colocation, in order
+EXPECTED = [
+    ("policy", "offload", ["weights", "kv_cache"]),           # ref_policy's turn
+    ("ref_policy", "onload", ["weights"]),
+    ("ref_policy", "offload", ["weights"]),                   # the trainer's turn
+    ("policy_trainer", "onload", ["weights"]),                # old log-probs ...
+    ("policy_trainer", "onload", ["optimizer", "grads"]),     # ... then training, weights stay
+    ("policy_trainer", "offload", ["optimizer", "grads"]),    # the push: trainer weights stay
+    ("policy", "onload", ["weights"]),
+    ("policy_trainer", "offload", ["weights"]),               # after the push
+    ("policy", "onload", ["kv_cache"]),                       # the rollout stays for the next episode
+]
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(out, *overrides, env=None, timeout=560):
+    cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *SHORT,
+           f"runtime_args.output_dir={out}", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc, read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "timeline.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_four_models_colocated_on_two_devices(tmp_path):
+    proc, rows, events = run(
+        tmp_path / "out", "runtime_args.colocation=[policy,policy_trainer,ref_policy,reward]",
+        "models.policy_trainer.num_gpu=2", "runtime_args.rollout_backend=vllm")
+    assert "device group 0 (devices 0..1): policy, policy_trainer, ref_policy, reward" in proc.stdout
+    groups = [["policy", "policy_trainer", "ref_policy", "reward"]]
+
+    # the invariant holds after every transition and during every stage
+    for e in events:
+        assert not residency_violations(groups, e["resident"]), e
+
+    # the schedule skips what nothing needs: each steady episode makes exactly these turns
+    for episode in (2, 3):
+        got = [(e["model"], e["action"], e["parts"]) for e in events
+               if e["kind"] == "transition" and e["episode"] == episode]
+        assert got == EXPECTED, (episode, got)
+        assert [r for r in rows if r["episode"] == episode][0]["sched/transitions"] == len(EXPECTED)
+    # two-step wake of the rollout engine: weights, the push, then the KV cache
+    ep3 = [e for e in events if e["episode"] == 3]
+    order = [(e["kind"], e.get("model"), e.get("action") or e.get("stage"), tuple(e.get("parts", ())))
+             for e in ep3]
+    i = order.index(("transition", "policy", "onload", ("weights",)))
+    j = order.index(("stage", "policy", "weight_push", ()))
+    k = order.index(("transition", "policy", "onload", ("kv_cache",)))
+    assert i < j < k
+    # every turn of a steady episode really moved bytes (the vLLM engine on the CPU included)
+    for e in events:
+        if e["kind"] == "transition" and e["episode"] >= 2:
+            assert e["bytes"] > 0, e
+    for r in rows[1:]:
+        assert r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, r
+        assert 0 <= r["perf/overhead_share"] < 1
+
+
+def _learning(rows):
+    return [r["train/reward_mean"] for r in rows if "train/reward_mean" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_partial_and_disaggregated_placements_train_like_colocated(tmp_path):
+    runs = {}
+    for name, coloc in (("colocated", "[policy,policy_trainer,ref_policy]"),
+                        ("partial", "[policy_trainer,ref_policy]"),
+                        ("disaggregated", "[]")):
+        proc, rows, events = run(tmp_path / name, f"runtime_args.colocation={coloc}",
+                                 "runtime_args.rollout_backend=hf", timeout=280)
+        runs[name] = (proc, rows, events)
+    assert "device group 1 (device 1): policy" in runs["partial"][0].stdout
+    assert "device group 2 (device 2): ref_policy" in runs["disaggregated"][0].stdout
+    # the rollout never leaves its own devices when it shares them with nothing
+    for name in ("partial", "disaggregated"):
+        events = runs[name][2]
+        assert not [e for e in events if e["kind"] == "transition" and e["model"] == "policy"], name
+        assert not [e for e in events if e["kind"] == "transition"] or name == "partial"
+    # the same data, seeds and math: the same learning curve as the colocated run
+    base = _learning(runs["colocated"][1])
+    for name in ("partial", "disaggregated"):
+        got = _learning(runs[name][1])
+        assert got == pytest.approx(base, abs=1e-6), name
+        assert runs[name][1][-1]["eval/reward_mean"] == pytest.approx(
+            runs["colocated"][1][-1]["eval/reward_mean"], abs=1e-6)
+        assert all(r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4 for r in runs[name][1][1:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_joins_a_ray_cluster_started_with_ray_start(tmp_path):
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable))
+    assert ray_bin, "the ray command is installed with the package"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # --block: the head's processes live as long as this one, and go with it (not `ray stop`,
+    # which would stop every Ray cluster of the machine)
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--port=0", "--num-cpus=2",
+                             "--num-gpus=1", "--include-dashboard=false", "--disable-usage-stats"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        address, seen = None, []
+        for line in head.stdout:
+            seen.append(line)
+            if "ray start --address=" in line:
+                address = line.split("'")[1]
+                break
+        assert address, "".join(seen)
+        proc, rows, _ = run(tmp_path / "out", "runtime_args.rollout_backend=hf",
+                            "runtime_args.num_episode=2", env={"RAY_ADDRESS": address})
+        assert f"joining the Ray cluster at {address}" in proc.stdout
+        assert [r["episode"] for r in rows] == [0, 1, 2]  # the eval before training, then 2 episodes
+    finally:
+        head.terminate()
+        head.wait(timeout=120)
+        # `ray start` leaves its address for later `ray.init()` calls on this machine
+        current = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+        if address and os.path.isfile(current) and open(current).read().strip() == address:
+            os.remove(current)
