@@ -120,7 +120,8 @@ def bucket_views(index: BucketIndex, buf: torch.Tensor) -> list[tuple[str, torch
 
 def choose_transport(plan, device_type: str) -> str:
     """``shm`` / ``cuda_ipc`` when policy and policy_trainer share a device group (CPU / CUDA),
-    ``broadcast`` when they are on different device groups."""
+    ``broadcast`` when they are on different device groups (and, see ``WeightSync._setup``, when
+    a replica runs on another node than trainer rank 0)."""
     same = plan.placements["policy"].device_group == plan.placements["policy_trainer"].device_group
     if same:
         return "cuda_ipc" if device_type == "cuda" else "shm"
@@ -302,6 +303,11 @@ class WeightSync:
         info = ray.get(trainers[0].sync.remote("specs"))
         if self.transport is None:
             self.transport = choose_transport(self.plan, info["device"])
+            if self.transport != "broadcast":
+                # shared memory and CUDA IPC reach only processes of trainer rank 0's node
+                nodes = ray.get([a.address.remote() for a in [trainers[0], *replicas]])
+                if any(host != nodes[0][0] for host, _ in nodes[1:]):
+                    self.transport = "broadcast"
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown weight-sync transport {self.transport!r}; use one of {TRANSPORTS}")
         bucket_bytes = int(float(self.cfg.runtime_args.coalesced_buffer_mb) * 2 ** 20)
