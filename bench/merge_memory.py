@@ -56,7 +56,8 @@ def _rank(rank: int, world: int, port: int, model: str, ckpt: str, out: str) -> 
     torch.set_num_threads(1)
     trainer = FSDPTrainer(dict(
         load=model, trust_remote_code=False, seed=0, trainable=True, lr=1e-5,
-        weight_decay=0.0, clip_grad=1.0, train_micro_batch_size=1, logprob_micro_batch_size=1,
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
+        train_micro_batch_size=1, logprob_micro_batch_size=1,
         pos_clip_ratio=0.2, neg_clip_ratio=0.2, kl_coef=0.0, entropy_coef=0.0,
         gradient_checkpointing=False, bf16=False, packing=False, max_token_in_packing=32768))
     rng = np.random.default_rng(0)

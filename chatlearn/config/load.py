@@ -191,9 +191,6 @@ def validate(cfg: DictConfig) -> None:
                               "yet.", key=f"models.{name}.fsdp_size")
         if t.recompute_granularity not in (None, "sel", "selective", "full"):
             raise ConfigError("must be null, 'sel' or 'full'.", key=f"models.{name}.recompute_granularity")
-        if t.packing and rt.train_backend != "fsdp":
-            raise ConfigError("sequence packing is available with the FSDP trainer only: set packing to false, "
-                              "or use train_backend: fsdp.", key=f"models.{name}.packing")
         if t.packing:
             _positive(t.max_token_in_packing, f"models.{name}.max_token_in_packing")
     t = m.policy_trainer

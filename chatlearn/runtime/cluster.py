@@ -36,6 +36,7 @@ def trainer_cfg(cfg: DictConfig, name: str) -> dict:
                                      make_plan(cfg).steps_per_episode * rt.num_episode)
     return {"load": t.load, "trust_remote_code": t.trust_remote_code, "seed": t.seed, "trainable": t.trainable,
             "lr": opt.lr, "weight_decay": opt.weight_decay, "clip_grad": opt.clip_grad,
+            "adam_beta1": opt.adam_beta1, "adam_beta2": opt.adam_beta2, "adam_eps": opt.adam_eps,
             "train_micro_batch_size": t.train_micro_batch_size, "logprob_micro_batch_size": t.generation_batch_size,
             "pos_clip_ratio": t.pos_clip_ratio, "neg_clip_ratio": t.neg_clip_ratio, "kl_coef": t.kl_coef,
             "entropy_coef": t.entropy_coef, "gradient_checkpointing": t.gradient_checkpointing, "bf16": t.bf16,

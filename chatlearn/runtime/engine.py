@@ -128,6 +128,7 @@ class GRPO(Rollouts):
         # goes first, so that the trainer, once resident for its old log-probs, stays to train.
         temperature = self.train_temperature
         with ThreadPoolExecutor(max_workers=2) as pool:
+            self.progress.stage("reward")  # the label moves on to the log-prob passes it overlaps
             scoring = pool.submit(timer.timed, "reward", "reward", self.score, batch, truths, sources, extra)
             ref_task, ref_logprobs = None, None
             if not plan.uses_ref:

@@ -27,12 +27,12 @@ SHORT = ["runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_
          "models.policy_trainer.num_gpu=2", "models.policy_trainer.tensor_model_parallel_size=2"]
 
 
-def run(out, episodes: int) -> str:
+def run(out, episodes: int, extra: tuple = ()) -> str:
     site = os.path.join(REPO, "tests", "models", "megatron_cpu_site")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATLEARN_TEST_MEGATRON_CPU_SHIM": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_megatron.yaml", *SHORT,
-           f"runtime_args.num_episode={episodes}", f"runtime_args.output_dir={out}"]
+           f"runtime_args.num_episode={episodes}", f"runtime_args.output_dir={out}", *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280, env=env,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -74,3 +74,19 @@ def test_one_episode_with_megatron_tp2_then_resume(tmp_path):
         rows = [json.loads(line) for line in f if line.strip()]
     assert [r["episode"] for r in rows] == [1, 2]
     assert rows[1]["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, rows[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_one_episode_with_megatron_tp2_and_packing(tmp_path):
+    """Sequence packing in the Megatron trainer (TP=2, no sequence parallelism: no padding)."""
+    out = tmp_path / "out"
+    run(out, episodes=1, extra=("models.policy_trainer.packing=true",
+                                "models.policy_trainer.max_token_in_packing=256"))
+    with open(out / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    assert [r["episode"] for r in rows] == [1]
+    row = rows[0]
+    assert row["train/pad_token_frac"] == 0.0 and row["perf/logprob_pad_token_frac"] == 0.0
+    assert row["train/micro_steps"] >= 1 and row["train/grad_norm"] > 0
+    assert row["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, row

@@ -43,7 +43,7 @@ def make_tiny_model(path: str) -> str:
 
 def trainer_cfg(path: str, **over) -> dict:
     cfg = dict(load=path, trust_remote_code=False, seed=0, trainable=True, lr=1e-3,
-               weight_decay=0.01, clip_grad=1.0, train_micro_batch_size=2,
+               weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, train_micro_batch_size=2,
                logprob_micro_batch_size=3, pos_clip_ratio=0.2, neg_clip_ratio=0.2,
                kl_coef=0.1, entropy_coef=0.01, gradient_checkpointing=False, bf16=False,
                packing=False, max_token_in_packing=32768,

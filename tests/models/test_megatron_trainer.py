@@ -610,3 +610,187 @@ def test_merge_turns_megatron_checkpoints_into_hf_folders(setup, tp2, pp2_run, t
         merge_checkpoint(str(tp2_out / "checkpoint"), str(tmp_path / "wrong"),
                          hf_config=setup["untied"])
     assert not (tmp_path / "wrong").exists()
+
+
+# --------------------------------------------------------------------------- sequence packing
+# The ragged batch of test_packing (sample lengths 12 13 11 12 | 3 2 4 3, at most 16 tokens a
+# bin). One replica (TP=2, PP=2) packs the eight samples into the bins [13+3, 12+4, 12+3,
+# 11+2] (first-fit decreasing, by hand); with DP=2 replica 0 gets four bins of one sample
+# each and replica 1 one bin of four samples, so replica 1 runs three dummy micro-steps.
+
+PACKING_LAYOUTS = {  # name: (world, the Megatron trainers' keys)
+    "tp2": (2, dict(tensor_model_parallel_size=2)),
+    "tp2-sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2, gradient_checkpointing=True)),
+    "dp2": (2, {}),
+}
+PACKING_JOBS = {"tp2": ("tp2", "tp2-sp"), "pp2": ("pp2",), "dp2": ("dp2",)}
+# position ids that restart inside one causally attended row: rotary angles must follow them
+ROPE_POSITIONS = [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]
+
+
+def _packing_pass(trainer, batch) -> dict:
+    """Log-probs and entropy, the training micro-batches, gradients, then one step."""
+    logp, ent = trainer.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
+    stats = trainer.logprob_stats()
+    micro, _ = trainer._micro_batches(batch, trainer.cfg["train_micro_batch_size"])
+    metrics = trainer.compute_grads(batch, TEMPERATURE)
+    grads = trainer.full_grads()
+    trainer.zero_grad()
+    step = trainer.train(batch, TEMPERATURE)
+    weights, _ = _exported(trainer)
+    return {"logp": logp, "entropy": ent, "logprob_stats": stats, "metrics": metrics,
+            "shapes": [tuple(m.ids.shape) if hasattr(m, "ids") else len(m) for m in micro],
+            "samples": [[int(i) for i in (m.samples if hasattr(m, "samples") else m)]
+                        for m in micro],
+            "step": step, "grads": grads if trainer.rank == 0 else None,
+            "weights": weights if trainer.rank == 0 else None}
+
+
+def job_packing(rank, world, setup, out, job):
+    """Padded and packed Megatron passes for each layout of ``job`` (and, for DP=2, the
+    packed FSDP trainer on the same two ranks)."""
+    from megatron_shim import cpu_device_shim
+    from test_packing import MAX_TOKENS
+
+    path, batch = setup["path"], setup["ragged"]
+    common = dict(train_micro_batch_size=2, logprob_micro_batch_size=3,
+                  max_token_in_packing=MAX_TOKENS)
+    res = {}
+    if job == "dp2":
+        from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+        res["fsdp"] = _packing_pass(FSDPTrainer(trainer_cfg(path, lr=LR, packing=True, **common)),
+                                    batch)
+    with cpu_device_shim():
+        from chatlearn.models.trainer.megatron import MegatronTrainer
+
+        for name in PACKING_JOBS[job]:
+            keys = PACKING_LAYOUTS[name][1]
+            res[name] = {mode: _packing_pass(MegatronTrainer(megatron_cfg(
+                path, packing=mode == "packed", **common, **keys)), batch)
+                for mode in ("padded", "packed")}
+        if job == "dp2":  # the model's logits for ROPE_POSITIONS, with Megatron's causal mask
+            frozen = MegatronTrainer(megatron_cfg(path, trainable=False))
+            ids = torch.arange(3, 3 + len(ROPE_POSITIONS))[None]
+            with torch.no_grad():
+                res["rope_logits"] = frozen.gpt(
+                    input_ids=ids, position_ids=torch.tensor([ROPE_POSITIONS]),
+                    attention_mask=None)[0].numpy()
+    return res
+
+
+@pytest.fixture(scope="module")
+def packing_setup(setup):
+    from test_packing import make_batch as make_ragged_batch
+    from transformers import AutoConfig
+
+    conf = AutoConfig.from_pretrained(setup["path"])
+    batch = make_ragged_batch(conf.vocab_size)
+    # no pad token in the text: transformers' embedding (padding_idx) gives its row no
+    # gradient, Megatron's does, which is no matter of packing
+    batch["tokens"][batch["tokens"] == conf.pad_token_id] = conf.pad_token_id + 1
+    logp, _ = hf_logprobs(setup["path"], batch)
+    return {**setup, "ragged": add_logprobs(batch, logp)}
+
+
+@pytest.fixture(scope="module")
+def packing_runs(packing_setup, tmp_path_factory) -> dict:
+    """name -> per-rank results, every layout; "fsdp": the FSDP trainer's (DP=2)."""
+    runs = {}
+    for job in PACKING_JOBS:
+        out = tmp_path_factory.mktemp(f"packing_{job}")
+        ranks = run_ranks(job_packing, 2, out, packing_setup, str(out), job, timeout=300)
+        for name in PACKING_JOBS[job]:
+            runs[name] = [r[name] for r in ranks]
+        if job == "dp2":
+            runs["fsdp"] = [r["fsdp"] for r in ranks]
+            runs["dp2-rope"] = [r["rope_logits"] for r in ranks]
+    return runs
+
+
+def _assert_pass_close(got: dict, want: dict, name: str, full: bool) -> None:
+    np.testing.assert_allclose(got["logp"], want["logp"], rtol=0, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(got["entropy"], want["entropy"], rtol=0, atol=1e-5, err_msg=name)
+    for key in METRICS:
+        for part in ("metrics", "step"):
+            assert got[part][key] == pytest.approx(want[part][key], abs=1e-5), (name, part, key)
+    assert got["step"]["grad_norm"] == pytest.approx(want["step"]["grad_norm"], rel=1e-5), name
+    if full:  # rank 0 holds the gradients and weights
+        assert got["grads"].keys() == want["grads"].keys(), name
+        for key, g in want["grads"].items():
+            torch.testing.assert_close(got["grads"][key], g, rtol=0, atol=1e-5, msg=f"{name} {key}")
+        assert got["weights"].keys() == want["weights"].keys(), name
+        for key, w in want["weights"].items():
+            np.testing.assert_allclose(got["weights"][key], w, rtol=0, atol=1e-5,
+                                       err_msg=f"{name} {key}")
+
+
+@needs_megatron
+@pytest.mark.timeout(1200)
+def test_megatron_packed_matches_padded_transformers_and_fsdp_packed(packing_setup, packing_runs):
+    """Packed vs padded Megatron passes (log-probs, entropy, loss metrics, gradients, one
+    step) for TP=2, TP=2 with sequence parallelism, PP=2 and DP=2; packed vs plain
+    transformers (one sample at a time) and vs the FSDP trainer's packed passes."""
+    ref_logp, ref_ent = hf_logprobs(packing_setup["path"], packing_setup["ragged"], TEMPERATURE)
+    fsdp = packing_runs["fsdp"]
+    np.testing.assert_allclose(fsdp[0]["logp"], ref_logp, rtol=0, atol=1e-5)
+    for name in PACKING_LAYOUTS:
+        for rank, res in enumerate(packing_runs[name]):
+            packed, padded = res["packed"], res["padded"]
+            np.testing.assert_allclose(packed["logp"], ref_logp, rtol=0, atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(packed["entropy"], ref_ent, rtol=0, atol=1e-5,
+                                       err_msg=name)
+            _assert_pass_close(packed, padded, f"{name} packed vs padded", full=rank == 0)
+            _assert_pass_close(packed, fsdp[rank], f"{name} packed vs fsdp packed",
+                               full=rank == 0)
+        grads = packing_runs[name][0]["packed"]["grads"]
+        assert all(g.abs().max() > 0 for k, g in grads.items() if "embed" not in k), name
+
+
+@needs_megatron
+@pytest.mark.timeout(1200)
+def test_megatron_packed_micro_batches_and_padding_share(packing_runs):
+    """One row per bin; PP pads every row (dummy rows too) to the replica's longest bin, SP
+    to a multiple of TP; the padding share counts exactly those padding tokens."""
+    bins = [[1, 4], [0, 6], [3, 7], [2, 5]]  # one replica: 16, 16, 15 and 13 tokens
+    expected = {  # name: (per rank: shapes of the training micro-batches, pad_token_frac)
+        "tp2": ([[(1, 16), (1, 16), (1, 15), (1, 13)]] * 2, 0.0),
+        "tp2-sp": ([[(1, 16), (1, 16), (1, 16), (1, 14)]] * 2, 1 - 60 / 62),
+        "pp2": ([[(1, 16)] * 4] * 2, 1 - 60 / 64),
+        "dp2": ([[(1, 13), (1, 12), (1, 12), (1, 11)], [(1, 12), (1, 1), (1, 1), (1, 1)]], 0.0),
+    }
+    for name, (shapes, pad) in expected.items():
+        for rank, res in enumerate(packing_runs[name]):
+            packed = res["packed"]
+            assert packed["shapes"] == shapes[rank], name
+            if name != "dp2":
+                assert packed["samples"] == bins, name
+            for stats in (packed["metrics"], packed["logprob_stats"]):
+                assert stats["pad_token_frac"] == pytest.approx(pad, abs=1e-12), name
+                assert stats["micro_steps"] == 4.0, name
+            assert res["padded"]["metrics"]["pad_token_frac"] > pad, name
+    assert [r["packed"]["samples"] for r in packing_runs["dp2"]] == [
+        [[1], [0], [3], [2]], [[4, 5, 6, 7], [], [], []]]
+
+
+@needs_megatron
+@pytest.mark.timeout(1200)
+def test_megatron_rotary_embedding_follows_position_ids(packing_setup, packing_runs):
+    """Rotary angles follow the position ids (megatron-core's own "rope" uses 0 .. s-1):
+    with restarting position ids and one causal row, the logits are transformers' for the
+    same position ids (attention mask of ones: no sample boundaries), which differ from
+    those of positions 0 .. s-1. (Under the block-diagonal mask a per-sample shift of the
+    positions changes nothing but rounding, RoPE being relative.)"""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(packing_setup["path"], dtype=torch.float32).eval()
+    ids = torch.arange(3, 3 + len(ROPE_POSITIONS))[None]
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=torch.tensor([ROPE_POSITIONS]),
+                     attention_mask=torch.ones_like(ids), use_cache=False).logits[0].numpy()
+        plain = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                      use_cache=False).logits[0].numpy()
+    assert np.abs(want - plain).max() > 1e-3
+    for res in packing_runs["dp2-rope"]:
+        np.testing.assert_allclose(res[:, :want.shape[1]], want, rtol=0, atol=1e-5)

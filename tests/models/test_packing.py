@@ -200,16 +200,25 @@ def test_new_metrics_are_documented():
                              "perf/logprob_pad_token_frac", "perf/logprob_micro_steps"])
 
 
-def test_packing_with_the_megatron_backend_is_a_config_error(paths_overrides, monkeypatch):
+def test_packing_with_the_megatron_backend_reaches_both_trainers(paths_overrides, monkeypatch):
+    """The Megatron trainer packs too (tests/models/test_megatron_trainer.py); a
+    non-positive max_token_in_packing is still a config error naming the key."""
     from chatlearn.config import load as config_load
+    from chatlearn.runtime.cluster import trainer_cfg as cluster_trainer_cfg
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(config_load, "_importable", lambda module: True)
+    over = paths_overrides + ["runtime_args.train_backend=megatron",
+                              "models.policy_trainer.packing=true"]
+    cfg = config_load.load_config("template/grpo_fsdp.yaml",
+                                  over + ["models.policy_trainer.max_token_in_packing=64"])
+    for name in ("policy_trainer", "ref_policy"):
+        tcfg = cluster_trainer_cfg(cfg, name)
+        assert tcfg["packing"] is True and tcfg["max_token_in_packing"] == 64, name
     with pytest.raises(ConfigError) as info:
-        config_load.load_config("template/grpo_fsdp.yaml", paths_overrides + [
-            "runtime_args.train_backend=megatron", "models.policy_trainer.packing=true"])
-    assert info.value.key == "models.policy_trainer.packing"
-    assert "fsdp" in str(info.value)
+        config_load.load_config("template/grpo_fsdp.yaml",
+                                over + ["models.policy_trainer.max_token_in_packing=0"])
+    assert info.value.key.endswith(".max_token_in_packing")
 
 
 @pytest.mark.slow

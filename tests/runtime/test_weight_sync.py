@@ -152,7 +152,7 @@ def test_sender_holds_two_buckets_beyond_its_shards():
 
 def trainer_cfg(path: str) -> dict:
     return dict(load=path, trust_remote_code=False, seed=0, trainable=True, lr=1e-3,
-                weight_decay=0.0, clip_grad=1.0, train_micro_batch_size=4,
+                weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, train_micro_batch_size=4,
                 logprob_micro_batch_size=8, pos_clip_ratio=0.2, neg_clip_ratio=0.2, kl_coef=0.0,
                 entropy_coef=0.0, gradient_checkpointing=False, bf16=False, packing=False,
                 max_token_in_packing=32768, train_global_batch_size=8,

@@ -137,8 +137,8 @@ class FSDPTrainer(Trainer):
     """
 
     def __init__(self, cfg: dict):
-        """cfg: load, trust_remote_code, seed, trainable, lr, weight_decay, clip_grad,
-        train_micro_batch_size, logprob_micro_batch_size, pos_clip_ratio, neg_clip_ratio,
+        """cfg: load, trust_remote_code, seed, trainable, lr, weight_decay, adam_beta1, adam_beta2,
+        adam_eps (read when trainable), clip_grad, train_micro_batch_size, logprob_micro_batch_size, pos_clip_ratio, neg_clip_ratio,
         kl_coef, entropy_coef, gradient_checkpointing, bf16, packing, max_token_in_packing,
         clip_ratio_c, use_group_sequence_policy, loss_agg_mode, max_response_tokens_length,
         kl_estimator, kl_in_reward, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters,
@@ -151,7 +151,8 @@ class FSDPTrainer(Trainer):
         self.model = self._build_model()
         self.optimizer = (torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"],
                                             weight_decay=cfg["weight_decay"],
-                                            betas=(0.9, 0.999), eps=1e-8)
+                                            betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
+                                            eps=cfg["adam_eps"])
                           if self.trainable else None)
         self._stashes: dict[str, _Stash] = {}
 

@@ -25,6 +25,7 @@ over the tensor-parallel group returns); rank r holds the r-th of ``tp`` equal c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -171,10 +172,37 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, sequence_parallel: boo
         **extra)
 
 
-def build_gpt_model(arch: HFArch, config):
-    """This pipeline stage's ``GPTModel`` (parallel state must be initialised)."""
-    from megatron.core import parallel_state
+@functools.cache
+def _gpt_model_class():
+    """megatron-core's ``GPTModel`` whose rotary embedding follows ``position_ids``.
+
+    megatron-core's ``"rope"`` ignores ``position_ids``: it rotates the token in row b,
+    column s by the angles of position s (``RotaryEmbedding(seq_len)``: ``[s, 1, 1, d]``).
+    Here the table is indexed by the position ids instead, ``freqs[s, b] = table[position_ids[b, s]]``
+    (``[s, b, 1, d]``, which the unfused ``_apply_rotary_pos_emb_bshd`` broadcasts over
+    the heads), so that a packed row whose position ids restart at 0 for each sample rotates
+    every sample as if it were alone. Position ids ``0 .. s-1`` in every row give the same
+    angles as megatron-core's own. Needs ``apply_rope_fusion`` off and no ``PackedSeqParams``
+    (both the case here: see :func:`transformer_config`).
+    """
     from megatron.core.models.gpt import GPTModel
+
+    class PositionedGPTModel(GPTModel):
+        def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+            out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+            table = out[1]  # [S, 1, 1, d]: the angles of positions 0 .. S-1 (S >= every id)
+            if table is None or position_ids is None:
+                return out
+            freqs = table[:, 0][position_ids.t()]  # [s, b, 1, d]
+            return (out[0], freqs, *out[2:])
+
+    return PositionedGPTModel
+
+
+def build_gpt_model(arch: HFArch, config):
+    """This pipeline stage's ``GPTModel`` (parallel state must be initialised), with rotary
+    positions taken from ``position_ids`` (see :func:`_gpt_model_class`)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -187,7 +215,7 @@ def build_gpt_model(arch: HFArch, config):
     block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
                                        layer_norm=RMSNorm)
     tp = config.tensor_model_parallel_size
-    return GPTModel(
+    return _gpt_model_class()(
         config=config, transformer_layer_spec=block, vocab_size=arch.padded_vocab(tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -25,6 +25,12 @@ exactly d(loss)/d(theta). The learning rate of each step is
 optimizer's parameter groups (Megatron's own scheduler is not used). Log-probs and entropy are computed on the vocabulary-parallel logits
 without gathering them (:mod:`.logprobs`).
 
+Micro-batches: ``train_micro_batch_size`` (``logprob_micro_batch_size``) right-padded samples,
+or with ``packing`` the first-fit-decreasing bins of the FSDP trainer
+(:mod:`chatlearn.models.trainer.packing`), each one row of concatenated samples with position
+ids restarting per sample (rotary angles follow them: :func:`.model.build_gpt_model`) and a
+block-diagonal causal attention mask (see ``_micro_batches``).
+
 Megatron's schedules (``get_forward_backward_func``: 1F1B with pipeline parallelism, a plain
 micro-batch loop without), its ``DistributedDataParallel`` wrapper (gradients in fp32
 buffers) and its optimizer (Adam with decoupled weight decay on every parameter, gradient
@@ -65,6 +71,7 @@ from chatlearn.models.trainer.megatron.model import (
     to_megatron,
     transformer_config,
 )
+from chatlearn.models.trainer.packing import plan_micro_batches
 
 OFFLOADABLE = ("weights", "optimizer")  # "grads" are dropped, "kv_cache" does not exist here
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
@@ -101,8 +108,9 @@ def _init_model_parallel(tp: int, pp: int) -> None:
 
 @dataclass
 class _MicroBatch:
-    ids: torch.Tensor  # int64 [rows, width], right-padded
-    positions: torch.Tensor  # int64 [rows, width]
+    ids: torch.Tensor  # int64 [rows, width]: right-padded samples, or one packed row
+    positions: torch.Tensor  # int64 [rows, width]: rotary positions (restarting per packed sample)
+    mask: torch.Tensor | None  # bool [1, 1, width, width], True = masked; None: causal
     rows: torch.Tensor  # [M] row of each response token in ids
     cols: torch.Tensor  # [M] its column (the logits that predict it are at cols - 1)
     pos: np.ndarray  # [M] its position in batch["tokens"]
@@ -116,8 +124,8 @@ class MegatronTrainer(Trainer):
     def __init__(self, cfg: dict):
         """cfg: the FSDP trainer's keys (load, trust_remote_code, seed, trainable, lr,
         weight_decay, clip_grad, train_micro_batch_size, logprob_micro_batch_size,
-        pos_clip_ratio, neg_clip_ratio, kl_coef, entropy_coef, gradient_checkpointing, bf16 and
-        the loss and learning-rate schedule keys) plus tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
+        pos_clip_ratio, neg_clip_ratio, kl_coef, entropy_coef, gradient_checkpointing, bf16,
+        packing, max_token_in_packing and the loss and learning-rate schedule keys) plus tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
         use_distributed_optimizer (all required). bf16 applies on CUDA only (fp32 otherwise);
         gradient_checkpointing recomputes every layer (full recompute); trust_remote_code is
         not used (the architecture is read from config.json)."""
@@ -236,7 +244,8 @@ class MegatronTrainer(Trainer):
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=float(cfg["lr"]),
                             weight_decay=float(cfg["weight_decay"]),
-                            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+                            adam_beta1=float(cfg["adam_beta1"]), adam_beta2=float(cfg["adam_beta2"]),
+                            adam_eps=float(cfg["adam_eps"]),
                             clip_grad=float(cfg["clip_grad"]),  # <= 0: no clipping
                             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                             use_distributed_optimizer=distributed),
@@ -264,47 +273,94 @@ class MegatronTrainer(Trainer):
         return np.arange(self.dp_rank * share, (self.dp_rank + 1) * share)
 
     def _micro_batches(self, batch: Batch, size: int) -> tuple[list[_MicroBatch], dict]:
-        """This replica's samples in micro-batches of ``size``, right-padded, and the pass's
-        stats: ``pad_token_frac`` (padding positions / positions computed, over all
-        replicas; a collective) and ``micro_steps`` (per replica).
+        """This replica's micro-batches and the pass's stats: ``pad_token_frac`` (padding
+        positions / positions computed, over all replicas' real micro-steps; a collective)
+        and ``micro_steps`` (per replica).
 
-        With pipeline parallelism every micro-batch has the same shape (``size`` rows, the
-        longest sample's width; empty rows are padding), as the stages exchange activations
-        of a fixed shape. Under sequence parallelism the width is a multiple of ``tp``.
-        Sequence packing is not available here (the config refuses it with this backend).
+        Without packing: ``size`` samples each, in order, right-padded (position ids
+        ``0 .. width-1``, Megatron's causal mask). With pipeline parallelism every
+        micro-batch has the same shape (``size`` rows, the longest sample's width; empty
+        rows are padding), as the stages exchange activations of a fixed shape.
+
+        With packing: the first-fit-decreasing bins of
+        :func:`chatlearn.models.trainer.packing.plan_micro_batches` (at most
+        ``max_token_in_packing`` tokens; ``size`` is ignored), one row per bin of the
+        concatenated samples, position ids restarting at 0 for each sample, and an explicit
+        block-diagonal causal mask (``mask[0, 0, q, k]`` True = masked: k after q, or k in
+        another sample). Every rank computes every replica's plan (no collective) and runs
+        ``max over replicas`` micro-steps, the missing ones as dummy micro-steps (no
+        response token: loss 0, zero gradients). With pipeline parallelism every row,
+        dummy rows included, is padded to the replica's longest bin (the padding is a
+        segment of its own that nothing else attends to, and counts as padding); without,
+        a row is exactly its bin, and a dummy row is one token.
+
+        Under sequence parallelism every width is a multiple of ``tp`` (rounded up with
+        padding).
         """
         idx = self._my_samples(batch)
         if len(idx) == 0:
             raise ValueError("MegatronTrainer: the batch has no samples")
         off, plen = batch["offsets"], batch["prompt_lens"]
-        lens = np.diff(off)[idx]
+        all_lens = np.diff(off)
+        lens = all_lens[idx]
+        packing = bool(self.cfg["packing"])
         uniform = self.pp > 1
         size = min(size, len(idx))
-        out = []
-        for start in range(0, len(idx), size):
-            mb = idx[start:start + size]
-            width = int(lens.max() if uniform else np.diff(off)[mb].max())
-            if self.config.sequence_parallel:
-                width = -(-width // self.tp) * self.tp
-            nrows = size if uniform else len(mb)
+        if packing:
+            share = len(idx)
+            shares = [np.arange(d * share, (d + 1) * share) for d in range(self.dp)]
+            plans, _ = plan_micro_batches(all_lens, shares, size, True,
+                                          int(self.cfg["max_token_in_packing"]))
+            plan = plans[self.dp_rank]
+            longest = max(int(all_lens[mb].sum()) for mb in plan if len(mb))
+        else:
+            plan = [idx[start:start + size] for start in range(0, len(idx), size)]
+        multiple = self.tp if self.config.sequence_parallel else 1
+        out, computed = [], 0
+        for mb in plan:
+            mb_lens = all_lens[mb]
+            if packing:
+                width = longest if uniform else max(int(mb_lens.sum()), 1)
+                nrows = 1
+            else:
+                width = int(lens.max() if uniform else mb_lens.max())
+                nrows = size if uniform else len(mb)
+            width = -(-width // multiple) * multiple
             ids = torch.zeros(nrows, width, dtype=torch.long)
-            rows, cols, pos = [], [], []
-            for b, i in enumerate(mb):
-                n = int(off[i + 1] - off[i])
-                ids[b, :n] = torch.as_tensor(np.array(batch["tokens"][off[i]:off[i + 1]]))  # copy: Ray arrays are read-only
+            positions = torch.arange(width).repeat(nrows, 1)
+            segment = torch.full((width,), -1, dtype=torch.long)  # -1: padding
+            rows, cols, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+            start = 0
+            for b, (i, n) in enumerate(zip(mb, mb_lens)):
+                n = int(n)
+                row, col = (0, start) if packing else (b, 0)
+                ids[row, col:col + n] = torch.as_tensor(np.array(batch["tokens"][off[i]:off[i + 1]]))  # copy: Ray arrays are read-only
+                if packing:
+                    positions[0, col:col + n] = torch.arange(n)
+                    segment[col:col + n] = b
+                    start += n
                 resp = np.arange(int(plen[i]), n)
-                rows.append(np.full(len(resp), b))
-                cols.append(resp)
+                rows.append(np.full(len(resp), row))
+                cols.append(col + resp)
                 pos.append(int(off[i]) + resp)
+            mask = None
+            if packing and len(mb):
+                positions[0, start:] = torch.arange(width - start)
+                segment = segment.to(self.device)
+                q = torch.arange(width, device=self.device)
+                mask = ((q[None, :] > q[:, None])  # [q, k]: k after q
+                        | (segment[:, None] != segment[None, :]))[None, None]
+            if len(mb):
+                computed += nrows * width
             out.append(_MicroBatch(
-                ids=ids.to(self.device),
-                positions=torch.arange(width, device=self.device).expand(nrows, width),
+                ids=ids.to(self.device), positions=positions.to(self.device),
+                mask=mask,
                 rows=torch.from_numpy(np.concatenate(rows)).to(self.device),
                 cols=torch.from_numpy(np.concatenate(cols)).to(self.device),
                 pos=np.concatenate(pos), samples=mb))
         # every rank counts its replica's tokens: the world sums are tp*pp times the
         # replicas' sums, which leaves their ratio unchanged
-        counts = torch.tensor([float(lens.sum()), float(sum(m.ids.numel() for m in out))],
+        counts = torch.tensor([float(lens.sum()), float(computed)],
                               dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)
         real, computed = counts.tolist()
@@ -325,7 +381,7 @@ class MegatronTrainer(Trainer):
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            logits = model(input_ids=mb.ids, position_ids=mb.positions, attention_mask=None)
+            logits = model(input_ids=mb.ids, position_ids=mb.positions, attention_mask=mb.mask)
             return logits, partial(loss_func, mb)
 
         first = micro_batches[0]
@@ -351,6 +407,10 @@ class MegatronTrainer(Trainer):
                                                          self.cfg["logprob_micro_batch_size"])
 
         def loss_func(mb, logits):
+            if not len(mb.pos):  # a dummy micro-step
+                none = logits.new_zeros(0, dtype=torch.float32)
+                return logits.new_zeros(()), torch.tensor(0, dtype=torch.int, device=self.device), \
+                    {"logp": none, "entropy": none}
             logp, ent = self._token_logprobs(mb, logits, temperature, with_entropy)
             count = torch.tensor(len(logp), dtype=torch.int, device=self.device)
             return logp.new_zeros(()), count, {"logp": logp, "entropy": ent}
@@ -392,6 +452,10 @@ class MegatronTrainer(Trainer):
             raise ValueError(f"MegatronTrainer: {err}") from None
 
         def loss_func(mb, logits):
+            if not len(mb.pos):  # a dummy micro-step: an empty sum (0, zero gradients)
+                return (logits[:, :0].sum(), torch.tensor(0, dtype=torch.int, device=self.device),
+                        {"sums": torch.zeros(len(LOSS_SUMS), dtype=torch.float64,
+                                             device=self.device)})
             logp, ent = self._token_logprobs(mb, logits, temperature, objective.with_entropy)
             terms, coef, weight = objective.terms(logp, ent, mb.pos)
             count = torch.tensor(len(logp), dtype=torch.int, device=self.device)
