@@ -13,7 +13,8 @@ trainer so that the trainer, once resident for its old log-probs, stays resident
 rollout engine, resident after the push, stays resident for evaluation and the next rollout.
 With full colocation that is nine transitions per episode (policy out, ref in, ref out, trainer
 weights in, trainer optimizer in, trainer optimizer out, policy weights in, the push, trainer
-weights out, policy KV cache in); models on disjoint devices make no turns and run concurrently.
+weights out, policy KV cache in), seven without a reference model (no KL term); models on
+disjoint devices make no turns and run concurrently.
 Every episode reports the time spent in model compute and the overhead share (everything else:
 turns, the weight push, Ray dispatch and transfers, the driver's own work).
 """

@@ -76,6 +76,16 @@ class Evaluator(Rollouts):
         self.policy = cluster.create("policy")
         self.reward = cluster.create("reward")
 
+    def correct(self, rewards: np.ndarray, parts: dict[str, np.ndarray]) -> np.ndarray:
+        """Which samples count as solved for pass@k: the math reward's score equals
+        ``correct_score`` when a math reward is configured (alone or among others); otherwise
+        the combined reward is positive."""
+        r = self.cfg.models.reward
+        names = [f.name for f in r.functions if f.path == "builtin:math"] if r.functions else ["math"]
+        if names and f"{names[0]}/score" in parts:
+            return parts[f"{names[0]}/score"] >= r.correct_score
+        return rewards > 0
+
     def run(self, prompt_set, k: int) -> tuple[list[dict], dict]:
         p = self.cfg.models.policy
         prompts = [ids for ids in prompt_set.prompt_ids for _ in range(k)]
@@ -85,7 +95,7 @@ class Evaluator(Rollouts):
         batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
         texts = self.responses_text(batch)
         rewards, reward_parts = self.score(batch, truths, sources, extra, texts=texts)
-        correct = rewards >= self.cfg.models.reward.correct_score
+        correct = self.correct(rewards, reward_parts)
         resp_lens = (batch["offsets"][1:] - batch["offsets"][:-1]) - batch["prompt_lens"]
         truncated = batch["finish_reasons"] == 0
         prompt_texts = self.tokenizer.batch_decode(prompt_set.prompt_ids, skip_special_tokens=False)
