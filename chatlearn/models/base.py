@@ -101,8 +101,25 @@ class Trainer(Model):
         """One optimizer step on one global batch; returns metrics (floats)."""
 
     @abc.abstractmethod
+    def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
+        """``(hf_name, dtype, full shape, group)`` of every exported weight, in export order
+        (the same on every rank); names of one ``group`` come out of one gather."""
+
+    @abc.abstractmethod
+    def export_tensors(self, names: Iterable[str]) -> Iterator[tuple]:
+        """``(hf_name, full tensor on rank 0, None elsewhere)`` for the names given (whole
+        groups), gathered group by group; a collective: every rank iterates to the end."""
+
     def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
-        """Full weights in Hugging Face names, in buckets of about bucket_mb MB."""
+        """All weights as ``[(hf_name, np.ndarray), ...]`` buckets of about ``bucket_mb`` MiB,
+        planned as the weight push plans them (``chatlearn.runtime.weight_sync.plan_buckets``).
+        A collective: every rank iterates to the end; rank 0's buckets hold the arrays, the
+        other ranks' are empty lists. For tests and tools; runs push with ``WeightSync``."""
+        from chatlearn.runtime.weight_sync import plan_buckets
+
+        for index in plan_buckets(self.weight_specs(), bucket_mb * 2 ** 20):
+            yield [(name, t.detach().to("cpu").numpy()) for name, t in self.export_tensors(index.names)
+                   if t is not None]
 
     @abc.abstractmethod
     def save_hf(self, path: str) -> None:

@@ -45,14 +45,6 @@ class Worker:
         """Like ``call`` without the timing, so the result can be handed to another actor by reference."""
         return self.call(method, *args, **kwargs)[0]
 
-    def call_per_item(self, method: str, items: list):
-        """Run ``method(item)`` for each item (e.g. one weight bucket at a time); returns (None, seconds)."""
-        start = time.perf_counter()
-        fn = getattr(self.obj, method)
-        for item in items:
-            fn(item)
-        return None, time.perf_counter() - start
-
     def sync(self, op: str, *args):
         """Run ``op`` of this actor's weight-sync endpoint (``chatlearn.runtime.weight_sync``)."""
         if getattr(self, "_sync", None) is None:

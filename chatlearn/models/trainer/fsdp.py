@@ -49,7 +49,7 @@ from chatlearn.algorithms.grpo import (
 from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
-from chatlearn.models.base import PARTS, Batch, Bucket, Trainer
+from chatlearn.models.base import PARTS, Batch, Trainer
 from chatlearn.models.trainer.packing import plan_micro_batches
 
 OFFLOADABLE = ("weights", "optimizer")  # "grads" are dropped, "kv_cache" does not exist here
@@ -440,39 +440,12 @@ class FSDPTrainer(Trainer):
         return {"bytes": moved}
 
     # ------------------------------------------------------------------ weights out
-    def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
-        """Full float32 weights as ``[(hf_name, np.ndarray), ...]`` buckets of about
-        ``bucket_mb`` MiB (a bucket is closed before the parameter that would overflow it;
-        a parameter larger than that is a bucket of its own).
-
-        A collective: every rank must iterate the generator to the end. All ranks yield at
-        the same points; rank 0's buckets hold the arrays, the other ranks' are empty
-        lists. Only parameters are exported (no buffers); a tied ``lm_head.weight`` is not
-        listed separately: it is the same parameter as the input embedding, exported once
-        under ``model.embed_tokens.weight``.
-        """
-        self._require_weights()
-        self._reshard()
-        limit = bucket_mb * 2 ** 20
-        bucket: Bucket = []
-        size = 0
-        for name, p in self.model.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p
-            nbytes = full.numel() * 4
-            if size and size + nbytes > limit:
-                yield bucket
-                bucket, size = [], 0
-            if self.rank == 0:
-                bucket.append((name, full.detach().to("cpu", torch.float32, copy=True).numpy()))
-            size += nbytes
-            del full
-        if size:
-            yield bucket
-
     def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
         """``(hf_name, "float32", full shape, group)`` of every exported parameter, in the
         order of ``export_tensors`` (the same on every rank; no collective). Each parameter is
-        its own group; a tied ``lm_head.weight`` is not listed (see ``export_weights``)."""
+        its own group. Only parameters are exported (no buffers); a tied ``lm_head.weight`` is
+        not listed: it is the input embedding's parameter, exported under
+        ``model.embed_tokens.weight``."""
         return [(name, "float32", tuple(p.shape), i)
                 for i, (name, p) in enumerate(self.model.named_parameters())]
 

@@ -54,7 +54,7 @@ from chatlearn.algorithms.grpo import LOSS_SUMS, GRPOLoss, token_sums
 from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
-from chatlearn.models.base import PARTS, Batch, Bucket, Trainer
+from chatlearn.models.base import PARTS, Batch, Trainer
 from chatlearn.models.trainer.fsdp import _Stash, init_distributed
 from chatlearn.models.trainer.megatron import checkpoint as ckpt_format
 from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
@@ -173,8 +173,6 @@ class MegatronTrainer(Trainer):
         self._params = self._global_names()
         self.mappings = mappings(self.arch)
         self._layer_stage = self._gather_layer_stages()
-        self._hf_shapes = {name: shape for m in self.mappings
-                           for name, shape in zip(m.hf, hf_shapes(self.arch, m))}
         self._load_hf(cfg["load"])
         self.model, self.optimizer = self._wrap()
         self._stashes: dict[str, _Stash] = {}
@@ -760,31 +758,6 @@ class MegatronTrainer(Trainer):
             for i, name in enumerate(m.hf):
                 yield name, (hf[i].to("cpu", torch.float32, copy=True) if self.rank == 0
                              else None)
-
-    def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
-        """Full float32 weights as ``[(hf_name, np.ndarray), ...]`` buckets of about
-        ``bucket_mb`` MiB (a bucket is closed before the parameter that would overflow it;
-        a parameter larger than that is a bucket of its own).
-
-        A collective: every rank must iterate the generator to the end. All ranks yield at
-        the same points; rank 0's buckets hold the arrays, the other ranks' are empty
-        lists. Tied output embeddings are not listed separately (they are
-        ``model.embed_tokens.weight``).
-        """
-        self._require_weights()
-        limit = bucket_mb * 2 ** 20
-        bucket: Bucket = []
-        size = 0
-        for name, tensor in self._gather_hf("weights"):
-            nbytes = int(np.prod(self._hf_shapes[name])) * 4
-            if size and size + nbytes > limit:
-                yield bucket
-                bucket, size = [], 0
-            if tensor is not None:
-                bucket.append((name, tensor.numpy()))
-            size += nbytes
-        if size:
-            yield bucket
 
     def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
         """``(hf_name, "float32", shape, group)`` in ``export_tensors`` order (the same on
