@@ -90,7 +90,31 @@ class Model(abc.ABC):
 
 
 class Trainer(Model):
-    """policy_trainer and ref_policy (FSDP2 today, Megatron later)."""
+    """policy_trainer and ref_policy (FSDP2 and Megatron).
+
+    Every rank receives the full batch; data-parallel replica ``dp_rank`` of ``dp_size`` works
+    on its contiguous share of the samples (``_my_samples``). Offloaded parts live in
+    ``self._stashes`` (part name -> what restores it).
+    """
+
+    dp_size: int = 1
+    dp_rank: int = 0
+    _stashes: dict
+
+    def _require_weights(self) -> None:
+        if "weights" in self._stashes:
+            raise RuntimeError(f"{type(self).__name__}: weights are offloaded; call onload(['weights'])")
+
+    def _my_samples(self, batch: Batch) -> np.ndarray:
+        """Indices of this data-parallel replica's contiguous share of the samples."""
+        n = len(batch["offsets"]) - 1
+        if n % self.dp_size:
+            raise ValueError(f"{type(self).__name__}: the batch has {n} samples, which does not "
+                             f"divide by the {self.dp_size} data-parallel replicas")
+        if n and int(np.min(batch["prompt_lens"])) < 1:
+            raise ValueError(f"{type(self).__name__}: every sample needs a prompt of at least 1 token")
+        share = n // self.dp_size
+        return np.arange(self.dp_rank * share, (self.dp_rank + 1) * share)
 
     @abc.abstractmethod
     def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> np.ndarray:

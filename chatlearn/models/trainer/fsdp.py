@@ -146,6 +146,7 @@ class FSDPTrainer(Trainer):
         self.cfg = dict(cfg)
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = self.rank, self.world  # FSDP shards data-parallel only
         self.trainable = bool(cfg["trainable"])
         torch.manual_seed(int(cfg["seed"]))
         self.model = self._build_model()
@@ -184,22 +185,7 @@ class FSDPTrainer(Trainer):
             if isinstance(m, FSDPModule):
                 m.reshard()
 
-    def _require_weights(self) -> None:
-        if "weights" in self._stashes:
-            raise RuntimeError("FSDPTrainer: weights are offloaded; call onload(['weights'])")
-
     # ------------------------------------------------------------------ batches
-    def _my_samples(self, batch: Batch) -> np.ndarray:
-        """Indices of this rank's contiguous share of the samples."""
-        n = len(batch["offsets"]) - 1
-        if n % self.world:
-            raise ValueError(f"FSDPTrainer: the batch has {n} samples, which does not "
-                             f"divide by the {self.world} trainer ranks")
-        if n and int(np.min(batch["prompt_lens"])) < 1:
-            raise ValueError("FSDPTrainer: every sample needs a prompt of at least 1 token")
-        share = n // self.world
-        return np.arange(self.rank * share, (self.rank + 1) * share)
-
     def _forward(self, batch: Batch, idx: np.ndarray, temperature: float, with_entropy: bool):
         """One forward over samples ``idx``: padded, or packed with ``packing``.
 

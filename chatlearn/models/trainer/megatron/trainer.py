@@ -147,7 +147,7 @@ class MegatronTrainer(Trainer):
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
-        self.dp = ps.get_data_parallel_world_size()
+        self.dp = self.dp_size = ps.get_data_parallel_world_size()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.is_last_stage = ps.is_pipeline_last_stage()
@@ -254,22 +254,7 @@ class MegatronTrainer(Trainer):
         self.config.grad_scale_func = optimizer.scale_loss
         return ddp, optimizer
 
-    def _require_weights(self) -> None:
-        if "weights" in self._stashes:
-            raise RuntimeError("MegatronTrainer: weights are offloaded; call onload(['weights'])")
-
     # ------------------------------------------------------------------ batches
-    def _my_samples(self, batch: Batch) -> np.ndarray:
-        """Indices of this data-parallel replica's contiguous share of the samples."""
-        n = len(batch["offsets"]) - 1
-        if n % self.dp:
-            raise ValueError(f"MegatronTrainer: the batch has {n} samples, which does not "
-                             f"divide by the {self.dp} data-parallel replicas")
-        if n and int(np.min(batch["prompt_lens"])) < 1:
-            raise ValueError("MegatronTrainer: every sample needs a prompt of at least 1 token")
-        share = n // self.dp
-        return np.arange(self.dp_rank * share, (self.dp_rank + 1) * share)
-
     def _micro_batches(self, batch: Batch, size: int) -> tuple[list[_MicroBatch], dict]:
         """This replica's micro-batches and the pass's stats: ``pad_token_frac`` (padding
         positions / positions computed, over all replicas' real micro-steps; a collective)
