@@ -96,7 +96,8 @@ class GRPO(Rollouts):
             last = self.evaluate()
             self.log(0, last)
         for episode in range(start, rt.num_episode + 1):
-            self.timeline.episode = episode
+            self.timeline.begin(episode)
+            self.activity.clear()
             self.progress.begin(episode)
             metrics = self.episode(episode)
             final = episode == rt.num_episode

@@ -28,6 +28,10 @@ class Activity:
         with self._lock:
             self.spans.append((method, end - seconds, end))
 
+    def clear(self) -> None:
+        with self._lock:
+            self.spans.clear()
+
     def busy(self, methods: set[str], since: float, until: float) -> float:
         """Seconds in ``[since, until]`` during which at least one call of ``methods`` ran."""
         spans = sorted((max(s, since), min(e, until)) for m, s, e in self.spans

@@ -67,6 +67,12 @@ class Timeline:
         self._file = open(path, "a", encoding="utf-8") if path else None
         self.episode = 0
 
+    def begin(self, episode: int) -> None:
+        """Events from now on belong to ``episode``; in memory only this episode's are kept
+        (the file has them all)."""
+        self.episode = episode
+        self.events.clear()
+
     def record(self, **event) -> None:
         event = {"episode": self.episode, **event}
         self.events.append(event)
