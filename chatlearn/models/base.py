@@ -105,6 +105,43 @@ class Trainer(Model):
         if "weights" in self._stashes:
             raise RuntimeError(f"{type(self).__name__}: weights are offloaded; call onload(['weights'])")
 
+    # parts a trainer copies to the host and back; "grads" are dropped, "kv_cache" does not exist
+    OFFLOADABLE = ("weights", "optimizer")
+
+    def _part_tensors(self, part: str) -> list:
+        """The tensors whose storage makes up ``part`` ("weights" or "optimizer")."""
+        raise NotImplementedError
+
+    def _check_parts(self, parts: Iterable[str]) -> list[str]:
+        parts = list(parts)
+        unknown = [p for p in parts if p not in PARTS]
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: unknown parts {unknown}; known: {PARTS}")
+        return parts
+
+    def _stash_parts(self, parts: list[str]) -> int:
+        """Free the device storage of the offloadable ``parts`` not yet offloaded, keeping
+        their bytes on the host (``chatlearn.models.trainer.stash.Stash``); returns the bytes."""
+        from chatlearn.models.trainer.stash import Stash
+
+        moved = 0
+        for part in self.OFFLOADABLE:
+            if part in parts and part not in self._stashes:
+                self._stashes[part] = Stash(self._part_tensors(part))
+                moved += self._stashes[part].nbytes
+        return moved
+
+    def _unstash_parts(self, parts: list[str]) -> int:
+        """Restore offloaded ``parts`` bit for bit; returns the bytes copied back."""
+        return sum(self._stashes.pop(part).restore() for part in self.OFFLOADABLE
+                   if part in parts and part in self._stashes)
+
+    def _require_onloaded(self, what: str) -> None:
+        offloaded = [part for part in self.OFFLOADABLE if part in self._stashes]
+        if offloaded:
+            raise RuntimeError(f"{type(self).__name__}.{what}: {' and '.join(offloaded)} offloaded; "
+                               f"call onload({offloaded}) first")
+
     def _my_samples(self, batch: Batch) -> np.ndarray:
         """Indices of this data-parallel replica's contiguous share of the samples."""
         n = len(batch["offsets"]) - 1

@@ -49,10 +49,9 @@ from chatlearn.algorithms.grpo import (
 from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
-from chatlearn.models.base import PARTS, Batch, Trainer
+from chatlearn.models.base import Batch, Trainer
 from chatlearn.models.trainer.packing import plan_micro_batches
 
-OFFLOADABLE = ("weights", "optimizer")  # "grads" are dropped, "kv_cache" does not exist here
 # Files of a model folder that save_pretrained writes itself; save_hf copies the others
 # (tokenizer, chat template, remote code) from the folder the model was loaded from.
 _WRITTEN_BY_SAVE = ("config.json", "generation_config.json")
@@ -89,45 +88,6 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """uint8 tensor over the whole storage (same memory)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-class _Stash:
-    """Storages freed on the device (``resize_(0)``) with their bytes kept on the host.
-
-    Resizing the storage in place keeps every tensor viewing it valid (FSDP2's
-    ``_sharded_param_data``, the DTensor's local shard, Adam's state): after ``restore`` the
-    same views see the same bytes again, at a new address.
-    """
-
-    def __init__(self, tensors: Iterable[torch.Tensor]):
-        storages = {}
-        for t in tensors:
-            st = _local(t).untyped_storage()
-            if st.nbytes() > 0:
-                storages.setdefault(st.data_ptr(), st)
-        self.items = []
-        for st in storages.values():
-            host = torch.empty(st.nbytes(), dtype=torch.uint8,
-                               pin_memory=st.device.type == "cuda")
-            host.copy_(_bytes_view(st))
-            st.resize_(0)
-            self.items.append((st, host))
-        self.nbytes = sum(host.numel() for _, host in self.items)
-
-    def restore(self) -> int:
-        for st, host in self.items:
-            st.resize_(host.numel())
-            _bytes_view(st).copy_(host)
-        return self.nbytes
-
-
 class FSDPTrainer(Trainer):
     """FSDP2 trainer of a Hugging Face causal LM (``trainable``: policy_trainer; else
     ref_policy: frozen, no optimizer, forward only).
@@ -155,7 +115,7 @@ class FSDPTrainer(Trainer):
                                             betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
                                             eps=cfg["adam_eps"])
                           if self.trainable else None)
-        self._stashes: dict[str, _Stash] = {}
+        self._stashes: dict = {}
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> torch.nn.Module:
@@ -391,14 +351,6 @@ class FSDPTrainer(Trainer):
         return [v for state in self.optimizer.state.values() for k, v in state.items()
                 if k != "step" and torch.is_tensor(v)]
 
-    @staticmethod
-    def _check_parts(parts: Iterable[str]) -> list[str]:
-        parts = list(parts)
-        unknown = [p for p in parts if p not in PARTS]
-        if unknown:
-            raise ValueError(f"FSDPTrainer: unknown parts {unknown}; known: {PARTS}")
-        return parts
-
     def offload(self, parts: Iterable[str]) -> dict:
         """Free the device storage of ``weights`` (the local shards) and ``optimizer``
         (exp_avg, exp_avg_sq), keeping a host copy; ``grads`` are dropped (set to None).
@@ -407,11 +359,7 @@ class FSDPTrainer(Trainer):
         if "grads" in parts:
             self.zero_grad()
         self._reshard()
-        moved = 0
-        for part in OFFLOADABLE:
-            if part in parts and part not in self._stashes:
-                self._stashes[part] = _Stash(self._part_tensors(part))
-                moved += self._stashes[part].nbytes
+        moved = self._stash_parts(parts)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return {"bytes": moved}
@@ -419,11 +367,7 @@ class FSDPTrainer(Trainer):
     def onload(self, parts: Iterable[str]) -> dict:
         """Restore offloaded parts bit for bit. Returns {"bytes": bytes copied back}."""
         parts = self._check_parts(parts)
-        moved = 0
-        for part in OFFLOADABLE:
-            if part in parts and part in self._stashes:
-                moved += self._stashes.pop(part).restore()
-        return {"bytes": moved}
+        return {"bytes": self._unstash_parts(parts)}
 
     # ------------------------------------------------------------------ weights out
     def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
@@ -470,12 +414,6 @@ class FSDPTrainer(Trainer):
         dist.barrier()
 
     # ------------------------------------------------------------------ checkpoints
-    def _require_onloaded(self, what: str) -> None:
-        offloaded = [part for part in OFFLOADABLE if part in self._stashes]
-        if offloaded:
-            raise RuntimeError(f"FSDPTrainer.{what}: {' and '.join(offloaded)} offloaded; "
-                               f"call onload({offloaded}) first")
-
     def _checkpoint_state(self, with_optimizer: bool) -> dict:
         """The sharded state that checkpoints hold: ``{"model": {name: DTensor}}`` plus,
         ``with_optimizer``, ``"optimizer"`` (keyed by parameter name). The tensors are the

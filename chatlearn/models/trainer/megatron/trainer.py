@@ -54,8 +54,8 @@ from chatlearn.algorithms.grpo import LOSS_SUMS, GRPOLoss, token_sums
 from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
-from chatlearn.models.base import PARTS, Batch, Trainer
-from chatlearn.models.trainer.fsdp import _Stash, init_distributed
+from chatlearn.models.base import Batch, Trainer
+from chatlearn.models.trainer.fsdp import init_distributed
 from chatlearn.models.trainer.megatron import checkpoint as ckpt_format
 from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
 from chatlearn.models.trainer.megatron.model import (
@@ -73,7 +73,6 @@ from chatlearn.models.trainer.megatron.model import (
 )
 from chatlearn.models.trainer.packing import plan_micro_batches
 
-OFFLOADABLE = ("weights", "optimizer")  # "grads" are dropped, "kv_cache" does not exist here
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
                     ".bin.index.json")
 
@@ -175,7 +174,7 @@ class MegatronTrainer(Trainer):
         self._layer_stage = self._gather_layer_stages()
         self._load_hf(cfg["load"])
         self.model, self.optimizer = self._wrap()
-        self._stashes: dict[str, _Stash] = {}
+        self._stashes: dict = {}
         self._grads_freed = False
 
     # ------------------------------------------------------------------ setup
@@ -552,14 +551,6 @@ class MegatronTrainer(Trainer):
                 buf.zero_()
             self._grads_freed = False
 
-    @staticmethod
-    def _check_parts(parts: Iterable[str]) -> list[str]:
-        parts = list(parts)
-        unknown = [p for p in parts if p not in PARTS]
-        if unknown:
-            raise ValueError(f"MegatronTrainer: unknown parts {unknown}; known: {PARTS}")
-        return parts
-
     def offload(self, parts: Iterable[str]) -> dict:
         """Free the device storage of ``weights`` and ``optimizer`` (Adam moments, fp32 main
         parameters), keeping a host copy; ``grads`` are dropped (their buffers freed; they
@@ -568,11 +559,7 @@ class MegatronTrainer(Trainer):
         parts = self._check_parts(parts)
         if "grads" in parts:
             self._free_grads()
-        moved = 0
-        for part in OFFLOADABLE:
-            if part in parts and part not in self._stashes:
-                self._stashes[part] = _Stash(self._part_tensors(part))
-                moved += self._stashes[part].nbytes
+        moved = self._stash_parts(parts)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return {"bytes": moved}
@@ -583,11 +570,7 @@ class MegatronTrainer(Trainer):
         parts = self._check_parts(parts)
         if "grads" in parts:
             self._restore_grads()
-        moved = 0
-        for part in OFFLOADABLE:
-            if part in parts and part in self._stashes:
-                moved += self._stashes.pop(part).restore()
-        return {"bytes": moved}
+        return {"bytes": self._unstash_parts(parts)}
 
     # ------------------------------------------------------------------ checkpoints
     def _layout(self) -> dict:
@@ -595,12 +578,6 @@ class MegatronTrainer(Trainer):
                 "pipeline_model_parallel_size": self.pp,
                 "use_distributed_optimizer": bool(self.cfg["use_distributed_optimizer"]),
                 "dtype": sharded.dtype_name(self.dtype)}
-
-    def _require_onloaded(self, what: str) -> None:
-        offloaded = [part for part in OFFLOADABLE if part in self._stashes]
-        if offloaded:
-            raise RuntimeError(f"MegatronTrainer.{what}: {' and '.join(offloaded)} offloaded; "
-                               f"call onload({offloaded}) first")
 
     def save_checkpoint(self, path: str) -> None:
         """Write this rank's parameter shards, optimizer state and RNG states, and (rank 0)

@@ -1,0 +1,46 @@
+"""Offloaded trainer state: device storage freed in place, its bytes kept on the host."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """uint8 tensor over the whole storage (same memory)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class Stash:
+    """Storages freed on the device (``resize_(0)``) with their bytes kept on the host.
+
+    Resizing the storage in place keeps every tensor viewing it valid (FSDP2's
+    ``_sharded_param_data``, the DTensor's local shard, Adam's state): after ``restore`` the
+    same views see the same bytes again, at a new address.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        storages = {}
+        for t in tensors:
+            st = _local(t).untyped_storage()
+            if st.nbytes() > 0:
+                storages.setdefault(st.data_ptr(), st)
+        self.items = []
+        for st in storages.values():
+            host = torch.empty(st.nbytes(), dtype=torch.uint8,
+                               pin_memory=st.device.type == "cuda")
+            host.copy_(_bytes_view(st))
+            st.resize_(0)
+            self.items.append((st, host))
+        self.nbytes = sum(host.numel() for _, host in self.items)
+
+    def restore(self) -> int:
+        for st, host in self.items:
+            st.resize_(host.numel())
+            _bytes_view(st).copy_(host)
+        return self.nbytes
