@@ -193,6 +193,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("must be null, 'sel' or 'full'.", key=f"models.{name}.recompute_granularity")
         if t.packing:
             _positive(t.max_token_in_packing, f"models.{name}.max_token_in_packing")
+        _positive(t.logprob_chunk_tokens, f"models.{name}.logprob_chunk_tokens")
     t = m.policy_trainer
     if not t.trainable:
         raise ConfigError("must be True: the policy trainer is the model that learns.",

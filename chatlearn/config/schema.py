@@ -156,15 +156,16 @@ class TrainerModel(ModelBase):
     kl_in_reward: bool = False  # subtract kl_coef * KL from the reward instead of a KL loss term
     advantage_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus
     filter_equal_groups: bool = False  # drop groups whose rewards are all equal from the loss
-    bf16: bool = False  # bf16 compute (set True on GPUs); fp32 otherwise
+    bf16: Optional[bool] = None  # bf16 compute, fp32 master weights; null: on for CUDA devices with bf16, off on CPU
+    logprob_chunk_tokens: int = 1024  # tokens per chunk when log-probs/entropy are computed from [tokens, vocab] logits
     # FSDP
     fsdp_size: Optional[int] = None  # defaults to num_gpu
     ulysses_sequence_parallel_size: int = 1
-    meta_init: bool = False
+    meta_init: bool = False  # FSDP: build on the meta device, rank 0 reads the checkpoint and broadcasts the shards
     groupgemm: bool = False
     gradient_checkpointing: bool = True
     save_hf: bool = True
-    use_expandable_segments: bool = False
+    use_expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in this model's workers
     # Megatron
     seq_length: int = 2048
     tokenizer_type: str = "HuggingFaceTokenizer"
@@ -219,7 +220,9 @@ class Policy(ModelBase):
     max_new_tokens: Optional[int] = None  # legacy alias of max_response_tokens_length
     max_seq_len_to_capture: int = 2348
     max_num_batched_tokens: int = 32768
-    dtype: str = "auto"  # auto (the model's torch_dtype) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bfloat16 on CUDA devices with bf16, else the checkpoint's) | float32 | bfloat16 | float16
+    # reproducible sampling: per-request seeds (vLLM), batch-invariant kernels (SGLang); null: on for CPU, off on CUDA
+    deterministic_inference: Optional[bool] = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

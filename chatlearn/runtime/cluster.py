@@ -6,7 +6,6 @@ joins that cluster instead of starting a local one.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import ray
@@ -16,6 +15,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from chatlearn.algorithms.lr_schedule import resolve_schedule
 from chatlearn.config.plan import Plan, make_plan
 from chatlearn.errors import UserError
+from chatlearn.models.specs import RolloutSpec, TrainerSpec
+from chatlearn.runtime.env import worker_env
 from chatlearn.runtime.group import WorkerGroup, create_group
 
 BACKENDS = {
@@ -28,40 +29,43 @@ BACKENDS = {
 }
 
 
-def trainer_cfg(cfg: DictConfig, name: str) -> dict:
+def trainer_spec(cfg: DictConfig, name: str) -> TrainerSpec:
+    """The spec of ``policy_trainer`` or ``ref_policy``: the model's own keys, the policy trainer's
+    optimizer and loss options (the reference model shares the backend), and the learning-rate
+    schedule's iters resolved against the run's optimizer steps."""
     t, rt, pt = cfg.models[name], cfg.runtime_args, cfg.models.policy_trainer
     opt = pt.optimizer
-    # the schedule's steps: lr_warmup_* and lr_decay_iters resolved against the run's optimizer steps
     warmup, decay = resolve_schedule(opt.lr_warmup_iters, opt.lr_warmup_fraction, opt.lr_decay_iters,
                                      make_plan(cfg).steps_per_episode * rt.num_episode)
-    return {"load": t.load, "trust_remote_code": t.trust_remote_code, "seed": t.seed, "trainable": t.trainable,
-            "lr": opt.lr, "weight_decay": opt.weight_decay, "clip_grad": opt.clip_grad,
-            "adam_beta1": opt.adam_beta1, "adam_beta2": opt.adam_beta2, "adam_eps": opt.adam_eps,
-            "train_micro_batch_size": t.train_micro_batch_size, "logprob_micro_batch_size": t.generation_batch_size,
-            "pos_clip_ratio": t.pos_clip_ratio, "neg_clip_ratio": t.neg_clip_ratio, "kl_coef": t.kl_coef,
-            "entropy_coef": t.entropy_coef, "gradient_checkpointing": t.gradient_checkpointing, "bf16": t.bf16,
-            "packing": t.packing, "max_token_in_packing": t.max_token_in_packing,
-            # policy loss, KL and learning-rate schedule (chatlearn.algorithms), the policy trainer's
-            "clip_ratio_c": pt.clip_ratio_c, "use_group_sequence_policy": pt.use_group_sequence_policy,
-            "loss_agg_mode": pt.loss_agg_mode, "max_response_tokens_length": cfg.models.policy.max_response_tokens_length,
-            "kl_estimator": pt.kl_estimator, "kl_in_reward": pt.kl_in_reward,
-            "min_lr": opt.min_lr, "lr_decay_style": opt.lr_decay_style, "lr_warmup_iters": warmup,
-            "lr_decay_iters": decay, "lr_warmup_init": opt.lr_warmup_init,
-            "train_global_batch_size": rt.train_global_batch_size,
-            # Megatron parallelism (the FSDP trainer shards data-parallel only and ignores them)
-            "tensor_model_parallel_size": t.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": t.pipeline_model_parallel_size,
-            "sequence_parallel": t.sequence_parallel, "use_distributed_optimizer": t.use_distributed_optimizer}
+    return TrainerSpec(
+        load=t.load, trust_remote_code=t.trust_remote_code, seed=t.seed, trainable=t.trainable,
+        lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, min_lr=opt.min_lr, lr_decay_style=opt.lr_decay_style,
+        lr_warmup_iters=warmup, lr_decay_iters=decay, lr_warmup_init=opt.lr_warmup_init,
+        train_micro_batch_size=t.train_micro_batch_size, logprob_micro_batch_size=t.generation_batch_size,
+        train_global_batch_size=rt.train_global_batch_size, packing=t.packing,
+        max_token_in_packing=t.max_token_in_packing, logprob_chunk_tokens=t.logprob_chunk_tokens,
+        pos_clip_ratio=t.pos_clip_ratio, neg_clip_ratio=t.neg_clip_ratio, clip_ratio_c=pt.clip_ratio_c,
+        use_group_sequence_policy=pt.use_group_sequence_policy, loss_agg_mode=pt.loss_agg_mode,
+        max_response_tokens_length=cfg.models.policy.max_response_tokens_length, kl_coef=t.kl_coef,
+        kl_estimator=pt.kl_estimator, kl_in_reward=pt.kl_in_reward, entropy_coef=t.entropy_coef,
+        gradient_checkpointing=t.gradient_checkpointing, bf16=t.bf16, meta_init=t.meta_init,
+        tensor_model_parallel_size=t.tensor_model_parallel_size,
+        pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
+        use_distributed_optimizer=t.use_distributed_optimizer)
 
 
-def rollout_cfg(cfg: DictConfig) -> dict:
+def rollout_spec(cfg: DictConfig) -> RolloutSpec:
+    """The spec of ``policy`` (the rollout engine); ``dtype: auto`` and ``deterministic_inference:
+    null`` are resolved in the worker, where the device is known."""
     p = cfg.models.policy
-    return {"load": p.load, "trust_remote_code": p.trust_remote_code, "seed": p.seed,
-            "generation_batch_size": p.generation_batch_size, "max_prompt_tokens_length": p.max_prompt_tokens_length,
-            "max_response_tokens_length": p.max_response_tokens_length, "dtype": resolve_dtype(p.dtype, p.load),
-            "gpu_memory_utilization": p.gpu_memory_utilization, "enforce_eager": p.enforce_eager,
-            "tensor_model_parallel_size": p.tensor_model_parallel_size,
-            "max_num_batched_tokens": p.max_num_batched_tokens}
+    return RolloutSpec(
+        load=p.load, trust_remote_code=p.trust_remote_code, seed=p.seed,
+        generation_batch_size=p.generation_batch_size, max_prompt_tokens_length=p.max_prompt_tokens_length,
+        max_response_tokens_length=p.max_response_tokens_length, max_num_batched_tokens=p.max_num_batched_tokens,
+        dtype=p.dtype, gpu_memory_utilization=p.gpu_memory_utilization, enforce_eager=p.enforce_eager,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        deterministic_inference=p.deterministic_inference, cpu_threads=None)
 
 
 def reward_cfg(cfg: DictConfig) -> dict:
@@ -70,15 +74,6 @@ def reward_cfg(cfg: DictConfig) -> dict:
 
     return {"functions": resolve_entries(OmegaConf.to_container(cfg.models.reward, resolve=True)),
             "base_dir": os.getcwd()}
-
-
-def resolve_dtype(dtype: str, model_dir: str) -> str:
-    if dtype != "auto":
-        return dtype
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        conf = json.load(f)
-    found = str(conf.get("torch_dtype") or conf.get("dtype") or "float32").replace("torch.", "")
-    return found if found in ("float32", "bfloat16", "float16") else "float32"
 
 
 def use_auth_token_if_present() -> None:
@@ -134,14 +129,14 @@ class Cluster:
                          include_dashboard=False,
                          logging_level="WARNING", configure_logging=True)
             self.started_ray = True
-        have = ray.cluster_resources()
-        if have.get("GPU", 0) < plan.total_devices:
+        have = {"GPU": 0, "CPU": 0, **ray.cluster_resources()}
+        if have["GPU"] < plan.total_devices:
             raise UserError(
                 f"the placement needs {plan.total_devices} devices ({'; '.join(plan.describe()[:len(plan.device_groups)])}) "
-                f"but the Ray cluster has {have.get('GPU', 0):g} GPUs. Lower models.*.num_gpu, colocate models "
+                f"but the Ray cluster has {have['GPU']:g} GPUs. Lower models.*.num_gpu, colocate models "
                 "(runtime_args.colocation), or add nodes.")
-        if have.get("CPU", 0) < reward_cpus:
-            raise UserError(f"models.reward.num_cpu ({reward_cpus}) exceeds the {have.get('CPU', 0):g} CPUs of "
+        if have["CPU"] < reward_cpus:
+            raise UserError(f"models.reward.num_cpu ({reward_cpus}) exceeds the {have['CPU']:g} CPUs of "
                             "the Ray cluster. Lower it.")
         self.pg = placement_group([{"GPU": 1}] * plan.total_devices, strategy="PACK")
         ray.get(self.pg.ready(), timeout=300)
@@ -166,17 +161,22 @@ class Cluster:
         if name == "reward":
             per = cfg.models.reward.cpu_per_process or 1
             group = create_group(name, BACKENDS["reward"], reward_cfg(cfg), num_actors=pl.num_actors,
-                                 pg=None, bundles=[], gpu_fraction=0, cpus=per, threads=per, distributed=False)
+                                 pg=None, bundles=[], gpu_fraction=0, cpus=per, threads=per, distributed=False,
+                                 env=worker_env("reward", "reward", per))
         else:
             sharing = len([x for x in plan.device_groups[pl.device_group] if x in plan.placements
                            and plan.placements[x].device_group == pl.device_group])
             frac = round(1.0 / sharing - 0.005, 2) if sharing > 1 else 1.0
             bundles = [self.device_offset(pl.device_group) + d for d in pl.devices]
             if name == "policy":
-                factory, bcfg = BACKENDS[cfg.runtime_args.rollout_backend], rollout_cfg(cfg)
+                backend = cfg.runtime_args.rollout_backend
+                bcfg, env = rollout_spec(cfg), worker_env("rollout", backend, threads)
             else:
-                factory, bcfg = BACKENDS[cfg.runtime_args.train_backend], trainer_cfg(cfg, name)
-            group = create_group(name, factory, bcfg, num_actors=pl.num_actors, pg=self.pg, bundles=bundles,
-                                 gpu_fraction=frac, cpus=0, threads=threads, distributed=name != "policy")
+                backend = cfg.runtime_args.train_backend
+                bcfg = trainer_spec(cfg, name)
+                env = worker_env("trainer", backend, threads, cfg.models[name].use_expandable_segments)
+            group = create_group(name, BACKENDS[backend], bcfg, num_actors=pl.num_actors, pg=self.pg,
+                                 bundles=bundles, gpu_fraction=frac, cpus=0, threads=threads,
+                                 distributed=name != "policy", env=env)
         self.groups[name] = group
         return group

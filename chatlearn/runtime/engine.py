@@ -20,6 +20,7 @@ turns, the weight push, Ray dispatch and transfers, the driver's own work).
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -65,6 +66,8 @@ class GRPO(Rollouts):
                 continue
             group = cluster.create(name)
             self.sched.groups[name] = group
+            if name == "policy_trainer":  # on GPUs, every turn records the devices' memory
+                self.sched.track_gpu_memory = bool(ray.get(group.actors[0].device_memory.remote()))
             if name == "reward":
                 continue
             self.sched.movable[name] = movable_parts(name, m[name].free_gpu_memory)
@@ -223,7 +226,7 @@ class GRPO(Rollouts):
         plan = self.plan
         keys = ("tokens", "offsets", "prompt_lens", "old_logprobs", "ref_logprobs", "advantages",
                 "sample_weights")
-        sums: dict[str, float] = {}
+        sums: dict[str, float] = collections.defaultdict(float)
         steps = 0
         for _ in range(self.cfg.runtime_args.num_training_epoch):
             for s in range(0, plan.samples_per_episode, plan.samples_per_step):
@@ -231,7 +234,7 @@ class GRPO(Rollouts):
                 self.progress.stage("train", f"step {steps + 1}/{plan.steps_per_episode}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
                 for k, v in outs[0].items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                    sums[k] += float(v)
                 steps += 1
         return {k: v / steps for k, v in sums.items()}
 
@@ -311,7 +314,7 @@ class GRPO(Rollouts):
                 f"{prefix}/truncated_frac": float(1.0 - batch["finish_reasons"].mean())}
 
     def log(self, episode: int, metrics: dict) -> None:
-        metrics = {**metrics, **peak_memory(self.sched.groups)}
+        metrics = {**metrics, **peak_memory(self.sched.groups), **self.sched.take_gpu_peaks()}
         self.metrics.write(episode, metrics)
         self.progress.finish(episode, summary_line(episode, self.cfg.runtime_args.num_episode, metrics))
 
@@ -340,7 +343,7 @@ class StageTimer:
 
     def __init__(self, sched: Scheduler, progress: RunProgress | None = None):
         self.sched, self.progress = sched, progress
-        self._totals: dict[str, float] = {}
+        self._totals: dict[str, float] = collections.defaultdict(float)
         self._lock = threading.Lock()
         self._mark = len(sched.timeline.events)
 
@@ -356,7 +359,7 @@ class StageTimer:
             def __exit__(self, *exc):
                 seconds = time.perf_counter() - self.start
                 with timer._lock:
-                    timer._totals[f"time/{stage}"] = timer._totals.get(f"time/{stage}", 0.0) + seconds
+                    timer._totals[f"time/{stage}"] += seconds
                 timer.sched.stage(model, stage, seconds)
 
         return _Ctx()
@@ -369,7 +372,7 @@ class StageTimer:
         finally:
             seconds = time.perf_counter() - start
             with self._lock:
-                self._totals[f"time/{stage}"] = self._totals.get(f"time/{stage}", 0.0) + seconds
+                self._totals[f"time/{stage}"] += seconds
             self.sched.stage(model, stage, seconds)
 
     def totals(self) -> dict:

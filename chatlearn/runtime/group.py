@@ -1,7 +1,6 @@
 """A model's Ray actors, created on their devices, with calls fanned out to all of them."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -9,6 +8,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from chatlearn.runtime.env import worker_env
 from chatlearn.runtime.worker import Worker
 
 
@@ -77,20 +77,16 @@ class WorkerGroup:
         return [o for o, _ in outs], seconds
 
 
-def create_group(name: str, factory: str, cfg: dict, *, num_actors: int, pg: PlacementGroup | None,
+def create_group(name: str, factory: str, cfg, *, num_actors: int, pg: PlacementGroup | None,
                  bundles: list[int], gpu_fraction: float, cpus: float, threads: int,
-                 distributed: bool) -> WorkerGroup:
+                 distributed: bool, env: dict[str, str] | None = None) -> WorkerGroup:
     """Start ``num_actors`` actors (actor i on bundle ``bundles[i]``) and build the backend in each.
 
     ``distributed``: the actors form one torch.distributed world (trainer ranks); rank 0's node
-    hosts the rendezvous.
+    hosts the rendezvous. ``env``: the workers' environment (``chatlearn.runtime.env.worker_env``;
+    a plain CPU worker's when not given), set by Ray before each process starts.
     """
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-           # engine start-up chatter would bury the run's own progress lines
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "CHATLEARN_DEBUG"):
-        if var in os.environ:
-            env[var] = os.environ[var]
+    env = dict(env) if env is not None else worker_env("reward", "reward", threads)
     actors = []
     for i in range(num_actors):
         opts = {"num_cpus": cpus, "num_gpus": gpu_fraction, "name": None,
@@ -98,7 +94,7 @@ def create_group(name: str, factory: str, cfg: dict, *, num_actors: int, pg: Pla
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundles[i])
-        actors.append(ray.remote(Worker).options(**opts).remote(env, threads))
+        actors.append(ray.remote(Worker).options(**opts).remote(threads))
     envs: list[dict] = [{} for _ in actors]
     if distributed:
         addr, port = ray.get(actors[0].address.remote())

@@ -52,7 +52,7 @@ def residency_violations(device_groups: list[list[str]], resident: dict,
     pinned = pinned or {}
     problems = []
     for group in device_groups:
-        held = {m: set(resident.get(m, ())) - set(pinned.get(m, ())) for m in group}
+        held = {m: set(resident[m] if m in resident else ()) - set(pinned[m] if m in pinned else ()) for m in group}
         held = {m: p for m, p in held.items() if p}
         if len(held) > 1 and held != PUSH_PAIR:
             problems.append(", ".join(f"{m}: {sorted(p)}" for m, p in sorted(held.items())))
@@ -93,6 +93,11 @@ class Scheduler:
         self._lock = threading.RLock()
         # after setup every model holds all its parts
         self.resident: dict[str, set[str]] = {n: set(MODEL_PARTS[n]) for n in groups if n in MODEL_PARTS}
+        # On GPUs (``track_gpu_memory``), every transition and stage also records the GPU memory of
+        # the models on that device group (chatlearn.logging.gpu_memory), and the episode keeps
+        # each model's largest numbers (``gpu_peaks``).
+        self.track_gpu_memory = False
+        self.gpu_peaks: dict[str, dict] = {}
 
     def ensure(self, name: str, parts: Iterable[str], keep: dict[str, Iterable[str]] | None = None) -> None:
         """Make ``parts`` of ``name`` resident, first offloading what conflicts on its devices.
@@ -108,7 +113,7 @@ class Scheduler:
         for other in self.plan.colocated_with(name):
             if other not in self.resident:
                 continue
-            out = (self.resident[other] & self.movable[other]) - keep.get(other, set())
+            out = (self.resident[other] & self.movable[other]) - (keep[other] if other in keep else set())
             self.offload(other, out)
         self.onload(name, set(parts) - self.resident[name])
 
@@ -128,22 +133,47 @@ class Scheduler:
         start = time.perf_counter()
         results, _ = self.groups[name].call(action, parts)
         seconds = time.perf_counter() - start
-        moved = sum(int((r or {}).get("bytes", 0)) for r in results)
+        moved = sum(int(r["bytes"]) for r in results if r)
         if action == "offload":
             self.resident[name] -= set(parts)
         else:
             self.resident[name] |= set(parts)
-        pinned = {m: set(MODEL_PARTS[m]) - self.movable.get(m, set()) for m in self.resident}
+        pinned = {m: set(MODEL_PARTS[m]) - (self.movable[m] if m in self.movable else set()) for m in self.resident}
         bad = residency_violations(self.plan.device_groups, self.resident, pinned)
         if bad:  # a scheduling bug, not a user error
             raise RuntimeError(f"residency invariant broken after {action} {name} {parts}: {bad}")
         self.timeline.record(kind="transition", model=name, action=action, parts=parts, bytes=moved,
-                             seconds=round(seconds, 6), resident=self.snapshot())
+                             seconds=round(seconds, 6), resident=self.snapshot(), **self._gpu_memory(name))
 
     def stage(self, name: str, stage: str, seconds: float) -> None:
         with self._lock:
             self.timeline.record(kind="stage", model=name, stage=stage, seconds=round(seconds, 6),
-                                 resident=self.snapshot())
+                                 resident=self.snapshot(), **self._gpu_memory(name))
+
+    def _gpu_memory(self, name: str) -> dict:
+        """``{"gpu_memory": {model: [per worker: per device {...}]}}`` for the models on ``name``'s
+        device group, when GPU memory is tracked; else ``{}``."""
+        if not self.track_gpu_memory or name not in self.plan.placements:
+            return {}
+        import ray
+
+        from chatlearn.logging.gpu_memory import summarize
+
+        models = [m for m in self.plan.colocated_with(name) + [name] if m in self.groups]
+        refs = {m: [a.device_memory.remote() for a in self.groups[m].actors] for m in models}
+        found = {m: ray.get(r) for m, r in refs.items()}
+        for model, peaks in summarize(found).items():
+            mine = self.gpu_peaks.setdefault(model, {})
+            for key, value in peaks.items():
+                mine[key] = max(mine[key], value) if key in mine else value
+        return {"gpu_memory": found}
+
+    def take_gpu_peaks(self) -> dict:
+        """``memory/<model>_gpu_<key>`` of the largest numbers seen since the last call."""
+        out = {f"memory/{model}_gpu_{key}": value for model, peaks in sorted(self.gpu_peaks.items())
+               for key, value in sorted(peaks.items())}
+        self.gpu_peaks = {}
+        return out
 
     def snapshot(self) -> dict[str, list[str]]:
         """Resident parts by model (models with none left out)."""

@@ -13,9 +13,10 @@ import time
 class Worker:
     """Builds ``module:Class(cfg)`` in its own process and runs its methods on request."""
 
-    def __init__(self, env: dict[str, str], threads: int):
-        os.environ.update(env)
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    def __init__(self, threads: int):
+        # The process environment was set by Ray before start (chatlearn.runtime.env); it is
+        # recorded as found, so that tests can check what the process started with.
+        self.start_env = dict(os.environ)
         import torch
         from transformers.utils import logging as hf_logging
 
@@ -33,13 +34,19 @@ class Worker:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, factory: str, cfg: dict, env: dict[str, str] | None = None) -> None:
-        os.environ.update(env or {})
+        os.environ.update(env or {})  # torch.distributed rendezvous (rank, world, address)
         import torch
 
-        cfg = dict(cfg)
-        cfg.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        from chatlearn.models.specs import RolloutSpec, TrainerSpec, resolve_for_device
+
+        if isinstance(cfg, (TrainerSpec, RolloutSpec)):
+            cfg = resolve_for_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
         module, name = factory.split(":")
         self.obj = getattr(importlib.import_module(module), name)(cfg)
+
+    def environment(self) -> dict[str, str]:
+        """The environment this process started with."""
+        return self.start_env
 
     def value(self, method: str, *args, **kwargs):
         """Like ``call`` without the timing, so the result can be handed to another actor by reference."""
@@ -62,6 +69,13 @@ class Worker:
             return {"peak_mb": torch.cuda.max_memory_allocated() / 2**20, "device": "cuda"}
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
         return {"peak_mb": rss / (2**20 if sys.platform == "darwin" else 2**10), "device": "cpu"}
+
+    def device_memory(self) -> list[dict]:
+        """GPU memory of this worker and the processes it started, per device it sees
+        (``chatlearn.logging.gpu_memory.device_memory``); ``[]`` without CUDA."""
+        from chatlearn.logging.gpu_memory import device_memory
+
+        return device_memory()
 
     def call(self, method: str, *args, **kwargs):
         """Run ``method`` and return (result, seconds); generators are drained into a list."""

@@ -347,7 +347,7 @@ def test_config_without_megatron_core_names_the_key_and_the_install_command(
 @needs_megatron
 def test_template_loads_and_passes_the_parallel_sizes(paths_overrides):
     from chatlearn.runtime.cluster import BACKENDS
-    from chatlearn.runtime.cluster import trainer_cfg as cluster_trainer_cfg
+    from chatlearn.runtime.cluster import trainer_spec as cluster_trainer_cfg
 
     over = ["models.policy_trainer.num_gpu=4", "models.policy_trainer.tensor_model_parallel_size=2",
             "models.policy_trainer.sequence_parallel=True"]

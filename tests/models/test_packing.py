@@ -204,7 +204,7 @@ def test_packing_with_the_megatron_backend_reaches_both_trainers(paths_overrides
     """The Megatron trainer packs too (tests/models/test_megatron_trainer.py); a
     non-positive max_token_in_packing is still a config error naming the key."""
     from chatlearn.config import load as config_load
-    from chatlearn.runtime.cluster import trainer_cfg as cluster_trainer_cfg
+    from chatlearn.runtime.cluster import trainer_spec as cluster_trainer_cfg
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(config_load, "_importable", lambda module: True)

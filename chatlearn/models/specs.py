@@ -1,0 +1,152 @@
+"""What each backend receives: one typed, frozen spec, built once from the validated config.
+
+The schema (``chatlearn/config/schema.py``) is the only place a default lives. The runtime builds a
+:class:`TrainerSpec` / :class:`RolloutSpec` from the validated config (``chatlearn.runtime.cluster``)
+with every field set; the spec has no defaults of its own, so a missing setting fails where the spec
+is built, not in the middle of a run. Settings that depend on the device the backend lands on
+(``device``, ``dtype: auto``, ``bf16: null``, ``deterministic_inference: null``) are resolved by
+:func:`resolve_for_device` inside the worker process, where the device is known.
+
+A spec can also be read like a read-only mapping (``spec["lr"]``): the loss functions of
+``chatlearn.algorithms`` take their options that way. It has no ``get``: there is no default to fall
+back on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Readable:
+    """``spec["name"]`` and ``dict(spec)`` for a dataclass; unknown names raise ``KeyError``."""
+
+    def __getitem__(self, name: str):
+        if name not in self.keys():
+            raise KeyError(f"{type(self).__name__} has no setting {name!r}")
+        return getattr(self, name)
+
+    def keys(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)]
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TrainerSpec(_Readable):
+    """``policy_trainer`` / ``ref_policy`` on the FSDP2 or Megatron backend."""
+
+    load: str
+    trust_remote_code: bool
+    seed: int
+    trainable: bool
+    # optimizer (read when trainable)
+    lr: float
+    weight_decay: float
+    clip_grad: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    # learning-rate schedule, its iters resolved to optimizer steps of the run
+    min_lr: float
+    lr_decay_style: str
+    lr_warmup_iters: int
+    lr_decay_iters: int
+    lr_warmup_init: float
+    # batches
+    train_micro_batch_size: int
+    logprob_micro_batch_size: int
+    train_global_batch_size: int
+    packing: bool
+    max_token_in_packing: int
+    logprob_chunk_tokens: int  # tokens per chunk of the [tokens, vocab] log-prob/entropy computation
+    # loss
+    pos_clip_ratio: float
+    neg_clip_ratio: float
+    clip_ratio_c: Optional[float]
+    use_group_sequence_policy: bool
+    loss_agg_mode: str
+    max_response_tokens_length: int
+    kl_coef: float
+    kl_estimator: str
+    kl_in_reward: bool
+    entropy_coef: float
+    # memory and precision
+    gradient_checkpointing: bool
+    bf16: Optional[bool]  # None: bf16 on CUDA devices that support it, fp32 elsewhere
+    meta_init: bool
+    # Megatron parallelism (the FSDP backend shards data-parallel only)
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    sequence_parallel: bool
+    use_distributed_optimizer: bool
+    device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
+
+
+@dataclass(frozen=True)
+class RolloutSpec(_Readable):
+    """``policy`` on the vLLM, SGLang or transformers backend."""
+
+    load: str
+    trust_remote_code: bool
+    seed: int
+    generation_batch_size: int  # max concurrent sequences (vLLM max_num_seqs; hf: sequences per call)
+    max_prompt_tokens_length: int
+    max_response_tokens_length: int
+    max_num_batched_tokens: int
+    dtype: str  # "auto" until resolved in the worker, then one of DTYPES
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    tensor_model_parallel_size: int
+    deterministic_inference: Optional[bool]  # None until resolved: on for CPU, off on CUDA
+    cpu_threads: Optional[int]  # torch threads of a CPU engine (None: leave as is)
+    device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
+
+
+def checkpoint_dtype(model_dir: str) -> str:
+    """The dtype a model folder's ``config.json`` declares (``torch_dtype`` or ``dtype``), as
+    one of :data:`DTYPES`; float32 when it declares none."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        conf = json.load(f)
+    found = str(conf["torch_dtype"] if "torch_dtype" in conf else conf["dtype"] if "dtype" in conf
+                else "float32").replace("torch.", "")
+    return found if found in DTYPES else "float32"
+
+
+def _cuda_bf16() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def resolve_for_device(spec, device: str):
+    """``spec`` with its device-dependent settings fixed for ``device`` ("cuda" | "cpu").
+
+    * ``device``: set.
+    * rollout ``dtype: auto``: bfloat16 on a CUDA device that supports it; elsewhere the dtype
+      the checkpoint declares (float32 when it declares none; a bfloat16 checkpoint on a GPU
+      without bf16 runs in float16).
+    * trainer ``bf16: null``: on for a CUDA device that supports bf16, off otherwise.
+    * rollout ``deterministic_inference: null``: on for CPU (it costs nothing there and keeps
+      runs reproducible), off on CUDA (per-request seeds and batch-invariant kernels cost
+      throughput; set it to true for reproducible samples).
+    """
+    changes: dict = {"device": device}
+    cuda = device == "cuda"
+    if isinstance(spec, RolloutSpec):
+        if spec.dtype == "auto":
+            dtype = "bfloat16" if cuda and _cuda_bf16() else checkpoint_dtype(spec.load)
+            if cuda and dtype == "bfloat16" and not _cuda_bf16():
+                dtype = "float16"
+            changes["dtype"] = dtype
+        if spec.deterministic_inference is None:
+            changes["deterministic_inference"] = not cuda
+    elif isinstance(spec, TrainerSpec):
+        if spec.bf16 is None:
+            changes["bf16"] = bool(cuda and _cuda_bf16())
+    return dataclasses.replace(spec, **changes)
