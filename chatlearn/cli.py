@@ -21,8 +21,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help="overrides such as runtime_args.num_episode=10")
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
     run.add_argument("--no-resume", action="store_true",
-                     help="start fresh even if output_dir holds a checkpoint (same as "
-                          "runtime_args.enable_resume_training=False)")
+                     help="start fresh instead of continuing the run in output_dir (same as "
+                          "runtime_args.enable_resume_training=False); refused when output_dir already "
+                          "holds a run, unless --overwrite is given")
+    run.add_argument("--overwrite", action="store_true",
+                     help="start fresh (implies --no-resume); a run already in output_dir is moved aside to "
+                          "OUTPUT_DIR.old-<time>, not deleted")
     run.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     ev = sub.add_parser("eval", help="evaluate a model with a YAML config (rollout engine and reward only)",
                         description="Sample eval_data_path with the eval_* parameters and "
@@ -45,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                        help="dtype of the written weights (default: float32, as trained)")
     merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+    merge.add_argument("--trust-remote-code", action="store_true",
+                       help="allow running the Python code of the model's config.json (auto_map); never "
+                            "taken from the checkpoint itself")
     merge.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     plot = sub.add_parser("plot", help="plot a run's metrics",
                           description="Write PNG plots of OUTPUT_DIR/metrics.jsonl into OUTPUT_DIR/plots/.")
@@ -96,24 +103,34 @@ def _eval(args) -> int:
 
 
 def _run(args) -> int:
-    from omegaconf import OmegaConf
-
     from chatlearn.config.load import load_config
     from chatlearn.config.plan import make_plan
+    from chatlearn.logging.sinks import config_yaml
+    from chatlearn.runtime.output_dir import check_start, previous_run
+    from chatlearn.runtime.run_lock import RunLock, describe
 
-    overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if args.no_resume else [])
+    fresh = args.no_resume or args.overwrite
+    overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if fresh else [])
     cfg = load_config(args.config, overrides)
     plan = make_plan(cfg)
+    # a dry run only reads: a run in progress in output_dir is noted, not an error
+    check_start(cfg, overwrite=args.overwrite, check_lock=not args.dry_run)
     if args.dry_run:
-        print("# resolved config")
-        print(OmegaConf.to_yaml(cfg).rstrip())
+        out = cfg.runtime_args.output_dir
+        print("# resolved config (secrets shown as ***)")
+        print(config_yaml(cfg).rstrip())
         print("\n# plan")
         for line in plan.describe():
             print(line)
+        holder = RunLock(out).live_holder()
+        if holder is not None:
+            print(f"# note: {out} is in use by {describe(holder)}; a run now would be refused")
+        if args.overwrite and previous_run(out):
+            print(f"# --overwrite: the run in {out} would be moved to {out}.old-<time>")
         return 0
     from chatlearn.runtime.engine import train
 
-    train(cfg, plan, debug=args.debug or cfg.runtime_args.debug)
+    train(cfg, plan, debug=args.debug or cfg.runtime_args.debug, overwrite=args.overwrite)
     return 0
 
 
@@ -121,7 +138,8 @@ def _merge(args) -> int:
     from chatlearn.checkpoint.merge import merge_checkpoint
 
     out = merge_checkpoint(args.ckpt_dir, args.out_dir, hf_config=args.hf_config, dtype=args.dtype,
-                           max_shard_size=args.max_shard_size, log=lambda msg: print(msg, flush=True))
+                           max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
+                           log=lambda msg: print(msg, flush=True))
     print(f"wrote {out['out_dir']}: {out['num_tensors']} tensors, {out['total_bytes'] / 1e6:.1f} MB "
           f"({out['dtype']}) in {len(out['shards'])} shard(s), in {out['seconds']:.1f}s")
     return 0

@@ -6,12 +6,15 @@ Layout under ``<output_dir>/checkpoints``::
     episode_000020/           one checkpoint, under one step counter (the episode)
         trainer/              policy_trainer's sharded state (torch.distributed.checkpoint)
         hf/                   Hugging Face folder of the policy (when save_hf)
-        state.json            episode, data sampler state, ...
+        state.json            episode, run id, data sampler state, ...
         COMPLETE              written last
 
 A checkpoint is written into ``episode_N.tmp`` and renamed once complete, so a crash leaves
 either the previous checkpoints untouched plus a stray ``.tmp`` folder (removed on the next
-save) or the new one complete. Only the newest ``keep`` checkpoints are kept.
+save) or the new one complete. Only the newest ``keep`` checkpoints of the current run are
+kept: each checkpoint records the id of the run that wrote it (a resumed run keeps the id of
+the checkpoint it resumed from), and retention never deletes a checkpoint of another run, nor
+the one just saved, so ``latest`` always names a checkpoint that exists.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 from typing import Callable
 
 from chatlearn.errors import UserError
@@ -29,9 +33,31 @@ _NAME = re.compile(r"^episode_(\d+)$")
 
 
 class CheckpointManager:
-    def __init__(self, root: str, keep: int):
+    def __init__(self, root: str, keep: int, run_id: str | None = None):
         self.root = root
         self.keep = keep
+        self.run_id = run_id or uuid.uuid4().hex
+        # resumed from a checkpoint written before checkpoints recorded their run: those count as this run's
+        self._adopt_unmarked = False
+
+    def adopt(self, state: dict) -> None:
+        """Continue the run of the checkpoint whose ``state.json`` is ``state`` (on resume)."""
+        if isinstance(state.get("run_id"), str):
+            self.run_id = state["run_id"]
+        else:
+            self._adopt_unmarked = True
+
+    def _is_ours(self, path: str) -> bool:
+        try:
+            with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+                state = json.load(f)
+        except (OSError, ValueError):
+            return False  # unreadable: never deleted by retention
+        if not isinstance(state, dict):
+            return False
+        if "run_id" not in state:
+            return self._adopt_unmarked
+        return state["run_id"] == self.run_id
 
     @staticmethod
     def name(episode: int) -> str:
@@ -78,9 +104,13 @@ class CheckpointManager:
         # A window in which to interrupt a save, for crash tests only.
         time.sleep(float(os.environ.get("CHATLEARN_CHECKPOINT_TEST_DELAY", "0")))
         with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
-            json.dump({"episode": episode, **state}, f, indent=1)
+            json.dump({"episode": episode, "run_id": self.run_id, **state}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             f.write("ok\n")
+            f.flush()
+            os.fsync(f.fileno())
         _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -92,7 +122,9 @@ class CheckpointManager:
         os.replace(pointer + ".tmp", pointer)
         _fsync_dir(self.root)
         if self.keep > 0:
-            for _, path in self.complete()[:-self.keep]:
+            # this run's older checkpoints, newest first; the one just saved counts as the first kept
+            older = [path for ep, path in reversed(self.complete()) if ep < episode and self._is_ours(path)]
+            for path in older[self.keep - 1:]:
                 shutil.rmtree(path, ignore_errors=True)
         return final
 

@@ -154,14 +154,47 @@ def _dcp_found(ckpt: str) -> dict:
             if key.startswith(prefix)}
 
 
+def _remote_code(src: str) -> list[str]:
+    """The ``auto_map`` entries of ``src``'s config.json: Python files of the folder that
+    transformers would import to build the model (empty when it needs none)."""
+    try:
+        with open(os.path.join(src, CONFIG_NAME), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return []  # reported when the config is loaded
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not auto_map:
+        return []
+    if isinstance(auto_map, dict):
+        return sorted(f"{k}: {v}" for k, v in auto_map.items())
+    return [str(auto_map)]
+
+
+def _check_trust(ckpt: str, meta: dict, src: str, trust_remote_code: bool) -> bool:
+    """Whether the model's own code may run: only when the caller allows it (``--trust-remote-code``).
+    The ``trust_remote_code`` a checkpoint records is never enough: a downloaded checkpoint
+    could name any code."""
+    code = _remote_code(src)
+    if not code or trust_remote_code:
+        return bool(code) and trust_remote_code
+    recorded = (" The checkpoint was trained with trust_remote_code: true, but a checkpoint's own "
+                "metadata cannot allow running code." if meta.get("trust_remote_code") is True else "")
+    raise UserError(f"the model of checkpoint {ckpt!r} needs the Python code named in "
+                    f"{os.path.join(src, CONFIG_NAME)!r} (auto_map: {'; '.join(code)}), and merging "
+                    f"would run it.{recorded} Read that code in {src!r}; if you trust it, run the merge "
+                    "again with --trust-remote-code (or pass --hf-config DIR with a folder whose model "
+                    "needs no code of its own).")
+
+
 def _plan(ckpt: str, meta: dict, src: str, out_dtype: torch.dtype, found: dict,
-          problems: list[str] | None = None) -> list[_Entry]:
+          problems: list[str] | None = None, trust_remote_code: bool = False) -> list[_Entry]:
     """Check the checkpoint's model tensors (``found``: ``{name: (shape, dtype) or None}``)
     against config.json; the tensors to write, in the model's order. ``problems``: ones
-    already found by the reader, reported with the others."""
+    already found by the reader, reported with the others. ``trust_remote_code``: the
+    caller's permission to run the model folder's own code (see :func:`_check_trust`)."""
     from transformers import AutoConfig
 
-    trust = bool(meta.get("trust_remote_code", False))
+    trust = _check_trust(ckpt, meta, src, trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=trust)
         expected, aliases = expected_tensors(config, trust)
@@ -452,13 +485,15 @@ def _copy_hf_files(src: str, out: str, dtype: str) -> list[str]:
 
 def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
                      dtype: str = "float32", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-                     log: Callable[[str], None] | None = None) -> dict:
+                     trust_remote_code: bool = False, log: Callable[[str], None] | None = None) -> dict:
     """Write the Hugging Face folder ``out_dir`` from the trainer checkpoint ``ckpt_dir``.
 
     ``hf_config``: the folder to take config.json and the tokenizer files from (default: the
     one the trainer loaded, recorded in the checkpoint). ``dtype``: float32, bfloat16 or
     float16 (floating tensors are cast to it). ``max_shard_size``: bytes per safetensors
-    file, as ``save_pretrained``'s. ``out_dir`` must not exist or be empty; it is written
+    file, as ``save_pretrained``'s. ``trust_remote_code``: allow running the Python code a
+    model folder names in its config.json (``auto_map``); the value recorded in the
+    checkpoint is never used for that. ``out_dir`` must not exist or be empty; it is written
     under a temporary name and renamed when complete.
 
     Returns a summary: out_dir, dtype, num_tensors, total_bytes, shards (file names),
@@ -481,10 +516,12 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
     _check_out_dir(out_dir)
     if megatron:
         source = _MegatronSource(ckpt, meta, src)
-        entries = _plan(ckpt, meta, src, DTYPES[dtype], source.found, source.problems)
+        entries = _plan(ckpt, meta, src, DTYPES[dtype], source.found, source.problems,
+                        trust_remote_code=trust_remote_code)
         read = source.read
     else:
-        entries = _plan(ckpt, meta, src, DTYPES[dtype], _dcp_found(ckpt))
+        entries = _plan(ckpt, meta, src, DTYPES[dtype], _dcp_found(ckpt),
+                        trust_remote_code=trust_remote_code)
         reader = sharded.SafeFileSystemReader(ckpt)
         read = lambda e: _read_tensor(reader, e)  # noqa: E731
     shards = _split(entries, max_bytes)

@@ -1,16 +1,23 @@
-"""Metric sinks: ``<output_dir>/metrics.jsonl`` always (one JSON object per line, with its episode)."""
+"""Metric sinks: ``<output_dir>/metrics.jsonl`` always (one JSON object per line, with its episode).
+
+Crash safety (see :mod:`chatlearn.logging.jsonl`): a row torn by a crash is dropped before the
+first new row is appended, every row is flushed and fsynced, and on resume the rows past the
+checkpoint's episode are dropped by an atomic rewrite.
+"""
 from __future__ import annotations
 
 import json
 import math
 import os
 
+from chatlearn.logging import jsonl
+
 
 class MetricsWriter:
     def __init__(self, output_dir: str):
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = jsonl.open_append(self.path)
 
     def write(self, episode: int, metrics: dict) -> None:
         row = {"episode": episode}
@@ -19,16 +26,13 @@ class MetricsWriter:
             row[k] = v if math.isfinite(v) else None
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        os.fsync(self._file.fileno())
 
     def truncate_after(self, episode: int) -> None:
         """Drop rows past ``episode`` (written by a run that crashed after its last checkpoint)."""
         self._file.close()
-        with open(self.path, encoding="utf-8") as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["episode"] <= episode]
-        with open(self.path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(keep)
-        os.replace(self.path + ".tmp", self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        jsonl.truncate_after(self.path, episode)
+        self._file = jsonl.open_append(self.path)
 
     def close(self) -> None:
         self._file.close()

@@ -10,7 +10,8 @@
   is honoured; without it and without an API key the run is recorded offline (``wandb sync``
   uploads it later) instead of prompting for a key.
 
-The config logged to TensorBoard and W&B has secrets redacted (see :func:`redact`).
+Every copy of the config a run writes or prints (TensorBoard, W&B, ``<output_dir>/config.yaml``,
+``chatlearn run --dry-run``) has secrets redacted (see :func:`redact`).
 """
 from __future__ import annotations
 
@@ -53,6 +54,19 @@ def redact(value):
 def loggable_config(cfg: DictConfig) -> dict:
     """The resolved config as plain containers, secrets redacted."""
     return redact(OmegaConf.to_container(cfg, resolve=True))
+
+
+def config_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML text, secrets redacted: what ``--dry-run`` prints and
+    ``config.yaml`` holds."""
+    return OmegaConf.to_yaml(OmegaConf.create(loggable_config(cfg)))
+
+
+def write_config_yaml(cfg: DictConfig, path: str) -> None:
+    """Write :func:`config_yaml` to ``path`` atomically (a temporary file, fsynced, renamed)."""
+    from chatlearn.logging.jsonl import write_text_atomic
+
+    write_text_atomic(path, config_yaml(cfg))
 
 
 def sink_dirs(cfg: DictConfig) -> tuple[str, str]:
@@ -131,7 +145,7 @@ class TensorBoardSink:
         except OSError as err:
             raise UserError(f"cannot write TensorBoard logs to {log_dir!r}: {err}. Fix "
                             "runtime_args.log_args_dict.tensorboard_dir.")
-        yaml_text = OmegaConf.to_yaml(OmegaConf.create(loggable_config(cfg)))
+        yaml_text = config_yaml(cfg)
         # indented lines render as a preformatted block in TensorBoard's markdown
         self.writer.add_text("config", "\n".join("    " + line for line in yaml_text.splitlines()), 0)
         self.writer.flush()

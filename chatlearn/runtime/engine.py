@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import ray
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from chatlearn.algorithms.grpo import episode_advantages
 from chatlearn.checkpoint.manager import CheckpointManager
@@ -39,11 +39,14 @@ from chatlearn.logging.metrics import summary_line
 from chatlearn.logging.perf import peak_memory, throughput
 from chatlearn.logging.plots import plot_after_run
 from chatlearn.logging.progress import RunProgress
-from chatlearn.logging.sinks import MetricSinks
+from chatlearn.logging.sinks import MetricSinks, write_config_yaml
 from chatlearn.models.base import response_mask, select_samples
 from chatlearn.runtime.cluster import Cluster
 from chatlearn.runtime.group import Activity
+from chatlearn.runtime.output_dir import check_start, move_aside, previous_run, reconcile_logs
+from chatlearn.runtime.output_dir import refusal as output_refusal
 from chatlearn.runtime.rollouts import Rollouts
+from chatlearn.runtime.run_lock import RunLock
 from chatlearn.runtime.scheduler import MODEL_PARTS, Scheduler, Timeline, movable_parts
 from chatlearn.runtime.weight_sync import WeightSync
 
@@ -266,6 +269,7 @@ class GRPO(Rollouts):
             return 0
         episode, path = found
         state = self.ckpt.read_state(path)
+        self.ckpt.adopt(state)  # keep-last-N goes on counting this run's checkpoints
         print(f"[chatlearn] resuming from {path} (episode {episode})", flush=True)
         self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
         try:
@@ -281,7 +285,9 @@ class GRPO(Rollouts):
         self.sched.ensure("policy", ["weights"], keep={"policy_trainer": ["weights"]})
         self.push_weights()
         self.sched.ensure("policy", ["kv_cache"])
-        self.metrics.truncate_after(episode)  # rows a crashed run wrote past the checkpoint
+        # rows a crashed run wrote past the checkpoint (also dropped before the run started, see
+        # reconcile_logs; atomic, and a torn last row goes with them)
+        self.metrics.truncate_after(episode)
         return episode
 
     def evaluate(self) -> dict:
@@ -384,10 +390,12 @@ class StageTimer:
         return out
 
 
-def train(cfg: DictConfig, plan: Plan, debug: bool = False) -> dict:
+def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = False) -> dict:
+    """Run ``cfg``. The output folder is locked for the run's lifetime (one run per folder); a run
+    that starts fresh into a folder holding a run is refused, unless ``overwrite``: the old run is
+    then moved aside (see chatlearn.runtime.output_dir)."""
     rt, p = cfg.runtime_args, cfg.models.policy
-    os.makedirs(rt.output_dir, exist_ok=True)
-    OmegaConf.save(cfg, os.path.join(rt.output_dir, "config.yaml"))
+    check_start(cfg, overwrite)  # before loading anything: refusals come first
     tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
     data = dict(max_prompt_tokens=p.max_prompt_tokens_length, enable_thinking=p.enable_thinking,
                 prompt_key=rt.prompt_key, ground_truth_key=rt.ground_truth_key)
@@ -395,22 +403,34 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False) -> dict:
     eval_set = None
     if rt.eval_data_path and (rt.eval_episode_interval > 0 or rt.enable_eval_before_training):
         eval_set = load_prompts(rt.eval_data_path.split(","), tokenizer, what="runtime_args.eval_data_path", **data)
-    for name, s in (("train", train_set), ("eval", eval_set)):
-        if s is not None:
-            print(f"[chatlearn] {name} data: {len(s)} prompts"
-                  + (f" ({s.dropped_too_long} dropped: longer than max_prompt_tokens_length)"
-                     if s.dropped_too_long else ""), flush=True)
-    for line in plan.describe():
-        print(f"[chatlearn] {line}", flush=True)
-    with Cluster(cfg, plan) as cluster:
-        run = GRPO(cfg, plan, cluster, tokenizer, train_set, eval_set)
-        try:
-            last = run.train()
-        finally:
-            run.progress.close()
-            run.metrics.close()
-            run.timeline.close()
-    plot_after_run(rt.output_dir)
+    with RunLock(rt.output_dir) as lock:
+        # validated: only now is anything in output_dir touched
+        if not rt.enable_resume_training:
+            found = previous_run(rt.output_dir)
+            if found and not overwrite:
+                raise output_refusal(rt.output_dir, found)
+            if found:
+                moved = move_aside(cfg, lock)
+                print(f"[chatlearn] --overwrite: moved the previous run in {rt.output_dir} to {moved}", flush=True)
+        else:
+            reconcile_logs(cfg)
+        write_config_yaml(cfg, os.path.join(rt.output_dir, "config.yaml"))
+        for name, s in (("train", train_set), ("eval", eval_set)):
+            if s is not None:
+                print(f"[chatlearn] {name} data: {len(s)} prompts"
+                      + (f" ({s.dropped_too_long} dropped: longer than max_prompt_tokens_length)"
+                         if s.dropped_too_long else ""), flush=True)
+        for line in plan.describe():
+            print(f"[chatlearn] {line}", flush=True)
+        with Cluster(cfg, plan) as cluster:
+            run = GRPO(cfg, plan, cluster, tokenizer, train_set, eval_set)
+            try:
+                last = run.train()
+            finally:
+                run.progress.close()
+                run.metrics.close()
+                run.timeline.close()
+        plot_after_run(rt.output_dir)
     print(f"[chatlearn] done: metrics in {os.path.join(rt.output_dir, 'metrics.jsonl')}, "
           f"checkpoints in {os.path.join(rt.output_dir, 'checkpoints')}", flush=True)
     return last

@@ -1,0 +1,143 @@
+"""The append-only JSON-lines files of a run (``metrics.jsonl``, ``timeline.jsonl``): crash-safe
+opening for append and crash-safe truncation on resume.
+
+* A line cut short by a crash or a power loss (a *torn* line: no final newline) is never
+  continued: :func:`open_append` drops it before the first new row, so the next row starts on
+  a line of its own.
+* On resume, :func:`truncate_after` keeps the rows of the episodes up to the checkpoint's and
+  drops the rest (the resumed run writes them again) and any line that is not a JSON object. It
+  writes the kept rows to a temporary file, fsyncs it and renames it over the original, so a
+  crash in the middle leaves either the old file or the new one, never a mix.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _warn(message: str) -> None:
+    print(f"[chatlearn] warning: {message}", file=sys.stderr, flush=True)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new file in ``path`` durable (best effort: not every file system can)."""
+    try:
+        fd = os.open(path or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file next to it, fsynced and
+    renamed over it; a crash leaves the previous file (or none) and no partial one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def drop_torn_tail(path: str) -> int:
+    """Cut a last line that has no final newline (a row torn by a crash) off ``path``; returns
+    the number of bytes dropped (0: the file ends with a newline, is empty, or does not exist)."""
+    try:
+        f = open(path, "r+b")
+    except FileNotFoundError:
+        return 0
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        # find the last newline, reading backwards in blocks
+        end = size
+        keep = 0
+        while end > 0:
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            at = block.rfind(b"\n")
+            if at >= 0:
+                keep = start + at + 1
+                break
+            end = start
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    _warn(f"{path}: dropped a last line cut short by an earlier crash ({size - keep} bytes)")
+    return size - keep
+
+
+def open_append(path: str):
+    """``path`` opened for appending rows (text, UTF-8), a torn last line dropped first."""
+    drop_torn_tail(path)
+    return open(path, "a", encoding="utf-8")
+
+
+def _episode(line: str) -> int | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("episode"), int) or isinstance(row["episode"], bool):
+        return None
+    return row["episode"]
+
+
+def truncate_after(path: str, episode: int) -> int:
+    """Keep the rows of ``path`` whose ``episode`` is at most ``episode``; drop later rows and
+    lines that are not JSON objects with an integer episode (torn or damaged). Atomic: a new file
+    is written, fsynced and renamed over ``path``. Returns the number of lines dropped (the file
+    is not rewritten when that is 0)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return 0
+    keep, damaged = [], 0
+    for line in lines:
+        if not line.strip():  # blank: dropped without a word
+            continue
+        ep = _episode(line) if line.endswith("\n") else None
+        if ep is None:
+            damaged += 1
+        elif ep <= episode:
+            keep.append(line)
+    dropped = len(lines) - len(keep)
+    if dropped == 0:
+        return 0
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if damaged:
+        _warn(f"{path}: dropped {damaged} line(s) that are not complete JSON rows (cut short by a crash)")
+    return dropped

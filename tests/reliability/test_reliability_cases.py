@@ -1,0 +1,256 @@
+"""What happens when: one row per case, through the CLI in this process (no Ray is started).
+
+Each row: the situation (set up in a scratch folder), the command, the expected exit code, the
+words the output must contain and the words it must not contain. Errors are one paragraph on
+stderr without a traceback. The cases with a real training run are in test_reliability_e2e.py;
+docs/reliability.md has the table in prose.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from chatlearn.cli import main
+from conftest import REPO
+
+TEMPLATE = "template/grpo_fsdp.yaml"
+SECRET = "sk-live-0123456789abcdef"
+
+
+@dataclass
+class Ctx:
+    tmp: str
+    model: str
+    base: list  # overrides for a valid config, output in OUT
+
+    @property
+    def out(self) -> str:
+        return os.path.join(self.tmp, "out")
+
+    def file(self, rel: str, content: str) -> str:
+        path = os.path.join(self.tmp, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(content)
+        return path
+
+
+def old_run(c: Ctx, episodes=5) -> None:
+    """What a finished run leaves: metrics, a timeline, checkpoints and ``latest``."""
+    c.file("out/metrics.jsonl", "".join(json.dumps({"episode": e}) + "\n" for e in range(episodes + 1)))
+    c.file("out/timeline.jsonl", json.dumps({"episode": 1, "kind": "stage"}) + "\n")
+    for e in range(1, episodes + 1):
+        c.file(f"out/checkpoints/episode_{e:06d}/COMPLETE", "ok\n")
+        c.file(f"out/checkpoints/episode_{e:06d}/state.json", json.dumps({"episode": e, "run_id": "old"}))
+    c.file("out/checkpoints/latest", f"episode_{episodes:06d}\n")
+
+
+def lock(c: Ctx, pid: int, host: str | None = None) -> dict:
+    holder = {"pid": pid, "host": host or socket.gethostname(), "started": "2026-01-02 03:04:05 +0000",
+              "pid_start": None, "command": "chatlearn run first.yaml", "token": "t0"}
+    c.file("out/run.lock", json.dumps(holder))
+    return holder
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def run(*extra, dry=False):
+    return lambda c: ["run", TEMPLATE, *c.base, *extra, *(["--dry-run"] if dry else [])]
+
+
+def then(setup, argv):
+    def make(c):
+        setup(c)
+        return argv(c)
+    return make
+
+
+def secret_reward(c: Ctx) -> str:
+    path = c.file("my_reward.py", "def score(*, prompts, responses, ground_truths, data_sources, extra, api_key):\n"
+                                  "    return [0.0 for _ in responses]\n")
+    return f"models.reward.functions=[{{name: mine, path: '{path}:score', kwargs: {{api_key: {SECRET}}}}}]"
+
+
+# ------------------------------------------------------------------ merge: a checkpoint whose model names code
+def remote_code_checkpoint(c: Ctx) -> str:
+    """A trainer checkpoint recording ``trust_remote_code: true`` whose model folder's config.json
+    names Python code (auto_map) that leaves a marker file when it runs."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from chatlearn.checkpoint import sharded
+
+    model = os.path.join(c.tmp, "remote_model")
+    shutil.copytree(c.model, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    config["auto_map"] = {"AutoConfig": "configuration_mine.MineConfig"}
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(config, f)
+    c.file("remote_model/configuration_mine.py",
+           "import os\nopen(os.environ['RELIABILITY_CODE_MARKER'], 'w').write('ran')\n"
+           "from transformers import Qwen2Config\n\nclass MineConfig(Qwen2Config):\n    pass\n")
+    ckpt = os.path.join(c.tmp, "ckpt")
+    os.makedirs(ckpt)
+    with pytest.warns(UserWarning):  # DCP without a process group: a single-process save
+        dcp.save({"model.model.embed_tokens.weight": torch.zeros(4, 4)}, checkpoint_id=ckpt)
+    sharded.write_meta(ckpt, {"hf_source": model, "trust_remote_code": True, "tied": {}})
+    sharded.mark_complete(ckpt)
+    return ckpt
+
+
+def merge(*flags):
+    return lambda c: ["merge", remote_code_checkpoint(c), os.path.join(c.tmp, "merged"), *flags]
+
+
+# id, argv(ctx), exit code, words the output must hold ({out}: the output folder, {pid}: the holder's),
+# words it must not hold
+CASES = [
+    # 1. a fresh start into a folder that holds a run
+    ("--no-resume into a used folder", then(old_run, run("--no-resume")), 2,
+     ["{out}", "already holds a run", "checkpoints/", "metrics.jsonl", "--overwrite", "nothing is deleted",
+      "another runtime_args.output_dir", "run without --no-resume"], ["Traceback"]),
+    ("enable_resume_training=false into a used folder",
+     then(old_run, run("runtime_args.enable_resume_training=false")), 2,
+     ["{out}", "already holds a run", "--overwrite"], ["Traceback"]),
+    ("--no-resume --dry-run into a used folder", then(old_run, run("--no-resume", dry=True)), 2,
+     ["{out}", "already holds a run", "--overwrite"], ["# plan"]),
+    ("--overwrite --dry-run says what it would move", then(old_run, run("--overwrite", dry=True)), 0,
+     ["# plan", "--overwrite: the run in {out} would be moved to {out}.old-<time>"], []),
+    ("--no-resume into a folder with only config.yaml",
+     then(lambda c: c.file("out/config.yaml", "x: 1\n"), run("--no-resume", dry=True)), 0, ["# plan"], []),
+    ("--overwrite when the data is inside the folder",
+     lambda c: (old_run(c), run("--overwrite", f"runtime_args.data_path={c.file('out/train.jsonl', ARITH)}")(c))[1],
+     2, ["--overwrite would move", "{out}", "runtime_args.data_path", "is inside it"], ["Traceback"]),
+    # 3. a second run into a folder in use
+    ("a run is using the folder", then(lambda c: lock(c, os.getpid()), run()), 2,
+     ["{out}", "is in use by process {pid} on host", "started 2026-01-02 03:04:05", "chatlearn run first.yaml",
+      "Wait for that run to finish"], ["Traceback"]),
+    ("a run on another host holds the lock", then(lambda c: lock(c, 1, host="elsewhere-node"), run()), 2,
+     ["is in use by process 1 on host elsewhere-node", "cannot be checked from here", "delete",
+      "run.lock"], ["Traceback"]),
+    ("--dry-run while a run uses the folder", then(lambda c: lock(c, os.getpid()), run(dry=True)), 0,
+     ["# note:", "is in use by process {pid}", "a run now would be refused"], []),
+    # 5. merge never runs a checkpoint's code on the checkpoint's word
+    ("merge: checkpoint says trust_remote_code", merge(), 2,
+     ["needs the Python code", "auto_map", "configuration_mine.MineConfig",
+      "a checkpoint's own metadata cannot allow running code", "--trust-remote-code"], ["Traceback"]),
+    # 6. secrets are never printed
+    ("--dry-run with a secret in a reward function's kwargs", lambda c: run(secret_reward(c), dry=True)(c), 0,
+     ["api_key: '***'", "secrets shown as ***"], [SECRET]),
+]
+
+ARITH = json.dumps({"data_source": "arith", "prompt": [{"role": "user", "content": "What is 1 + 2?"}],
+                    "reward_model": {"style": "rule", "ground_truth": "3"}}) + "\n"
+
+
+@pytest.fixture
+def ctx(tmp_path, tiny_model_dir, arith_data, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("CHATLEARN_DEBUG", raising=False)
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    monkeypatch.setenv("RELIABILITY_CODE_MARKER", str(tmp_path / "code_ran"))
+    train, evald = arith_data
+    base = [f"models.policy_trainer.load={tiny_model_dir}", f"runtime_args.data_path={train}",
+            f"runtime_args.eval_data_path={evald}", f"runtime_args.output_dir={tmp_path / 'out'}",
+            "runtime_args.rollout_backend=hf"]
+    return Ctx(str(tmp_path), tiny_model_dir, base)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray must not start in these cases")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def test_table_is_complete():
+    assert len({c[0] for c in CASES}) == len(CASES) >= 10
+
+
+@pytest.mark.parametrize("argv, code, present, absent", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_case(ctx, no_ray, capsys, argv, code, present, absent):
+    rc = main(argv(ctx))
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    flat = " ".join(out.split())
+    assert rc == code, out[-3000:]
+    fill = {"out": ctx.out, "pid": os.getpid()}
+    for word in present:
+        assert " ".join(word.format(**fill).split()) in flat, f"{word!r} not in: {flat[-3000:]}"
+    for word in absent:
+        assert word not in out, f"{word!r} in: {out[-3000:]}"
+    if code == 2:
+        message = captured.err[captured.err.index("error: "):]
+        assert "\n\n" not in message.strip(), message
+
+
+def test_refused_fresh_start_leaves_the_old_run_untouched(ctx, no_ray, capsys):
+    old_run(ctx)
+    before = sorted(os.path.relpath(os.path.join(d, f), ctx.out) for d, _, fs in os.walk(ctx.out) for f in fs)
+    assert main(run("--no-resume")(ctx)) == 2
+    after = sorted(os.path.relpath(os.path.join(d, f), ctx.out) for d, _, fs in os.walk(ctx.out) for f in fs)
+    assert after == before and "run.lock" not in after
+
+
+def test_merge_runs_the_models_code_only_with_the_flag(ctx, capsys):
+    marker = os.path.join(ctx.tmp, "code_ran")
+    assert main(merge()(ctx)) == 2
+    assert not os.path.exists(marker)
+    # with the flag the code may run (this checkpoint then fails its tensor check: exit 2 all the same)
+    assert main(["merge", os.path.join(ctx.tmp, "ckpt"), os.path.join(ctx.tmp, "merged"), "--trust-remote-code"]) == 2
+    assert os.path.exists(marker)
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(ctx, capsys):
+    """A lock left by a process that no longer exists on this host: taken over with a warning."""
+    from chatlearn.runtime.run_lock import RunLock
+
+    pid = dead_pid()
+    lock(ctx, pid)
+    with RunLock(ctx.out) as held:
+        err = capsys.readouterr().err
+        assert "taking over the lock" in err and f"process {pid}" in err and "no longer running" in err
+        holder, _ = held.read()
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+        assert holder["started"] and holder["command"]
+    assert not os.path.exists(os.path.join(ctx.out, "run.lock"))
+
+
+def test_lock_is_released_on_errors_and_ctrl_c(ctx):
+    from chatlearn.runtime.run_lock import RunLock
+
+    path = os.path.join(ctx.out, "run.lock")
+    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with RunLock(ctx.out):
+                assert os.path.exists(path)
+                raise exc
+        assert not os.path.exists(path)
+
+
+def test_a_lock_being_written_is_not_taken_over(ctx):
+    """An empty lock file younger than a few seconds belongs to a run that is creating it."""
+    from chatlearn.runtime.run_lock import RunLock
+
+    ctx.file("out/run.lock", "")
+    assert RunLock(ctx.out).live_holder() is not None
+    old = time.time() - 60
+    os.utime(os.path.join(ctx.out, "run.lock"), (old, old))
+    assert RunLock(ctx.out).live_holder() is None  # left by a run that died while creating it

@@ -1,0 +1,128 @@
+"""Faults with real runs of the embedded default (shortened): a SIGKILL after a checkpoint with
+rows past it and a torn last line, then resume; two runs into one folder at once; --overwrite."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+
+RUN = ["runtime_args.num_episode=4", "runtime_args.sample_per_episode=16", "runtime_args.train_global_batch_size=16",
+       "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
+       "runtime_args.enable_eval_before_training=False", "runtime_args.eval_episode_interval=0",
+       "runtime_args.save_episode_interval=2", "runtime_args.rollout_backend=hf",
+       "models.policy_trainer.save_hf=false"]
+
+
+def command(out, *extra):
+    return [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *RUN,
+            f"runtime_args.output_dir={out}", *extra]
+
+
+def start(out, *extra, env=None):
+    return subprocess.Popen(command(out, *extra), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def episodes(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["episode"] for line in f]
+
+
+def wait_for(proc, cond, what):
+    deadline = time.time() + 300
+    while not cond():
+        assert proc.poll() is None, f"the run ended before {what}: " + proc.stderr.read()[-3000:]
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def finish(out, *extra):
+    proc = subprocess.run(command(out, *extra), cwd=REPO, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill_after_a_checkpoint_torn_rows_then_resume(tmp_path):
+    """Killed in episode 4 (checkpoint 2 complete, episode 3 logged, checkpoint 4 not yet written),
+    with a torn last line in metrics.jsonl and timeline.jsonl: the rerun takes the stale lock over,
+    resumes from episode 2, and every episode appears once in both files."""
+    out = tmp_path / "out"
+    metrics, timeline = out / "metrics.jsonl", out / "timeline.jsonl"
+    # a long pause inside the episode-4 save keeps checkpoint 4 incomplete while we kill
+    proc = start(out, env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "60"})
+    try:
+        wait_for(proc, lambda: metrics.exists() and 3 in episodes(metrics), "episode 3 was logged")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "episode_000002"
+    assert (out / "run.lock").exists()  # a SIGKILL leaves the lock behind
+    for path in (metrics, timeline):
+        with open(path, "a", encoding="utf-8") as f:
+            f.write('{"episode": 4, "train/rew')  # power loss in the middle of a row
+
+    proc = finish(out)
+    assert "resuming from" in proc.stdout and "(episode 2)" in proc.stdout
+    assert "taking over the lock" in proc.stderr and "no longer running" in proc.stderr
+    assert episodes(metrics) == [1, 2, 3, 4]
+    stages = collections.Counter((e["episode"], e["stage"]) for e in map(json.loads, open(timeline))
+                                 if e["kind"] == "stage")
+    for episode in (1, 2, 3, 4):
+        assert stages[(episode, "generate")] == 1, stages
+    assert not (out / "run.lock").exists()
+
+
+@pytest.mark.timeout(900)
+def test_two_runs_into_one_folder_and_ctrl_c(tmp_path):
+    """A second run into a folder in use is refused naming the first; Ctrl-C releases the lock."""
+    out = tmp_path / "out"
+    first = start(out, "runtime_args.num_episode=50")
+    try:
+        wait_for(first, lambda: (out / "metrics.jsonl").exists(), "the first run started training")
+        lock = json.loads((out / "run.lock").read_text())
+        assert lock["pid"] == first.pid and lock["host"] == socket.gethostname()
+        second = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=200)
+        assert second.returncode == 2, second.stderr[-3000:]
+        err = " ".join(second.stderr.split())
+        assert "Traceback" not in err
+        for word in (str(out), f"in use by process {first.pid} on host {socket.gethostname()}",
+                     f"started {lock['started']}", "Wait for that run to finish"):
+            assert word in err, err
+        os.killpg(first.pid, signal.SIGINT)
+        first.wait(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert first.returncode == 130
+    assert not (out / "run.lock").exists()
+
+
+@pytest.mark.timeout(900)
+def test_overwrite_moves_the_old_run_aside(tmp_path):
+    """--no-resume into a used folder is refused; --overwrite moves the old run aside, whole, and the
+    new run's keep-last-N and ``latest`` see only its own checkpoints."""
+    out = tmp_path / "out"
+    finish(out, "runtime_args.save_episode_interval=1", "runtime_args.keep_last_checkpoints=0")
+    old_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    refused = subprocess.run(command(out, "--no-resume"), cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert refused.returncode == 2 and "already holds a run" in refused.stderr, refused.stderr[-3000:]
+    proc = finish(out, "--overwrite", "runtime_args.num_episode=1", "runtime_args.keep_last_checkpoints=1")
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("out.old-")]
+    assert len(moved) == 1 and f"moved the previous run in {out} to {moved[0]}" in proc.stdout
+    assert sorted(p.relative_to(moved[0]).as_posix() for p in moved[0].rglob("*")) == old_files
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["episode_000001", "latest"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "episode_000001"
+    assert episodes(out / "metrics.jsonl") == [1]
