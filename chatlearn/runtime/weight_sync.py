@@ -14,17 +14,32 @@ in Hugging Face names, into the rollout engines, one *bucket* at a time:
   shards, ``depth`` slot buffers and one gathered tensor.
 * At most ``depth`` (2) buckets are in flight: the trainer gathers bucket k+1 into one slot while
   the replicas load bucket k from the other; slot ``k % depth`` is refilled only after every
-  replica has loaded bucket ``k - depth``.
+  replica has loaded bucket ``k - depth``, and a replica loads bucket k only after every trainer
+  rank has returned from writing it.
 
 Transports, chosen by placement (:func:`choose_transport`):
 
 * ``shm`` (trainer and rollout on the same device group, CPU): the slots are files in
   ``/dev/shm`` that rank 0 creates and every replica maps; replicas read the bytes in place
   (no pickling, no copy until the engine's own load). The files are unlinked once every replica
-  has mapped them, so nothing is left behind if a process dies.
-* ``cuda_ipc`` (same device group, CUDA): the slots are CUDA buffers shared once with
-  ``torch.multiprocessing.reductions.reduce_tensor`` (CUDA IPC handles, as verl and OpenRLHF do
-  for vLLM). NOT EXERCISED on machines without a GPU; the selection logic is tested.
+  has mapped them, so nothing is left behind if a process dies. The slots are made on the first
+  push and stay mapped between pushes (host memory, reused by every push).
+* ``cuda_ipc`` (same device group, CUDA): one set of ``depth`` slots per GPU, owned by the
+  trainer rank on that GPU (with full colocation trainer rank d and the rollout worker on GPU d
+  share the device). Rank 0 writes each bucket into its slot and the trainers' own process
+  group broadcasts it into the other ranks' slots (all ranks are in the export's lockstep
+  anyway; NCCL, device to device). Before ``send`` returns, every rank synchronizes its CUDA
+  stream, so no replica reads a slot whose copies are still queued (the CUDA IPC handle does not
+  order later writes; verl and OpenRLHF synchronize before handing out handles likewise). The
+  slots are shared as CUDA IPC handles (``torch.multiprocessing.reductions.reduce_tensor``)
+  keyed by the GPU's UUID; a receiver maps the slots of its own GPU (:func:`slots_for_device`,
+  :func:`ipc_rebuild`), in the rollout actor or, for an engine whose workers run in processes
+  of their own (vLLM), inside each worker, and synchronizes its stream after loading, before
+  the slot may be refilled. The slots exist only during a push: opened at its start, and after
+  it the receivers drop their mappings, then every trainer rank deletes its slots, collects
+  the IPC references (``torch.cuda.ipc_collect``) and empties its CUDA cache, so no weight
+  buffer stays on a GPU between pushes (the rollout's KV cache and the trainer's state need
+  that memory).
 * ``broadcast`` (different device groups): rank 0 broadcasts each slot to the replicas over a
   process group of its own (rank 0 + one rank per replica; gloo on CPU, NCCL on CUDA), created
   once from a ``TCPStore`` hosted by trainer rank 0 (like vLLM's ``StatelessProcessGroup``), so
@@ -35,6 +50,8 @@ The rollout side receives a bucket as ``(name, tensor)`` views of the buffer, va
 """
 from __future__ import annotations
 
+import gc
+import inspect
 import mmap
 import os
 import tempfile
@@ -128,6 +145,91 @@ def choose_transport(plan, device_type: str) -> str:
     return "broadcast"
 
 
+def index_rows(index: BucketIndex) -> list[list]:
+    """The index as plain ``[name, dtype, shape, offset, nbytes]`` rows (msgpack-friendly)."""
+    return [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in index.entries]
+
+
+def entry_views(rows: list, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``bucket_views`` for :func:`index_rows` rows."""
+    return bucket_views(BucketIndex(tuple(Entry(n, d, tuple(sh), o, nb) for n, d, sh, o, nb in rows),
+                                    0), buf)
+
+
+# ------------------------------------------------------------------ CUDA IPC slots
+
+def device_uuid(device) -> str:
+    """The GPU's UUID: the same in every process, whichever index ``CUDA_VISIBLE_DEVICES`` gives it."""
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+
+def ipc_share(tensor: torch.Tensor):
+    """A picklable CUDA IPC handle of ``tensor`` (``reduce_tensor``: ``(rebuild_cuda_tensor, args)``)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(tensor)
+
+
+def ipc_rebuild(handle, device) -> torch.Tensor:
+    """The tensor of ``handle`` (:func:`ipc_share`) mapped into this process on ``device``.
+
+    The handle names the device by the sender's index; this process may number the same GPU
+    differently (another ``CUDA_VISIBLE_DEVICES``), so the index is replaced by ``device``'s,
+    as verl and OpenRLHF do. The argument is found by its name in ``rebuild_cuda_tensor``
+    (``storage_device``, torch 2.x ``torch/multiprocessing/reductions.py``).
+    """
+    fn, args = handle
+    args = list(args)
+    args[list(inspect.signature(fn).parameters).index("storage_device")] = torch.device(device).index
+    return fn(*args)
+
+
+def slot_table(opened: list[dict]) -> dict[str, list]:
+    """``{GPU uuid: [handle per slot]}`` from the trainer ranks' ``open_sender`` answers."""
+    table: dict[str, list] = {}
+    for rank, o in enumerate(opened):
+        if o["uuid"] in table:
+            raise RuntimeError(f"weight sync (cuda_ipc): trainer rank {rank} shares GPU {o['uuid']} "
+                               "with another rank; use the broadcast transport")
+        table[o["uuid"]] = o["handles"]
+    return table
+
+
+def slots_for_device(table: dict[str, list], device) -> list:
+    """The slot handles that live on ``device`` (a receiver reads only from its own GPU)."""
+    uuid = device_uuid(device)
+    if uuid not in table:
+        raise RuntimeError(f"weight sync (cuda_ipc): no trainer rank on GPU {uuid} (trainer GPUs: "
+                           f"{sorted(table)}); the rollout must share the trainer's GPUs, else use "
+                           "the broadcast transport")
+    return table[uuid]
+
+
+def device_stream(device: torch.device):
+    """The current CUDA stream of ``device`` (its ``synchronize`` waits for queued copies)."""
+    return torch.cuda.current_stream(device)
+
+
+def _this_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _release_cached(device: torch.device) -> None:
+    """Give freed slot memory back to the driver: blocks other processes used through IPC are
+    held until collected, then the caching allocator's free blocks are released."""
+    with torch.cuda.device(device):
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+
+
+def _share_among_ranks(buf: torch.Tensor) -> None:
+    """Copy rank 0's ``buf`` into every trainer rank's (the trainers' default process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(buf, src=0)
+
+
 # ------------------------------------------------------------------ slot buffers
 
 def _shm_dir() -> str:
@@ -183,7 +285,10 @@ class Endpoint:
     Trainer backends provide ``weight_specs()`` (``[(hf_name, dtype, shape, group)]``, the same on
     every rank, no collective) and ``export_tensors(names)`` (a collective generator of
     ``(name, full tensor on rank 0 / None elsewhere)``). Rollout backends provide
-    ``begin_weight_update()``, ``load_weight_bucket(weights)`` and ``finish_weight_update()``.
+    ``begin_weight_update()``, ``load_weight_bucket(weights)`` and ``finish_weight_update()``;
+    an engine whose workers run in processes of their own also provides
+    ``attach_weight_slots(table)``, ``load_weight_slot(slot, rows)`` and
+    ``detach_weight_slots()`` (``cuda_ipc``: the workers map the slots themselves).
     """
 
     def __init__(self, obj):
@@ -192,6 +297,7 @@ class Endpoint:
         self.slots: list = []
         self.transport = None
         self.group = None
+        self.engine_maps = False  # cuda_ipc receiver: the engine's workers hold the mappings
         self.peak_live_bytes = 0  # trainer side: max bytes of slots + gathered tensors alive
 
     # -- trainer side
@@ -199,22 +305,22 @@ class Endpoint:
         return {"specs": self.obj.weight_specs(), "device": torch.device(self.obj.device).type}
 
     def open_sender(self, transport: str, buckets: list, depth: int, group_addr=None) -> dict:
-        """Allocate rank 0's ``depth`` slots; returns what the replicas need to attach."""
+        """Allocate the ``depth`` slots (``cuda_ipc``: on every rank, on its GPU; else on rank 0);
+        returns what the replicas need to attach."""
         self.transport, self.buckets = transport, buckets
-        if self.obj.rank != 0:
-            return {}
         size = max(b.nbytes for b in buckets)
         device = torch.device(self.obj.device)
+        if transport == "cuda_ipc":
+            self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(depth)]
+            return {"uuid": device_uuid(device), "handles": [ipc_share(t) for t in self.slots]}
+        if self.obj.rank != 0:
+            return {}
         if transport == "shm":
             tag = uuid.uuid4().hex[:12]
             self.slots = [ShmSlot(os.path.join(_shm_dir(), f"chatlearn-weights-{tag}-{i}"), size, True)
                           for i in range(depth)]
             return {"paths": [s.path for s in self.slots], "nbytes": size}
         self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(depth)]
-        if transport == "cuda_ipc":  # not exercised without a GPU
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            return {"handles": [reduce_tensor(t) for t in self.slots]}
         host, port, world = group_addr
         self.group = _new_broadcast_group(host, port, 0, world, device.type)
         return {}
@@ -227,13 +333,14 @@ class Endpoint:
 
     def send(self, k: int, slot: int) -> int:
         """Gather bucket k (all trainer ranks), write it into slot ``slot`` on rank 0, and for
-        ``broadcast`` send it. Returns the bucket's bytes."""
+        ``broadcast`` send it; ``cuda_ipc``: copy it into every rank's slot and wait until the
+        bytes are on the device. Returns the bucket's bytes."""
         index = self.buckets[k]
         buf = None
-        if self.obj.rank == 0:
+        if self.slots:
             s = self.slots[slot]
             buf = (s.tensor if isinstance(s, ShmSlot) else s)[:index.nbytes]
-        views = dict(bucket_views(index, buf)) if buf is not None else {}
+        views = dict(bucket_views(index, buf)) if self.obj.rank == 0 else {}
         slots_bytes = sum((s.nbytes if isinstance(s, ShmSlot) else s.numel()) for s in self.slots)
         for name, tensor in self.obj.export_tensors(index.names):
             if tensor is not None:
@@ -241,9 +348,22 @@ class Endpoint:
                                            slots_bytes + tensor.numel() * tensor.element_size())
                 views[name].copy_(tensor)
             del tensor
-        if self.transport == "broadcast" and buf is not None:
+        if self.transport == "cuda_ipc":
+            _share_among_ranks(buf)
+            # The copies run asynchronously on this stream: the replicas are let in (this call
+            # returns) only once they are done.
+            device_stream(buf.device).synchronize()
+        elif self.transport == "broadcast" and buf is not None:
             _broadcast(self.group, buf)
         return index.nbytes
+
+    def close_sender(self) -> None:
+        """``cuda_ipc``: free this rank's slots (every replica has dropped its mappings)."""
+        if self.transport != "cuda_ipc" or not self.slots:
+            return
+        device = self.slots[0].device
+        self.slots = []
+        _release_cached(device)
 
     def stats(self) -> dict:
         return {"peak_live_bytes": self.peak_live_bytes}
@@ -254,8 +374,13 @@ class Endpoint:
         self.transport, self.buckets = transport, buckets
         if transport == "shm":
             self.slots = [ShmSlot(p, attach["nbytes"], False) for p in attach["paths"]]
-        elif transport == "cuda_ipc":  # not exercised without a GPU
-            self.slots = [fn(*args) for fn, args in attach["handles"]]
+        elif transport == "cuda_ipc":  # attach: {GPU uuid: [handle per slot]} (slot_table)
+            self.engine_maps = hasattr(self.obj, "attach_weight_slots")
+            if self.engine_maps:
+                self.obj.attach_weight_slots(attach)
+            else:
+                device = _this_device()
+                self.slots = [ipc_rebuild(h, device) for h in slots_for_device(attach, device)]
         else:
             host, port, world = group_addr
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -266,9 +391,13 @@ class Endpoint:
     def begin(self) -> None:
         self.obj.begin_weight_update()
 
-    def recv(self, k: int, slot: int, _after=None) -> None:
-        """Load bucket k (``_after``: an object ref the caller makes this call wait for)."""
+    def recv(self, k: int, slot: int, *_after) -> None:
+        """Load bucket k (``_after``: object refs the caller makes this call wait for: the
+        trainer ranks' ``send`` of bucket k)."""
         index = self.buckets[k]
+        if self.transport == "cuda_ipc" and self.engine_maps:
+            self.obj.load_weight_slot(slot, index_rows(index))  # returns once read
+            return
         if self.transport == "broadcast":
             buf = self.slots[0][:index.nbytes]
             _broadcast(self.group, buf)
@@ -276,9 +405,20 @@ class Endpoint:
             s = self.slots[slot]
             buf = (s.tensor if isinstance(s, ShmSlot) else s)[:index.nbytes]
         self.obj.load_weight_bucket(bucket_views(index, buf))
+        if self.transport == "cuda_ipc":
+            device_stream(buf.device).synchronize()  # read out before the sender may refill the slot
 
     def finish(self) -> None:
         self.obj.finish_weight_update()
+
+    def close_receiver(self) -> None:
+        """``cuda_ipc``: drop the mappings of this push's slots."""
+        if self.transport != "cuda_ipc":
+            return
+        if self.engine_maps:
+            self.obj.detach_weight_slots()
+        self.slots = []
+        gc.collect()
 
 
 # ------------------------------------------------------------------ driver side
@@ -286,8 +426,9 @@ class Endpoint:
 class WeightSync:
     """Pushes the trainer's weights into every rollout replica (see the module docstring).
 
-    Set up once (bucket plan, slots, the broadcast group) on the first ``push`` and reused by
-    every later one. ``transport`` overrides the choice by placement (tests, benchmarks).
+    Set up once (bucket plan; ``shm`` slots, the broadcast group) on the first ``push`` and
+    reused by every later one; ``cuda_ipc`` slots are made by each push and freed after it.
+    ``transport`` overrides the choice by placement (tests, benchmarks).
     """
 
     def __init__(self, trainer_group, rollout_group, plan, cfg, transport: str | None = None,
@@ -316,6 +457,8 @@ class WeightSync:
         if self.transport == "broadcast":
             host, port = ray.get(trainers[0].address.remote())
             addr = (host, port, 1 + len(replicas))
+        if self.transport == "cuda_ipc":  # slots are opened by each push and freed after it
+            return
         senders = [a.sync.remote("open_sender", self.transport, self.buckets, self.depth, addr)
                    for a in trainers]
         if self.transport == "broadcast":  # every member joins the group at the same time
@@ -334,6 +477,12 @@ class WeightSync:
             self._setup()
         start = time.perf_counter()
         trainers, replicas = self.trainer.actors, self.rollout.actors
+        ipc = self.transport == "cuda_ipc"
+        if ipc:  # every trainer rank's slots, mapped by the replicas on the same GPU
+            table = slot_table(ray.get([a.sync.remote("open_sender", self.transport, self.buckets,
+                                                      self.depth) for a in trainers]))
+            ray.get([r.sync.remote("open_receiver", self.transport, self.buckets, table)
+                     for r in replicas])
         ray.get([r.sync.remote("begin") for r in replicas])
         loads: list[list] = []
         sends: list = []
@@ -342,12 +491,15 @@ class WeightSync:
             if k >= self.depth:
                 ray.get(loads[k - self.depth])  # slot is free once every replica has loaded it
             refs = [a.sync.remote("send", k, slot) for a in trainers]
-            after = None if self.transport == "broadcast" else refs[0]  # broadcast: meet in it
-            loads.append([r.sync.remote("recv", k, slot, after) for r in replicas])
+            after = [] if self.transport == "broadcast" else refs  # broadcast: meet in it
+            loads.append([r.sync.remote("recv", k, slot, *after) for r in replicas])
             sends += refs
         ray.get([ref for refs in loads for ref in refs])
         ray.get(sends)
         ray.get([r.sync.remote("finish") for r in replicas])
+        if ipc:  # receivers unmap first, then the owners free the slots
+            ray.get([r.sync.remote("close_receiver") for r in replicas])
+            ray.get([a.sync.remote("close_sender") for a in trainers])
         seconds = time.perf_counter() - start
         nbytes = sum(b.nbytes for b in self.buckets)
         return {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}

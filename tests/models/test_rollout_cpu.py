@@ -68,6 +68,8 @@ def _cfg(load: str) -> dict:
         "enforce_eager": True,
         "tensor_model_parallel_size": 1,
         "cpu_threads": 1,
+        "max_num_batched_tokens": None,
+        "deterministic_inference": True,
     }
 
 

