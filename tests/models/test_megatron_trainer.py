@@ -206,11 +206,13 @@ def job_tp2(rank, world, setup, out):
     from megatron_shim import cpu_device_shim
 
     path, batch = setup["path"], setup["batch"]
+    env_before = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
         trainer = MegatronTrainer(megatron_cfg(path, tp=2))
         res = _parity_part(trainer, batch)
+        res["max_connections_env"] = (env_before, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
         res.update(_residency_part(trainer, batch))
         trainer.save_hf(os.path.join(out, "saved"))
         trainer.save_checkpoint(os.path.join(out, "checkpoint"))  # for the offline merge
@@ -533,6 +535,16 @@ def test_offload_frees_storage_and_onload_restores_bit_for_bit(tp2):
         assert res["onload_bytes"] == res["offload_bytes"] and res["grad_bytes_back"] > 0
         assert res["logp_equal"] and res["weights_equal"] and res["states_equal"]
         assert np.isfinite(res["after_onload"]["loss"])
+
+
+@needs_megatron
+@pytest.mark.timeout(400)
+def test_trainer_leaves_cuda_device_max_connections_to_the_environment(tp2):
+    """CUDA reads CUDA_DEVICE_MAX_CONNECTIONS when it starts: the worker's environment sets
+    it (chatlearn.runtime.env); the trainer only checks it on CUDA and never writes it."""
+    for res in tp2[0]:
+        before, after = res["max_connections_env"]
+        assert after == before
 
 
 @needs_megatron

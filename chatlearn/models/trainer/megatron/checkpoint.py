@@ -4,8 +4,12 @@ A folder written by ``MegatronTrainer.save_checkpoint``::
 
     rank_<rank>.safetensors        that rank's tensors: ``model.<name>`` (its shard of each
                                    parameter, by global Megatron name), ``optimizer.<i>.<j>.<key>``
-                                   (Adam's state of parameter j of optimizer i, ``step``
-                                   included), ``main.<i>.<j>`` (fp32 main parameters of a
+                                   (Adam's state of parameter j of optimizer i: its
+                                   moments, and ``step`` for torch's Adam, which counts per
+                                   parameter), ``optimizer_group.<i>.<g>.step`` (the step
+                                   count of parameter group g, for TE's / Apex's FusedAdam,
+                                   which count per group: see ``.optimizer_state``),
+                                   ``main.<i>.<j>`` (fp32 main parameters of a
                                    mixed-precision optimizer), ``rng_tracker.<name>``
                                    (Megatron's model-parallel RNG states)
     rng/rank_<rank>.safetensors    that rank's torch / numpy / python RNG states
@@ -54,7 +58,7 @@ def read_meta(path: str, expected: dict) -> dict:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise UserError(f"checkpoint {path!r} has format {found!r}, not {FORMAT!r}: it was "
                         "written by another training backend. Resume with that backend.")
-    if meta.get("version", 0) > VERSION:
+    if "version" in meta and meta["version"] > VERSION:  # no version: written before versions
         raise UserError(f"checkpoint {path!r} has format version {meta['version']}, newer "
                         f"than this chatlearn reads ({VERSION}). Upgrade chatlearn.")
     differ = [f"{k} {meta.get(k)!r} (now {v!r})" for k, v in expected.items() if meta.get(k) != v]

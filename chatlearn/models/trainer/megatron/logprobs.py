@@ -19,9 +19,10 @@ of the group because everything downstream is computed identically there)::
     d logp / d z_v = 1[v = target] - p_v
     d H    / d z_v = -p_v (log p_v + H)
 
-so backward needs no communication. The caller divides logits by the sampling temperature
-first (``z = logits / T``). Nothing here depends on Megatron: any process group works, and
-``group=None`` means an unsplit vocabulary (one rank).
+so backward needs no communication. ``z = logits / T`` (the sampling temperature T), and
+everything is computed ``chunk_tokens`` tokens at a time (see :func:`vocab_parallel_logprobs`).
+Nothing here depends on Megatron: any process group works, and ``group=None`` means an
+unsplit vocabulary (one rank).
 """
 from __future__ import annotations
 
@@ -35,63 +36,103 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 (float64 for float64 input) ``logits / temperature``: a new tensor."""
+    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    return z / temperature
+
+
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
+    """Forward and backward ``chunk`` tokens at a time. Saved for backward: the input logits
+    (already alive in the model's dtype) and, per token, the log-normaliser ``m + log S`` and
+    the entropy; each chunk's probabilities are recomputed from them in backward (no
+    communication), so no ``[tokens, V_local]`` float32 tensor larger than one chunk exists."""
+
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, group, with_entropy):
-        z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-        m = z.max(dim=-1).values
-        _all_reduce(m, dist.ReduceOp.MAX, group)
-        z = z - m.unsqueeze(-1)
-        e = torch.exp(z)
-        local = target - vocab_start
-        owned = (local >= 0) & (local < z.shape[-1])
-        index = torch.where(owned, local, torch.zeros_like(local))
-        picked = torch.where(owned, z.gather(-1, index.unsqueeze(-1)).squeeze(-1),
-                             torch.zeros_like(m))
-        sums = [e.sum(-1), picked] + ([(e * z).sum(-1)] if with_entropy else [])
-        sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, group)
-        log_s = torch.log(sums[0])
-        logp = sums[1] - log_s
-        probs = e.div_(sums[0].unsqueeze(-1))  # softmax over the full vocabulary, local slice
-        if with_entropy:
-            entropy = log_s - sums[2] / sums[0]
-        else:
-            entropy = torch.zeros_like(logp)
+    def forward(ctx, logits, target, vocab_start, group, with_entropy, temperature, chunk):
+        tokens, width = logits.shape
+        out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logp = torch.empty(tokens, dtype=out_dtype, device=logits.device)
+        entropy = torch.zeros(tokens, dtype=out_dtype, device=logits.device)
+        lognorm = torch.empty(tokens, dtype=out_dtype, device=logits.device)
+        for start in range(0, tokens, chunk):
+            end = min(start + chunk, tokens)
+            z = _scaled(logits[start:end], temperature)
+            m = z.max(dim=-1).values
+            _all_reduce(m, dist.ReduceOp.MAX, group)
+            z.sub_(m.unsqueeze(-1))
+            local = target[start:end] - vocab_start
+            owned = (local >= 0) & (local < width)
+            index = torch.where(owned, local, torch.zeros_like(local))
+            picked = torch.where(owned, z.gather(-1, index.unsqueeze(-1)).squeeze(-1),
+                                 torch.zeros_like(m))
+            e = torch.exp(z)
+            sums = [e.sum(-1), picked]
+            if with_entropy:
+                sums.append(e.mul_(z).sum(-1))  # in place: e is not needed any more
+            del e, z
+            sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, group)
+            log_s = torch.log(sums[0])
+            logp[start:end] = sums[1] - log_s
+            lognorm[start:end] = m + log_s
+            if with_entropy:
+                entropy[start:end] = log_s - sums[2] / sums[0]
+        if not with_entropy:
             ctx.mark_non_differentiable(entropy)
-        ctx.save_for_backward(probs, index, owned, entropy)
-        ctx.with_entropy = with_entropy
-        ctx.input_dtype = logits.dtype
+        ctx.save_for_backward(logits, target, lognorm, entropy)
+        ctx.args = (vocab_start, with_entropy, temperature, chunk)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        probs, index, owned, entropy = ctx.saved_tensors
-        if grad_logp is None:
-            grad = torch.zeros_like(probs)
-        else:
-            grad = probs * (-grad_logp).unsqueeze(-1)
-            hit = torch.where(owned, grad_logp, torch.zeros_like(grad_logp))
-            grad.scatter_add_(-1, index.unsqueeze(-1), hit.unsqueeze(-1))
-        if ctx.with_entropy and grad_entropy is not None:
-            # -p_v (log p_v + H); xlogy gives 0 where p_v underflows to 0
-            grad -= (torch.xlogy(probs, probs) + probs * entropy.unsqueeze(-1)) \
-                * grad_entropy.unsqueeze(-1)
-        return grad.to(ctx.input_dtype), None, None, None, None
+        logits, target, lognorm, entropy = ctx.saved_tensors
+        vocab_start, with_entropy, temperature, chunk = ctx.args
+        grad = torch.empty_like(logits)
+        width = logits.shape[-1]
+        for start in range(0, logits.shape[0], chunk):
+            end = min(start + chunk, logits.shape[0])
+            logq = _scaled(logits[start:end], temperature).sub_(lognorm[start:end].unsqueeze(-1))
+            probs = torch.exp(logq)  # softmax over the full vocabulary, this rank's slice
+            if grad_logp is None:
+                g = torch.zeros_like(probs)
+            else:
+                g_logp = grad_logp[start:end]
+                g = probs * (-g_logp).unsqueeze(-1)
+                local = target[start:end] - vocab_start
+                owned = (local >= 0) & (local < width)
+                index = torch.where(owned, local, torch.zeros_like(local))
+                hit = torch.where(owned, g_logp, torch.zeros_like(g_logp))
+                g.scatter_add_(-1, index.unsqueeze(-1), hit.unsqueeze(-1))
+            if with_entropy and grad_entropy is not None:
+                # -p_v (log p_v + H)
+                g -= probs * (logq + entropy[start:end].unsqueeze(-1)) \
+                    * grad_entropy[start:end].unsqueeze(-1)
+            grad[start:end] = g.div_(temperature)
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0,
                             group: dist.ProcessGroup | None = None,
-                            with_entropy: bool = False):
-    """log softmax(logits)[target] (and the entropy of softmax(logits)) over a vocabulary
-    split across ``group``, without gathering the logits.
+                            with_entropy: bool = False, temperature: float = 1.0,
+                            chunk_tokens: int | None = None):
+    """log softmax(logits / temperature)[target] (and the entropy of that distribution) over
+    a vocabulary split across ``group``, without gathering the logits.
 
-    logits: ``[..., V_local]``, this rank's vocabulary slice, which starts at global id
-    ``vocab_start`` (already divided by the temperature, and without padding columns).
-    target: ``[...]`` global token ids. Returns float32 ``(logp, entropy)`` shaped like
+    logits: ``[M, V_local]``, this rank's vocabulary slice, which starts at global id
+    ``vocab_start`` (without padding columns; any float dtype, computed in float32).
+    target: ``[M]`` global token ids. Returns float32 ``(logp, entropy)`` shaped like
     ``target`` (float64 for float64 logits); ``entropy`` is ``None`` unless
     ``with_entropy``. Differentiable in ``logits``; a collective over ``group`` (every rank
-    calls it with its own slice).
+    calls it with its own slice and the same ``M`` and ``chunk_tokens``).
+
+    ``chunk_tokens``: tokens per chunk (all at once when ``None``). Memory beyond the
+    inputs and the ``[M]`` results is one chunk's ``[chunk_tokens, V_local]`` float32
+    working set, forward and backward (plus the gradient of ``logits``, in their dtype);
+    each chunk all-reduces its own maxima and sums.
     """
+    if chunk_tokens is not None and int(chunk_tokens) < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    chunk = max(1, logits.shape[0]) if chunk_tokens is None else int(chunk_tokens)
     logp, entropy = _VocabParallelLogprobEntropy.apply(logits, target, vocab_start, group,
-                                                       with_entropy)
+                                                       with_entropy, float(temperature), chunk)
     return logp, (entropy if with_entropy else None)

@@ -3,9 +3,17 @@ mapping between the two.
 
 Architecture (from ``config.json``): grouped-query attention (``num_query_groups``), RMSNorm,
 SwiGLU MLP, rotary embeddings with the model's theta, QKV bias for Qwen2, no other biases,
-tied or untied input/output embeddings. The layer spec is megatron-core's local one
-(``get_gpt_layer_local_spec``: no transformer-engine), with its norms replaced by
-:class:`RMSNorm`, which also supports sequence parallelism.
+tied or untied input/output embeddings.
+
+Layer spec (chosen in one place, :func:`uses_transformer_engine`): on CUDA with
+TransformerEngine importable, megatron-core's ``get_gpt_layer_with_transformer_engine_spec``
+(fused RMSNorm + linear, TE's fused / flash attention, which takes packed rows in the ``thd``
+format: :func:`thd_packed_seq_params`); otherwise its local spec (``get_gpt_layer_local_spec``:
+plain torch, unfused attention with an explicit mask), with its norms replaced by
+:class:`RMSNorm`, which also supports sequence parallelism. The final norm is
+:class:`RMSNorm` with both. The two specs name the per-layer norms differently; parameters are
+known everywhere else (mapping, checkpoints) by the local spec's names
+(:func:`canonical_name`), so checkpoints do not depend on the spec.
 
 Weight layouts. A Megatron tensor-parallel parameter is described here by its *full*
 layout: the concatenation of the ``tp`` shards along the split dimension (what an all-gather
@@ -58,47 +66,56 @@ class HFArch:
 
     @classmethod
     def from_folder(cls, path: str) -> HFArch:
+        """The architecture of a local HF model folder. Settings its ``config.json`` leaves out
+        take the values of the model's transformers config class (``AutoConfig``), as the HF
+        model itself would."""
+        from transformers import AutoConfig
+
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            conf = json.load(f)
-        model_type = conf.get("model_type")
+            model_type = json.load(f).get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
                 f"{path}: model_type {model_type!r} is not supported by the Megatron trainer "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use train_backend: fsdp.")
-        if conf.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"{path}: hidden_act {conf['hidden_act']!r} (only silu)")
-        if conf.get("mlp_bias"):
-            raise NotImplementedError(f"{path}: mlp_bias is not supported")
-        if model_type == "qwen2":
-            if conf.get("use_sliding_window"):
+        conf = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        if conf.hidden_act != "silu":
+            raise NotImplementedError(f"{path}: hidden_act {conf.hidden_act!r} (only silu)")
+        if model_type == "qwen2":  # Qwen2Config has no mlp_bias / attention_bias
+            if conf.use_sliding_window:
                 raise NotImplementedError(f"{path}: sliding-window attention is not supported")
             qkv_bias = True
         else:
-            if conf.get("attention_bias"):  # Llama's flag also adds a bias to o_proj
+            if conf.mlp_bias:
+                raise NotImplementedError(f"{path}: mlp_bias is not supported")
+            if conf.attention_bias:  # Llama's flag also adds a bias to o_proj
                 raise NotImplementedError(f"{path}: attention_bias is not supported")
             qkv_bias = False
-        heads = conf["num_attention_heads"]
-        # transformers >= 5 keeps rope settings in rope_parameters, older ones at top level
-        rope = dict(conf.get("rope_parameters") or {})
-        theta = rope.get("rope_theta", conf.get("rope_theta", 10000.0))
-        scaling = conf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
-                                               else None)
+        heads = conf.num_attention_heads
+        # transformers >= 5 keeps rope settings in rope_parameters, older ones in rope_theta and
+        # rope_scaling
+        if hasattr(conf, "rope_parameters"):
+            rope = dict(conf.rope_parameters or {})
+            theta = rope["rope_theta"]
+            scaling = rope if rope["rope_type"] != "default" else None
+        else:
+            theta, scaling = conf.rope_theta, conf.rope_scaling
+        head_dim = getattr(conf, "head_dim", None)  # Qwen2Config has none: hidden / heads
         return cls(
             model_type=model_type,
-            num_layers=conf["num_hidden_layers"],
-            hidden_size=conf["hidden_size"],
-            ffn_hidden_size=conf["intermediate_size"],
+            num_layers=conf.num_hidden_layers,
+            hidden_size=conf.hidden_size,
+            ffn_hidden_size=conf.intermediate_size,
             num_heads=heads,
-            num_query_groups=conf.get("num_key_value_heads") or heads,
-            head_dim=conf.get("head_dim") or conf["hidden_size"] // heads,
-            vocab_size=conf["vocab_size"],
-            norm_eps=conf.get("rms_norm_eps", 1e-6),
+            num_query_groups=conf.num_key_value_heads or heads,
+            head_dim=head_dim or conf.hidden_size // heads,
+            vocab_size=conf.vocab_size,
+            norm_eps=conf.rms_norm_eps,
             rope_theta=float(theta),
             rope_scaling_factor=_llama3_rope_factor(scaling, path),
             qkv_bias=qkv_bias,
-            tied_embeddings=bool(conf.get("tie_word_embeddings", False)),
-            max_position_embeddings=conf.get("max_position_embeddings", 4096),
-            attention_dropout=float(conf.get("attention_dropout", 0.0)),
+            tied_embeddings=bool(conf.tie_word_embeddings),
+            max_position_embeddings=conf.max_position_embeddings,
+            attention_dropout=float(conf.attention_dropout),
         )
 
     def padded_vocab(self, tp: int) -> int:
@@ -109,10 +126,11 @@ def _llama3_rope_factor(scaling: dict | None, path: str) -> float | None:
     """Megatron implements Llama 3.1's rope scaling with fixed constants; accept exactly that."""
     if not scaling:
         return None
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = scaling["rope_type"] if "rope_type" in scaling else scaling.get("type")
+    # Megatron's constants; the HF config must state exactly these
     fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
              "original_max_position_embeddings": 8192}
-    if kind == "llama3" and all(float(scaling.get(k, v)) == v for k, v in fixed.items()):
+    if kind == "llama3" and all(k in scaling and float(scaling[k]) == v for k, v in fixed.items()):
         return float(scaling["factor"])
     raise NotImplementedError(f"{path}: rope scaling {scaling} is not supported")
 
@@ -172,6 +190,60 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, sequence_parallel: boo
         **extra)
 
 
+# TE spec parameter name -> local spec name (the norms fused into the following linear)
+TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name under the local layer spec, whichever spec built it."""
+    for te, local in TE_NAMES.items():
+        if name.endswith("." + te):
+            return name[:-len(te)] + local
+    return name
+
+
+def uses_transformer_engine(device: torch.device) -> bool:
+    """Whether to build the TransformerEngine layer spec: on a CUDA device when
+    ``transformer_engine.pytorch`` imports (TE's modules and kernels are CUDA-only). Else the
+    local spec, the CPU twin (same math; attention unfused, quadratic in the row width)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def thd_packed_seq_params(lengths, width: int, device):
+    """megatron-core's ``PackedSeqParams`` (0.16, ``packed_seq_params.py``) for one packed row
+    of ``width`` tokens holding samples of ``lengths`` one after the other, then padding.
+
+    ``qkv_format="thd"``: TE's attention (``TEDotProductAttention``, which megatron-core turns to
+    a ``padding_causal`` mask for ``thd``) and megatron-core's rotary embedding
+    (``_apply_rotary_pos_emb_thd``: positions restart at every ``cu_seqlens`` boundary) treat
+    each segment as its own sequence. The padding at the end of the row (to the pipeline's
+    fixed width, or to a multiple of the tensor-parallel size under sequence parallelism, the
+    only padding megatron-core needs without context parallelism) is one more segment, so
+    ``cu_seqlens[-1] == width`` and no padded variants are needed. ``cu_seqlens`` are int32 on
+    ``device``; the max lengths are Python ints (TE >= 1.3 takes them so as not to read them
+    from the device)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + int(n))
+    if bounds[-1] > width:
+        raise ValueError(f"samples of {bounds[-1]} tokens do not fit a row of {width}")
+    if bounds[-1] < width:
+        bounds.append(width)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
 @functools.cache
 def _gpt_model_class():
     """megatron-core's ``GPTModel`` whose rotary embedding follows ``position_ids``.
@@ -182,8 +254,9 @@ def _gpt_model_class():
     (``[s, b, 1, d]``, which the unfused ``_apply_rotary_pos_emb_bshd`` broadcasts over
     the heads), so that a packed row whose position ids restart at 0 for each sample rotates
     every sample as if it were alone. Position ids ``0 .. s-1`` in every row give the same
-    angles as megatron-core's own. Needs ``apply_rope_fusion`` off and no ``PackedSeqParams``
-    (both the case here: see :func:`transformer_config`).
+    angles as megatron-core's own. Needs ``apply_rope_fusion`` off (see
+    :func:`transformer_config`). With ``thd`` ``PackedSeqParams`` the table is left as it is:
+    megatron-core then restarts the positions at every sequence boundary itself.
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -191,7 +264,8 @@ def _gpt_model_class():
         def _preprocess(self, input_ids, position_ids, *args, **kwargs):
             out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
             table = out[1]  # [S, 1, 1, d]: the angles of positions 0 .. S-1 (S >= every id)
-            if table is None or position_ids is None:
+            packed = kwargs.get("packed_seq_params")
+            if table is None or position_ids is None or packed is not None:
                 return out
             freqs = table[:, 0][position_ids.t()]  # [s, b, 1, d]
             return (out[0], freqs, *out[2:])
@@ -199,19 +273,30 @@ def _gpt_model_class():
     return PositionedGPTModel
 
 
-def build_gpt_model(arch: HFArch, config):
-    """This pipeline stage's ``GPTModel`` (parallel state must be initialised), with rotary
-    positions taken from ``position_ids`` (see :func:`_gpt_model_class`)."""
+def layer_spec(transformer_engine: bool):
+    """The transformer layer's ``ModuleSpec``: megatron-core's TransformerEngine spec, or its
+    local spec with :class:`RMSNorm` norms (see the module docstring)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if transformer_engine:
+        # norms fused into linear_qkv / linear_fc1 (RMSNorm: config.normalization)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm))
+
+
+def build_gpt_model(arch: HFArch, config, transformer_engine: bool = False):
+    """This pipeline stage's ``GPTModel`` (parallel state must be initialised) with the layer
+    spec of :func:`layer_spec`, with rotary positions taken from ``position_ids`` (see
+    :func:`_gpt_model_class`)."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
-    layer = dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm))
+    layer = layer_spec(transformer_engine)
     block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
                                        layer_norm=RMSNorm)
     tp = config.tensor_model_parallel_size
@@ -245,7 +330,7 @@ class Mapping:
 
     @property
     def split_dim(self) -> int | None:
-        return {"replicated": None, "row": 1}.get(self.kind, 0)
+        return None if self.kind == "replicated" else 1 if self.kind == "row" else 0
 
     @property
     def first_stage(self) -> bool:
@@ -364,7 +449,7 @@ class HFCheckpoint:
         self._bins: dict[str, dict] = {}
 
     def get(self, name: str) -> torch.Tensor:
-        file = self.files.get(name, self.files.get("*"))
+        file = self.files[name] if name in self.files else self.files.get("*")
         if file is None:
             raise KeyError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         if file.endswith(".safetensors"):

@@ -28,14 +28,19 @@ without gathering them (:mod:`.logprobs`).
 Micro-batches: ``train_micro_batch_size`` (``logprob_micro_batch_size``) right-padded samples,
 or with ``packing`` the first-fit-decreasing bins of the FSDP trainer
 (:mod:`chatlearn.models.trainer.packing`), each one row of concatenated samples with position
-ids restarting per sample (rotary angles follow them: :func:`.model.build_gpt_model`) and a
-block-diagonal causal attention mask (see ``_micro_batches``).
+ids restarting per sample (rotary angles follow them: :func:`.model.build_gpt_model`). With
+the TransformerEngine layer spec (CUDA, :func:`.model.uses_transformer_engine`) a packed row
+goes to TE's fused attention as ``thd`` ``PackedSeqParams`` (memory linear in the row width);
+with the local spec (the CPU twin) as an explicit block-diagonal causal mask (quadratic). See
+``_micro_batches``.
 
 Megatron's schedules (``get_forward_backward_func``: 1F1B with pipeline parallelism, a plain
 micro-batch loop without), its ``DistributedDataParallel`` wrapper (gradients in fp32
 buffers) and its optimizer (Adam with decoupled weight decay on every parameter, gradient
 clipping by the global norm, optionally the distributed optimizer) do the training.
-megatron-core calls CUDA directly, so this trainer needs a GPU.
+megatron-core calls CUDA directly, so this trainer needs a GPU; with tensor parallelism the
+worker must start with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (checked:
+:func:`check_cuda_device_max_connections`).
 """
 from __future__ import annotations
 
@@ -63,13 +68,22 @@ from chatlearn.models.trainer.megatron.model import (
     HFCheckpoint,
     Mapping,
     build_gpt_model,
+    canonical_name,
     hf_shapes,
     local_shard,
     mappings,
+    thd_packed_seq_params,
     tied_output_mapping,
     to_hf,
     to_megatron,
     transformer_config,
+    uses_transformer_engine,
+)
+from chatlearn.models.trainer.megatron.optimizer_state import (
+    group_steps,
+    param_step_device,
+    restore_group_steps,
+    step_count,
 )
 from chatlearn.models.trainer.packing import plan_micro_batches
 
@@ -86,6 +100,26 @@ def _require_cuda() -> None:
         raise RuntimeError(
             "the Megatron trainer needs a CUDA GPU (megatron-core calls CUDA directly); on a "
             f"machine without one use train_backend: fsdp ({err})") from err
+
+
+def check_cuda_device_max_connections(device: torch.device, tp: int) -> None:
+    """On CUDA with tensor parallelism (with or without sequence parallelism), require
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in the environment.
+
+    megatron-core (0.16, ``tensor_parallel/layers.py``) issues the tensor-parallel all-reduce /
+    all-gather / reduce-scatter of a linear layer's backward asynchronously and relies on a
+    single hardware queue to run them before the weight-gradient GEMM (it only warns when the
+    variable differs). CUDA reads the variable once, when it starts, so it cannot be set from
+    here: the worker's environment must carry it from process start
+    (``chatlearn.runtime.env.worker_env`` does for Megatron trainers)."""
+    if device.type != "cuda" or tp <= 1:
+        return
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if value != "1":
+        raise RuntimeError(
+            f"the Megatron trainer with tensor_model_parallel_size {tp} needs the environment "
+            f"variable CUDA_DEVICE_MAX_CONNECTIONS=1 set before CUDA starts (it is "
+            f"{value!r}): start the worker with it in its environment")
 
 
 def _init_model_parallel(tp: int, pp: int) -> None:
@@ -110,6 +144,7 @@ class _MicroBatch:
     ids: torch.Tensor  # int64 [rows, width]: right-padded samples, or one packed row
     positions: torch.Tensor  # int64 [rows, width]: rotary positions (restarting per packed sample)
     mask: torch.Tensor | None  # bool [1, 1, width, width], True = masked; None: causal
+    packed: object | None  # thd PackedSeqParams of a packed row (TransformerEngine spec)
     rows: torch.Tensor  # [M] row of each response token in ids
     cols: torch.Tensor  # [M] its column (the logits that predict it are at cols - 1)
     pos: np.ndarray  # [M] its position in batch["tokens"]
@@ -135,11 +170,8 @@ class MegatronTrainer(Trainer):
         _require_cuda()
         self.tp = int(cfg["tensor_model_parallel_size"])
         self.pp = int(cfg["pipeline_model_parallel_size"])
-        if self.tp > 1:
-            # Megatron's advice for tensor parallelism: one hardware queue, so that its
-            # communication kernels are scheduled in issue order (set before CUDA starts)
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         self.device = init_distributed()
+        check_cuda_device_max_connections(self.device, self.tp)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.trainable = bool(cfg["trainable"])
         _init_model_parallel(self.tp, self.pp)
@@ -168,7 +200,9 @@ class MegatronTrainer(Trainer):
         self.vocab_start = self.tp_rank * local_vocab
         self.vocab_valid = max(0, min(local_vocab, self.arch.vocab_size - self.vocab_start))
 
-        self.gpt = build_gpt_model(self.arch, self.config).to(self.device)
+        self.transformer_engine = uses_transformer_engine(self.device)
+        self.gpt = build_gpt_model(self.arch, self.config,
+                                   self.transformer_engine).to(self.device)
         self._params = self._global_names()
         self.mappings = mappings(self.arch)
         self._layer_stage = self._gather_layer_stages()
@@ -179,14 +213,15 @@ class MegatronTrainer(Trainer):
 
     # ------------------------------------------------------------------ setup
     def _global_names(self) -> dict[str, torch.nn.Parameter]:
-        """This stage's parameters by global Megatron name (global layer indices)."""
+        """This stage's parameters by global Megatron name (global layer indices; the local
+        layer spec's names, :func:`.model.canonical_name`)."""
         out = {}
         layers = self.gpt.decoder.layers
         for name, p in self.gpt.named_parameters():
             if name.startswith("decoder.layers."):
                 local, rest = name[len("decoder.layers."):].split(".", 1)
                 name = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
-            out[name] = p
+            out[canonical_name(name)] = p
         return out
 
     def _gather_layer_stages(self) -> dict[int, int]:
@@ -267,9 +302,11 @@ class MegatronTrainer(Trainer):
         With packing: the first-fit-decreasing bins of
         :func:`chatlearn.models.trainer.packing.plan_micro_batches` (at most
         ``max_token_in_packing`` tokens; ``size`` is ignored), one row per bin of the
-        concatenated samples, position ids restarting at 0 for each sample, and an explicit
-        block-diagonal causal mask (``mask[0, 0, q, k]`` True = masked: k after q, or k in
-        another sample). Every rank computes every replica's plan (no collective) and runs
+        concatenated samples, position ids restarting at 0 for each sample, and the sample
+        boundaries: with the TransformerEngine spec as ``thd`` ``PackedSeqParams``
+        (:func:`.model.thd_packed_seq_params`, no mask), else as an explicit block-diagonal
+        causal mask (``mask[0, 0, q, k]`` True = masked: k after q, or k in another sample).
+        Every rank computes every replica's plan (no collective) and runs
         ``max over replicas`` micro-steps, the missing ones as dummy micro-steps (no
         response token: loss 0, zero gradients). With pipeline parallelism every row,
         dummy rows included, is padded to the replica's longest bin (the padding is a
@@ -325,8 +362,11 @@ class MegatronTrainer(Trainer):
                 rows.append(np.full(len(resp), row))
                 cols.append(col + resp)
                 pos.append(int(off[i]) + resp)
-            mask = None
-            if packing and len(mb):
+            mask = packed = None
+            if packing and len(mb) and self.transformer_engine:
+                positions[0, start:] = torch.arange(width - start)
+                packed = thd_packed_seq_params(mb_lens, width, self.device)
+            elif packing and len(mb):
                 positions[0, start:] = torch.arange(width - start)
                 segment = segment.to(self.device)
                 q = torch.arange(width, device=self.device)
@@ -336,7 +376,7 @@ class MegatronTrainer(Trainer):
                 computed += nrows * width
             out.append(_MicroBatch(
                 ids=ids.to(self.device), positions=positions.to(self.device),
-                mask=mask,
+                mask=mask, packed=packed,
                 rows=torch.from_numpy(np.concatenate(rows)).to(self.device),
                 cols=torch.from_numpy(np.concatenate(cols)).to(self.device),
                 pos=np.concatenate(pos), samples=mb))
@@ -351,10 +391,12 @@ class MegatronTrainer(Trainer):
     def _token_logprobs(self, mb: _MicroBatch, logits: torch.Tensor, temperature: float,
                         with_entropy: bool):
         """logits [rows, width, V/tp] (this rank's vocabulary slice) -> float32 log-probs
-        (and entropy) of the response tokens of ``mb``, in order."""
-        z = logits[mb.rows, mb.cols - 1, :self.vocab_valid].float() / temperature
+        (and entropy) of the response tokens of ``mb``, in order, ``logprob_chunk_tokens``
+        tokens at a time (no float32 ``[tokens, V/tp]`` tensor beyond one chunk)."""
+        z = logits[mb.rows, mb.cols - 1, :self.vocab_valid]  # the model's dtype
         return vocab_parallel_logprobs(z, mb.ids[mb.rows, mb.cols], self.vocab_start,
-                                       self.tp_group, with_entropy)
+                                       self.tp_group, with_entropy, temperature=temperature,
+                                       chunk_tokens=int(self.cfg["logprob_chunk_tokens"]))
 
     def _run(self, micro_batches: list[_MicroBatch], loss_func, forward_only: bool) -> list:
         """Megatron's forward(-backward) schedule over ``micro_batches``; returns what
@@ -363,7 +405,8 @@ class MegatronTrainer(Trainer):
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            logits = model(input_ids=mb.ids, position_ids=mb.positions, attention_mask=mb.mask)
+            logits = model(input_ids=mb.ids, position_ids=mb.positions, attention_mask=mb.mask,
+                           packed_seq_params=mb.packed)
             return logits, partial(loss_func, mb)
 
         first = micro_batches[0]
@@ -456,11 +499,12 @@ class MegatronTrainer(Trainer):
         return {**objective.metrics(sums.tolist()), **passes}
 
     def _optimizer_steps(self) -> int:
-        """Optimizer steps taken so far: Adam's step count, the largest over all ranks (a
-        collective; the state is restored with the checkpoint, so the learning-rate schedule
-        continues where it was on resume)."""
-        steps = max([int(state[p]["step"]) for _, p, state in self._optimizer_params()
-                     if "step" in state.get(p, {})] or [0])
+        """Optimizer steps taken so far: Adam's step count, wherever the optimizer in use keeps
+        it (:func:`.optimizer_state.step_count`: per parameter group for TE's / Apex's
+        FusedAdam, per parameter for torch's Adam), the largest over all ranks (a collective;
+        the count is restored with the checkpoint, so the learning-rate schedule continues
+        where it was on resume)."""
+        steps = max([step_count(opt.optimizer) for opt in self._optimizers()] or [0])
         found = torch.tensor(float(steps), dtype=torch.float64, device=self.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return int(found.item())
@@ -508,14 +552,15 @@ class MegatronTrainer(Trainer):
     def _optimizers(self) -> list:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
-    def _optimizer_params(self) -> Iterator[tuple[str, torch.Tensor, dict]]:
+    def _optimizer_params(self, with_groups: bool = False) -> Iterator[tuple]:
         """``(key, param, state)`` for every parameter of every inner torch optimizer, in a
-        fixed order (``key`` = "<optimizer>.<index>")."""
+        fixed order (``key`` = "<optimizer>.<index>"); ``with_groups``: ``(key, param, state,
+        param_group)``."""
         for i, opt in enumerate(self._optimizers()):
             inner = opt.optimizer
-            params = [p for group in inner.param_groups for p in group["params"]]
-            for j, p in enumerate(params):
-                yield f"{i}.{j}", p, inner.state
+            params = [(p, group) for group in inner.param_groups for p in group["params"]]
+            for j, (p, group) in enumerate(params):
+                yield (f"{i}.{j}", p, inner.state) + ((group,) if with_groups else ())
 
     def _part_tensors(self, part: str) -> list[torch.Tensor]:
         """``weights``: the model parameters (in DDP's parameter buffers when the distributed
@@ -530,7 +575,7 @@ class MegatronTrainer(Trainer):
         weight_storages = {w.untyped_storage().data_ptr() for w in weights}
         out = []
         for _, p, state in self._optimizer_params():
-            out += [v for k, v in state.get(p, {}).items() if k != "step" and torch.is_tensor(v)]
+            out += [v for k, v in (state[p] if p in state else {}).items() if k != "step" and torch.is_tensor(v)]
             if p.untyped_storage().data_ptr() not in weight_storages:
                 out.append(p)
         return out
@@ -599,17 +644,21 @@ class MegatronTrainer(Trainer):
         if self.optimizer is not None:
             weight_storages = {p.untyped_storage().data_ptr() for p in self.gpt.parameters()}
             for key, p, state in self._optimizer_params():
-                for name, value in state.get(p, {}).items():
+                for name, value in (state[p] if p in state else {}).items():
                     tensors[f"optimizer.{key}.{name}"] = torch.as_tensor(value)
                 if p.untyped_storage().data_ptr() not in weight_storages:
                     tensors[f"main.{key}"] = p
+            for i, opt in enumerate(self._optimizers()):
+                for g, step in group_steps(opt.optimizer).items():
+                    tensors[f"optimizer_group.{i}.{g}.step"] = step
         for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
             tensors[f"rng_tracker.{name}"] = state
         # copies: safetensors refuses tensors that share memory (views into DDP's buffers)
         save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()},
                   ckpt_format.rank_file(path, self.rank))
         sharded.save_rng_state(path, self.rank, rng)
-        stepped = torch.tensor(float(any(k.startswith("optimizer.") for k in tensors)),
+        stepped = torch.tensor(float(any(k.startswith(("optimizer.", "optimizer_group."))
+                                         for k in tensors)),
                                device=self.device)
         dist.all_reduce(stepped, op=dist.ReduceOp.MAX)
         if self.rank == 0:
@@ -663,16 +712,23 @@ class MegatronTrainer(Trainer):
                                     f"shape {list(value.shape)} there, {list(p.shape)} here.")
                 p.copy_(value)
             if self.optimizer is not None:
-                for key, p, state in self._optimizer_params():
+                for key, p, state, group in self._optimizer_params(with_groups=True):
                     state.pop(p, None)
                     prefix = f"optimizer.{key}."
                     saved = {k[len(prefix):]: f.get_tensor(k) for k in keys if k.startswith(prefix)}
-                    if saved:  # Adam keeps "step" on the CPU, its moments beside the parameter;
-                        # copies: the file's tensors are not resizable, as offloading needs
-                        state[p] = {k: v.to("cpu" if k == "step" else p.device, copy=True)
+                    if saved:  # a per-parameter "step" where torch's Adam keeps it, the
+                        # moments beside the parameter; copies: the file's tensors are not
+                        # resizable, as offloading needs
+                        state[p] = {k: v.to(param_step_device(group, p) if k == "step"
+                                            else p.device, copy=True)
                                     for k, v in saved.items()}
                     if f"main.{key}" in keys:
                         p.copy_(f.get_tensor(f"main.{key}"))
+                for i, opt in enumerate(self._optimizers()):  # fused Adam: per-group steps
+                    prefix = f"optimizer_group.{i}."
+                    restore_group_steps(opt.optimizer, {
+                        int(k[len(prefix):].split(".")[0]): f.get_tensor(k)
+                        for k in keys if k.startswith(prefix)})
             tracker = tensor_parallel.get_cuda_rng_tracker()
             states = {k.split(".", 1)[1]: f.get_tensor(k) for k in keys
                       if k.startswith("rng_tracker.")}
@@ -688,11 +744,13 @@ class MegatronTrainer(Trainer):
         dist.all_gather(parts, local.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=m.split_dim)
 
-    def _gather_hf(self, source: str, only: set | None = None
+    def _gather_hf(self, source: str, only: set | None = None, host: bool = True
                    ) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """``(hf_name, float32 CPU tensor on rank 0, None elsewhere)`` for every parameter
+        """``(hf_name, float32 tensor on rank 0, None elsewhere)`` for every parameter
         (``source``: "weights" or "grads"), in a fixed order; a collective. ``only``: just
         the mappings that produce one of these HF names (all of the mapping's names).
+        ``host``: the tensors are copies on the CPU; else copies on this rank's device (never
+        views of the parameters, which later steps change).
 
         The stage that holds a parameter gathers its tensor-parallel shards (replica 0
         only); when that stage is not the first, it sends the result to rank 0 over rank
@@ -718,8 +776,12 @@ class MegatronTrainer(Trainer):
                 dist.broadcast(flat, src=ranks[owner], group=self.pp_group)
                 hf = [t.view(s) for t, s in zip(flat.split(sizes), shapes)]
             for i, name in enumerate(m.hf):
-                yield name, (hf[i].to("cpu", torch.float32, copy=True) if self.rank == 0
-                             else None)
+                if self.rank != 0:
+                    yield name, None
+                elif host:
+                    yield name, hf[i].to("cpu", torch.float32, copy=True)
+                else:
+                    yield name, hf[i].to(torch.float32, copy=True)
 
     def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
         """``(hf_name, "float32", shape, group)`` in ``export_tensors`` order (the same on
@@ -733,10 +795,15 @@ class MegatronTrainer(Trainer):
     def export_tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
         """``(hf_name, float32 tensor on rank 0, None elsewhere)`` for the names given (whole
         groups of ``weight_specs``), gathered mapping by mapping (tensor-parallel all-gather,
-        pipeline broadcast to rank 0): a collective, every rank iterates with the same names."""
+        pipeline broadcast to rank 0): a collective, every rank iterates with the same names.
+
+        The tensors stay on this rank's device (a copy, never a view of a parameter): the
+        weight push copies each into its own slot buffer (device to device for ``cuda_ipc``,
+        or straight into its host slot), so no extra pass through pageable host memory is
+        made here."""
         self._require_weights()
         wanted = set(names)
-        for name, tensor in self._gather_hf("weights", only=wanted):
+        for name, tensor in self._gather_hf("weights", only=wanted, host=False):
             if name in wanted:
                 yield name, tensor
 
