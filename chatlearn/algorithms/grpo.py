@@ -263,6 +263,52 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def _chunk_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor,
+                            temperature: float, with_entropy: bool):
+    """One chunk: z = float(hidden @ weight.T + bias) / temperature, then log-probs (entropy)."""
+    z = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    logp = logprobs_from_logits(z, targets)
+    return (logp, entropy_from_logits(z)) if with_entropy else (logp,)
+
+
+def chunked_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             temperature: float, chunk: int, with_entropy: bool,
+                             bias: torch.Tensor | None = None):
+    """Log-probs (and entropy) of ``targets`` under ``softmax((hidden @ weight.T + bias) / T)``,
+    ``chunk`` rows at a time, so that no ``[rows, V]`` tensor is ever made.
+
+    hidden [M, H], weight [V, H] (an LM head), targets int64 [M]. Returns ``(logp [M],
+    entropy [M] or None)`` in float32 (the logits are cast to float32 before the division by
+    the temperature, as the unchunked path does). Values equal :func:`logprobs_from_logits` /
+    :func:`entropy_from_logits` of the full logits up to matmul blocking (float32 rounding).
+
+    Memory: without autograd each chunk's ``[chunk, V]`` logits are dropped before the next.
+    With autograd each chunk runs under non-reentrant ``torch.utils.checkpoint``: only the
+    chunk's inputs (a view of ``hidden``; ``weight`` is shared) are saved, and the chunk's
+    logits are recomputed in backward one chunk at a time (the approach of verl's
+    ``utils/experimental/torch_functional.py`` / Liger's fused linear cross-entropy), so the
+    peak is one chunk's ``[chunk, V]`` float32 logits and softmax, plus a ``[V, H]`` gradient
+    of ``weight`` per chunk in backward. Zero rows still give a (0-row) result connected to
+    ``hidden`` and ``weight``, so a backward through it reaches every layer.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1")
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    logps, ents = [], []
+    for h, t in zip(torch.split(hidden, chunk), torch.split(targets, chunk)):
+        if grad:
+            out = torch.utils.checkpoint.checkpoint(
+                _chunk_logprobs_entropy, h, weight, bias, t, temperature, with_entropy,
+                use_reentrant=False)
+        else:
+            out = _chunk_logprobs_entropy(h, weight, bias, t, temperature, with_entropy)
+        logps.append(out[0])
+        if with_entropy:
+            ents.append(out[1])
+    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum_j values_j * mask_j (mask bool or 0/1)."""
     return (values * mask.to(values.dtype)).sum()

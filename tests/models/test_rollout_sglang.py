@@ -10,12 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_rollout_cpu import (MAX_RESPONSE, TOL, _cfg, fake_sglang, model_dirs,  # noqa: F401
+from test_rollout_cpu import (MAX_RESPONSE, TOL, fake_sglang, model_dirs,  # noqa: F401
                               prompts, push, reference, restore_threads, state_dict)
+from test_rollout_cpu import _cfg as _shared_cfg
 
 from chatlearn.errors import UserError
 
 SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_tokens": MAX_RESPONSE, "seed": 5}
+
+
+def _cfg(load: str, **over) -> dict:
+    """The shared rollout settings, with deterministic inference on (the CPU default)."""
+    return {**_shared_cfg(load), "deterministic_inference": True, **over}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +73,96 @@ def test_engine_arguments_follow_the_config(model_dirs, monkeypatch):  # noqa: F
     assert seen["context_length"] == cfg["max_prompt_tokens_length"] + cfg["max_response_tokens_length"]
     assert seen["dtype"] == "float32" and seen["skip_tokenizer_init"] is True
     assert seen["enable_memory_saver"] and seen["enable_weights_cpu_backup"]
-    assert seen["enable_deterministic_inference"]
+    assert seen["enable_deterministic_inference"] is True and seen["attention_backend"] == "triton"
+
+
+def _recording_engine(monkeypatch, cfg):
+    """An SGLangRollout built with ``cfg`` whose engine records its arguments and requests."""
+    from chatlearn.models.rollout.sglang import SGLangRollout
+
+    seen, requests = {}, []
+    with fake_sglang():
+        import sglang
+
+        class Recording(sglang.Engine):
+            def __init__(self, **kwargs):
+                seen.update(kwargs)
+                super().__init__(**kwargs)
+
+            def generate(self, **kwargs):
+                requests.append(kwargs["sampling_params"])
+                return super().generate(**kwargs)
+
+        monkeypatch.setattr(sglang, "Engine", Recording)
+        engine = SGLangRollout(cfg)
+    return engine, seen, requests
+
+
+def test_deterministic_inference_off_sends_no_seeds(model_dirs, monkeypatch):  # noqa: F811
+    """deterministic_inference false: SGLang's batch-invariant mode stays off, no
+    sampling_seed is sent (SGLang would ignore it), and the same seed does not reproduce
+    the samples (the engine draws from its own generator, as SGLang does)."""
+    engine, seen, requests = _recording_engine(
+        monkeypatch, _cfg(model_dirs["old"], deterministic_inference=False))
+    try:
+        assert seen["enable_deterministic_inference"] is False and "attention_backend" not in seen
+        sampling = dict(SAMPLING, temperature=1.0)
+        a, b = engine.generate(prompts(), sampling), engine.generate(prompts(), sampling)
+        assert all("sampling_seed" not in p for call in requests for p in call)
+        assert not all(np.array_equal(a[k], b[k]) for k in ("tokens", "offsets"))
+    finally:
+        engine.shutdown()
+
+
+def test_deterministic_inference_on_reproduces_seeds(model_dirs, monkeypatch):  # noqa: F811
+    engine, seen, requests = _recording_engine(monkeypatch, _cfg(model_dirs["old"]))
+    try:
+        assert seen["enable_deterministic_inference"] is True
+        sampling = dict(SAMPLING, temperature=1.0)
+        a, b = engine.generate(prompts(), sampling), engine.generate(prompts(), sampling)
+        assert [p["sampling_seed"] for p in requests[0]] == list(range(5, 5 + len(prompts())))
+        for key in a:
+            assert np.array_equal(a[key], b[key]), key
+    finally:
+        engine.shutdown()
+
+
+def test_fake_models_upstream_seed_and_backend_rules(model_dirs):  # noqa: F811
+    """SGLang 0.5.3: deterministic inference without a supported attention backend is
+    refused at start; ``sampling_seed=None`` is refused; a seed is ignored when off."""
+    with fake_sglang():
+        import sglang
+
+        with pytest.raises(ValueError, match="attention"):
+            sglang.Engine(model_path=model_dirs["old"], skip_tokenizer_init=True,
+                          enable_deterministic_inference=True)
+        engine = sglang.Engine(model_path=model_dirs["old"], skip_tokenizer_init=True, random_seed=3)
+        again = sglang.Engine(model_path=model_dirs["old"], skip_tokenizer_init=True, random_seed=3)
+    with pytest.raises(ValueError, match="sampling_seed"):
+        engine.generate(input_ids=[[5, 6]], sampling_params=[{"sampling_seed": None}])
+    params = {"max_new_tokens": 6, "temperature": 1.0}
+    seeded = engine.generate(input_ids=[[5, 6]], sampling_params=[dict(params, sampling_seed=11)])
+    plain = again.generate(input_ids=[[5, 6]], sampling_params=[params])
+    assert seeded[0]["output_ids"] == plain[0]["output_ids"]  # same engine stream: seed ignored
+    engine.shutdown()
+    again.shutdown()
+
+
+def test_offload_and_push_end_release_the_cuda_cache(rollout, monkeypatch):
+    """On CUDA the adapter's staged push tensors stay in torch's caching allocator after use:
+    ``finish_weight_update`` and ``offload`` empty it (a recorder stands in for CUDA)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(rollout, "_device", torch.device("cuda", 0))
+    rollout.finish_weight_update()
+    assert calls == ["empty_cache"]
+    rollout.offload(["kv_cache"])
+    assert calls == ["empty_cache"] * 2
+    monkeypatch.setattr(rollout, "_device", torch.device("cpu"))
+    rollout.onload(["kv_cache"])
+    rollout.offload(["kv_cache"])
+    rollout.onload(["kv_cache"])
+    assert calls == ["empty_cache"] * 2  # nothing to release on the CPU
 
 
 def test_sampling_parameters_per_request(rollout, spy):

@@ -7,6 +7,7 @@ what is sampled, never the reported log-probs).
 """
 from __future__ import annotations
 
+import gc
 import warnings
 from typing import Iterable
 
@@ -22,23 +23,34 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Helpers shared by the rollout backends
 # ---------------------------------------------------------------------------------------
 
+# A sampling dict may leave out the filters: absent means "off" (no nucleus, no top-k cut) and
+# no seed. temperature and max_tokens are required. The run's values come from the config
+# (chatlearn/runtime/rollouts.py), which always sets all five.
+SAMPLING_FILTERS_OFF = {"top_p": 1.0, "top_k": -1, "seed": None}
+
+
 def parse_sampling(sampling: dict) -> dict:
-    """Normalise a sampling dict: temperature, top_p, top_k (-1: off), max_tokens, seed.
+    """Normalise a sampling dict: temperature, max_tokens, and optionally top_p, top_k (-1: off)
+    and seed (see :data:`SAMPLING_FILTERS_OFF`).
 
     ``greedy`` is True for temperature 0 or top_k == 1; greedy log-probs are reported at
     temperature 1 (``temperature`` is 1.0 in the result then).
     """
-    temperature = float(sampling.get("temperature", 1.0))
-    top_k = int(sampling.get("top_k", -1))
+    unknown = set(sampling) - {"temperature", "max_tokens", *SAMPLING_FILTERS_OFF}
+    if unknown:
+        raise ValueError(f"sampling: unknown keys {sorted(unknown)}")
+    full = {**SAMPLING_FILTERS_OFF, **sampling}
+    temperature = float(full["temperature"])
+    top_k = int(full["top_k"])
     top_k = -1 if top_k <= 0 else top_k
     greedy = temperature <= 0.0 or top_k == 1
-    seed = sampling.get("seed")
+    seed = full["seed"]
     return {
         "greedy": greedy,
         "temperature": 1.0 if greedy else temperature,
-        "top_p": float(sampling.get("top_p", 1.0)),
+        "top_p": float(full["top_p"]),
         "top_k": top_k,
-        "max_tokens": int(sampling["max_tokens"]),
+        "max_tokens": int(full["max_tokens"]),
         "seed": None if seed is None else int(seed),
     }
 
@@ -110,6 +122,18 @@ def eos_token_ids(generation_config, model_config) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
+def release_cuda_cache(device: torch.device) -> None:
+    """Give the CUDA caching allocator's free blocks back to the device (on CUDA only).
+
+    Freed tensors stay reserved by torch's caching allocator, invisible to other processes
+    (the trainer sharing the GPU); ``torch.cuda.empty_cache()`` releases the unused ones.
+    ``gc.collect()`` first drops tensors kept alive only by reference cycles.
+    """
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def set_cpu_threads(threads) -> None:
     """Set torch's intra-op (OpenMP) thread count for this process, when given.
 
@@ -127,30 +151,27 @@ def set_cpu_threads(threads) -> None:
 class HFRollout(Rollout):
     """Rollout with ``transformers`` ``generate``.
 
-    cfg keys: ``load`` (model folder), ``trust_remote_code`` (False), ``seed`` (0),
-    ``generation_batch_size`` (sequences per generate call, 64), ``max_prompt_tokens_length``,
-    ``max_response_tokens_length``, ``dtype`` ("float32" | "bfloat16" | "float16" | "auto":
-    the checkpoint's), ``device`` ("cpu" | "cuda"; default: cuda where available); optional
-    ``cpu_threads`` (see ``set_cpu_threads``).
+    cfg keys: ``load`` (model folder), ``trust_remote_code``, ``seed``,
+    ``generation_batch_size`` (sequences per generate call), ``max_prompt_tokens_length``,
+    ``max_response_tokens_length``, ``dtype`` ("float32" | "bfloat16" | "float16"),
+    ``device`` ("cpu" | "cuda"), ``cpu_threads`` (None or a count: see ``set_cpu_threads``).
     """
 
     def __init__(self, cfg: dict):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         self.cfg = dict(cfg)
-        default_device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(cfg.get("device") or default_device)
-        dtype = cfg.get("dtype", "float32")
-        self.batch_size = int(cfg.get("generation_batch_size", 64))
+        self.device = torch.device(cfg["device"])
+        self.batch_size = int(cfg["generation_batch_size"])
         self.max_prompt_len = int(cfg["max_prompt_tokens_length"])
         self.max_response_len = int(cfg["max_response_tokens_length"])
-        self._rng = np.random.default_rng(int(cfg.get("seed", 0)))
+        self._rng = np.random.default_rng(int(cfg["seed"]))
         if self.device.type == "cpu":
-            set_cpu_threads(cfg.get("cpu_threads"))
+            set_cpu_threads(cfg["cpu_threads"])
 
         model = AutoModelForCausalLM.from_pretrained(
-            cfg["load"], dtype="auto" if dtype == "auto" else DTYPES[dtype],
-            trust_remote_code=bool(cfg.get("trust_remote_code", False)))
+            cfg["load"], dtype=DTYPES[cfg["dtype"]],
+            trust_remote_code=bool(cfg["trust_remote_code"]))
         self.model = model.to(self.device).eval()
         self.dtype = self.model.dtype
         loaded = self.model.generation_config
@@ -293,24 +314,29 @@ class HFRollout(Rollout):
         """``weights``: copy every parameter storage to host memory, then free it.
 
         Buffers (e.g. rotary ``inv_freq``) stay in place. ``kv_cache``: the cache lives
-        only inside a ``generate`` call, so there is nothing to free.
+        only inside a ``generate`` call, so there is nothing to free. On CUDA the freed
+        storages (and the KV cache of the last ``generate``) are then returned to the device
+        (:func:`release_cuda_cache`); the host copies are pinned for fast copies back.
         """
         if "weights" not in set(parts) or self._offloaded:
+            release_cuda_cache(self.device)
             return {"bytes": 0}
-        pin = self.device.type == "cuda"
-        seen, moved = set(), 0
+        seen, moved, device_bytes = set(), 0, None
         for param in self.model.parameters():
             storage = param.data.untyped_storage()
             if storage.data_ptr() in seen or storage.nbytes() == 0:
                 continue  # tied / shared storages are handled once
             seen.add(storage.data_ptr())
             device_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                               pin_memory=storage.device.type == "cuda")
             host.copy_(device_bytes)
             self._offloaded.append((storage, host))
             moved += storage.nbytes()
+        del device_bytes
         for storage, _ in self._offloaded:
             storage.resize_(0)
+        release_cuda_cache(self.device)
         return {"bytes": moved}
 
     @torch.no_grad()

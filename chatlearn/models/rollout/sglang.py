@@ -7,7 +7,8 @@ Engine. ``sglang.Engine(model_path=load, tp_size, mem_fraction_static, dtype,
 context_length = max prompt + max response, max_running_requests = generation_batch_size,
 disable_cuda_graph = enforce_eager, random_seed = seed, skip_tokenizer_init=True,
 enable_memory_saver=True, enable_weights_cpu_backup=True,
-enable_deterministic_inference=True)``.
+enable_deterministic_inference = deterministic_inference)``, and with deterministic inference
+an explicit ``attention_backend`` (see :func:`deterministic_attention_backend`).
 
 Log-probs. ``generate(..., return_logprob=True)`` returns, per output token,
 ``meta_info["output_token_logprobs"][j] = (logprob, token_id, text)``. SGLang's sampler
@@ -18,15 +19,21 @@ quantity the trainer computes. Greedy requests (temperature 0, which SGLang turn
 same convention as the other backends. With ``SGLANG_RETURN_ORIGINAL_LOGPROB`` set, SGLang
 reports the pre-temperature ``log_softmax(logits)`` instead: that is refused.
 
-Seeds. SGLang seeds a request (``sampling_seed``, hashed with the token position) only
-under ``enable_deterministic_inference``; without it, samples depend on batch order. It
-is switched on so that a seed reproduces the samples, as for vLLM; it costs throughput
-(batch-invariant kernels). Request i of a call gets ``sampling_seed = seed + i``.
+Seeds. In SGLang 0.5.3 (``srt/sampling/sampling_batch_info.py``, ``srt/layers/sampler.py``)
+a request's ``sampling_seed`` (a ``SamplingParams`` field, default 42) is used only under
+``enable_deterministic_inference``: the batch's seed tensor is built only then, and
+``multinomial_with_seed`` hashes it with the token position; without it the field is
+accepted and ignored, and samples come from the engine's global generator (they depend on
+batching). Deterministic inference also switches SGLang to batch-invariant kernels and the
+pytorch sampling backend, which costs throughput, so it follows the rollout's
+``deterministic_inference`` setting: when on, request i of a call gets ``sampling_seed =
+seed + i`` and a seed reproduces the samples (as for vLLM); when off, no seed is sent.
 
 Weights. Each bucket goes to ``update_weights_from_tensor(named_tensors=[(hf_name,
 tensor)], flush_cache=False)``, which SGLang serialises to every TP rank and loads with
 the model's own loader (HF names; q/k/v and gate/up are fused there). Tensors are put on
-the rollout's device first (CUDA IPC, as verl does). A tied ``lm_head.weight`` is not
+the rollout's device first (CUDA IPC, as verl does); ``update_weights_from_tensor`` returns
+once the engine has loaded them, and they are dropped then. A tied ``lm_head.weight`` is not
 sent (SGLang's loaders skip it). The prefix (radix) cache is flushed once before the next
 generation. The streamed push of ``chatlearn.runtime.weight_sync`` (``begin_weight_update``,
 ``load_weight_bucket``, ``finish_weight_update``) takes the same path, bucket by bucket.
@@ -35,6 +42,9 @@ Memory. ``offload`` is ``release_memory_occupation(tags=[...])`` with the tags
 ``weights`` and ``kv_cache`` (torch_memory_saver; weights are kept in host memory by
 ``enable_weights_cpu_backup``), ``onload`` is ``resume_memory_occupation`` per tag, so
 new weights can be pushed between the two wake steps. CUDA-graph memory is not released.
+torch_memory_saver frees the engine processes' memory; this (adapter) process holds only
+the tensors it staged for weight pushes, which torch's caching allocator keeps reserved
+after they are dropped: ``offload`` and ``finish_weight_update`` empty that cache.
 The reported bytes are those of the weights (from the checkpoint's tensor shapes, at the
 engine's dtype); SGLang does not report the KV cache's size, which counts as 0.
 """
@@ -49,7 +59,7 @@ import torch
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Bucket, Rollout
 from chatlearn.models.rollout.hf import (check_lengths, eos_token_ids, pack_samples,
-                                         parse_sampling, to_torch)
+                                         parse_sampling, release_cuda_cache, to_torch)
 
 TAGS = ("weights", "kv_cache")
 FINISH_REASONS = {"stop": 1, "length": 0}
@@ -66,7 +76,7 @@ def import_sglang():
             "Install it on a machine with NVIDIA GPUs: pip install -e '.[sglang]'; or use "
             "rollout_backend: vllm (or hf).", key="runtime_args.rollout_backend") from None
     for name in ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB"):
-        if os.environ.get(name, "").lower() in ("1", "true", "yes"):
+        if (os.environ.get(name) or "").lower() in ("1", "true", "yes"):
             raise UserError(
                 f"the environment variable {name} makes SGLang report log-probs before temperature, "
                 "which differ from the trainer's at any temperature other than 1. Unset it for chatlearn "
@@ -84,7 +94,22 @@ def checkpoint_bytes(model_dir: str, dtype: str) -> int:
             with safe_open(os.path.join(model_dir, name), framework="pt") as f:
                 for key in f.keys():
                     numel += int(np.prod(f.get_slice(key).get_shape()))
-    return numel * DTYPE_BYTES.get(dtype, 4)
+    return numel * DTYPE_BYTES[dtype]
+
+
+def deterministic_attention_backend(device: torch.device) -> str:
+    """The attention backend to start SGLang with under deterministic inference.
+
+    SGLang 0.5.3 ``ServerArgs._handle_deterministic_inference`` raises unless
+    ``attention_backend`` is one of ``flashinfer``, ``fa3``, ``triton``; for most models
+    (Qwen2, Llama, ...) it is still unset (``None``) at that point, since the automatic choice
+    happens later in the model runner, so it must be given. ``fa3`` (the only one of the
+    three that keeps the radix cache under deterministic inference) on Hopper (sm90),
+    ``triton`` elsewhere.
+    """
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return "fa3"
+    return "triton"
 
 
 class SGLangRollout(Rollout):
@@ -93,7 +118,7 @@ class SGLangRollout(Rollout):
     cfg keys (from ``chatlearn.runtime.cluster.rollout_cfg``): ``load``,
     ``trust_remote_code``, ``seed``, ``generation_batch_size``, ``max_prompt_tokens_length``,
     ``max_response_tokens_length``, ``dtype``, ``gpu_memory_utilization``,
-    ``enforce_eager``, ``tensor_model_parallel_size``.
+    ``enforce_eager``, ``tensor_model_parallel_size``, ``deterministic_inference``, ``device``.
     """
 
     def __init__(self, cfg: dict):
@@ -111,8 +136,12 @@ class SGLangRollout(Rollout):
             generation_config = None
         self.eos_ids = eos_token_ids(generation_config, config)
         self._tied = bool(getattr(config, "tie_word_embeddings", False))
-        self._device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self._device = torch.device(cfg["device"])
+        if self._device.type == "cuda":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self.deterministic = bool(cfg["deterministic_inference"])
+        extra = ({"attention_backend": deterministic_attention_backend(self._device)}
+                 if self.deterministic else {})
         self.engine = sglang.Engine(
             model_path=cfg["load"],
             trust_remote_code=bool(cfg["trust_remote_code"]),
@@ -126,7 +155,8 @@ class SGLangRollout(Rollout):
             random_seed=int(cfg["seed"]),
             enable_memory_saver=True,
             enable_weights_cpu_backup=True,
-            enable_deterministic_inference=True,
+            enable_deterministic_inference=self.deterministic,
+            **extra,
         )
         self._weight_bytes = checkpoint_bytes(cfg["load"], cfg["dtype"])
         self._released: set[str] = set()
@@ -153,8 +183,10 @@ class SGLangRollout(Rollout):
             "top_p": 1.0 if sp["greedy"] else sp["top_p"],
             "top_k": -1 if sp["greedy"] else sp["top_k"],
             "stop_token_ids": list(self.eos_ids),
-            "sampling_seed": (base + i) % 2**31,  # one stream per request: reproducible
-        } for i in range(len(prompts))]
+        } for _ in prompts]
+        if self.deterministic:  # one stream per request: reproducible (ignored otherwise)
+            for i, p in enumerate(params):
+                p["sampling_seed"] = (base + i) % 2**31
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
 
         responses, logprobs, finished = [], [], []
@@ -184,6 +216,7 @@ class SGLangRollout(Rollout):
         if not named:
             return
         result = self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False)
+        del named  # loaded by now: the call returns after the engine's load
         if isinstance(result, tuple) and result and not result[0]:
             raise RuntimeError(f"SGLang update_weights_from_tensor failed: {result[1:]}")
         self._stale_cache = True
@@ -199,13 +232,16 @@ class SGLangRollout(Rollout):
         self.update_weights(weights)
 
     def finish_weight_update(self) -> None:
-        """End a streamed update; the prefix cache is flushed before the next generation."""
+        """End a streamed update; the prefix cache is flushed before the next generation.
+        The staged device copies of the buckets go back to the device."""
+        release_cuda_cache(self._device)
 
     # -- memory -----------------------------------------------------------------------
 
     def offload(self, parts: Iterable[str]) -> dict:
         """``release_memory_occupation`` of the named parts that are on; returns the bytes freed."""
         parts = set(parts)
+        release_cuda_cache(self._device)  # this process's staged push buffers
         tags = [t for t in TAGS if t in parts and t not in self._released]
         if not tags:
             return {"bytes": 0}

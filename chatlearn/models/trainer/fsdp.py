@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import types
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -36,16 +37,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 
-from chatlearn.algorithms.grpo import (
-    LOSS_SUMS,
-    GRPOLoss,
-    entropy_from_logits,
-    logprobs_from_logits,
-    token_sums,
-)
+from chatlearn.algorithms.grpo import LOSS_SUMS, GRPOLoss, chunked_logprobs_entropy, token_sums
 from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
@@ -66,7 +62,7 @@ def init_distributed() -> torch.device:
     single GPU, as a Ray actor does), else gloo and ``cpu``.
     """
     if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0
+        index = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ and torch.cuda.device_count() > 1 else 0
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -88,6 +84,35 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+# Config attributes of models whose logits are not ``lm_head(last hidden state)``: the
+# chunked log-prob path (``_token_logprobs``) would silently skip their scaling.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                     "output_multiplier_scale")
+
+
+def _token_logprobs(model, input_ids, attention_mask, position_ids, rows, cols,
+                    temperature: float, chunk: int, with_entropy: bool):
+    """``(logp, entropy or None)`` of the tokens ``input_ids[rows, cols]`` given their prefix.
+
+    Bound to the root FSDP module and registered with ``register_fsdp_forward_method``, so
+    it runs as a forward of the root: FSDP2's root pre-forward all-gathers the root's own
+    parameters (embeddings, final norm, ``lm_head``; a tied ``lm_head.weight`` is the
+    embedding), they stay unsharded through backward (the root does not reshard after
+    forward; its pre-backward hook on these outputs re-gathers them if needed), and the
+    decoder layers gather their own. The decoder (``get_decoder()``) gives the last hidden
+    states; only the rows before the wanted tokens go through the LM head, chunk by chunk
+    (:func:`chatlearn.algorithms.grpo.chunked_logprobs_entropy`), so neither the model's
+    ``[B, L, V]`` logits nor a ``[tokens, V]`` float32 copy is ever made. This is the same
+    computation as HF's ``XForCausalLM.forward`` (``logits = lm_head(hidden_states)``,
+    transformers 5.x ``modeling_qwen2.py``) followed by ``log_softmax(logits.float() / T)``.
+    """
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    return chunked_logprobs_entropy(hidden[rows, cols - 1], head.weight, input_ids[rows, cols],
+                                    temperature, chunk, with_entropy, bias=head.bias)
+
+
 class FSDPTrainer(Trainer):
     """FSDP2 trainer of a Hugging Face causal LM (``trainable``: policy_trainer; else
     ref_policy: frozen, no optimizer, forward only).
@@ -100,6 +125,7 @@ class FSDPTrainer(Trainer):
         """cfg: load, trust_remote_code, seed, trainable, lr, weight_decay, adam_beta1, adam_beta2,
         adam_eps (read when trainable), clip_grad, train_micro_batch_size, logprob_micro_batch_size, pos_clip_ratio, neg_clip_ratio,
         kl_coef, entropy_coef, gradient_checkpointing, bf16, packing, max_token_in_packing,
+        logprob_chunk_tokens, meta_init,
         clip_ratio_c, use_group_sequence_policy, loss_agg_mode, max_response_tokens_length,
         kl_estimator, kl_in_reward, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters,
         lr_warmup_init (all required; the lr_* iters resolved to optimizer steps)."""
@@ -118,12 +144,38 @@ class FSDPTrainer(Trainer):
         self._stashes: dict = {}
 
     # ------------------------------------------------------------------ setup
+    def _param_dtype(self) -> torch.dtype:
+        """dtype the parameters are stored in.
+
+        float32 for a trainable model on every device: these are the master weights Adam
+        updates; on CUDA with ``bf16`` the FSDP2 ``MixedPrecisionPolicy`` all-gathers them as
+        bfloat16 for compute and reduces gradients in float32. A frozen reference model on
+        CUDA with ``bf16`` is stored in bfloat16, the dtype it computes in anyway (same
+        log-probs, half the memory). On CPU ``bf16`` is off: float32.
+        """
+        if not self.trainable and self.cfg["bf16"] and self.device.type == "cuda":
+            return torch.bfloat16
+        return torch.float32
+
     def _build_model(self) -> torch.nn.Module:
+        """The sharded model. With ``meta_init`` every rank builds it on the meta device from
+        the config, it is sharded there, and only rank 0 reads the checkpoint (see
+        :meth:`_load_from_rank0`); otherwise every rank loads the checkpoint, then shards."""
         from transformers import AutoModelForCausalLM
 
         cfg = self.cfg
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg["load"], dtype=torch.float32, trust_remote_code=cfg["trust_remote_code"])
+        dtype = self._param_dtype()
+        loaded = None
+        if cfg["meta_init"]:
+            model, loaded = self._meta_model(dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg["load"], dtype=dtype, trust_remote_code=cfg["trust_remote_code"])
+        scaled = [a for a in _LOGIT_TRANSFORMS if getattr(model.config, a, None) not in (None, 1, 1.0)]
+        if scaled:
+            raise UserError(f"{type(model).__name__} transforms its logits ({', '.join(scaled)}); "
+                            "the FSDP trainer computes logits as lm_head(hidden states) only. Use "
+                            "a model without logit scaling or soft-capping.", key="models.policy_trainer.load")
         model.config.use_cache = False
         if self.trainable and cfg["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(
@@ -137,7 +189,56 @@ class FSDPTrainer(Trainer):
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
+        if cfg["meta_init"]:
+            self._load_from_rank0(model, loaded)
+        model.token_logprobs = types.MethodType(_token_logprobs, model)
+        register_fsdp_forward_method(model, "token_logprobs")
         return model
+
+    def _meta_model(self, dtype: torch.dtype):
+        """``(model on the meta device built from the config, the checkpoint loaded on the
+        CPU on rank 0 / None elsewhere)``. Ranks other than 0 read only ``config.json`` and
+        ``generation_config.json``. Rank 0 loads the checkpoint with ``from_pretrained`` in
+        ``dtype`` (transformers applies its own key conversions; a bfloat16 checkpoint is
+        read as bfloat16, never through a float32 copy)."""
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        cfg = self.cfg
+        remote = cfg["trust_remote_code"]
+        config = AutoConfig.from_pretrained(cfg["load"], trust_remote_code=remote)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
+        try:  # save_hf writes the model's generation config: keep the checkpoint's
+            model.generation_config = GenerationConfig.from_pretrained(cfg["load"])
+        except OSError:  # none in the folder
+            pass
+        loaded = (AutoModelForCausalLM.from_pretrained(cfg["load"], dtype=dtype, trust_remote_code=remote)
+                  if self.rank == 0 else None)
+        return model, loaded
+
+    @torch.no_grad()
+    def _load_from_rank0(self, model: torch.nn.Module, loaded) -> None:
+        """Fill the sharded meta ``model`` from rank 0's ``loaded`` copy (a collective).
+
+        ``to_empty`` gives every shard and buffer (uninitialised) storage on this rank's
+        device; ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``
+        broadcasts rank 0's full tensors and keeps each rank's shard (torch
+        ``distributed/checkpoint/state_dict.py``); tied weights are one parameter. The
+        non-persistent buffers (rotary ``inv_freq``, ``original_inv_freq``) are not in a state
+        dict: rank 0 broadcasts the ones its loaded model computed in its ``__init__``.
+        """
+        model.to_empty(device=self.device)
+        state = loaded.state_dict() if self.rank == 0 else {}
+        set_model_state_dict(model, state, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        del state
+        names = [f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules()
+                 for b in sorted(m._non_persistent_buffers_set)]
+        for name in names:
+            buf = model.get_buffer(name)
+            if self.rank == 0:
+                buf.copy_(loaded.get_buffer(name))
+            dist.broadcast(buf, src=0)
 
     def _reshard(self) -> None:
         """Free every unsharded parameter (the root keeps them after a forward)."""
@@ -160,7 +261,8 @@ class FSDPTrainer(Trainer):
 
         Returns ``(logp, entropy or None, pos)``: values for the response tokens of those
         samples, in order, and ``pos`` their positions in ``batch["tokens"]``.
-        logp_t = log softmax(z_{t-1} / temperature)[token_t].
+        logp_t = log softmax(z_{t-1} / temperature)[token_t], computed from the hidden states
+        ``logprob_chunk_tokens`` tokens at a time (``_token_logprobs``).
         """
         off, plen = batch["offsets"], batch["prompt_lens"]
         lens = [int(off[i + 1] - off[i]) for i in idx]
@@ -187,11 +289,9 @@ class FSDPTrainer(Trainer):
         rows_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
         cols_t = torch.from_numpy(np.concatenate(cols)).to(self.device)
         ids, positions = ids.to(self.device), positions.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=None if mask is None else mask.to(self.device),
-                            position_ids=positions, use_cache=False).logits
-        z = logits[rows_t, cols_t - 1].float() / temperature  # [M, V]
-        logp = logprobs_from_logits(z, ids[rows_t, cols_t])
-        entropy = entropy_from_logits(z) if with_entropy else None
+        logp, entropy = self.model.token_logprobs(
+            ids, None if mask is None else mask.to(self.device), positions, rows_t, cols_t,
+            float(temperature), int(self.cfg["logprob_chunk_tokens"]), with_entropy)
         return logp, entropy, np.concatenate(pos)
 
     def _micro_batches(self, batch: Batch, size: int) -> tuple[list[np.ndarray], dict]:
@@ -514,7 +614,7 @@ class FSDPTrainer(Trainer):
     @staticmethod
     def _check_checkpoint_tensors(path: str, meta: dict, model_sd: dict) -> None:
         """Same tensor names and shapes in the checkpoint as in this model, or a UserError."""
-        saved = meta.get("tensors", {})
+        saved = meta["tensors"] if "tensors" in meta else {}
         problems = [f"{name} is missing from the checkpoint" for name in model_sd
                     if name not in saved]
         problems += [f"{name} is in the checkpoint but not in this model" for name in saved

@@ -14,9 +14,14 @@ Behaviour copied from SGLang and relied on by the tests:
   sampled token, untruncated (top-k/top-p only restrict what is sampled), or the
   pre-temperature ``log_softmax(logits)`` when ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is
   true.
-* Sampling is seeded per request by ``sampling_seed`` and the token position only with
-  ``enable_deterministic_inference``; otherwise it draws from one engine-wide generator
-  seeded by ``random_seed`` (so repeated calls differ, as in SGLang).
+* Sampling is seeded per request by ``sampling_seed`` (default 42; ``None`` is a
+  ValueError) and the token position only with ``enable_deterministic_inference``;
+  otherwise the field is accepted and ignored and sampling draws from one engine-wide
+  generator seeded by ``random_seed`` (so repeated calls differ), as in SGLang 0.5.3
+  (``sampling_batch_info.py`` builds the seed tensor only under deterministic inference).
+* ``enable_deterministic_inference`` needs ``attention_backend`` in ``flashinfer``,
+  ``fa3``, ``triton`` (``ServerArgs._handle_deterministic_inference``; for ordinary models
+  the automatic choice is made only later, so ``None`` raises there, as here).
 * A prefix cache (the radix cache's part here) keeps each prompt's KV across calls: it is
   dropped by ``flush_cache()``, by ``update_weights_from_tensor(flush_cache=True)`` and by
   releasing ``kv_cache``. Pushing weights with ``flush_cache=False`` and not flushing
@@ -41,6 +46,7 @@ import torch
 __version__ = "0.5.3+fake"
 TOP_K_ALL = 1 << 30
 _SAMPLING_EPS = 1e-6
+DETERMINISTIC_ATTENTION_BACKEND_CHOICES = ["flashinfer", "fa3", "triton"]
 GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_KV_CACHE = "weights", "kv_cache"
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -68,6 +74,7 @@ class ServerArgs:
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
     enable_deterministic_inference: bool = False
+    attention_backend: Optional[str] = None
     log_level: str = "error"
 
     def __post_init__(self):
@@ -77,6 +84,10 @@ class ServerArgs:
             raise NotImplementedError("the fake engine runs tp_size=1 only")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")
+        if self.enable_deterministic_inference and \
+                self.attention_backend not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+            raise ValueError(f"Currently only {DETERMINISTIC_ATTENTION_BACKEND_CHOICES} attention "
+                             "backends are supported for deterministic inference.")
 
 
 @dataclasses.dataclass
@@ -92,7 +103,7 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    sampling_seed: Optional[int] = None
+    sampling_seed: Optional[int] = 42
 
     def __post_init__(self):  # SGLang's normalisation and checks
         if 0 <= self.temperature < _SAMPLING_EPS:
@@ -105,6 +116,8 @@ class SamplingParams:
             raise NotImplementedError("the fake engine supports n=1 and min_p=0 only")
         if self.max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
+        if self.sampling_seed is None:
+            raise ValueError("sampling_seed should not be None")
 
 
 class Engine:
@@ -216,8 +229,7 @@ class Engine:
         keep[torch.arange(len(keep)) >= sp.top_k] = 0.0
         keep[(cum - sorted_p) > sp.top_p] = 0.0
         if deterministic:
-            seed = 42 if sp.sampling_seed is None else sp.sampling_seed
-            gen = torch.Generator().manual_seed((seed * 19349663) ^ (position * 73856093))
+            gen = torch.Generator().manual_seed((sp.sampling_seed * 19349663) ^ (position * 73856093))
         else:
             gen = self._rng
         token = int(idx[torch.multinomial(keep, 1, generator=gen)])
