@@ -19,8 +19,23 @@ class ModelPlacement:
     name: str
     num_actors: int  # Ray actors (ranks, or rollout replicas)
     device_group: int  # index into Plan.device_groups; -1 for CPU-only models
-    devices: list[int]  # devices of its group that it uses (one per actor)
+    devices: list[int]  # devices of its group that it uses (devices_per_actor per actor, in actor order)
     cpus_per_actor: float = 0.0
+    # rollout tensor parallelism: one engine (one actor) spans this many devices of its group
+    devices_per_actor: int = 1
+
+    def actor_devices(self, i: int) -> list[int]:
+        """The devices of its group that actor ``i`` uses."""
+        k = self.devices_per_actor
+        return self.devices[i * k:(i + 1) * k]
+
+
+def rollout_placement(policy, device_group: int) -> ModelPlacement:
+    """The rollout's placement: ``num_gpu / tensor_model_parallel_size`` replicas, replica i on
+    devices ``[i * tp, (i + 1) * tp)`` of its group (one engine spanning them)."""
+    tp = policy.tensor_model_parallel_size
+    return ModelPlacement("policy", policy.num_gpu // tp, device_group, list(range(policy.num_gpu)),
+                          devices_per_actor=tp)
 
 
 @dataclass
@@ -58,6 +73,9 @@ class Plan:
                          + ("  [colocated: take turns]" if len(models) > 1 else ""))
             offset += n
         for name, pl in self.placements.items():
+            if name == "policy":
+                lines += self._describe_rollout(pl)
+                continue
             where = (f"{pl.num_actors} actor(s) on device group {pl.device_group}" if pl.device_group >= 0
                      else f"{pl.num_actors} CPU actor(s), {pl.cpus_per_actor:g} CPU each")
             lines.append(f"  {name}: {where}")
@@ -66,13 +84,35 @@ class Plan:
         lines += [
             f"prompts per episode: {self.prompts_per_episode} x {self.group_size} samples each "
             f"= {self.samples_per_episode} samples",
-            f"rollout replicas: {self.rollout_replicas}",
+            f"rollout replicas: {self.rollout_replicas}"
+            + (f" (tensor parallel {self.rollout_tp}: one engine on {self.rollout_tp} devices each)"
+               if self.rollout_tp > 1 else ""),
             f"policy_trainer data-parallel size: {self.trainer_dp}",
             f"optimizer steps per episode: {self.steps_per_episode} "
             f"(global batch {self.samples_per_step} samples = {self.trainer_dp} rank(s) x "
             f"{self.micro_batches_per_step} micro-batch(es) x "
             f"{self.samples_per_rank_per_step // self.micro_batches_per_step} samples)",
         ]
+        return lines
+
+    @property
+    def rollout_tp(self) -> int:
+        """Devices per rollout engine (``models.policy.tensor_model_parallel_size``)."""
+        pl = self.placements.get("policy")
+        return pl.devices_per_actor if pl is not None else 1
+
+    def _describe_rollout(self, pl: ModelPlacement, most: int = 8) -> list[str]:
+        """The rollout's line, then one line per replica (its devices, numbered as in the device
+        group lines above); at most ``most`` replicas are listed."""
+        offset = sum(self.devices_per_group[:pl.device_group])
+        k = pl.devices_per_actor
+        lines = [f"  policy: {pl.num_actors} rollout replica(s) on device group {pl.device_group}, "
+                 f"tensor parallel {k} ({k} device(s) per engine)"]
+        for i in range(min(pl.num_actors, most)):
+            devs = [offset + d for d in pl.actor_devices(i)]
+            lines.append(f"    replica {i}: {'devices' if k > 1 else 'device'} {', '.join(map(str, devs))}")
+        if pl.num_actors > most:
+            lines.append(f"    ... ({pl.num_actors - most} more replica(s))")
         return lines
 
 
@@ -121,9 +161,7 @@ def make_plan(cfg: DictConfig) -> Plan:
                           key="models.ref_policy.num_gpu")
     pol = m.policy
     tp = pol.tensor_model_parallel_size
-    if tp != 1 or pol.pipeline_model_parallel_size != 1:
-        raise ConfigError("rollout tensor/pipeline parallelism inside one engine is not available yet; set it to "
-                          "1 and use num_gpu for data-parallel replicas.", key="models.policy.tensor_model_parallel_size")
+    _check_rollout_parallel(pol, rt.rollout_backend)
     replicas = pol.num_gpu // tp
     for name in GPU_MODELS:
         mc = m[name]
@@ -139,7 +177,8 @@ def make_plan(cfg: DictConfig) -> Plan:
             if name == "reward" and m.reward.num_gpu == 0:
                 continue
             num = m[name].num_gpu
-            placements[name] = ModelPlacement(name, num, g, list(range(num)))
+            placements[name] = (rollout_placement(pol, g) if name == "policy"
+                                 else ModelPlacement(name, num, g, list(range(num))))
     if "reward" not in placements:
         r = m.reward
         per = r.cpu_per_process or 1
@@ -148,6 +187,25 @@ def make_plan(cfg: DictConfig) -> Plan:
                 samples_per_step=gbs, samples_per_rank_per_step=per_rank, micro_batches_per_step=per_rank // micro,
                 steps_per_episode=spe // gbs * rt.num_training_epoch, rollout_replicas=replicas,
                 device_groups=groups, devices_per_group=sizes, placements=placements, uses_ref=uses_ref)
+
+
+def _check_rollout_parallel(pol, backend: str) -> None:
+    """A rollout replica is one engine on ``tensor_model_parallel_size`` devices of its group (vLLM's
+    ``tensor_parallel_size``, SGLang's ``tp_size``); ``num_gpu`` must be a whole number of them."""
+    tp = pol.tensor_model_parallel_size
+    key = "models.policy.tensor_model_parallel_size"
+    if tp < 1:
+        raise ConfigError(f"must be a positive integer, got {tp}.", key=key)
+    if pol.pipeline_model_parallel_size != 1:
+        raise ConfigError("rollout pipeline parallelism is not supported; set it to 1 (use "
+                          "tensor_model_parallel_size to spread one engine over several devices).",
+                          key="models.policy.pipeline_model_parallel_size")
+    if tp > 1 and backend == "hf":
+        raise ConfigError("the transformers rollout (rollout_backend: hf) runs one device per replica; set "
+                          "it to 1, or use rollout_backend: vllm or sglang for tensor parallelism.", key=key)
+    if pol.num_gpu < tp or pol.num_gpu % tp:
+        raise ConfigError(f"num_gpu ({pol.num_gpu}) must be divisible by tensor_model_parallel_size ({tp}): each "
+                          f"rollout replica is one engine on {tp} devices.", key="models.policy.num_gpu")
 
 
 def _device_groups(cfg: DictConfig, uses_ref: bool) -> tuple[list[list[str]], list[int]]:

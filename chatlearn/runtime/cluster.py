@@ -177,6 +177,6 @@ class Cluster:
                 env = worker_env("trainer", backend, threads, cfg.models[name].use_expandable_segments)
             group = create_group(name, BACKENDS[backend], bcfg, num_actors=pl.num_actors, pg=self.pg,
                                  bundles=bundles, gpu_fraction=frac, cpus=0, threads=threads,
-                                 distributed=name != "policy", env=env)
+                                 distributed=name != "policy", env=env, devices_per_actor=pl.devices_per_actor)
         self.groups[name] = group
         return group

@@ -8,6 +8,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from chatlearn.errors import UserError
 from chatlearn.runtime.env import worker_env
 from chatlearn.runtime.worker import Worker
 
@@ -77,23 +78,78 @@ class WorkerGroup:
         return [o for o, _ in outs], seconds
 
 
+def _bundle_device(_: int) -> tuple[str, list[str]]:
+    """(node id, GPU ids Ray assigns here): run inside a placement-group bundle."""
+    return ray.get_runtime_context().get_node_id(), [str(i) for i in ray.get_gpu_ids()]
+
+
+def bundle_devices(pg: PlacementGroup, bundles: list[int], gpu_fraction: float) -> list[tuple[str, str]]:
+    """The (node id, GPU id) behind each of ``bundles``, found by a short task on each one.
+
+    A bundle of ``{"GPU": 1}`` holds one device of its node for the placement group's life: every
+    task or actor scheduled on it gets that device's id (``ray.get_gpu_ids()``, the ids Ray writes
+    into ``CUDA_VISIBLE_DEVICES``).
+    """
+    probe = ray.remote(_bundle_device)
+    refs = [probe.options(num_cpus=0, num_gpus=gpu_fraction, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=b)).remote(b) for b in bundles]
+    found = []
+    for b, (node, ids) in zip(bundles, ray.get(refs)):
+        if len(ids) != 1:
+            raise RuntimeError(f"placement-group bundle {b} gave {ids} GPU ids; expected one")
+        found.append((node, ids[0]))
+    return found
+
+
+def spanning_env(pg: PlacementGroup, bundles: list[int], gpu_fraction: float) -> dict[str, str]:
+    """Environment of an actor that drives one engine over the devices of ``bundles``.
+
+    The actor itself takes ``gpu_fraction`` of the first bundle; Ray would make only that device
+    visible to it (``CUDA_VISIBLE_DEVICES``). The engine starts one process per tensor-parallel rank
+    on devices ``0 .. N-1`` of those the actor sees (vLLM's multiprocess executor: rank r on
+    ``cuda:r``; SGLang: scheduler r on ``base_gpu_id + r``, ``base_gpu_id`` 0), so the actor is
+    shown the N devices, in bundle order, and Ray is told to leave that alone
+    (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``, read by Ray's NVIDIA accelerator manager
+    in the worker process). The devices must be on one node.
+    """
+    found = bundle_devices(pg, bundles, gpu_fraction)
+    nodes = {node for node, _ in found}
+    if len(nodes) > 1:
+        raise UserError(f"a tensor-parallel rollout replica needs its {len(bundles)} devices on one node, but "
+                        f"placement-group bundles {bundles} landed on {len(nodes)} nodes. Use a "
+                        "models.policy.tensor_model_parallel_size that divides the GPUs per node.")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpu for _, gpu in found),
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
 def create_group(name: str, factory: str, cfg, *, num_actors: int, pg: PlacementGroup | None,
                  bundles: list[int], gpu_fraction: float, cpus: float, threads: int,
-                 distributed: bool, env: dict[str, str] | None = None) -> WorkerGroup:
+                 distributed: bool, env: dict[str, str] | None = None,
+                 devices_per_actor: int = 1) -> WorkerGroup:
     """Start ``num_actors`` actors (actor i on bundle ``bundles[i]``) and build the backend in each.
 
     ``distributed``: the actors form one torch.distributed world (trainer ranks); rank 0's node
     hosts the rendezvous. ``env``: the workers' environment (``chatlearn.runtime.env.worker_env``;
     a plain CPU worker's when not given), set by Ray before each process starts.
+    ``devices_per_actor`` > 1 (a tensor-parallel rollout engine per actor): ``bundles`` holds
+    ``devices_per_actor`` bundles per actor, in actor order; actor i runs on the first of its
+    bundles and sees the devices of all of them (:func:`spanning_env`).
     """
     env = dict(env) if env is not None else worker_env("reward", "reward", threads)
+    k = devices_per_actor
+    if k > 1 and (pg is None or len(bundles) != num_actors * k):
+        raise ValueError(f"{name}: {num_actors} actor(s) x {k} devices need a placement group and "
+                         f"{num_actors * k} bundles, got {len(bundles)}")
     actors = []
     for i in range(num_actors):
+        actor_env = env
+        if k > 1:
+            actor_env = {**env, **spanning_env(pg, bundles[i * k:(i + 1) * k], gpu_fraction)}
         opts = {"num_cpus": cpus, "num_gpus": gpu_fraction, "name": None,
-                "runtime_env": {"env_vars": env}}
+                "runtime_env": {"env_vars": actor_env}}
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=bundles[i])
+                placement_group=pg, placement_group_bundle_index=bundles[i * k])
         actors.append(ray.remote(Worker).options(**opts).remote(threads))
     envs: list[dict] = [{} for _ in actors]
     if distributed:

@@ -254,3 +254,79 @@ def test_console_script_exits_2(paths_overrides):
                            "models.policy.num_inference_per_prompt=0", "--dry-run"], capture_output=True, text=True)
     assert proc.returncode == 2 and "models.policy.num_inference_per_prompt" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------ rollout tensor parallelism
+
+MICRO8 = ["runtime_args.train_micro_batch_size=8"]  # fits 2 or 4 trainer ranks of the template's batch
+
+def test_rollout_tensor_parallel_plan(paths_overrides):
+    """A rollout replica is one engine on tensor_model_parallel_size devices of its group."""
+    plan = make_plan(load_config(TEMPLATE, paths_overrides + MICRO8 + ["models.policy_trainer.num_gpu=4",
+                                                              "models.policy.tensor_model_parallel_size=2"]))
+    pl = plan.placements["policy"]
+    assert plan.rollout_replicas == pl.num_actors == 2 and pl.devices_per_actor == plan.rollout_tp == 2
+    assert [pl.actor_devices(i) for i in range(2)] == [[0, 1], [2, 3]]
+    assert plan.devices_per_group == [4] and plan.placements["policy_trainer"].num_actors == 4
+    lines = plan.describe()
+    assert "  policy: 2 rollout replica(s) on device group 0, tensor parallel 2 (2 device(s) per engine)" in lines
+    assert "    replica 0: devices 0, 1" in lines and "    replica 1: devices 2, 3" in lines
+    assert "rollout replicas: 2 (tensor parallel 2: one engine on 2 devices each)" in lines
+    # the derived num_replica is checked against num_gpu / tensor_model_parallel_size
+    make_plan(load_config(TEMPLATE, paths_overrides + MICRO8 + ["models.policy_trainer.num_gpu=4",
+                                                       "models.policy.tensor_model_parallel_size=2",
+                                                       "models.policy.num_replica=2"]))
+
+
+def test_rollout_tensor_parallel_devices_follow_their_group(paths_overrides):
+    """Devices are numbered across groups: a rollout on its own group lists the run's device numbers."""
+    plan = make_plan(load_config(TEMPLATE, paths_overrides + MICRO8 + [
+        "runtime_args.colocation=[]", "models.policy_trainer.num_gpu=2", "models.policy.num_gpu=4",
+        "models.policy.tensor_model_parallel_size=4"]))
+    assert plan.device_groups == [["policy"], ["policy_trainer"]] and plan.total_devices == 6
+    assert plan.rollout_replicas == 1
+    assert "    replica 0: devices 0, 1, 2, 3" in plan.describe()
+    apart = make_plan(load_config(TEMPLATE, paths_overrides + MICRO8 + [
+        "runtime_args.colocation=[]", "models.policy_trainer.num_gpu=2", "models.policy.num_gpu=2",
+        "models.policy.tensor_model_parallel_size=2"]))
+    # policy_trainer's group comes after policy's: policy holds devices 0 and 1
+    assert apart.device_groups[0] == ["policy"] and "    replica 0: devices 0, 1" in apart.describe()
+
+
+def test_tensor_parallel_one_keeps_one_device_per_replica(paths_overrides):
+    plan = make_plan(load_config(TEMPLATE, paths_overrides + MICRO8 + ["models.policy_trainer.num_gpu=2"]))
+    pl = plan.placements["policy"]
+    assert pl.num_actors == 2 and pl.devices_per_actor == 1 and pl.devices == [0, 1]
+    assert "    replica 1: device 1" in plan.describe()
+    assert "rollout replicas: 2" in plan.describe()
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["models.policy_trainer.num_gpu=3", "runtime_args.train_global_batch_size=33",
+      "runtime_args.sample_per_episode=264", "runtime_args.train_micro_batch_size=11",
+      "models.policy.num_inference_per_prompt=8", "models.policy.tensor_model_parallel_size=2"],
+     "models.policy.num_gpu", ["divisible by tensor_model_parallel_size (2)"]),
+    (["models.policy.tensor_model_parallel_size=2"], "models.policy.num_gpu", ["num_gpu (1)"]),
+    (["models.policy.tensor_model_parallel_size=0"], "models.policy.tensor_model_parallel_size",
+     ["positive integer"]),
+    (["models.policy_trainer.num_gpu=2", "models.policy.tensor_model_parallel_size=2",
+      "runtime_args.rollout_backend=hf"], "models.policy.tensor_model_parallel_size", ["rollout_backend: hf"]),
+    (["models.policy.pipeline_model_parallel_size=2"], "models.policy.pipeline_model_parallel_size",
+     ["not supported"]),
+    (["models.policy_trainer.num_gpu=4", "models.policy.tensor_model_parallel_size=2",
+      "models.policy.num_replica=4"], "models.policy.num_replica", ["is derived (2"]),
+])
+def test_rollout_tensor_parallel_errors_name_the_key(paths_overrides, overrides, key, words):
+    with pytest.raises(ConfigError) as info:
+        make_plan(load_config(TEMPLATE, paths_overrides + MICRO8 + overrides))
+    msg = str(info.value)
+    assert info.value.key == key, msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_cli_dry_run_shows_rollout_tensor_parallel(paths_overrides, capsys):
+    assert main(["run", "--dry-run", TEMPLATE, *paths_overrides, *MICRO8, "models.policy_trainer.num_gpu=4",
+                 "models.policy.tensor_model_parallel_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel 2" in out and "replica 1: devices 2, 3" in out
