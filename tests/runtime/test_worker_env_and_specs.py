@@ -9,6 +9,7 @@ import re
 
 import pytest
 import ray
+import torch
 
 from chatlearn.config import load as config_load
 from chatlearn.models.specs import RolloutSpec, TrainerSpec, resolve_for_device
@@ -120,6 +121,19 @@ def test_device_dependent_settings_resolve_in_the_worker(paths_overrides, monkey
     fixed = r.replace(dtype="float16", deterministic_inference=True)
     assert resolve_for_device(fixed, "cuda").dtype == "float16"
     assert resolve_for_device(fixed, "cuda").deterministic_inference is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_defaults_on_a_real_gpu_are_bf16_and_fast(paths_overrides):
+    """The default config on this machine's GPU: rollout and trainer in bf16 where the GPU has
+    it (float16 / fp32 where not), no per-request seeds."""
+    cfg = _cfg(paths_overrides)
+    r = resolve_for_device(cluster_mod.rollout_spec(cfg), "cuda")
+    t = resolve_for_device(cluster_mod.trainer_spec(cfg, "policy_trainer"), "cuda")
+    bf16 = torch.cuda.is_bf16_supported()
+    assert r.dtype == ("bfloat16" if bf16 else "float32") and t.bf16 is bf16
+    assert r.deterministic_inference is False and r.device == t.device == "cuda"
 
 
 def test_chunk_tokens_must_be_positive(paths_overrides):

@@ -86,7 +86,7 @@ def _import_file(file: str, path: str, key: str):
 
 def load_function(path: str, *, key: str = "models.reward.functions", base_dir: str | None = None) -> Callable:
     """The callable named by ``path`` (see the module docstring); a bad path is a ConfigError naming it."""
-    target = BUILTIN.get(path, path)
+    target = BUILTIN[path] if path in BUILTIN else path
     mod_part, sep, attr = target.rpartition(":")
     if not sep or not mod_part or not attr.isidentifier():
         raise ConfigError(f"reward function path {path!r} is not of the form package.module:function, "
