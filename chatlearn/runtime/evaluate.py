@@ -17,9 +17,10 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from chatlearn.config.load import check_data_paths, check_model_folder
-from chatlearn.config.plan import ModelPlacement, Plan
+from chatlearn.config.plan import ModelPlacement, Plan, rollout_placement
 from chatlearn.data.dataset import load_prompts, load_tokenizer
 from chatlearn.errors import UserError
+from chatlearn.logging.jsonl import write_text_atomic
 from chatlearn.runtime.cluster import Cluster
 from chatlearn.runtime.rollouts import Rollouts
 
@@ -126,22 +127,26 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
     print(f"[chatlearn] evaluating {p.load} on {len(prompt_set)} prompts x {k} samples", flush=True)
     # only the rollout engine (on its own devices) and the reward workers
     r = cfg.models.reward
+    tp = p.tensor_model_parallel_size
+    if p.num_gpu % tp:
+        raise UserError(f"models.policy.num_gpu={p.num_gpu} is not a multiple of models.policy."
+                        f"tensor_model_parallel_size={tp}: each rollout engine spans {tp} devices. "
+                        "Make num_gpu a multiple of it.", key="models.policy.num_gpu")
     plan = Plan(group_size=k, prompts_per_episode=len(prompt_set), samples_per_episode=len(prompt_set) * k,
                 trainer_dp=1, samples_per_step=1, samples_per_rank_per_step=1, micro_batches_per_step=1,
-                steps_per_episode=0, rollout_replicas=p.num_gpu, device_groups=[["policy"]],
+                steps_per_episode=0, rollout_replicas=p.num_gpu // tp, device_groups=[["policy"]],
                 devices_per_group=[p.num_gpu],
-                placements={"policy": ModelPlacement("policy", p.num_gpu, 0, list(range(p.num_gpu))),
+                placements={"policy": rollout_placement(p, 0),
                             "reward": ModelPlacement("reward", r.num_cpu // (r.cpu_per_process or 1), -1, [],
                                                      float(r.cpu_per_process or 1))})
     with Cluster(cfg, plan) as cluster:
         samples, metrics = Evaluator(cfg, cluster, tokenizer).run(prompt_set, k)
     out_dir = os.path.join(rt.output_dir, "eval")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "samples.jsonl"), "w", encoding="utf-8") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
-    with open(os.path.join(out_dir, "metrics.json"), "w", encoding="utf-8") as f:
-        json.dump({"model": p.load, "samples_per_prompt": k, "metrics": metrics}, f, indent=1)
+    # written whole or not at all: an interrupted eval leaves the previous files as they were
+    write_text_atomic(os.path.join(out_dir, "samples.jsonl"), "".join(json.dumps(s) + "\n" for s in samples))
+    write_text_atomic(os.path.join(out_dir, "metrics.json"),
+                  json.dumps({"model": p.load, "samples_per_prompt": k, "metrics": metrics}, indent=1))
     for name, m in metrics.items():
         extra = f" | pass@{k} {m[f'pass@{k}']:.3f}" if k > 1 else ""
         print(f"eval {name}: reward {m['reward_mean']:.3f} | pass@1 {m['pass@1']:.3f}{extra} | "
