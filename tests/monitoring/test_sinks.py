@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -98,7 +99,16 @@ def test_wandb_offline_with_wandb_mode(tmp_path, wandb_env, monkeypatch, capsys)
     assert "no API key" not in capsys.readouterr().out  # WANDB_MODE decides; nothing to fall back from
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*-run-a"))
     assert len(runs) == 1, os.listdir(tmp_path / "wandb")
-    data = open(glob.glob(os.path.join(runs[0], "run-*.wandb"))[0], "rb").read()
+    # W&B's service process (wandb-core) may still be writing the run file after finish()
+    # returns (wandb 0.31): wait for the history to land (bounded).
+    path = glob.glob(os.path.join(runs[0], "run-*.wandb"))[0]
+    deadline = time.monotonic() + 60
+    while True:
+        with open(path, "rb") as f:
+            data = f.read()
+        if (b"train/reward_mean" in data and b"eval/reward_mean" in data) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert b"train/reward_mean" in data and b"eval/reward_mean" in data  # the history
     assert b"max_prompt_tokens_length" in data and b"***" in data  # the config, redacted
     assert SECRET.encode() not in data
