@@ -1,22 +1,161 @@
-"""Prompt data: ChatLearn's jsonl/parquet rows, chat templates, and a resumable sampler.
+"""Prompt data: ChatLearn's jsonl/parquet rows or a Hugging Face Hub dataset, chat templates, and a
+resumable sampler.
 
-A row looks like::
+A row of ChatLearn's format looks like::
 
     {"data_source": "gsm8k",
      "prompt": [{"role": "user", "content": "..."}],          # chat messages (or a string)
      "reward_model": {"style": "rule", "ground_truth": "42"}}
+
+A data path is a local file or folder (read as today, errors name the file and line) or a Hub
+dataset id (``openai/gsm8k``, ``org/name@revision``), read with ``datasets.load_dataset`` with a
+config name and a split; ``prompt_key``/``ground_truth_key`` then name its columns. Prompts are
+tokenized with ``datasets.Dataset.map`` into a cache file named by a ``datasets`` fingerprint of
+the prompts and the tokenizer, so a rerun on the same data does not tokenize again.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from chatlearn.errors import UserError
+from chatlearn.errors import ConfigError, UserError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+TOKENIZED_CACHE = "chatlearn_prompts"  # folder under the datasets cache holding tokenized prompts
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One entry of a data path: a local file or folder, or a Hub dataset."""
+
+    spec: str  # as written in the config (a Hub id may carry @revision)
+    path: str  # local file or folder; for a Hub dataset its snapshot folder, or the id (read from datasets' cache)
+    hub_id: str | None = None  # the Hub id (without revision) when the entry names a Hub dataset
+    revision: str | None = None
+
+    @property
+    def pinned(self) -> str:
+        """The entry as it should be recorded: a Hub id pinned to the commit it resolved to."""
+        if self.hub_id and os.path.isdir(self.path):
+            return f"{self.hub_id}@{os.path.basename(os.path.normpath(self.path))}"
+        return self.spec
+
+
+def _quiet_datasets():
+    import datasets
+
+    datasets.disable_progress_bars()  # "Map: 100%|..." and "Generating train split" bars
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def resolve_data_sources(value: str, key: str, *, name: str | None, split: str) -> list[DataSource]:
+    """The entries of the comma-separated ``value``; local paths are checked, Hub dataset ids are resolved
+    (downloaded into the Hugging Face cache unless cached) and their ``name``/``split`` checked. Problems
+    are ConfigErrors naming ``key``."""
+    from chatlearn.hub import looks_like_hub_id, split_revision
+
+    entries = [p.strip() for p in str(value).split(",") if p.strip()]
+    if not entries:
+        raise ConfigError("is empty. Give one or more jsonl/json/parquet files or folders, or Hugging Face Hub "
+                          "dataset ids, comma-separated.", key=key)
+    out = []
+    for entry in entries:
+        if entry.lower().endswith(DATA_SUFFIXES) or not looks_like_hub_id(entry):
+            if not os.path.exists(entry):
+                raise ConfigError(f"path {entry!r} does not exist (cwd: {os.getcwd()}). Fix the path (relative paths "
+                                  "are relative to the directory you run chatlearn from), or give a Hugging Face Hub "
+                                  "dataset id such as openai/gsm8k.", key=key)
+            if not os.access(entry, os.R_OK):
+                raise ConfigError(f"path {entry!r} is not readable. Fix its permissions.", key=key)
+            if os.path.isdir(entry) and not any(f.endswith(DATA_SUFFIXES) for f in os.listdir(entry)):
+                raise ConfigError(f"data folder {entry!r} holds no .jsonl, .json or .parquet file. Put the data files "
+                                  "there, or point it at the files.", key=key)
+            out.append(DataSource(entry, entry))
+            continue
+        repo_id, revision = split_revision(entry)
+        out.append(_hub_source(entry, repo_id, revision, key, name=name, split=split))
+    return out
+
+
+def _hub_source(entry: str, repo_id: str, revision: str | None, key: str, *, name, split) -> DataSource:
+    from chatlearn.hub import snapshot
+
+    hint = "a local folder or jsonl/json/parquet files"
+    try:
+        path = snapshot(entry, key=key, repo_type="dataset", local_hint=hint).path
+    except ConfigError as err:
+        # not in the Hub cache: a dataset prepared earlier by datasets.load_dataset is in datasets' own cache
+        # (looked up offline: the Hub was just found unreachable or off limits)
+        if "is not in the Hugging Face cache" not in str(err) or _builder(repo_id, name, revision, split, key,
+                                                                          quiet=True, offline=True) is None:
+            raise err from None
+        return DataSource(entry, repo_id, repo_id, revision)
+    _builder(path, name, revision=None, split=split, key=key, shown=entry)
+    return DataSource(entry, path, repo_id, revision)
+
+
+@contextlib.contextmanager
+def _offline(on: bool):
+    """``datasets`` without network inside (when ``on``): for datasets read from its own cache."""
+    import datasets
+
+    was = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = was or on
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = was
+
+
+def _builder(path: str, name, revision, split: str, key: str, quiet: bool = False, shown: str | None = None,
+             offline: bool = False):
+    """The ``datasets`` builder of ``path`` with config ``name``, checked to have ``split`` (None when
+    ``quiet`` and it cannot be made). ``offline``: only from datasets' cache, no network."""
+    datasets = _quiet_datasets()
+    shown = shown or path
+    name_key = "runtime_args.eval_data_subset" if "eval" in key else "runtime_args.data_subset"
+    split_key = "runtime_args.eval_data_split" if "eval" in key else "runtime_args.data_split"
+    try:
+        with _offline(offline):
+            builder = datasets.load_dataset_builder(path, name, revision=revision)
+    except Exception as err:  # datasets raises ValueError, FileNotFoundError, ConnectionError, ... for a bad id/config
+        if quiet:
+            return None
+        try:
+            configs = datasets.get_dataset_config_names(path)
+        except Exception:  # noqa: BLE001 (the first error is the one to report)
+            configs = []
+        if len(configs) > 1 and name not in configs:
+            what = f"has no subset {name!r}; its subsets (configs) are" if name else "has several subsets (configs):"
+            raise ConfigError(f"the Hub dataset {shown!r} {what} {', '.join(configs)}. Set {name_key} to one of "
+                              "them.", key=name_key) from None
+        raise ConfigError(f"cannot read the Hub dataset {shown!r}: {type(err).__name__}: {_brief(err)}. Check "
+                          f"the id and {name_key}.", key=key) from None
+    splits = list((builder.config.data_files or {}).keys()) or list((builder.info.splits or {}).keys())
+    if splits and split not in splits:
+        raise ConfigError(f"the Hub dataset {shown!r} (config {builder.config.name!r}) has no split {split!r}; it has "
+                          f"{', '.join(map(str, splits))}. Set {split_key} to one of them.", key=split_key)
+    return builder
+
+
+def read_hub_rows(source: DataSource, *, name: str | None, split: str) -> list[tuple[dict, str]]:
+    """Rows of the Hub dataset ``source`` (config ``name``, ``split``), each with where it came from."""
+    datasets = _quiet_datasets()
+    local = os.path.isdir(source.path)  # the snapshot folder; else the id, in datasets' own cache
+    try:
+        with _offline(not local):
+            ds = datasets.load_dataset(source.path, name, split=split, revision=None if local else source.revision)
+    except Exception as err:  # as in _builder
+        raise UserError(f"cannot read the Hub dataset {source.spec!r} (config {name!r}, split {split!r}): "
+                        f"{type(err).__name__}: {_brief(err)}.") from None
+    label = f"{source.spec} ({name + ', ' if name else ''}split {split})"
+    return [(row, f"{label} row {i + 1}") for i, row in enumerate(ds.to_list())]
 
 
 def list_data_files(paths: list[str]) -> list[str]:
@@ -120,16 +259,25 @@ def _ground_truth(row: dict, key: str, where: str):
 
 def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_thinking: bool,
                  prompt_key: str, ground_truth_key: str | None,
-                 what: str = "runtime_args.data_path") -> PromptSet:
-    """Read every row, apply the chat template to ``row[prompt_key]`` (a string becomes one user message;
-    ``enable_thinking`` is passed to the template) and drop prompts longer than ``max_prompt_tokens``.
+                 what: str = "runtime_args.data_path", name: str | None = None, split: str = "train",
+                 ground_truth_pattern: str | None = None, prompt_instruction: str | None = None) -> PromptSet:
+    """Read every row of ``paths`` (local files or folders, or Hub dataset ids read with config ``name``
+    and ``split``), apply the chat template to ``row[prompt_key]`` (a string becomes one user message,
+    ``prompt_instruction`` is appended to the last user message; ``enable_thinking`` is passed to the
+    template) and drop prompts longer than ``max_prompt_tokens``. The ground truth is the value at
+    ``ground_truth_key``, cut down to the first group of ``ground_truth_pattern`` when one is given.
     ``extras`` keeps each row without the prompt, ``data_source`` and ground-truth columns (the first
     part of ``ground_truth_key``)."""
-    ids, truths, sources, extras = [], [], [], []
-    dropped = 0
+    messages_all, wheres, truths, sources, extras = [], [], [], [], []
     taken = {prompt_key, "data_source"} | ({ground_truth_key.split(".")[0]} if ground_truth_key else set())
-    for path in list_data_files(paths):
-        for row, where in read_rows(path):
+    pattern = re.compile(ground_truth_pattern) if ground_truth_pattern else None
+    for source in resolve_data_sources(",".join(paths), what, name=name, split=split):
+        if source.hub_id:  # rows without a data_source column are named after the dataset, or the file
+            rows = [(row, where, source.hub_id) for row, where in read_hub_rows(source, name=name, split=split)]
+        else:
+            rows = [(row, where, os.path.basename(path)) for path in list_data_files([source.path])
+                    for row, where in read_rows(path)]
+        for row, where, default_source in rows:
             if prompt_key not in row:
                 raise UserError(f"{where}: the row has no {prompt_key!r} field (it has: "
                                 f"{', '.join(sorted(row)) or 'nothing'}). Add it, or set the prompt key "
@@ -141,29 +289,97 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                     for m in messages):
                 raise UserError(f"{where}: {prompt_key!r} must be a string or a non-empty list of chat messages "
                                 "({'role': '...', 'content': '...'}); fix that row.")
+            if prompt_instruction:
+                messages = _with_instruction(messages, prompt_instruction)
             truth = _ground_truth(row, ground_truth_key, where) if ground_truth_key else None
-            try:
-                token_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          enable_thinking=enable_thinking)
-            except Exception as err:  # the template is user code (jinja): any error is about the data or it
-                raise UserError(f"{where}: the tokenizer's chat template fails on this row: "
-                                f"{type(err).__name__}: {_brief(err)}. Fix the row, or give the "
-                                "model folder a chat template (chat_template.jinja or tokenizer_config.json) that "
-                                "accepts it.") from err
-            if hasattr(token_ids, "keys"):  # some tokenizers return a BatchEncoding
-                token_ids = token_ids["input_ids"]
-            if len(token_ids) > max_prompt_tokens:
-                dropped += 1
-                continue
-            ids.append(list(token_ids))
+            if pattern is not None and truth is not None:
+                truth = _match_truth(pattern, truth, where)
+            messages_all.append(messages)
+            wheres.append(where)
             truths.append(truth)
-            sources.append(str(row.get("data_source", os.path.basename(path))))
+            sources.append(str(row.get("data_source", default_source)))
             extras.append({k: v for k, v in row.items() if k not in taken})
-    if not ids:
+    token_ids = tokenize_prompts(messages_all, wheres, tokenizer, enable_thinking=enable_thinking)
+    keep = [i for i, ids in enumerate(token_ids) if len(ids) <= max_prompt_tokens]
+    dropped = len(token_ids) - len(keep)
+    if not keep:
         reason = (f"all {dropped} prompts are longer than models.policy.max_prompt_tokens_length "
                   f"({max_prompt_tokens}); raise it" if dropped else "the files hold no rows; add data")
         raise UserError(f"{what}: no usable prompts: {reason}.")
-    return PromptSet(ids, truths, sources, dropped, extras)
+    return PromptSet([token_ids[i] for i in keep], [truths[i] for i in keep], [sources[i] for i in keep], dropped,
+                     [extras[i] for i in keep])
+
+
+def _with_instruction(messages: list[dict], instruction: str) -> list[dict]:
+    """``messages`` with ``instruction`` appended (after a space) to the last user message with text content."""
+    out = [dict(m) for m in messages]
+    for m in reversed(out):
+        if m["role"] == "user" and isinstance(m["content"], str):
+            m["content"] = f"{m['content'].rstrip()} {instruction}"
+            break
+    return out
+
+
+def _match_truth(pattern: re.Pattern, truth, where: str) -> str:
+    found = pattern.search(str(truth))
+    if found is None:
+        raise UserError(f"{where}: the ground truth {_brief(ValueError(str(truth)), 120)!r} does not match "
+                        f"runtime_args.ground_truth_pattern {pattern.pattern!r}. Fix the row, or the pattern "
+                        "(its first group, or the whole match, becomes the ground truth).")
+    return found.group(1) if pattern.groups else found.group(0)
+
+
+def tokenizer_fingerprint(tokenizer) -> list:
+    """What the token ids of a prompt depend on: the tokenizer's class, its folder's tokenizer files (name,
+    size, modification time), its chat template and vocabulary size."""
+    path = str(getattr(tokenizer, "name_or_path", "") or "")
+    files = []
+    if os.path.isdir(path):
+        for f in sorted(os.listdir(path)):
+            if f.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template")) \
+                    or f.endswith((".model", ".tiktoken")):
+                st = os.stat(os.path.join(path, f))
+                files.append((f, st.st_size, st.st_mtime_ns))
+    return [type(tokenizer).__name__, os.path.abspath(path) if path else "", files,
+            getattr(tokenizer, "chat_template", None), len(tokenizer)]
+
+
+def tokenize_prompts(messages: list[list[dict]], wheres: list[str], tokenizer, *,
+                     enable_thinking: bool) -> list[list[int]]:
+    """Token ids of each prompt's chat template, computed with ``datasets.Dataset.map`` into a cache file
+    under ``<datasets cache>/chatlearn_prompts/`` named by a fingerprint of the prompts, the tokenizer and
+    ``enable_thinking``: the same prompts with the same tokenizer are read back, not tokenized again."""
+    datasets = _quiet_datasets()
+    from datasets.fingerprint import Hasher
+
+    texts = [json.dumps(m, ensure_ascii=False, sort_keys=True) for m in messages]
+    fingerprint = Hasher.hash(["chatlearn-prompts-v1", texts, tokenizer_fingerprint(tokenizer), bool(enable_thinking)])
+    folder = os.path.join(datasets.config.HF_DATASETS_CACHE, TOKENIZED_CACHE)
+    os.makedirs(folder, exist_ok=True)
+
+    def tokenize(batch: dict, indices: list[int]) -> dict:
+        out = []
+        for text, i in zip(batch["messages"], indices):
+            try:
+                ids = tokenizer.apply_chat_template(json.loads(text), add_generation_prompt=True, tokenize=True,
+                                                    enable_thinking=enable_thinking)
+            except Exception as err:  # the template is user code (jinja): any error is about the data or it
+                raise UserError(f"{wheres[i]}: the tokenizer's chat template fails on this row: "
+                                f"{type(err).__name__}: {_brief(err)}. Fix the row, or give the "
+                                "model folder a chat template (chat_template.jinja or tokenizer_config.json) that "
+                                "accepts it.") from err
+            if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+                ids = ids["input_ids"]
+            out.append(list(ids))
+        return {"input_ids": out}
+
+    if not texts:
+        return []
+    ds = datasets.Dataset.from_dict({"messages": texts})
+    ds = ds.map(tokenize, batched=True, batch_size=1000, with_indices=True, remove_columns=["messages"],
+                cache_file_name=os.path.join(folder, f"{fingerprint}.arrow"), new_fingerprint=fingerprint,
+                load_from_cache_file=True)
+    return ds.to_dict()["input_ids"]
 
 
 class PromptSampler:

@@ -151,4 +151,7 @@ def test_outputs_load_and_example_configs_accept_them(tmp_path, tiny_model_dir, 
             "runtime_args.rollout_backend=hf"])
         assert cfg.models.policy_trainer.load == tiny_model_dir
     with open(os.path.join(REPO, "examples", "gsm8k", "grpo_gsm8k.yaml"), encoding="utf-8") as f:
-        assert "SET THIS" in f.read()  # the model path is the user's to set
+        text = f.read()
+    # the model and the data are Hub ids; the header says how to use the preprocessed files instead
+    assert "load: Qwen/Qwen2.5-0.5B-Instruct" in text and "data_path: openai/gsm8k" in text
+    assert "examples/gsm8k/preprocess.py" in text and "runtime_args.prompt_key=prompt" in text
