@@ -1,4 +1,6 @@
-"""Metric sinks: ``<output_dir>/metrics.jsonl`` always (one JSON object per line, with its episode).
+"""Metric sinks: ``<output_dir>/metrics.jsonl`` always (one JSON object per line, with its episode
+and ``time/wall``, the wall-clock time the row was written, in Unix seconds), the per-episode
+console line (:func:`summary_line`) and the end-of-run summary (:func:`run_summary`).
 
 Crash safety (see :mod:`chatlearn.logging.jsonl`): a row torn by a crash is dropped before the
 first new row is appended, every row is flushed and fsynced, and on resume the rows past the
@@ -9,8 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 from chatlearn.logging import jsonl
+
+
+WALL = "time/wall"  # when the row was written: Unix seconds (metrics.jsonl only)
 
 
 class MetricsWriter:
@@ -20,7 +26,7 @@ class MetricsWriter:
         self._file = jsonl.open_append(self.path)
 
     def write(self, episode: int, metrics: dict) -> None:
-        row = {"episode": episode}
+        row = {"episode": episode, WALL: round(time.time(), 3)}
         for k, v in sorted(metrics.items()):
             v = float(v)
             row[k] = v if math.isfinite(v) else None
@@ -54,3 +60,46 @@ def summary_line(episode: int, total: int, m: dict) -> str:
                           if "time/" + k in m)
         parts.append(f"{m['time/episode']:.1f}s ({detail})")
     return " | ".join(parts)
+
+
+# the stages of an episode, in the order they run (time/<stage> keys), and their names on the console
+SUMMARY_STAGES = (("generate", "generate"), ("reward", "reward"), ("ref_logprobs", "ref log-probs"),
+                  ("old_logprobs", "old log-probs"), ("train", "train"), ("weight_push", "weight push"),
+                  ("checkpoint", "checkpoint"), ("eval", "eval"))
+
+
+def run_summary(rows: list[dict], wall_seconds: float, since: float, outputs: dict[str, str]) -> list[str]:
+    """The lines that end a run.
+
+    ``rows``: the run's metrics rows (``metrics.jsonl``, earlier runs it resumed included); the eval
+    results span them all. ``wall_seconds``: how long this process ran; the time split covers the rows
+    it wrote (``time/wall`` >= ``since``, a Unix time): per stage, with its share of ``wall_seconds``
+    (the reward stage overlaps the log-prob passes), and the rest (start-up: Ray, loading the models;
+    plots) as ``start-up and other``. ``outputs``: label -> path, listed in that order.
+    """
+    from chatlearn.logging.progress import format_seconds
+
+    mine = [r for r in rows if (r.get(WALL) or 0) >= since]
+    trained = [r["episode"] for r in mine if r.get("episode", 0) > 0]
+    what = f"episodes {trained[0]}..{trained[-1]}" if len(trained) > 1 else \
+        f"episode {trained[0]}" if trained else "no training episode"
+    lines = [f"[chatlearn] done: {what} in {format_seconds(wall_seconds)}"]
+    evals = [(r["episode"], r["eval/reward_mean"]) for r in rows if r.get("eval/reward_mean") is not None]
+    if evals:
+        best = max(evals, key=lambda e: e[1])  # the first of equal bests
+        first, last = evals[0], evals[-1]
+        lines.append(f"[chatlearn] eval reward: first {first[1]:.3f} (episode {first[0]}), last {last[1]:.3f} "
+                     f"(episode {last[0]}), best {best[1]:.3f} (episode {best[0]})")
+    def share(label: str, seconds: float) -> str:
+        return f"{label} {format_seconds(seconds, tenths=True)} ({100 * seconds / max(wall_seconds, 1e-9):.0f}%)"
+
+    parts = []
+    for key, label in SUMMARY_STAGES:
+        seconds = sum(float(r.get(f"time/{key}") or 0.0) for r in mine)
+        if seconds > 0:
+            parts.append(share(label, seconds))
+    counted = sum(float(r.get("time/episode") or 0.0) + float(r.get("time/eval") or 0.0) for r in mine)
+    parts.append(share("start-up and other", max(0.0, wall_seconds - counted)))
+    lines.append("[chatlearn] time: " + " | ".join(parts))
+    lines.append("[chatlearn] outputs: " + " | ".join(f"{label} {path}" for label, path in outputs.items()))
+    return lines

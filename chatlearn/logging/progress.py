@@ -6,7 +6,9 @@ checkpoint, weight push, eval) with its elapsed time, the run's elapsed time and
 the time left. The per-episode summary lines scroll above it, as do the workers' log lines.
 
 Anywhere else (a pipe, a log file, CI) there is no live status: only the summary line of each
-episode is printed, plain text without escape codes or carriage returns.
+episode is printed, plain text without escape codes or carriage returns, ending with the run's
+elapsed time and an estimate of the time left (``| 1m05s elapsed, eta 12m30s``: the mean time of
+the episodes this process ran, times the episodes left).
 
 ``CHATLEARN_PROGRESS=plain`` forces plain lines on a terminal; ``CHATLEARN_PROGRESS=live``
 forces the live status (for terminals that do not report themselves as such).
@@ -52,11 +54,15 @@ class RunProgress:
         self._progress = None
         self._task = None
         self._episode = 0
+        self._started = time.monotonic()
+        self._first: tuple[int, float] | None = None  # (first training episode, when it began)
 
     # ------------------------------------------------------------------ events
     def begin(self, episode: int) -> None:
         """Episode ``episode`` starts (0 is the evaluation before training)."""
         self._episode = episode
+        if episode > 0 and self._first is None:
+            self._first = (episode, time.monotonic())
         self._update(episode=episode, stage="", since=time.monotonic())
 
     def stage(self, stage: str, detail: str = "") -> None:
@@ -67,12 +73,22 @@ class RunProgress:
     def finish(self, episode: int, line: str) -> None:
         """Episode ``episode`` is done; ``line`` is its summary, kept in the output."""
         if not self.live:
-            self.stream.write(line + "\n")
+            self.stream.write(line + self.timing(episode) + "\n")
             self.stream.flush()
             return
         self._start()
         self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True, emoji=False)
         self._progress.update(self._task, completed=min(episode, self.total), stage="", since=time.monotonic())
+
+    def timing(self, episode: int) -> str:
+        """`` | <elapsed> elapsed, eta <left>`` for the plain line of ``episode`` (no estimate before
+        the first training episode is done, nor after the last)."""
+        now = time.monotonic()
+        text = f" | {format_seconds(now - self._started)} elapsed"
+        if self._first is not None and episode >= self._first[0] and episode < self.total:
+            done = episode - self._first[0] + 1
+            text += f", eta {format_seconds((now - self._first[1]) / done * (self.total - episode))}"
+        return text
 
     def close(self) -> None:
         if self._progress is not None:
@@ -101,6 +117,18 @@ class RunProgress:
         self._task = self._progress.add_task("run", total=self.total, completed=max(self._episode - 1, 0),
                                              episode=self._episode, stage="", since=time.monotonic())
         self._progress.start()
+
+
+def format_seconds(seconds: float, tenths: bool = False) -> str:
+    """``42s``, ``3m05s``, ``2h07m`` (``tenths``: ``4.2s`` under a minute)."""
+    if tenths and seconds < 59.95:
+        return f"{max(0.0, seconds):.1f}s"
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class _StageColumn(ProgressColumn):

@@ -62,6 +62,43 @@ def config_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(loggable_config(cfg)))
 
 
+def changed_config(cfg: DictConfig) -> dict:
+    """The settings of the resolved ``cfg`` whose value differs from the schema's default, as nested
+    plain containers, secrets redacted: what ``chatlearn run --dry-run`` prints (``--all``: every key,
+    :func:`config_yaml`). A default that interpolates another key (``${runtime_args.seed}``) is taken
+    with the value that key has in ``cfg``; a required key (no default) always counts as set; lists
+    are compared whole."""
+    from chatlearn.config.schema import Config
+
+    final = OmegaConf.to_container(cfg, resolve=True)
+    raw = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+    context = OmegaConf.create(final)
+    missing = object()
+
+    def default_of(value):
+        if isinstance(value, str) and "${" in value:
+            OmegaConf.update(context, "_chatlearn_default_", value, force_add=True)
+            try:
+                return context._chatlearn_default_
+            except Exception:  # noqa: BLE001 (an unresolvable default: then the setting counts as changed)
+                return missing
+        return value
+
+    def diff(node, defaults):
+        out = {}
+        for key, value in node.items():
+            default = defaults.get(key, missing) if isinstance(defaults, dict) else missing
+            if isinstance(value, dict) and isinstance(default, dict):
+                sub = diff(value, default)
+                if sub:
+                    out[key] = sub
+            elif default == "???" or default_of(default) != value:
+                out[key] = value
+        return out
+
+    return redact(diff(final, raw))
+
+
 def write_config_yaml(cfg: DictConfig, path: str) -> None:
     """Write :func:`config_yaml` to ``path`` atomically (a temporary file, fsynced, renamed)."""
     from chatlearn.logging.jsonl import write_text_atomic

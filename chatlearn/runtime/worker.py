@@ -14,6 +14,9 @@ class Worker:
     """Builds ``module:Class(cfg)`` in its own process and runs its methods on request."""
 
     def __init__(self, threads: int):
+        from chatlearn.logging.console import setup_worker
+
+        setup_worker()  # third-party output to the run's logs/ folder (before importing them)
         # The process environment was set by Ray before start (chatlearn.runtime.env); it is
         # recorded as found, so that tests can check what the process started with.
         self.start_env = dict(os.environ)

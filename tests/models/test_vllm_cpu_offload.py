@@ -96,3 +96,47 @@ def test_after_a_push_the_next_push_restores(engine):
         rollout.generate(PROMPTS, SAMPLING)  # no host copy: it needs the push
     rollout.update_weights(weights)
     assert same(before, rollout.generate(PROMPTS, SAMPLING))
+
+
+def test_reloads_leave_no_failed_load_warnings(engine):
+    """A reload from the folder, a pushed update and a streamed one: vLLM warned "RotaryEmbedding: Failed
+    to load weights" and "ParallelLMHead: ..." on each (layers no checkpoint has weights for: the rotary
+    cache, the tied lm_head); those layers are now left out of the reload, and the engine still generates
+    what it generated from the folder."""
+    from safetensors.numpy import load_file
+    import os
+
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.DEBUG)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records = Records()
+    logging.getLogger("vllm").addHandler(records)  # vLLM's loggers do not propagate past "vllm"
+    rollout, path = engine
+    weights = [(k, v) for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+               if k != "lm_head.weight"]
+    rollout.offload(["weights", "kv_cache"])
+    rollout.onload(["weights"])  # from the folder, or awaiting the push when one came before
+    if rollout._awaiting_push:
+        rollout.update_weights(weights)
+    rollout.onload(["kv_cache"])
+    before = rollout.generate(PROMPTS, SAMPLING)
+    rollout.update_weights(weights)  # one reload_weights call
+    assert same(before, rollout.generate(PROMPTS, SAMPLING))
+    rollout.begin_weight_update()  # streamed, bucket by bucket
+    for i in range(0, len(weights), 3):
+        rollout.load_weight_bucket([(k, torch.from_numpy(v)) for k, v in weights[i:i + 3]])
+    rollout.finish_weight_update()
+    assert same(before, rollout.generate(PROMPTS, SAMPLING))
+    rollout.offload(["weights"])
+    rollout.onload(["weights", "kv_cache"])
+    rollout.update_weights(weights)
+    assert same(before, rollout.generate(PROMPTS, SAMPLING))
+    logging.getLogger("vllm").removeHandler(records)
+    assert not [m for m in records.messages if "Failed to load weights" in m], records.messages

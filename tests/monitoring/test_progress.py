@@ -74,10 +74,25 @@ def test_live_status_on_a_terminal():
         assert kept in lines, (kept, lines)
 
 
+# the end of a plain episode line: the elapsed time, and an estimate of the time left while episodes remain
+TIMING = re.compile(r" \| \d+(?:h\d\dm|m\d\ds|s) elapsed(?:, eta \d+(?:h\d\dm|m\d\ds|s))?$")
+
+
+def without_timing(lines: list[str]) -> list[str]:
+    """The lines with the timing suffix of the episode lines removed (each episode line must have one)."""
+    out = []
+    for ln in lines:
+        if ln.startswith("episode "):
+            assert TIMING.search(ln), ln
+            ln = TIMING.sub("", ln)
+        out.append(ln)
+    return out
+
+
 def test_plain_lines_when_forced_on_a_terminal():
     raw = run_in_pty({"CHATLEARN_PROGRESS": "plain"})
     assert not ANSI.search(raw)
-    assert raw.replace("\r\n", "\n").splitlines() == [
+    assert without_timing(raw.replace("\r\n", "\n").splitlines()) == [
         "episode 0/2 | eval 0.100", "a worker log line", "episode 1/2 | reward 0.100", "a worker log line",
         "episode 2/2 | reward 0.200", "[chatlearn] done"]
 
@@ -87,7 +102,10 @@ def test_plain_lines_in_a_pipe():
                           env={k: v for k, v in os.environ.items() if k != "CHATLEARN_PROGRESS"})
     assert proc.returncode == 0, proc.stderr
     assert "\x1b" not in proc.stdout and "\r" not in proc.stdout
-    assert proc.stdout.splitlines() == [
+    lines = proc.stdout.splitlines()
+    # an estimate once a training episode is done, none after the last one
+    assert "eta" not in lines[0] and ", eta " in lines[2] and "eta" not in lines[4], lines
+    assert without_timing(lines) == [
         "episode 0/2 | eval 0.100", "a worker log line", "episode 1/2 | reward 0.100", "a worker log line",
         "episode 2/2 | reward 0.200", "[chatlearn] done"]
 
@@ -102,7 +120,29 @@ def test_plain_stream_gets_only_finished_episodes(monkeypatch):
     p.stage("train", "step 1/2")
     p.finish(1, "episode 1/3 | reward 0.5")
     p.close()
-    assert stream.getvalue() == "episode 1/3 | reward 0.5\n"
+    assert without_timing(stream.getvalue().splitlines()) == ["episode 1/3 | reward 0.5"]
+
+
+def test_plain_lines_estimate_the_time_left(monkeypatch):
+    """The estimate is the mean time of the episodes run so far times the episodes left; a resumed run
+    counts only its own episodes (clock faked: 10 s per episode after 100 s of start-up)."""
+    import chatlearn.logging.progress as progress
+
+    monkeypatch.delenv("CHATLEARN_PROGRESS", raising=False)
+    now = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    p = RunProgress(10, stream=stream)
+    now[0] += 100
+    for e in (5, 6, 7):  # resumed after episode 4
+        p.begin(e)
+        now[0] += 10
+        p.finish(e, f"episode {e}/10")
+    p.begin(10)
+    p.finish(10, "episode 10/10")
+    assert stream.getvalue().splitlines() == [
+        "episode 5/10 | 1m50s elapsed, eta 50s", "episode 6/10 | 2m00s elapsed, eta 40s",
+        "episode 7/10 | 2m10s elapsed, eta 30s", "episode 10/10 | 2m10s elapsed"]
 
 
 @pytest.mark.parametrize("isatty, term, env, live", [

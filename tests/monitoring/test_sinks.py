@@ -66,10 +66,14 @@ def test_redact_nested():
 
 def test_jsonl_only_by_default(tmp_path, wandb_env):
     sinks = MetricSinks(make_cfg(tmp_path))
+    before = time.time()
     sinks.write(1, {"train/loss": 0.5, "time/train": float("nan")})
+    after = time.time()
     sinks.close()
     sinks.close()  # closing twice is harmless
-    assert rows(tmp_path / "metrics.jsonl") == [{"episode": 1, "time/train": None, "train/loss": 0.5}]
+    (row,) = rows(tmp_path / "metrics.jsonl")
+    assert before - 0.01 <= row.pop("time/wall") <= after + 0.01  # the wall-clock time the row was written
+    assert row == {"episode": 1, "time/train": None, "train/loss": 0.5}
     assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "wandb").exists()
 
 

@@ -256,6 +256,7 @@ class WorkerExtension:
             self._chatlearn_load(unpack_weights(weights))
             self._chatlearn_reset_caches()
             return
+        _keep_out_of_reload(self.model_runner.get_model())
         self.reload_weights(weights_iterator=unpack_weights(weights), is_checkpoint_format=True)
         _reprocess_shared(self.model_runner.get_model())
 
@@ -286,6 +287,7 @@ class WorkerExtension:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):
+            _keep_out_of_reload(self.model_runner.get_model())
             initialize_layerwise_reload(self.model_runner.get_model())
 
     def chatlearn_load_bucket(self, weights: list) -> None:
@@ -423,8 +425,40 @@ class WorkerExtension:
 
     def chatlearn_reload_from_folder(self) -> None:
         """Reload the weights from the model folder the engine was started with."""
+        _keep_out_of_reload(self.model_runner.get_model())
         self.reload_weights(weights_iterator=None, is_checkpoint_format=True)
         _reprocess_shared(self.model_runner.get_model())
+
+
+def _keep_out_of_reload(model: torch.nn.Module) -> None:
+    """Leave out of the next layerwise reload the layers that no checkpoint has weights for: those
+    whose parameters all belong to a layer before them (a tied ``lm_head``: its weight is the
+    embedding's) and whose buffers are all non-persistent (the rotary embedding's cos/sin cache,
+    computed at construction). vLLM would take their tensors apart for the reload, receive nothing,
+    put the old tensors back and warn "<Layer>: Failed to load weights" on every weight push (vLLM
+    0.32, ``finalize_layerwise_processing``). Marked as already set up with nothing to load
+    (``load_numel_total`` 0) and their own tensors as the ones to restore, they are skipped by
+    ``initialize_layerwise_reload`` and put back unchanged, silently, by the finalize step; the tied
+    layer is then refreshed by :func:`_reprocess_shared`. Attention layers are vLLM's to finalize."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    seen: set[int] = set()
+    for layer in model.modules():
+        params = {k: v for k, v in layer._parameters.items() if v is not None}
+        buffers = {k: v for k, v in layer._buffers.items() if v is not None}
+        shared = all(id(p) in seen for p in params.values())
+        seen.update(id(p) for p in params.values())
+        if not (params or buffers) or not shared or is_deferred_attention_layer(layer):
+            continue
+        if any(name not in layer._non_persistent_buffers_set for name in buffers):
+            continue
+        info = get_layerwise_info(layer)
+        if info.can_load():  # already in a reload
+            continue
+        info.load_numel_total = 0
+        info.kernel_tensors = (params, buffers)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
 
 
 def _reprocess_shared(model: torch.nn.Module) -> None:
@@ -569,6 +603,7 @@ class VLLMRollout(Rollout):
             enable_sleep_mode=self._sleep_mode,
             logprobs_mode="processed_logprobs",  # see the module docstring
             worker_extension_cls=f"{__name__}.WorkerExtension",
+            use_tqdm_on_load=False,  # a bar per load: at start and at every reload from the folder
         )
         # An in-process engine core takes the tensors as they are; otherwise they are
         # serialised (see ``pack_weights``).

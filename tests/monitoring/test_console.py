@@ -1,0 +1,145 @@
+"""A quiet console: third-party output goes to ``<output_dir>/logs/`` (``--verbose``: the console too),
+chatlearn's own lines and failures stay visible; the end-of-run summary; ``chatlearn --version``."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import version
+
+import pytest
+
+from chatlearn.logging import console
+from chatlearn.logging.metrics import WALL, MetricsWriter, run_summary
+from conftest import REPO
+
+# a worker process: what libraries write (Python print and logging, a C-level write to fd 2, a child
+# process), and a line of chatlearn's own
+WORKER = textwrap.dedent("""
+    import logging, os, subprocess, sys
+    from chatlearn.logging.console import setup_worker, worker_console
+
+    setup_worker()
+    print("library print on stdout")
+    logging.getLogger("vllm.x").warning("library logging warning")
+    os.write(2, b"C-level warning on fd 2\\n")
+    subprocess.run([sys.executable, "-c", "print('child process line')"], check=True)
+    print("[chatlearn] own line from a worker", file=worker_console(), flush=True)
+""")
+THIRD_PARTY = ("library print on stdout", "library logging warning", "C-level warning on fd 2", "child process line")
+
+
+def run_worker(tmp_path, **env):
+    env = {**os.environ, "CHATLEARN_LOG_DIR": str(tmp_path), **env}
+    proc = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=60, env=env,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    logs = {p.name: p.read_text() for p in tmp_path.glob("worker-*.log")}
+    return proc.stdout + proc.stderr, logs
+
+
+def test_worker_output_goes_to_its_log_file(tmp_path):
+    shown, logs = run_worker(tmp_path, CHATLEARN_VERBOSE="")
+    assert shown.strip() == "[chatlearn] own line from a worker"
+    (name, text), = logs.items()
+    assert name.startswith("worker-")
+    for line in THIRD_PARTY:
+        assert line in text, (line, text)
+
+
+def test_worker_output_on_the_console_with_verbose(tmp_path):
+    shown, logs = run_worker(tmp_path, CHATLEARN_VERBOSE="1")
+    for line in (*THIRD_PARTY, "[chatlearn] own line from a worker"):
+        assert line in shown, (line, shown)
+    assert not logs
+
+
+def test_worker_env_carries_the_log_settings(monkeypatch):
+    from chatlearn.runtime.env import worker_env
+
+    monkeypatch.setenv("CHATLEARN_LOG_DIR", "/runs/x/logs")
+    monkeypatch.setenv("CHATLEARN_VERBOSE", "1")
+    env = worker_env("rollout", "vllm", 2)
+    assert env["CHATLEARN_LOG_DIR"] == "/runs/x/logs" and env["CHATLEARN_VERBOSE"] == "1"
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_driver_library_logging_goes_to_the_file(tmp_path, monkeypatch, capfd, verbose):
+    """Lines logged before the folder is known are kept and written first; a library's own console
+    handler (on a child logger that does not propagate) is replaced while the run lasts, then restored."""
+    monkeypatch.delenv("CHATLEARN_LOG_DIR", raising=False)
+    monkeypatch.setenv("CHATLEARN_VERBOSE", "1" if verbose else "0")
+    child = logging.getLogger("transformers.tokenization_test")
+    own = logging.StreamHandler(sys.stderr)
+    child.addHandler(own)
+    child.propagate = False
+    try:
+        with console.ThirdPartyLogs() as logs:
+            logging.getLogger("ray.test").warning("ray before the folder is known")
+            folder = logs.attach(str(tmp_path / "out"))
+            assert os.environ["CHATLEARN_LOG_DIR"] == folder
+            child.warning("tokenizer warning")
+            logging.getLogger("vllm").error("vllm error")
+            import warnings
+            warnings.warn("a library's deprecation warning")
+        assert "CHATLEARN_LOG_DIR" not in os.environ
+        assert child.handlers == [own] and child.propagate is False
+        text = (tmp_path / "out" / "logs" / "driver.log").read_text()
+        for line in ("ray before the folder is known", "tokenizer warning", "vllm error",
+                     "a library's deprecation warning"):
+            assert line in text, (line, text)
+        assert text.index("ray before") < text.index("tokenizer warning")
+        err = capfd.readouterr().err
+        assert ("tokenizer warning" in err and "vllm error" in err) == verbose, err
+    finally:
+        child.removeHandler(own)
+        child.propagate = True
+
+
+def test_failure_hint_shows_the_end_of_a_dead_workers_log(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "worker-4242.log").write_text("".join(f"line {i}\n" for i in range(100)) + "Fatal Python error: Aborted\n")
+    error = RuntimeError("The actor died unexpectedly before finishing this task.\n\tclass_name: Worker\n\tpid: 4242")
+    hint = console.failure_hint(error, str(tmp_path))
+    assert f"third-party logs of this run: {logs}/" in hint
+    assert "Fatal Python error: Aborted" in hint and "line 99" in hint and "line 10\n" not in hint
+    assert console.failure_hint(RuntimeError("pid: 1"), str(tmp_path)).count("\n") == 0  # no such log
+
+
+def test_metrics_rows_have_a_wall_clock_time(tmp_path):
+    import time
+
+    before = time.time()
+    writer = MetricsWriter(str(tmp_path))
+    writer.write(1, {"train/loss": 0.5})
+    writer.close()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert before - 1 <= row[WALL] <= time.time() + 1 and row["train/loss"] == 0.5
+
+
+def test_run_summary():
+    rows = [{"episode": 0, WALL: 90.0, "eval/reward_mean": 0.2, "time/eval": 2.0},  # an earlier process
+            {"episode": 1, WALL: 100.0, "time/episode": 10.0, "time/generate": 4.0, "time/train": 5.0,
+             "time/weight_push": 1.0},
+            {"episode": 2, WALL: 110.0, "time/episode": 10.0, "time/generate": 4.0, "time/train": 5.0,
+             "time/weight_push": 1.0, "eval/reward_mean": 0.6, "time/eval": 2.0},
+            {"episode": 3, WALL: 120.0, "time/episode": 10.0, "time/generate": 4.0, "time/train": 5.0,
+             "time/weight_push": 1.0, "eval/reward_mean": 0.5, "time/eval": 2.0}]
+    lines = run_summary(rows, wall_seconds=40.0, since=95.0,
+                        outputs={"metrics": "/o/metrics.jsonl", "checkpoints": "/o/checkpoints/"})
+    assert lines == [
+        "[chatlearn] done: episodes 1..3 in 40s",
+        "[chatlearn] eval reward: first 0.200 (episode 0), last 0.500 (episode 3), best 0.600 (episode 2)",
+        "[chatlearn] time: generate 12.0s (30%) | train 15.0s (38%) | weight push 3.0s (8%) | eval 4.0s (10%) "
+        "| start-up and other 6.0s (15%)",
+        "[chatlearn] outputs: metrics /o/metrics.jsonl | checkpoints /o/checkpoints/"]
+
+
+def test_version():
+    proc = subprocess.run([sys.executable, "-m", "chatlearn.cli", "--version"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"chatlearn {version('chatlearn')}"
