@@ -22,6 +22,7 @@ kept on the host), ``onload(parts)`` restores it bit for bit.
 from __future__ import annotations
 
 import abc
+import math
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -89,6 +90,19 @@ class Model(abc.ABC):
         """Restore the named parts bit for bit; returns {"bytes": int} moved."""
 
 
+def step_is_finite(loss: float, grad_norm: float) -> bool:
+    """Whether an optimizer step may be taken: its loss and gradient norm are finite numbers.
+
+    A non-finite one means the gradients are nan or inf, and stepping would write them into the
+    weights and the optimizer state for good, so the trainers skip that step instead (as
+    Megatron-LM, DeepSpeed and torch's GradScaler skip a step whose gradients overflowed): the
+    gradients are dropped and neither the weights, the optimizer state nor the learning-rate
+    schedule move. Both numbers are all-reduced over the ranks, so every rank decides alike.
+    The engine stops the run after ``optimizer.max_nonfinite_steps`` skipped steps in a row.
+    """
+    return math.isfinite(loss) and math.isfinite(grad_norm)
+
+
 class Trainer(Model):
     """policy_trainer and ref_policy (FSDP2 and Megatron).
 
@@ -135,6 +149,27 @@ class Trainer(Model):
         """Restore offloaded ``parts`` bit for bit; returns the bytes copied back."""
         return sum(self._stashes.pop(part).restore() for part in self.OFFLOADABLE
                    if part in parts and part in self._stashes)
+
+    def _require_finite_weights(self, params: Iterable, path: str) -> None:
+        """Refuse, on every rank, to write a checkpoint at ``path`` from weights that hold nan or
+        inf (``params``: this rank's local weight tensors; a collective: the count is
+        all-reduced). Skipped steps keep the weights finite; this catches a finite step that
+        overflowed them (a learning rate far too large)."""
+        import torch
+        import torch.distributed as dist
+
+        params = list(params)
+        bad = torch.tensor([sum(int(not bool(torch.isfinite(t).all())) for t in params), len(params)],
+                           dtype=torch.int64, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(bad)
+        if int(bad[0]):
+            from chatlearn.errors import UserError
+
+            raise UserError(f"{int(bad[0])} of the trainer's {int(bad[1])} weight tensors (shards of all "
+                            f"ranks) hold nan or inf, so no checkpoint is written to {path!r}: training "
+                            "diverged. Resume from the last checkpoint with a lower "
+                            "models.policy_trainer.optimizer.lr (or a smaller clip_grad).")
 
     def _require_onloaded(self, what: str) -> None:
         offloaded = [part for part in self.OFFLOADABLE if part in self._stashes]

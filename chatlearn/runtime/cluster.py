@@ -7,6 +7,8 @@ joins that cluster instead of starting a local one.
 from __future__ import annotations
 
 import os
+import socket
+import urllib.parse
 
 import ray
 from omegaconf import DictConfig, OmegaConf
@@ -15,6 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from chatlearn.algorithms.lr_schedule import resolve_schedule
 from chatlearn.config.plan import Plan, make_plan
 from chatlearn.errors import UserError
+from chatlearn.logging.console import ray_init_options
 from chatlearn.models.specs import RolloutSpec, TrainerSpec
 from chatlearn.runtime.env import worker_env
 from chatlearn.runtime.group import WorkerGroup, create_group
@@ -95,6 +98,42 @@ def use_auth_token_if_present() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
+START_A_CLUSTER = ("Start it first (`ray start --head` on the head node, `ray start --address=HEAD:PORT` on the "
+                   "others) and use the address it prints, or unset RAY_ADDRESS to run on this machine alone.")
+
+
+def check_ray_address(address: str, timeout_s: float) -> None:
+    """Refuse, within ``timeout_s``, a ``RAY_ADDRESS`` (``host:port`` or ``ray://host:port``) at which
+    nothing accepts a connection: Ray's own connect retries for minutes before it gives up. ``auto``,
+    ``local`` and addresses without a port are left to ``ray.init``. A port that accepts but is not a
+    Ray cluster is still Ray's to time out."""
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    if target in ("auto", "local"):
+        return
+    try:
+        parts = urllib.parse.urlsplit("//" + target)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return  # ray.init names what is wrong with it
+    if not host or port is None:
+        return
+    # ray.init connects to this node's IP for a local host name: either answering will do
+    hosts = [host] + ([ray.util.get_node_ip_address()] if host in ("localhost", "127.0.0.1", "::1") else [])
+    failures = []
+    for candidate in hosts:
+        try:
+            with socket.create_connection((candidate, port), timeout=timeout_s):
+                return
+        except socket.timeout:
+            failures.append(f"no answer within {timeout_s:g} s (runtime_args.ray_connect_timeout_s)")
+        except OSError as err:
+            why = err.strerror or type(err).__name__
+            failures.append(f"{why[0].lower()}{why[1:]}")
+    why = failures[0]  # the address as given
+    raise UserError(f"could not reach the Ray cluster at RAY_ADDRESS={address!r} (host {host}, port {port}): "
+                    f"{why}. {START_A_CLUSTER}")
+
+
 class Cluster:
     """Starts (or joins) Ray, reserves the devices of the plan, and creates each model's actors."""
 
@@ -111,23 +150,21 @@ class Cluster:
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # plain "(Worker pid=...)" prefixes in logs
             if os.environ.get("RAY_ADDRESS"):
                 print(f"[chatlearn] joining the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
+                check_ray_address(os.environ["RAY_ADDRESS"], self.cfg.runtime_args.ray_connect_timeout_s)
                 use_auth_token_if_present()
                 try:
-                    ray.init(address=os.environ["RAY_ADDRESS"], logging_level="WARNING")
+                    ray.init(address=os.environ["RAY_ADDRESS"], **ray_init_options())
                 except (ConnectionError, RuntimeError, ValueError) as err:
                     raise UserError(
                         f"could not join the Ray cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']!r} ({err}). "
-                        "Start it first (`ray start --head` on the head node, `ray start --address=HEAD:PORT` "
-                        "on the others) and use the address it prints, or unset RAY_ADDRESS to run on this "
-                        "machine alone.") from err
+                        f"{START_A_CLUSTER}") from err
             else:
                 import torch
 
                 gpus = torch.cuda.device_count() or plan.total_devices  # logical devices without a GPU
                 # "local": a new cluster of this run's own, even where `ray start` ran before
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, reward_cpus), num_gpus=gpus,
-                         include_dashboard=False,
-                         logging_level="WARNING", configure_logging=True)
+                         include_dashboard=False, **ray_init_options())
             self.started_ray = True
         have = {"GPU": 0, "CPU": 0, **ray.cluster_resources()}
         if have["GPU"] < plan.total_devices:

@@ -47,6 +47,14 @@ class Activity:
         return total + ((cur_e - cur_s) if cur_e is not None else 0.0)
 
 
+class CallTimeout(Exception):
+    """Calls still running after ``timeout`` seconds, on the actors numbered ``stuck``."""
+
+    def __init__(self, stuck: list[int], timeout: float):
+        self.stuck, self.timeout = stuck, timeout
+        super().__init__(f"actors {stuck} did not return within {timeout:g} s")
+
+
 class WorkerGroup:
     """N actors of one model. ``call`` runs a method on every actor and returns the results in rank order."""
 
@@ -66,9 +74,18 @@ class WorkerGroup:
         outs = ray.get(self.call_async(method, *args, **kwargs))
         return self._done(method, outs)
 
-    def call_each(self, method: str, per_actor_args: list[tuple]) -> tuple[list, float]:
-        """Actor i runs ``method(*per_actor_args[i])``."""
+    def call_each(self, method: str, per_actor_args: list[tuple], timeout: float | None = None
+                  ) -> tuple[list, float]:
+        """Actor i runs ``method(*per_actor_args[i])``. With ``timeout`` (seconds), a :class:`CallTimeout`
+        naming the actors still running once it has passed; a call that fails raises at once."""
         refs = [a.call.remote(method, *args) for a, args in zip(self.actors, per_actor_args)]
+        if timeout:
+            pending, deadline = list(refs), time.monotonic() + timeout
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise CallTimeout([refs.index(r) for r in pending], timeout)
+                ray.get(ready)  # the error of a failed call, now
         return self._done(method, ray.get(refs))
 
     def _done(self, method: str, outs: list) -> tuple[list, float]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -29,6 +30,7 @@ class Ctx:
     tmp: str
     model: str
     base: list  # overrides for a valid config, output in OUT
+    env: dict = field(default_factory=dict)  # environment variables a row sets for its command
 
     @property
     def out(self) -> str:
@@ -63,6 +65,13 @@ def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(*extra, dry=False):
@@ -116,6 +125,15 @@ def merge(*flags):
     return lambda c: ["merge", remote_code_checkpoint(c), os.path.join(c.tmp, "merged"), *flags]
 
 
+def model_without(*names):
+    """A copy of the test model folder without the files ``names``; the run loads it."""
+    def setup(c: Ctx) -> list:
+        folder = os.path.join(c.tmp, "partial_model")
+        shutil.copytree(c.model, folder, ignore=shutil.ignore_patterns(*names))
+        return run(f"models.policy_trainer.load={folder}")(c)
+    return setup
+
+
 # id, argv(ctx), exit code, words the output must hold ({out}: the output folder, {pid}: the holder's),
 # words it must not hold
 CASES = [
@@ -148,6 +166,41 @@ CASES = [
     ("merge: checkpoint says trust_remote_code", merge(), 2,
      ["needs the Python code", "auto_map", "configuration_mine.MineConfig",
       "a checkpoint's own metadata cannot allow running code", "--trust-remote-code"], ["Traceback"]),
+    # 4. non-finite numbers in the config
+    ("lr=inf", run("models.policy_trainer.optimizer.lr=inf", dry=True), 2,
+     ["models.policy_trainer.optimizer.lr", "must be a finite number, got inf", "cannot hold inf or nan"],
+     ["Traceback", "# plan"]),
+    ("lr=nan names lr", run("models.policy_trainer.optimizer.lr=nan", dry=True), 2,
+     ["models.policy_trainer.optimizer.lr: must be a finite number, got nan"], ["lr_warmup_init", "Traceback"]),
+    ("a reward weight of -inf", run("models.reward.functions=[{name: m, path: 'builtin:math', weight: -.inf}]",
+                                    dry=True), 2,
+     ["models.reward.functions[0].weight: must be a finite number, got -inf"], ["Traceback"]),
+    ("max_nonfinite_steps=0", run("models.policy_trainer.optimizer.max_nonfinite_steps=0", dry=True), 2,
+     ["models.policy_trainer.optimizer.max_nonfinite_steps", "positive integer"], ["Traceback"]),
+    # 8. reward timeout setting
+    ("a negative reward timeout", run("models.reward.timeout_s=-1", dry=True), 2,
+     ["models.reward.timeout_s", "must be >= 0"], ["Traceback"]),
+    # 9. a RAY_ADDRESS where no cluster listens: refused at once, before Ray is started
+    ("RAY_ADDRESS where nothing listens",
+     lambda c: (c.env.update(RAY_ADDRESS=f"127.0.0.1:{closed_port()}"), run()(c))[1], 2,
+     ["could not reach the Ray cluster at RAY_ADDRESS='127.0.0.1:", "connection refused", "ray start --head",
+      "unset RAY_ADDRESS to run on this machine alone"], ["Traceback"]),
+    ("ray_connect_timeout_s=0", run("runtime_args.ray_connect_timeout_s=0", dry=True), 2,
+     ["runtime_args.ray_connect_timeout_s", "must be > 0"], ["Traceback"]),
+    # 7. a model folder is checked at validation: config, weights, tokenizer; Hub ids resolve or say why not
+    ("a model folder without tokenizer files", model_without("tokenizer.json", "tokenizer_config.json"), 2,
+     ["models.policy_trainer.load", "partial_model", "no tokenizer files (tokenizer.json", "add what is missing"],
+     ["Traceback", "no weights", "no config.json"]),
+    ("a model folder without weights", model_without("*.safetensors"), 2,
+     ["models.policy_trainer.load", "no weights (model.safetensors"], ["Traceback", "no tokenizer"]),
+    ("a model folder without config.json and weights", model_without("config.json", "*.safetensors"), 2,
+     ["no config.json (the model's configuration); no weights"], ["Traceback"]),
+    ("load names a file in the model folder",
+     lambda c: run(f"models.policy_trainer.load={os.path.join(c.model, 'config.json')}", dry=True)(c), 2,
+     ["models.policy_trainer.load", "is a file", "must be a model folder"], ["Traceback", "does not exist"]),
+    ("a Hub model id not in the cache, offline", run("models.policy_trainer.load=acme/not-cached", dry=True), 2,
+     ["models.policy_trainer.load", "'acme/not-cached' is not a local path", "HF_HUB_OFFLINE=1",
+      "hf download acme/not-cached"], ["Traceback", "# plan"]),
     # 6. secrets are never printed
     ("--dry-run with a secret in a reward function's kwargs", lambda c: run(secret_reward(c), dry=True)(c), 0,
      ["api_key: '***'", "secrets shown as ***"], [SECRET]),
@@ -185,8 +238,11 @@ def test_table_is_complete():
 
 
 @pytest.mark.parametrize("argv, code, present, absent", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_case(ctx, no_ray, capsys, argv, code, present, absent):
-    rc = main(argv(ctx))
+def test_case(ctx, no_ray, capsys, monkeypatch, argv, code, present, absent):
+    args = argv(ctx)
+    for key, value in ctx.env.items():
+        monkeypatch.setenv(key, value)
+    rc = main(args)
     captured = capsys.readouterr()
     out = captured.out + captured.err
     flat = " ".join(out.split())
@@ -199,6 +255,31 @@ def test_case(ctx, no_ray, capsys, argv, code, present, absent):
     if code == 2:
         message = captured.err[captured.err.index("error: "):]
         assert "\n\n" not in message.strip(), message
+
+
+def test_a_ray_address_that_does_not_answer_is_given_up_after_the_timeout():
+    """A port whose listen queue is full drops new connections unanswered (as a firewalled host does):
+    runtime_args.ray_connect_timeout_s bounds the wait."""
+    from chatlearn.errors import UserError
+    from chatlearn.runtime.cluster import check_ray_address
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        queued = [socket.socket() for _ in range(4)]
+        for c in queued:
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+        try:
+            with pytest.raises(UserError) as err:
+                check_ray_address(f"127.0.0.1:{port}", 0.5)
+        finally:
+            for c in queued:
+                c.close()
+    assert f"RAY_ADDRESS='127.0.0.1:{port}'" in err.value.message
+    assert "no answer within 0.5 s (runtime_args.ray_connect_timeout_s)" in err.value.message
+    assert "ray start --head" in err.value.message
 
 
 def test_refused_fresh_start_leaves_the_old_run_untouched(ctx, no_ray, capsys):

@@ -126,3 +126,112 @@ def test_overwrite_moves_the_old_run_aside(tmp_path):
     assert ckpts == ["episode_000001", "latest"]
     assert (out / "checkpoints" / "latest").read_text().strip() == "episode_000001"
     assert episodes(out / "metrics.jsonl") == [1]
+
+
+# ------------------------------------------------------------------ non-finite steps, stuck rewards
+NAN_SITE = os.path.join(REPO, "tests", "reliability", "nan_site")
+
+
+def checkpoint_model(path):
+    """The model tensors of a run's checkpoint folder (DCP, read without a process group)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = path.parent / (path.name + ".pt")
+    dcp_to_torch_save(str(path / "trainer"), str(flat))
+    return torch.load(flat, weights_only=True)["model"]
+
+
+@pytest.mark.timeout(600)
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
+    """Gradients and loss made nan from optimizer step 2 on (tests/reliability/nan_site): steps 2
+    and 3 (one per episode) are skipped with a warning, their checkpoints hold the weights of
+    episode 1, and the third skipped step in a row stops the run with exit 2 before episode 4's
+    checkpoint."""
+    import torch
+
+    out = tmp_path / "out"
+    env = {"CHATLEARN_TEST_NAN_FROM_STEP": "2",
+           "PYTHONPATH": os.pathsep.join(p for p in (NAN_SITE, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(command(out, "runtime_args.num_episode=5", "runtime_args.save_episode_interval=1"),
+                          cwd=REPO, capture_output=True, text=True, timeout=500, env={**os.environ, **env})
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for word in ("training diverged", "not finite in 3 optimizer steps in a row", "episode 4, optimizer step 1/1",
+                 "max_nonfinite_steps: 3", "models.policy_trainer.optimizer.lr"):
+        assert word in err, err
+    warned = " ".join(proc.stdout.split())
+    assert "warning: episode 2, optimizer step 1/1: loss nan" in warned and "the step was skipped" in warned
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["episode"] for r in rows] == [1, 2, 3]
+    assert [r["train/skipped_steps"] for r in rows] == [0.0, 1.0, 1.0]
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["episode_000001", "episode_000002", "episode_000003", "latest"]
+    first, last = (checkpoint_model(out / "checkpoints" / f"episode_00000{e}") for e in (1, 3))
+    assert first.keys() == last.keys()
+    for name, tensor in last.items():
+        assert torch.isfinite(tensor).all() and torch.equal(tensor, first[name]), name
+
+
+STUCK_REWARD = ("import os, time\n\n"
+                "def score(*, prompts, responses, ground_truths, data_sources, extra, marker):\n"
+                "    open(marker, 'a').close()\n"
+                "    while True:\n"
+                "        time.sleep(0.1)\n")
+
+
+def stuck_reward(tmp_path):
+    path = tmp_path / "stuck_reward.py"
+    path.write_text(STUCK_REWARD)
+    marker = tmp_path / "reward_called"
+    return f"models.reward.functions=[{{name: stuck, path: '{path}:score', kwargs: {{marker: '{marker}'}}}}]", marker
+
+
+# a regular expression that backtracks for ages, inside the C code of `re` (which holds the
+# interpreter lock: no Python-level timeout or signal gets in)
+RUNAWAY_REGEX = ("import re\n\n"
+                 "def score(*, prompts, responses, ground_truths, data_sources, extra):\n"
+                 "    re.match(r'(a+)+$', 'a' * 64 + 'b')\n"
+                 "    return [0.0 for _ in responses]\n")
+
+
+@pytest.mark.timeout(600)
+def test_a_reward_function_that_never_returns_times_out(tmp_path):
+    """models.reward.timeout_s: the run stops with exit 2 naming the function (the second of two, stuck in
+    C code) and the samples."""
+    out = tmp_path / "out"
+    path = tmp_path / "stuck_reward.py"
+    path.write_text(RUNAWAY_REGEX)
+    reward = f"models.reward.functions=[{{name: math, path: 'builtin:math'}}, {{name: stuck, path: '{path}:score'}}]"
+    proc = subprocess.run(command(out, reward, "models.reward.timeout_s=5", "runtime_args.num_episode=1"),
+                          cwd=REPO, capture_output=True, text=True, timeout=500)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for word in ("reward function 'stuck' (models.reward.functions[1],", "stuck_reward.py:score",
+                 "did not return within 5 s (models.reward.timeout_s)", "the rollouts of episode 1",
+                 "samples 0-15 of 16 on reward worker 0",
+                 "raise models.reward.timeout_s"):
+        assert word in err, err
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert not (out / "run.lock").exists()
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_while_a_reward_function_is_stuck(tmp_path):
+    """The first Ctrl-C stops a run blocked in a reward function (no time limit): exit 130."""
+    out = tmp_path / "out"
+    reward, marker = stuck_reward(tmp_path)
+    proc = start(out, reward, "models.reward.timeout_s=0")
+    try:
+        wait_for(proc, marker.exists, "the reward function was called")
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, proc.stderr.read()[-3000:]
+    assert not (out / "run.lock").exists()

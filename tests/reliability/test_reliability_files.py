@@ -62,7 +62,9 @@ def test_metrics_writer_never_glues_a_row_to_a_torn_one(tmp_path, capsys):
     writer = MetricsWriter(str(tmp_path))
     writer.write(1, {"train/reward_mean": 0.25})
     writer.close()
-    assert rows(path) == [{"episode": 0, "eval/reward_mean": 0.5}, {"episode": 1, "train/reward_mean": 0.25}]
+    got = rows(path)
+    assert isinstance(got[1].pop("time/wall"), float)  # every new row carries its wall-clock time
+    assert got == [{"episode": 0, "eval/reward_mean": 0.5}, {"episode": 1, "train/reward_mean": 0.25}]
     assert "cut short by an earlier crash" in capsys.readouterr().err
 
 

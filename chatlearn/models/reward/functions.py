@@ -222,13 +222,21 @@ class RewardManager:
     def score(self, prompts: list[str], responses: list[str], ground_truths: list, data_sources: list[str],
               extra: list[dict]) -> dict:
         """``{"score": sum_i weight_i * score_i, "metrics": {"<name>/<key>": per-sample values}}``."""
-        n = len(responses)
         batch = {"prompts": list(prompts), "responses": list(responses), "ground_truths": list(ground_truths),
                  "data_sources": list(data_sources), "extra": list(extra)}
-        total = np.zeros(n, dtype=np.float64)
+        total = np.zeros(len(responses), dtype=np.float64)
         metrics: dict[str, np.ndarray] = {}
-        for name, path, weight, kwargs, fn in self.entries:
-            parts = self.call(path, fn, kwargs, batch, n)
-            total += weight * parts["score"]
-            metrics.update({f"{name}/{k}": v for k, v in parts.items()})
+        for i in range(len(self.entries)):
+            out = self.score_one(i, batch)
+            total += out["score"]
+            metrics.update(out["metrics"])
         return {"score": total.astype(np.float32), "metrics": metrics}
+
+    def score_one(self, index: int, batch: dict) -> dict:
+        """Entry ``index`` alone on ``batch`` (the contract's keyword arguments, as lists):
+        ``{"score": weight x score (float64), "metrics": {"<name>/<key>": per-sample values}}``. The
+        driver calls the entries one at a time (and sums them as :meth:`score` does), so that a time
+        limit knows which function overran."""
+        name, path, weight, kwargs, fn = self.entries[index]
+        parts = self.call(path, fn, kwargs, batch, len(batch["responses"]))
+        return {"score": weight * parts["score"], "metrics": {f"{name}/{k}": v for k, v in parts.items()}}

@@ -45,7 +45,7 @@ from chatlearn.algorithms.grpo import LOSS_SUMS, GRPOLoss, chunked_logprobs_entr
 from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
-from chatlearn.models.base import Batch, Trainer
+from chatlearn.models.base import Batch, Trainer, step_is_finite
 from chatlearn.models.trainer.packing import plan_micro_batches
 
 # Files of a model folder that save_pretrained writes itself; save_hf copies the others
@@ -412,6 +412,11 @@ class FSDPTrainer(Trainer):
         learning rate is the schedule's at the current step count, or 0 when every sample of
         the batch has weight 0 (a filtered batch: the step then changes no weight, and the
         schedule still advances).
+
+        A step whose loss or gradient norm is not finite is skipped (:func:`.base.step_is_finite`):
+        the gradients are dropped, no weight or optimizer state changes and the schedule does not
+        advance; ``skipped_steps`` is then 1. Loss and norm are all-reduced, so every rank decides
+        alike.
         """
         metrics = self.compute_grads(batch, temperature)
         lr = (trainer_learning_rate(self.cfg, self._optimizer_steps())
@@ -423,10 +428,13 @@ class FSDPTrainer(Trainer):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        self.optimizer.step()
+        stepped = step_is_finite(metrics["loss"], float(norm))
+        if stepped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         metrics["grad_norm"] = float(norm)
         metrics["lr"] = lr
+        metrics["skipped_steps"] = 0.0 if stepped else 1.0
         return metrics
 
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -542,6 +550,9 @@ class FSDPTrainer(Trainer):
         self._require_onloaded("save_checkpoint")
         rng = sharded.capture_rng_state(self.device)  # before anything that could draw
         self._reshard()
+        if self.trainable:
+            self._require_finite_weights((p.to_local() if isinstance(p, DTensor) else p
+                                          for p in self.model.parameters()), path)
         os.makedirs(path, exist_ok=True)
         if self.rank == 0:
             sharded.clear_complete(path)

@@ -59,7 +59,7 @@ from chatlearn.algorithms.grpo import LOSS_SUMS, GRPOLoss, token_sums
 from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
-from chatlearn.models.base import Batch, Trainer
+from chatlearn.models.base import Batch, Trainer, step_is_finite
 from chatlearn.models.trainer.fsdp import init_distributed
 from chatlearn.models.trainer.megatron import checkpoint as ckpt_format
 from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
@@ -513,7 +513,9 @@ class MegatronTrainer(Trainer):
         """One optimizer step on one global batch (see the module docstring for the loss).
 
         ``temperature`` must be the one ``old_logprobs`` were computed with. The learning
-        rate: as the FSDP trainer's (0 for a batch whose samples all have weight 0).
+        rate: as the FSDP trainer's (0 for a batch whose samples all have weight 0). A step
+        whose loss or gradient norm is not finite is skipped, as in the FSDP trainer
+        (``skipped_steps`` 1; see :meth:`_step`).
         """
         metrics = self.compute_grads(batch, temperature)
         lr = (trainer_learning_rate(self.cfg, self._optimizer_steps())
@@ -521,11 +523,38 @@ class MegatronTrainer(Trainer):
         for opt in self._optimizers():
             for group in opt.optimizer.param_groups:
                 group["lr"] = lr
-        _, grad_norm, _ = self.optimizer.step()
+        stepped, grad_norm = self._step(metrics["loss"])
         self.zero_grad()
-        metrics["grad_norm"] = float(grad_norm)
+        metrics["grad_norm"] = grad_norm
         metrics["lr"] = lr
+        metrics["skipped_steps"] = 0.0 if stepped else 1.0
         return metrics
+
+    @torch.no_grad()
+    def _step(self, loss: float) -> tuple[bool, float]:
+        """``(stepped, grad norm)``: Megatron's ``optimizer.step()`` (megatron-core
+        ``ChainedOptimizer.step``: prepare the main gradients, their global norm over the
+        model-parallel ranks, clip by it, step) with the decision of
+        :func:`chatlearn.models.base.step_is_finite` between the norm and the update. The loss
+        is all-reduced and the norm is the same on every rank (data-parallel replicas hold the
+        same reduced gradients), so every rank decides alike."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        if self.optimizer.prepare_grads():  # a loss scaler found inf/nan: Megatron's own skip
+            return False, float("nan")
+        norm = float(self.optimizer.get_grad_norm())
+        if not step_is_finite(loss, norm):
+            return False, norm
+        for opt in self._optimizers():
+            if getattr(opt, "is_stub_optimizer", False):
+                continue
+            params = opt.get_parameters()
+            if not params or opt.config.clip_grad <= 0:
+                continue
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=opt.config.clip_grad, total_norm=norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return bool(self.optimizer.step_with_ready_grads()), norm
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Gradients by Hugging Face name, unsharded, on the CPU: complete on rank 0, empty
@@ -637,6 +666,8 @@ class MegatronTrainer(Trainer):
 
         self._require_onloaded("save_checkpoint")
         rng = sharded.capture_rng_state(self.device)  # before anything that could draw
+        if self.trainable:
+            self._require_finite_weights(self.gpt.parameters(), path)
         os.makedirs(path, exist_ok=True)
         if self.rank == 0:
             sharded.clear_complete(path)
