@@ -14,12 +14,18 @@ from chatlearn.errors import UserError
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatlearn", description="Reinforcement learning for LLMs (GRPO).")
+    parser.add_argument("--version", action="version", version=f"chatlearn {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train with a YAML config",
                          description="Train with a YAML config. Extra arguments key.path=value override it.")
     run.add_argument("config", help="YAML config, e.g. template/grpo_fsdp.yaml")
     run.add_argument("overrides", nargs="*", help="overrides such as runtime_args.num_episode=10")
-    run.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan, then exit")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the plan and the settings that differ from the defaults, then exit")
+    run.add_argument("--all", action="store_true", help="with --dry-run: print every setting")
+    run.add_argument("--verbose", action="store_true",
+                     help="show the logs of vLLM, Ray, transformers, torch... on the console too (by default "
+                          "they only go to OUTPUT_DIR/logs/)")
     run.add_argument("--no-resume", action="store_true",
                      help="start fresh instead of continuing the run in output_dir (same as "
                           "runtime_args.enable_resume_training=False); refused when output_dir already "
@@ -35,8 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("config", help="YAML config, e.g. template/grpo_fsdp.yaml")
     ev.add_argument("overrides", nargs="*", help="overrides such as models.policy.eval_num_inference_per_prompt=8")
     ev.add_argument("--checkpoint", metavar="PATH", help="evaluate this instead of models.policy.load: a Hugging "
-                                                         "Face folder, a run's checkpoints/episode_N, or a "
-                                                         "sharded trainer checkpoint")
+                                                         "Face folder, a run's checkpoints/episode_N, a "
+                                                         "sharded trainer checkpoint, or a Hub model id")
+    ev.add_argument("--verbose", action="store_true",
+                    help="show third-party logs on the console too (by default: OUTPUT_DIR/eval/logs/)")
     ev.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     merge = sub.add_parser("merge", help="turn a trainer checkpoint into a Hugging Face model folder",
                            description="Merge a trainer checkpoint (FSDP or Megatron, any number of ranks) into a "
@@ -45,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                                         "folder holding it under trainer/)")
     merge.add_argument("out_dir", help="new Hugging Face model folder to write")
     merge.add_argument("--hf-config", metavar="DIR", help="take config.json and the tokenizer files from "
-                                                          "DIR (default: the folder the trainer loaded)")
+                                                          "DIR, a model folder or a Hugging Face Hub id "
+                                                          "(default: the folder the trainer loaded)")
     merge.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                        help="dtype of the written weights (default: float32, as trained)")
     merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
@@ -72,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides or []) + rest
     debug = args.debug or os.environ.get("CHATLEARN_DEBUG") == "1"
+    if getattr(args, "verbose", False):
+        os.environ["CHATLEARN_VERBOSE"] = "1"  # read by chatlearn.logging.console, here and in the workers
     try:
         if args.command == "run":
             return _run(args)
@@ -96,19 +107,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def _eval(args) -> int:
     from chatlearn.config.load import load_config
+    from chatlearn.logging.console import ThirdPartyLogs
     from chatlearn.runtime.evaluate import evaluate_only
 
-    evaluate_only(load_config(args.config, args.overrides), checkpoint=args.checkpoint)
+    with ThirdPartyLogs() as logs:
+        cfg = load_config(args.config, args.overrides)
+        logs.attach(os.path.join(cfg.runtime_args.output_dir, "eval"))
+        evaluate_only(cfg, checkpoint=args.checkpoint)
     return 0
 
 
 def _run(args) -> int:
     from chatlearn.config.load import load_config
     from chatlearn.config.plan import make_plan
-    from chatlearn.logging.sinks import config_yaml
+    from omegaconf import OmegaConf
+
+    from chatlearn.logging.sinks import changed_config, config_yaml
     from chatlearn.runtime.output_dir import check_start, previous_run
     from chatlearn.runtime.run_lock import RunLock, describe
 
+    if args.all and not args.dry_run:
+        raise UserError("--all only changes what --dry-run prints: add --dry-run, or leave --all out.")
     fresh = args.no_resume or args.overwrite
     overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if fresh else [])
     cfg = load_config(args.config, overrides)
@@ -117,8 +136,13 @@ def _run(args) -> int:
     check_start(cfg, overwrite=args.overwrite, check_lock=not args.dry_run)
     if args.dry_run:
         out = cfg.runtime_args.output_dir
-        print("# resolved config (secrets shown as ***)")
-        print(config_yaml(cfg).rstrip())
+        if args.all:
+            print("# resolved config, every setting (secrets shown as ***)")
+            print(config_yaml(cfg).rstrip())
+        else:
+            changed = changed_config(cfg)
+            print("# settings that differ from the defaults (--all: every setting; secrets shown as ***)")
+            print(OmegaConf.to_yaml(changed).rstrip() if changed else "# (none)")
         print("\n# plan")
         for line in plan.describe():
             print(line)
@@ -128,9 +152,22 @@ def _run(args) -> int:
         if args.overwrite and previous_run(out):
             print(f"# --overwrite: the run in {out} would be moved to {out}.old-<time>")
         return 0
+    from chatlearn.logging.console import ThirdPartyLogs, failure_hint
     from chatlearn.runtime.engine import train
 
-    train(cfg, plan, debug=args.debug or cfg.runtime_args.debug, overwrite=args.overwrite)
+    with ThirdPartyLogs() as logs:
+        try:
+            train(cfg, plan, debug=args.debug or cfg.runtime_args.debug, overwrite=args.overwrite)
+        except (UserError, KeyboardInterrupt):
+            raise
+        except Exception as err:
+            hint = failure_hint(err, cfg.runtime_args.output_dir) if logs.path else ""
+            if not hint:
+                raise
+            # a worker's own last words (a crash) are in its log, not on the console: shown last
+            traceback.print_exc()
+            print(hint, file=sys.stderr, flush=True)
+            return 1
     return 0
 
 
@@ -151,6 +188,18 @@ def _plot(args) -> int:
     for path in write_plots(args.output_dir):
         print(path)
     return 0
+
+
+def _version() -> str:
+    """The installed package's version (its metadata), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("chatlearn")
+    except PackageNotFoundError:
+        from chatlearn import __version__
+
+        return __version__
 
 
 def _paragraph(text: str) -> str:

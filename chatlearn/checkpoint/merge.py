@@ -111,6 +111,10 @@ def find_checkpoint(path: str) -> str:
 def _source_folder(ckpt: str, meta: dict, hf_config: str | None) -> str:
     """The Hugging Face folder to take config.json and the tokenizer from."""
     if hf_config is not None:
+        from chatlearn.hub import looks_like_hub_id, snapshot
+
+        if looks_like_hub_id(hf_config):  # the base model named by its Hub id: its snapshot in the HF cache
+            hf_config = snapshot(hf_config, key="--hf-config", local_hint="a local model folder").path
         if not os.path.isfile(os.path.join(hf_config, CONFIG_NAME)):
             raise UserError(f"--hf-config {hf_config!r} is not a Hugging Face model folder "
                             f"(no {CONFIG_NAME} in it). Pass the folder of the model the "

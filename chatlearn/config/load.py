@@ -8,7 +8,9 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import math
 import os
+import re
 from typing import Iterable, Sequence
 
 import yaml
@@ -135,6 +137,7 @@ def _resolve(cfg: DictConfig) -> None:
 # --------------------------------------------------------------------------- validation
 def validate(cfg: DictConfig) -> None:
     rt, m = cfg.runtime_args, cfg.models
+    _check_finite(OmegaConf.to_container(cfg, resolve=True), "")  # first: later checks compare numbers
     _choice(rt.train_backend, TRAIN_BACKENDS, "runtime_args.train_backend")
     _choice(rt.rollout_backend, ROLLOUT_BACKENDS, "runtime_args.rollout_backend")
     if rt.train_backend == "megatron" and not _importable("megatron.core"):
@@ -165,7 +168,8 @@ def validate(cfg: DictConfig) -> None:
                               key=f"models.{name}.gpu_per_process")
         _positive(mc.generation_batch_size, f"models.{name}.generation_batch_size")
         if mc.load is None:
-            raise ConfigError("is not set. Point it at a Hugging Face model folder (with config.json).",
+            raise ConfigError("is not set. Point it at a Hugging Face model folder (with config.json) or give a "
+                              "Hugging Face Hub model id such as Qwen/Qwen2.5-0.5B-Instruct.",
                               key=f"models.{name}.load")
     p = m.policy
     _positive(p.num_inference_per_prompt, "models.policy.num_inference_per_prompt")
@@ -207,6 +211,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("must be > 0.", key="models.policy_trainer.optimizer.lr")
     if t.optimizer.clip_grad <= 0:
         raise ConfigError("must be > 0.", key="models.policy_trainer.optimizer.clip_grad")
+    _positive(t.optimizer.max_nonfinite_steps, "models.policy_trainer.optimizer.max_nonfinite_steps")
     for key in ("pos_clip_ratio", "neg_clip_ratio", "kl_coef", "entropy_coef"):
         if t[key] < 0:
             raise ConfigError("must be >= 0.", key=f"models.policy_trainer.{key}")
@@ -216,6 +221,11 @@ def validate(cfg: DictConfig) -> None:
     r = m.reward
     _positive(r.num_cpu, "models.reward.num_cpu")
     _positive(r.cpu_per_process or 1, "models.reward.cpu_per_process")
+    if r.timeout_s < 0:
+        raise ConfigError(f"must be >= 0 (seconds; 0: no limit), got {r.timeout_s!r}.", key="models.reward.timeout_s")
+    if rt.ray_connect_timeout_s <= 0:
+        raise ConfigError(f"must be > 0 (seconds), got {rt.ray_connect_timeout_s!r}.",
+                          key="runtime_args.ray_connect_timeout_s")
     if r.num_cpu % (r.cpu_per_process or 1):
         raise ConfigError(f"num_cpu ({r.num_cpu}) must be divisible by cpu_per_process ({r.cpu_per_process}).",
                           key="models.reward.num_cpu")
@@ -234,19 +244,51 @@ def validate(cfg: DictConfig) -> None:
     validate_algorithm(cfg, plan.steps_per_episode * rt.num_episode)
 
 
+def _check_finite(node, key: str) -> None:
+    """Every number in the config is finite: ``inf`` and ``nan`` (YAML ``.inf``/``.nan``, or ``inf``/``nan``
+    given for a number) are refused naming the key, before any other check compares them."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _check_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_finite(v, f"{key}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"must be a finite number, got {node!r}. A config cannot hold inf or nan: a non-finite "
+                          "value would turn the loss and the weights into nan. Give the finite value you mean.",
+                          key=key)
+
+
 def _check_paths(cfg: DictConfig) -> None:
     rt = cfg.runtime_args
-    check_data_paths(rt.data_path, "runtime_args.data_path")
+    if rt.ground_truth_pattern is not None:
+        try:
+            re.compile(rt.ground_truth_pattern)
+        except re.error as err:
+            raise ConfigError(f"{rt.ground_truth_pattern!r} is not a valid regular expression ({err}). Fix it, e.g. "
+                              "'####\\s*(-?[0-9.,]+)' keeps the number after GSM8K's ####.",
+                              key="runtime_args.ground_truth_pattern") from None
+    rt.data_path = check_data_paths(rt.data_path, "runtime_args.data_path", subset=rt.data_subset,
+                                    split=rt.data_split)
     needs_eval = rt.eval_episode_interval > 0 or rt.enable_eval_before_training
     if needs_eval:
         if not rt.eval_data_path:
             raise ConfigError("is not set, but evaluation is on (eval_episode_interval > 0 or "
                               "enable_eval_before_training). Set it, or turn evaluation off.",
                               key="runtime_args.eval_data_path")
-        check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path")
-    # the trainer first: the other models' load follows it by default
+        rt.eval_data_path = check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path",
+                                             subset=rt.eval_data_subset, split=rt.eval_data_split)
+    # the trainer first: the other models' load follows it by default. A Hub id is resolved once, here in
+    # the driver: load becomes the local snapshot folder (what every worker reads), hub_id records the id
+    resolved: dict = {}
     for name in ("policy_trainer", "ref_policy", "policy"):
-        check_model_folder(cfg.models[name].load, f"models.{name}.load")
+        mc, key = cfg.models[name], f"models.{name}.load"
+        if mc.load not in resolved:
+            resolved[mc.load] = resolve_model(mc.load, key)
+        found = resolved[mc.load]
+        if found.repo_id:
+            mc.load, mc.hub_id = found.path, found.pinned
+        check_model_folder(mc.load, key)
     check_output_folder(rt.output_dir, "runtime_args.output_dir")
     la = rt.log_args_dict
     check_output_folder(la.log_dir, "runtime_args.log_args_dict.log_dir")
@@ -272,26 +314,57 @@ def check_output_folder(path: str, key: str) -> None:
         raise ConfigError(f"cannot write to {probe!r} (permission denied). Point it at a writable folder.", key=key)
 
 
-def check_data_paths(value: str, key: str) -> list[str]:
-    paths = [p.strip() for p in str(value).split(",") if p.strip()]
-    if not paths:
-        raise ConfigError("is empty. Give one or more jsonl/parquet files or folders, comma-separated.", key=key)
-    for p in paths:
-        if not os.path.exists(p):
-            raise ConfigError(f"path {p!r} does not exist (cwd: {os.getcwd()}). Fix the path; relative "
-                              "paths are relative to the directory you run chatlearn from.", key=key)
-        if not os.access(p, os.R_OK):
-            raise ConfigError(f"path {p!r} is not readable. Fix its permissions.", key=key)
-    return paths
+def check_data_paths(value: str, key: str, *, subset: str | None = None, split: str = "train") -> str:
+    """``value`` with every entry checked: local files and folders exist and are readable, Hub dataset ids
+    resolve (and are returned pinned to the commit they resolved to, ``org/name@commit``)."""
+    from chatlearn.data.dataset import resolve_data_sources  # noqa: PLC0415
+
+    return ",".join(s.pinned for s in resolve_data_sources(value, key, name=subset, split=split))
+
+
+def resolve_model(value: str, key: str):
+    """A local model folder as it is; a Hugging Face Hub id (``org/name``, ``org/name@revision``)
+    resolved into the Hugging Face cache (see chatlearn.hub)."""
+    from chatlearn.hub import resolve  # noqa: PLC0415
+
+    if os.path.isfile(value):
+        raise ConfigError(f"{value!r} is a file; load must be a model folder (the folder holding config.json, the "
+                          "weights and the tokenizer files) or a Hugging Face Hub model id such as "
+                          "Qwen/Qwen2.5-0.5B-Instruct. Point it at the folder that holds the file.", key=key)
+    return resolve(value, key=key, local_hint="a local model folder")
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.tiktoken")
 
 
 def check_model_folder(path: str, key: str) -> None:
+    """``path`` is a Hugging Face model folder: a readable config.json holding an object, weights
+    (safetensors or PyTorch files) and a tokenizer; what is missing is named in one message."""
+    if os.path.isfile(path):
+        raise ConfigError(f"{path!r} is a file; it must be a model folder (the folder holding config.json, the "
+                          "weights and the tokenizer files). Point it at the folder that holds the file.", key=key)
     if not os.path.isdir(path):
-        raise ConfigError(f"model folder {path!r} does not exist (cwd: {os.getcwd()}). Point it at a local "
-                          "Hugging Face model folder (models cannot be downloaded here).", key=key)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"model folder {path!r} has no config.json, so it is not a Hugging Face model "
-                          "folder. Point it at the folder that holds config.json and the weights.", key=key)
+        raise ConfigError(f"model folder {path!r} does not exist (cwd: {os.getcwd()}), and it is not a Hugging Face "
+                          "Hub model id (org/name). Point it at a local Hugging Face model folder, or give a Hub id "
+                          "such as Qwen/Qwen2.5-0.5B-Instruct.", key=key)
+    names = set(os.listdir(path))
+    missing = []
+    if "config.json" not in names:
+        missing.append("config.json (the model's configuration)")
+    if not (names & set(WEIGHT_FILES) or any(n.endswith(".safetensors") for n in names)):
+        missing.append("weights (model.safetensors, model-*.safetensors with model.safetensors.index.json, or "
+                       "pytorch_model.bin)")
+    if not (names & set(TOKENIZER_FILES) or any(n.endswith(".tiktoken") for n in names)):
+        missing.append("tokenizer files (tokenizer.json, or the tokenizer's vocabulary files such as vocab.json "
+                       "with merges.txt or tokenizer.model, and tokenizer_config.json)")
+    if missing:
+        raise ConfigError(f"model folder {path!r} is not a complete Hugging Face model folder: it has no "
+                          f"{'; no '.join(missing)}. Point it at the folder that holds config.json, the weights "
+                          "and the tokenizer files together (save_pretrained of both the model and its tokenizer "
+                          "writes them, as does hf download), or add what is missing.", key=key)
     if not os.access(os.path.join(path, "config.json"), os.R_OK):
         raise ConfigError(f"{path}/config.json is not readable. Fix its permissions.", key=key)
     try:

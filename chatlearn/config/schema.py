@@ -64,6 +64,12 @@ class RuntimeArgs:
     data_shuffle: bool = True
     prompt_key: str = "${models.policy.vllm_prompt_key}"  # data column holding the prompt (text or chat messages)
     ground_truth_key: Optional[str] = "reward_model.ground_truth"  # dotted path in a row; null: no ground truth
+    ground_truth_pattern: Optional[str] = None  # regex applied to the ground truth; its first group (or match) is kept
+    prompt_instruction: Optional[str] = None  # appended (after a space) to each prompt's last user message
+    data_subset: Optional[str] = None  # Hub dataset ids in data_path: the subset/config (datasets' name), e.g. main
+    data_split: str = "train"  # Hub dataset ids in data_path: the split to train on
+    eval_data_subset: Optional[str] = "${runtime_args.data_subset}"  # as data_subset, for eval_data_path
+    eval_data_split: str = "test"  # as data_split, for eval_data_path
     data_rerank: bool = True  # spread the samples of one prompt over rollout replicas
     max_replay_episode: int = 0
     replay_episode_offset: int = 0
@@ -85,6 +91,7 @@ class RuntimeArgs:
     cpu_schedule_strategy: str = "SPREAD"
     validate_param_sync: bool = False
     policy_to_regroup_queue: str = "global_barrier"
+    ray_connect_timeout_s: float = 30.0  # with RAY_ADDRESS: seconds to wait for the cluster to answer
     # logging
     log_args_dict: LogArgs = field(default_factory=LogArgs)
 
@@ -103,7 +110,8 @@ class ModelBase:
     gpu_per_process: Optional[int] = None
     cpu_per_process: Optional[int] = None
     trainable: bool = False
-    load: Optional[str] = None  # Hugging Face model folder
+    load: Optional[str] = None  # Hugging Face model folder, or Hub model id (org/name, org/name@revision)
+    hub_id: Optional[str] = None  # written by chatlearn: the Hub id load was resolved from, pinned (org/name@commit)
     trust_remote_code: bool = False
     seed: int = "${runtime_args.seed}"  # type: ignore[assignment]
     generation_batch_size: int = 1
@@ -135,6 +143,8 @@ class Optimizer:
     lr_warmup_fraction: float = 0.0  # warmup as a share of the run's optimizer steps
     lr_warmup_init: float = 0.0  # lr at the start of the warmup
     lr_decay_iters: Optional[int] = None  # None: the run's optimizer steps (num_episode x steps per episode)
+    # a step whose loss or gradient norm is not finite is skipped; this many in a row stop the run
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -264,6 +274,7 @@ class Reward(ModelBase):
     incorrect_score: float = 0.0  # builtin:math: reward otherwise
     # rewards combined by weight (sum of weight x score); empty: builtin:math alone
     functions: List[RewardFunction] = field(default_factory=list)
+    timeout_s: float = 600.0  # seconds a reward worker may take to score its share of a batch (0: no limit)
 
 
 @dataclass

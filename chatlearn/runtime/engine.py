@@ -21,6 +21,7 @@ turns, the weight push, Ray dispatch and transfers, the driver's own work).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -35,7 +36,9 @@ from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.plan import Plan
 from chatlearn.data.dataset import PromptSampler, PromptSet, load_prompts, load_tokenizer
 from chatlearn.errors import UserError
+from chatlearn.logging.console import attach_logs
 from chatlearn.logging.metrics import summary_line
+from chatlearn.logging.metrics import run_summary
 from chatlearn.logging.perf import peak_memory, throughput
 from chatlearn.logging.plots import plot_after_run
 from chatlearn.logging.progress import RunProgress
@@ -91,6 +94,7 @@ class GRPO(Rollouts):
         self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
         self.metrics = MetricSinks(cfg)
         self.progress = RunProgress(rt.num_episode)
+        self.nonfinite_in_a_row = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -135,9 +139,10 @@ class GRPO(Rollouts):
         # runs next to the trainer when they do not share devices. When they do, the reference
         # goes first, so that the trainer, once resident for its old log-probs, stays to train.
         temperature = self.train_temperature
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        with _closing(ThreadPoolExecutor(max_workers=2)) as pool:
             self.progress.stage("reward")  # the label moves on to the log-prob passes it overlaps
-            scoring = pool.submit(timer.timed, "reward", "reward", self.score, batch, truths, sources, extra)
+            scoring = pool.submit(timer.timed, "reward", "reward", self.score, batch, truths, sources, extra,
+                                  None, f"the rollouts of episode {episode}")
             ref_task, ref_logprobs = None, None
             if not plan.uses_ref:
                 pass
@@ -161,7 +166,7 @@ class GRPO(Rollouts):
         adv_metrics = self.advantages(batch, rewards)
         with timer("policy_trainer", "train"):
             self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
-            step_metrics = self.optimize(batch)
+            step_metrics = self.optimize(batch, episode)
         if self.should_save(episode):  # the trainer is still resident with its optimizer state
             with timer("policy_trainer", "checkpoint"):
                 self.save_checkpoint(episode)
@@ -224,22 +229,56 @@ class GRPO(Rollouts):
             kl_coef=t.kl_coef, kl_estimator=t.kl_estimator)
         return {f"train/{k}": v for k, v in metrics.items()}
 
-    def optimize(self, batch: dict) -> dict:
-        """``sample_per_episode / train_global_batch_size`` optimizer steps (times num_training_epoch)."""
+    def optimize(self, batch: dict, episode: int = 0) -> dict:
+        """``sample_per_episode / train_global_batch_size`` optimizer steps (times num_training_epoch).
+
+        Returns the means over the steps taken, and ``skipped_steps``: the steps the trainer skipped
+        because their loss or gradient norm was not finite (their metrics are left out of the means).
+        ``optimizer.max_nonfinite_steps`` skipped steps in a row (across episodes) stop the run with a
+        UserError, before the episode's checkpoint."""
         plan = self.plan
         keys = ("tokens", "offsets", "prompt_lens", "old_logprobs", "ref_logprobs", "advantages",
                 "sample_weights")
         sums: dict[str, float] = collections.defaultdict(float)
-        steps = 0
+        steps = skipped = 0
         for _ in range(self.cfg.runtime_args.num_training_epoch):
             for s in range(0, plan.samples_per_episode, plan.samples_per_step):
                 sub = select_samples({k: batch[k] for k in keys if k in batch}, range(s, s + plan.samples_per_step))
                 self.progress.stage("train", f"step {steps + 1}/{plan.steps_per_episode}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
+                steps += 1
+                if self.nonfinite_step(outs[0], episode, steps):
+                    skipped += 1
+                    continue
                 for k, v in outs[0].items():
                     sums[k] += float(v)
-                steps += 1
-        return {k: v / steps for k, v in sums.items()}
+        kept = steps - skipped
+        return {**{k: v / kept for k, v in sums.items()}, "skipped_steps": float(skipped)}
+
+    def nonfinite_step(self, step: dict, episode: int, index: int) -> bool:
+        """Whether the trainer skipped this step (``skipped_steps``: its loss or gradient norm was not
+        finite); warns, counts the skipped steps in a row, and stops the run when they reach
+        ``models.policy_trainer.optimizer.max_nonfinite_steps``."""
+        limit = self.cfg.models.policy_trainer.optimizer.max_nonfinite_steps
+        where = f"episode {episode}, optimizer step {index}/{self.plan.steps_per_episode}"
+        if not step["skipped_steps"]:
+            self.nonfinite_in_a_row = 0
+            return False
+        self.nonfinite_in_a_row += 1
+        values = f"loss {step['loss']}, gradient norm {step['grad_norm']}"
+        if self.nonfinite_in_a_row >= limit:
+            raise UserError(
+                f"training diverged: the loss or the gradient norm was not finite in {self.nonfinite_in_a_row} "
+                f"optimizer steps in a row (the last: {where}; {values}), so the run stops "
+                f"(models.policy_trainer.optimizer.max_nonfinite_steps: {limit}). The skipped steps changed no "
+                f"weight, so no checkpoint holds their gradients; the newest in "
+                f"{os.path.join(self.out, 'checkpoints')} resumes the run. Lower "
+                "models.policy_trainer.optimizer.lr, look for extreme rewards or data, or raise "
+                "max_nonfinite_steps to ride out rarer ones.")
+        print(f"[chatlearn] warning: {where}: {values}: not finite, so the step was skipped (weights, optimizer "
+              f"state and learning-rate schedule unchanged); {self.nonfinite_in_a_row} skipped in a row, the run "
+              f"stops at {limit} (models.policy_trainer.optimizer.max_nonfinite_steps)", flush=True)
+        return True
 
     def push_weights(self) -> dict:
         """Stream the trainer's weights into every rollout replica (``WeightSync``: buckets,
@@ -302,7 +341,7 @@ class GRPO(Rollouts):
         self.progress.stage("eval")
         self.sched.ensure("policy", ["weights", "kv_cache"])
         batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
-        rewards, reward_parts = self.score(batch, truths, sources, extra)
+        rewards, reward_parts = self.score(batch, truths, sources, extra, what="the evaluation set")
         metrics = self.rollout_metrics(batch, rewards, prefix="eval")
         metrics.update(self.reward_metrics(reward_parts, prefix="eval"))
         for src in sorted(set(sources)):
@@ -325,6 +364,19 @@ class GRPO(Rollouts):
         self.progress.finish(episode, summary_line(episode, self.cfg.runtime_args.num_episode, metrics))
 
 
+@contextlib.contextmanager
+def _closing(pool: ThreadPoolExecutor):
+    """``with pool``, except that on an error or Ctrl-C the pool is left without waiting for its
+    threads: one may be blocked on a stuck Ray call (a reward function that never returns) until the
+    run's actors are killed on the way out, which ends it; waiting here would swallow the first Ctrl-C."""
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+
+
 def mismatch_kl(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray) -> float:
     """k3 estimate of KL(rollout || trainer) over the response tokens sampled by the rollout:
     with ``d = old_logp - rollout_logp``, ``mean(exp(d) - d - 1)`` (0 when there are none)."""
@@ -334,7 +386,7 @@ def mismatch_kl(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray) -> float
 
 # The calls that are model compute; everything else in an episode (turns, weight push, Ray
 # dispatch and transfers, the driver's own work) is overhead.
-COMPUTE_METHODS = {"generate", "score", "compute_logprobs", "train"}
+COMPUTE_METHODS = {"generate", "score", "score_one", "compute_logprobs", "train"}
 
 
 def overhead(busy: float, episode: float) -> dict:
@@ -395,14 +447,17 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
     that starts fresh into a folder holding a run is refused, unless ``overwrite``: the old run is
     then moved aside (see chatlearn.runtime.output_dir)."""
     rt, p = cfg.runtime_args, cfg.models.policy
+    started, started_wall = time.monotonic(), time.time()
     check_start(cfg, overwrite)  # before loading anything: refusals come first
     tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
     data = dict(max_prompt_tokens=p.max_prompt_tokens_length, enable_thinking=p.enable_thinking,
-                prompt_key=rt.prompt_key, ground_truth_key=rt.ground_truth_key)
-    train_set = load_prompts(rt.data_path.split(","), tokenizer, **data)
+                prompt_key=rt.prompt_key, ground_truth_key=rt.ground_truth_key,
+                ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction)
+    train_set = load_prompts(rt.data_path.split(","), tokenizer, name=rt.data_subset, split=rt.data_split, **data)
     eval_set = None
     if rt.eval_data_path and (rt.eval_episode_interval > 0 or rt.enable_eval_before_training):
-        eval_set = load_prompts(rt.eval_data_path.split(","), tokenizer, what="runtime_args.eval_data_path", **data)
+        eval_set = load_prompts(rt.eval_data_path.split(","), tokenizer, what="runtime_args.eval_data_path",
+                                name=rt.eval_data_subset, split=rt.eval_data_split, **data)
     with RunLock(rt.output_dir) as lock:
         # validated: only now is anything in output_dir touched
         if not rt.enable_resume_training:
@@ -415,6 +470,7 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
         else:
             reconcile_logs(cfg)
         write_config_yaml(cfg, os.path.join(rt.output_dir, "config.yaml"))
+        attach_logs(rt.output_dir)  # third-party logs (chatlearn run): <output_dir>/logs/
         for name, s in (("train", train_set), ("eval", eval_set)):
             if s is not None:
                 print(f"[chatlearn] {name} data: {len(s)} prompts"
@@ -431,6 +487,25 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
                 run.metrics.close()
                 run.timeline.close()
         plot_after_run(rt.output_dir)
-    print(f"[chatlearn] done: metrics in {os.path.join(rt.output_dir, 'metrics.jsonl')}, "
-          f"checkpoints in {os.path.join(rt.output_dir, 'checkpoints')}", flush=True)
+    print_run_summary(rt.output_dir, time.monotonic() - started, started_wall)
     return last
+
+
+def print_run_summary(out: str, seconds: float, since: float) -> None:
+    """The end of a run on the console (:func:`chatlearn.logging.metrics.run_summary`): how it went,
+    where the time went, and where its outputs are."""
+    from chatlearn.logging.plots import read_metrics
+
+    try:
+        rows = read_metrics(out)
+    except UserError:  # no row written (an interrupted start)
+        rows = []
+    outputs = {}
+    for label, name in (("metrics", "metrics.jsonl"), ("checkpoints", "checkpoints"), ("plots", "plots"),
+                        ("samples", "samples.jsonl"), ("eval samples", os.path.join("eval", "samples.jsonl")),
+                        ("logs", "logs")):
+        path = os.path.join(out, name)
+        if os.path.exists(path):
+            outputs[label] = path + (os.sep if os.path.isdir(path) else "")
+    for line in run_summary(rows, seconds, since, outputs):
+        print(line, flush=True)

@@ -20,13 +20,16 @@ actor's process with them.
 * ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: trainers whose
   ``use_expandable_segments`` is set (less fragmentation over offload/onload turns). Not for the
   rollout engines: vLLM's sleep-mode allocator refuses expandable segments.
-* Passed through when the user set them: Hub and debugging variables.
+* Passed through when the user set them: Hub and debugging variables; ``CHATLEARN_LOG_DIR`` and
+  ``CHATLEARN_VERBOSE`` (set by the driver): where the worker writes its third-party output
+  (``chatlearn.logging.console``).
 """
 from __future__ import annotations
 
 import os
 
 PASS_THROUGH = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "CHATLEARN_DEBUG",
+                "CHATLEARN_LOG_DIR", "CHATLEARN_VERBOSE",
                 "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "CUDA_LAUNCH_BLOCKING")
 
 

@@ -53,8 +53,13 @@ def aggregate(rewards: np.ndarray, correct: np.ndarray, resp_lens: np.ndarray, t
 
 
 def resolve_model(path: str) -> str:
-    """A Hugging Face folder to evaluate: a model folder, a run's checkpoint (its ``hf/``), or the
-    trainer's sharded checkpoint (merged into a temporary folder)."""
+    """A Hugging Face folder to evaluate: a model folder, a run's checkpoint (its ``hf/``), the
+    trainer's sharded checkpoint (merged into a temporary folder), or a Hugging Face Hub model id
+    (resolved into the Hugging Face cache)."""
+    from chatlearn.hub import looks_like_hub_id, snapshot
+
+    if looks_like_hub_id(path):
+        return snapshot(path, key="--checkpoint", local_hint="a local model folder or a run's checkpoint").path
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     if os.path.isfile(os.path.join(path, "hf", "config.json")):
@@ -95,7 +100,7 @@ class Evaluator(Rollouts):
         extra = [x for x in prompt_set.extras for _ in range(k)]
         batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
         texts = self.responses_text(batch)
-        rewards, reward_parts = self.score(batch, truths, sources, extra, texts=texts)
+        rewards, reward_parts = self.score(batch, truths, sources, extra, texts=texts, what="the evaluation set")
         correct = self.correct(rewards, reward_parts)
         resp_lens = (batch["offsets"][1:] - batch["offsets"][:-1]) - batch["prompt_lens"]
         truncated = batch["finish_reasons"] == 0
@@ -114,15 +119,18 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
     rt, p = cfg.runtime_args, cfg.models.policy
     if not rt.eval_data_path:
         raise UserError("runtime_args.eval_data_path: is not set; chatlearn eval needs the data to evaluate. Set it.")
-    check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path")
+    eval_data = check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path", subset=rt.eval_data_subset,
+                                 split=rt.eval_data_split)
     if checkpoint:
         cfg = OmegaConf.merge(cfg, {"models": {"policy": {"load": resolve_model(checkpoint)}}})
         p = cfg.models.policy
     check_model_folder(p.load, "models.policy.load")
     tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
-    prompt_set = load_prompts(rt.eval_data_path.split(","), tokenizer, max_prompt_tokens=p.max_prompt_tokens_length,
+    prompt_set = load_prompts(eval_data.split(","), tokenizer, max_prompt_tokens=p.max_prompt_tokens_length,
                               enable_thinking=p.enable_thinking, prompt_key=rt.prompt_key,
-                              ground_truth_key=rt.ground_truth_key, what="runtime_args.eval_data_path")
+                              ground_truth_key=rt.ground_truth_key, what="runtime_args.eval_data_path",
+                              name=rt.eval_data_subset, split=rt.eval_data_split,
+                              ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction)
     k = p.eval_num_inference_per_prompt
     print(f"[chatlearn] evaluating {p.load} on {len(prompt_set)} prompts x {k} samples", flush=True)
     # only the rollout engine (on its own devices) and the reward workers

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import numpy as np
+import ray
+from omegaconf import OmegaConf
 
 from chatlearn.errors import UserError
 from chatlearn.models.base import concat_batches, select_samples
+from chatlearn.runtime.group import CallTimeout
 
 
 class Rollouts:
@@ -45,17 +48,36 @@ class Rollouts:
         return self.tokenizer.batch_decode([tokens[off[i]:off[i] + plen[i]] for i in range(len(plen))],
                                            skip_special_tokens=True)
 
-    def score(self, batch: dict, truths: list, sources: list[str], extra: list[dict], texts: list[str] | None = None
-              ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def score(self, batch: dict, truths: list, sources: list[str], extra: list[dict], texts: list[str] | None = None,
+              what: str = "a batch") -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Rewards of the samples (the weighted sum of the reward functions) and each function's
-        per-sample outputs by ``"<name>/<key>"``; the reward workers take contiguous shares."""
+        per-sample outputs by ``"<name>/<key>"``; the reward workers take contiguous shares.
+
+        The functions run one at a time on every worker (``RewardManager.score_one``, summed as
+        ``RewardManager.score`` sums them), each within ``models.reward.timeout_s``: a worker that
+        overruns is killed and the run stops with a UserError naming the function and the samples
+        (``what``: the batch, e.g. "the rollouts of episode 3")."""
+        from chatlearn.models.reward.functions import resolve_entries
+
         texts = self.responses_text(batch) if texts is None else texts
         prompts = self.prompts_text(batch)
         shares = [s for s in np.array_split(np.arange(len(texts)), len(self.reward)) if len(s)]
-        outs, _ = self.reward.call_each("score", [([prompts[i] for i in s], [texts[i] for i in s],
-                                                   [truths[i] for i in s], [sources[i] for i in s],
-                                                   [extra[i] for i in s]) for s in shares])
-        rewards = np.concatenate([o["score"] for o in outs]).astype(np.float32)
+        batches = [ray.put({"prompts": [prompts[i] for i in s], "responses": [texts[i] for i in s],
+                            "ground_truths": [truths[i] for i in s], "data_sources": [sources[i] for i in s],
+                            "extra": [extra[i] for i in s]}) for s in shares]
+        entries = resolve_entries(OmegaConf.to_container(self.cfg.models.reward, resolve=True))
+        totals = [np.zeros(len(s), dtype=np.float64) for s in shares]
+        outs = [{"metrics": {}} for _ in shares]
+        for f, entry in enumerate(entries):
+            try:
+                parts, _ = self.reward.call_each("score_one", [(f, b) for b in batches],
+                                                 timeout=self.cfg.models.reward.timeout_s or None)
+            except CallTimeout as late:
+                raise self.reward_timeout(late, f, entry, shares, len(texts), what) from None
+            for total, out, part in zip(totals, outs, parts):
+                total += part["score"]
+                out["metrics"].update(part["metrics"])
+        rewards = np.concatenate(totals).astype(np.float32)
         for o in outs[1:]:
             odd = set(o["metrics"]) ^ set(outs[0]["metrics"])
             if odd:
@@ -64,6 +86,20 @@ class Rollouts:
                                 "every batch.")
         parts = {k: np.concatenate([o["metrics"][k] for o in outs]) for k in outs[0]["metrics"]}
         return rewards, parts
+
+    def reward_timeout(self, late: CallTimeout, index: int, entry: dict, shares: list[np.ndarray], n: int,
+                       what: str) -> UserError:
+        """The error for reward workers that did not return in time; they are killed (a running Python
+        function cannot be stopped otherwise; the run's other actors go when the run stops)."""
+        for w in late.stuck:
+            ray.kill(self.reward.actors[w])
+        where = "; ".join(f"samples {int(shares[w][0])}-{int(shares[w][-1])} of {n} on reward worker {w}"
+                          for w in late.stuck)
+        return UserError(
+            f"reward function {entry['name']!r} (models.reward.functions[{index}], {entry['path']!r}) did not "
+            f"return within {late.timeout:g} s (models.reward.timeout_s) while scoring {what} ({where}), so the "
+            "run stops; the stuck reward worker was killed. Make the function return sooner (give what it "
+            "waits on a time limit of its own), or raise models.reward.timeout_s (0: no limit).")
 
     @staticmethod
     def reward_metrics(parts: dict[str, np.ndarray], prefix: str) -> dict:

@@ -245,8 +245,45 @@ def test_cli_exit_code_and_one_paragraph_without_traceback(paths_overrides, caps
 def test_cli_dry_run_prints_config_and_plan(paths_overrides, capsys):
     assert main(["run", "--dry-run", TEMPLATE, *paths_overrides]) == 0
     out = capsys.readouterr().out
-    assert "# resolved config" in out and "runtime_args:" in out
+    assert "# settings that differ from the defaults" in out and "runtime_args:" in out
     assert "optimizer steps per episode: 2" in out and "device group 0" in out
+
+
+def secret_reward(tmp_path) -> str:
+    """A reward function whose kwargs hold a secret."""
+    path = tmp_path / "my_reward.py"
+    path.write_text("def score(*, prompts, responses, ground_truths, data_sources, extra, api_key):\n"
+                    "    return [0.0 for _ in responses]\n")
+    return f"models.reward.functions=[{{name: m, path: '{path}:score', kwargs: {{api_key: sk-do-not-print}}}}]"
+
+
+def test_cli_dry_run_prints_only_changed_settings_unless_all(paths_overrides, tmp_path, capsys):
+    """--dry-run: the settings that differ from the schema's defaults (set in the YAML file or on the
+    command line), secrets redacted; a default that follows another key (ref_policy.load follows
+    policy_trainer.load) is not a change; --all: every setting."""
+    from omegaconf import OmegaConf
+
+    args = ["run", "--dry-run", TEMPLATE, *paths_overrides, "runtime_args.num_episode=7", secret_reward(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    changed = OmegaConf.create(out.split("\n# plan")[0])
+    assert changed.runtime_args.num_episode == 7 and changed.models.policy_trainer.load
+    assert changed.models.reward.functions[0].kwargs.api_key == "***" and "sk-do-not-print" not in out
+    assert "adam_beta1" not in out and "num_training_epoch" not in out  # defaults left alone
+    assert "load" not in changed.models.get("ref_policy", {})  # follows policy_trainer.load
+    assert "optimizer steps per episode" in out
+
+    assert main([*args, "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "# resolved config, every setting" in out
+    full = OmegaConf.create(out.split("\n# plan")[0].split("\n", 1)[1])
+    assert full.models.policy_trainer.optimizer.adam_beta1 == 0.9 and full.runtime_args.num_training_epoch == 1
+    assert full.models.ref_policy.load == full.models.policy_trainer.load and "sk-do-not-print" not in out
+
+
+def test_cli_all_needs_dry_run(paths_overrides, capsys):
+    assert main(["run", TEMPLATE, *paths_overrides, "--all"]) == 2
+    assert "--all only changes what --dry-run prints" in capsys.readouterr().err
 
 
 def test_console_script_exits_2(paths_overrides):

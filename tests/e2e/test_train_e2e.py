@@ -16,6 +16,35 @@ SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=64", "ru
          "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01"]
 
 
+def check_console(stdout: str, stderr: str, out, backend: str) -> None:
+    """A quiet, informative console (the mechanisms, --verbose included: tests/monitoring/test_console.py):
+    third-party output is in <out>/logs/, not repeated on the console; the plain episode lines estimate
+    the time left; the run ends with its summary; every metrics row has its wall-clock time."""
+    import re
+
+    lines = (stdout + stderr).splitlines()
+    others = [re.sub(r"\d+", "N", ln) for ln in lines
+              if ln.strip() and not ln.startswith(("[chatlearn] ", "episode "))]
+    assert len(others) == len(set(others)), others
+    assert not [ln for ln in others if "vllm" in ln.lower() or "warning" in ln.lower()], others
+    assert not [ln for ln in lines if "Failed to load weights" in ln], lines
+    episodes = [ln for ln in stdout.splitlines() if ln.startswith("episode")]
+    assert ", eta " in episodes[1] and ", eta " in episodes[2] and "eta" not in episodes[3], episodes
+    tail = stdout.splitlines()[-4:]
+    assert tail[0].startswith("[chatlearn] done: episodes 1..3 in "), tail
+    assert re.match(r"\[chatlearn\] eval reward: first [\d.]+ \(episode 0\), last [\d.]+ \(episode 3\), best "
+                    r"[\d.]+ \(episode [023]\)$", tail[1]), tail
+    assert tail[2].startswith("[chatlearn] time: generate ") and "train " in tail[2] and "eval " in tail[2], tail
+    for where in ("metrics.jsonl", "checkpoints", "plots", "logs"):
+        assert f" {out / where}" in tail[3], tail
+    logs = {p.name: p.read_text(errors="replace") for p in (out / "logs").iterdir()}
+    assert "driver.log" in logs and any(name.startswith("worker-") for name in logs), logs.keys()
+    if backend == "vllm":
+        assert any("WARNING" in text and "vllm" in text.lower() for text in logs.values()), logs
+    walls = [r["time/wall"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert walls == sorted(walls) and walls[0] > 1.6e9
+
+
 def read_jsonl(path):
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -35,6 +64,7 @@ def test_short_run(backend, tmp_path):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("episode")]
     assert len(lines) == 4, proc.stdout
     assert "eval" in lines[0] and "reward" in lines[1]
+    check_console(proc.stdout, proc.stderr, out, backend)
 
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["episode"] for r in rows] == [0, 1, 2, 3]
