@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("CHATLEARN_DEBUG") == "1"
     if getattr(args, "verbose", False):
         os.environ["CHATLEARN_VERBOSE"] = "1"  # read by chatlearn.logging.console, here and in the workers
+    from chatlearn.runtime.signals import exit_code, stop_on_sigterm
+
+    stop_on_sigterm()  # SIGTERM (Slurm, Kubernetes) stops like Ctrl-C, exit 143
     try:
         if args.command == "run":
             return _run(args)
@@ -99,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(_paragraph(f"error: {err.message}"), file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        code = exit_code(err)
+        print("terminated (SIGTERM)" if code != 130 else "interrupted", file=sys.stderr)
+        return code
     return 0
 
 
@@ -161,7 +165,17 @@ def _run(args) -> int:
         except (UserError, KeyboardInterrupt):
             raise
         except Exception as err:
+            from chatlearn.runtime.group import dead_worker_message
+
             hint = failure_hint(err, cfg.runtime_args.output_dir) if logs.path else ""
+            dead = dead_worker_message(err)
+            if dead:  # a worker died: which model and rank, not a traceback of the driver
+                if args.debug:
+                    traceback.print_exc()
+                print(_paragraph(f"error: {dead}"), file=sys.stderr, flush=True)
+                if hint:
+                    print(hint, file=sys.stderr, flush=True)
+                return 1
             if not hint:
                 raise
             # a worker's own last words (a crash) are in its log, not on the console: shown last

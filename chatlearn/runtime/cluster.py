@@ -18,6 +18,8 @@ from chatlearn.algorithms.lr_schedule import resolve_schedule
 from chatlearn.config.plan import Plan, make_plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import ray_init_options
+from chatlearn.runtime.leftovers import clean_leftovers, mark_driver
+from chatlearn.runtime.signals import Terminated, stop_on_sigterm
 from chatlearn.models.specs import RolloutSpec, TrainerSpec
 from chatlearn.runtime.env import worker_env
 from chatlearn.runtime.group import WorkerGroup, create_group
@@ -147,6 +149,7 @@ class Cluster:
         plan, m = self.plan, self.cfg.models
         reward_cpus = m.reward.num_cpu
         if not ray.is_initialized():
+            clean_leftovers()  # of earlier runs whose driver was killed
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # plain "(Worker pid=...)" prefixes in logs
             if os.environ.get("RAY_ADDRESS"):
                 print(f"[chatlearn] joining the Ray cluster at {os.environ['RAY_ADDRESS']}", flush=True)
@@ -162,10 +165,12 @@ class Cluster:
                 import torch
 
                 gpus = torch.cuda.device_count() or plan.total_devices  # logical devices without a GPU
+                mark_driver()  # the local Ray processes carry this driver's pid: orphans can be found
                 # "local": a new cluster of this run's own, even where `ray start` ran before
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, reward_cpus), num_gpus=gpus,
                          include_dashboard=False, **ray_init_options())
             self.started_ray = True
+            stop_on_sigterm()  # ray.init replaced the driver's SIGTERM handler with its own
         have = {"GPU": 0, "CPU": 0, **ray.cluster_resources()}
         if have["GPU"] < plan.total_devices:
             raise UserError(
@@ -179,11 +184,21 @@ class Cluster:
         ray.get(self.pg.ready(), timeout=300)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:  # a normal end: workers remove their temporary files (vLLM's rendezvous files)
+            try:
+                ray.get([a.release_temp_files.remote() for g in self.groups.values() for a in g.actors],
+                        timeout=30)
+            except Exception:  # noqa: BLE001 - cleanup only; a later start removes what is left
+                pass
         for group in self.groups.values():
             for actor in group.actors:
                 ray.kill(actor)
-        if self.pg is not None:
+        # Removing the placement group is a call to the GCS that blocks until Ray gives up on it
+        # (60 s, then the process is killed) when the GCS is gone, as after a SIGTERM to the whole
+        # job. A local Ray we started goes with ray.shutdown(), and Ray removes a job's placement
+        # groups when its driver leaves, so it is only removed explicitly where that is safe.
+        if self.pg is not None and not self.started_ray and not isinstance(exc, Terminated):
             remove_placement_group(self.pg)
         if self.started_ray:
             ray.shutdown()

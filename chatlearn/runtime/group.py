@@ -1,6 +1,7 @@
 """A model's Ray actors, created on their devices, with calls fanned out to all of them."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -53,6 +54,42 @@ class CallTimeout(Exception):
     def __init__(self, stuck: list[int], timeout: float):
         self.stuck, self.timeout = stuck, timeout
         super().__init__(f"actors {stuck} did not return within {timeout:g} s")
+
+
+# actor id (hex) -> (model, index) of every actor started by create_group: Ray names a dead actor
+# only by its class ("Worker") and id; this says which model and rank it was
+_ROLES: dict[str, tuple[str, int]] = {}
+
+
+def role_of(actor_id: str | None) -> str | None:
+    """``"policy_trainer rank 1"``, ``"policy replica 0"``, ... for an actor id (hex) of this process's groups."""
+    if not actor_id or actor_id not in _ROLES:
+        return None
+    name, index = _ROLES[actor_id]
+    return f"{name} {'replica' if name in ('policy', 'rollout') else 'rank'} {index}"
+
+
+def dead_worker_message(err: BaseException) -> str | None:
+    """One paragraph for a Ray actor that died (``RayActorError``): which model and rank, its process
+    and node, and Ray's reason; ``None`` for any other error."""
+    if not isinstance(err, ray.exceptions.RayActorError):
+        return None
+    text = str(err)
+    role = role_of(getattr(err, "actor_id", None))
+    who = f"the {role} worker" if role else "a worker of this run"
+    where = []
+    for field in ("pid", "ip"):
+        m = re.search(rf"^\s*{field}: (\S+)", text, re.M)
+        if m:
+            where.append(f"{'process' if field == 'pid' else 'node'} {m.group(1)}")
+    reason = " ".join(line.strip() for line in text.splitlines()
+                      if line.strip() and not re.match(r"\s*(class_name|actor_id|pid|name|namespace|ip):", line)
+                      and line.strip() != ray.exceptions.ActorDiedError.BASE_ERROR_MSG)
+    return (f"{who}{' (' + ', '.join(where) + ')' if where else ''} died: "
+            f"{reason.rstrip('. ') or 'no reason given by Ray'}. The run stopped; the last complete "
+            "checkpoint is kept and a rerun resumes from it. A worker killed without a Python error was "
+            "usually out of memory (lower the batch or length settings) or crashed in native code; its own "
+            "output, where it has any, follows.")
 
 
 class WorkerGroup:
@@ -162,8 +199,9 @@ def create_group(name: str, factory: str, cfg, *, num_actors: int, pg: Placement
         actor_env = env
         if k > 1:
             actor_env = {**env, **spanning_env(pg, bundles[i * k:(i + 1) * k], gpu_fraction)}
+        # CHATLEARN_WORKER names the process's model and index (in `ps e`, /proc/<pid>/environ)
         opts = {"num_cpus": cpus, "num_gpus": gpu_fraction, "name": None,
-                "runtime_env": {"env_vars": actor_env}}
+                "runtime_env": {"env_vars": {**actor_env, "CHATLEARN_WORKER": f"{name}:{i}"}}}
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundles[i * k])
@@ -173,5 +211,7 @@ def create_group(name: str, factory: str, cfg, *, num_actors: int, pg: Placement
         addr, port = ray.get(actors[0].address.remote())
         envs = [{"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(i), "WORLD_SIZE": str(num_actors),
                  "LOCAL_RANK": "0"} for i in range(num_actors)]
+    for i, actor in enumerate(actors):
+        _ROLES[actor._actor_id.hex()] = (name, i)
     ray.get([a.setup.remote(factory, cfg, e) for a, e in zip(actors, envs)])
     return WorkerGroup(name, actors)

@@ -44,8 +44,21 @@ class Worker:
 
         if isinstance(cfg, (TrainerSpec, RolloutSpec)):
             cfg = resolve_for_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+        from chatlearn.runtime.leftovers import record_owned, remove_stale_files, temp_files
+
+        remove_stale_files()  # of killed runs on this node
+        before = temp_files()
         module, name = factory.split(":")
         self.obj = getattr(importlib.import_module(module), name)(cfg)
+        # the rendezvous files its backend created (vLLM's vllm_dist_*): removed when this run ends,
+        # or by the next start on this node if this process is killed first
+        record_owned(temp_files() - before)
+
+    def release_temp_files(self) -> int:
+        """Remove the temporary files this process recorded (the run is ending normally)."""
+        from chatlearn.runtime.leftovers import release_owned
+
+        return release_owned()
 
     def environment(self) -> dict[str, str]:
         """The environment this process started with."""

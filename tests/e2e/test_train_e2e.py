@@ -54,7 +54,10 @@ def read_jsonl(path):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
 def test_short_run(backend, tmp_path):
+    from chatlearn.runtime.leftovers import temp_files
+
     out = tmp_path / "out"
+    before = temp_files()
     cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *SHORT,
            f"runtime_args.rollout_backend={backend}", f"runtime_args.output_dir={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=580,
@@ -65,6 +68,7 @@ def test_short_run(backend, tmp_path):
     assert len(lines) == 4, proc.stdout
     assert "eval" in lines[0] and "reward" in lines[1]
     check_console(proc.stdout, proc.stderr, out, backend)
+    assert temp_files() - before == set()  # vLLM's rendezvous files removed at the end of the run
 
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["episode"] for r in rows] == [0, 1, 2, 3]

@@ -109,6 +109,78 @@ def test_two_runs_into_one_folder_and_ctrl_c(tmp_path):
     assert not (out / "run.lock").exists()
 
 
+def session_processes(sid):
+    """Processes still alive in the run's session (the driver and everything it started)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines()
+            if int(line.split()[1]) == sid and not line.split()[2].startswith("Z")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("to", ["driver", "job"])
+def test_sigterm_stops_like_ctrl_c(tmp_path, to):
+    """SIGTERM to the driver (Kubernetes: the container's first process) or to every process of the
+    job (Slurm) stops the run like Ctrl-C: exit 143, no traceback, the lock released, no process of
+    the run left behind, the last complete checkpoint kept."""
+    out = tmp_path / "out"
+    proc = start(out, "runtime_args.num_episode=50")
+    try:
+        wait_for(proc, lambda: (out / "checkpoints" / "latest").exists(), "the first checkpoint")
+        (os.kill if to == "driver" else os.killpg)(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err, err[-3000:]
+    assert not (out / "run.lock").exists()
+    deadline = time.time() + 30
+    while session_processes(proc.pid) and time.time() < deadline:
+        time.sleep(0.5)
+    assert session_processes(proc.pid) == []
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert (out / "checkpoints" / latest / "state.json").exists()
+
+
+def worker_pid(sid, who):
+    """The pid of the run's worker ``who`` ("policy_trainer:0"): its environment names it."""
+    for line in session_processes(sid):
+        pid = int(line.split()[0])
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"CHATLEARN_WORKER={who}".encode() in f.read().split(b"\0"):
+                    return pid
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.timeout(900)
+def test_a_dead_worker_is_named_by_model_and_rank(tmp_path):
+    """A trainer process killed mid-run (as the kernel's OOM killer would): the run stops with exit 1
+    and one paragraph naming the model, rank and process, then the end of that worker's log."""
+    out = tmp_path / "out"
+    proc = start(out, "runtime_args.num_episode=50")
+    try:
+        wait_for(proc, lambda: (out / "metrics.jsonl").exists(), "the first episode")
+        pid = worker_pid(proc.pid, "policy_trainer:0")
+        assert pid is not None, session_processes(proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=180)
+        err = " ".join(proc.stderr.read().split())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    assert f"error: the policy_trainer rank 0 worker (process {pid}" in err, err[-3000:]
+    assert "class_name: Worker" not in err and "Traceback" not in err, err[-3000:]
+    assert f"worker-{pid}.log" in err
+    assert not (out / "run.lock").exists()
+
+
 @pytest.mark.timeout(900)
 def test_overwrite_moves_the_old_run_aside(tmp_path):
     """--no-resume into a used folder is refused; --overwrite moves the old run aside, whole, and the

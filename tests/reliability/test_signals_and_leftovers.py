@@ -1,0 +1,95 @@
+"""SIGTERM raises like Ctrl-C; a dead worker is named by model and rank; leftovers of killed runs
+(orphaned Ray processes, vLLM's rendezvous files) are found and removed, and nothing else is."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from chatlearn.runtime import group, leftovers
+from chatlearn.runtime.signals import SIGTERM_EXIT, Terminated, exit_code, stop_on_sigterm
+
+
+def test_sigterm_raises_terminated_with_its_exit_code():
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_on_sigterm()
+        with pytest.raises(KeyboardInterrupt) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        assert isinstance(info.value, Terminated) and exit_code(info.value) == SIGTERM_EXIT == 143
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second SIGTERM does not interrupt the stop
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert exit_code(KeyboardInterrupt()) == 130
+
+
+def test_a_dead_actor_is_named_by_model_and_rank(monkeypatch):
+    monkeypatch.setitem(group._ROLES, "ab12", ("policy_trainer", 1))
+    monkeypatch.setitem(group._ROLES, "cd34", ("policy", 0))
+    text = ("The actor died unexpectedly before finishing this task.\n\tclass_name: Worker\n\tactor_id: ab12\n"
+            "\tpid: 4242\n\tip: 10.0.0.7\nThe actor is dead because its worker process has died.")
+    msg = group.dead_worker_message(ray.exceptions.RayActorError("ab12", text))
+    assert msg.startswith("the policy_trainer rank 1 worker (process 4242, node 10.0.0.7) died: "
+                          "The actor is dead because its worker process has died. The run stopped")
+    assert "class_name" not in msg and "Worker\n" not in msg
+    assert group.role_of("cd34") == "policy replica 0"
+    unknown = group.dead_worker_message(ray.exceptions.RayActorError("ffff", "gone"))
+    assert unknown.startswith("a worker of this run died: gone. The run stopped")
+    assert group.dead_worker_message(ValueError("x")) is None
+
+
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def marked(driver, name="ray::FakeAgent"):
+    env = {**os.environ, leftovers.DRIVER_ENV: str(driver)}
+    return subprocess.Popen(["bash", "-c", f"exec -a {name} sleep 60"], env=env)
+
+
+def test_orphaned_ray_processes_of_a_dead_driver_are_stopped_and_nothing_else():
+    dead, live = dead_pid(), os.getpid()
+    orphan, of_live_run, not_ray = marked(dead), marked(live), marked(dead, name="python-train")
+    unmarked = subprocess.Popen(["bash", "-c", "exec -a ray::Mine sleep 60"],
+                                env={k: v for k, v in os.environ.items() if k != leftovers.DRIVER_ENV})
+    try:
+        time.sleep(0.3)
+        found = leftovers.orphaned_processes()
+        assert orphan.pid in found
+        assert not {of_live_run.pid, not_ray.pid, unmarked.pid} & set(found)
+        said = []
+        leftovers.clean_leftovers(log=said.append)
+        assert orphan.wait(timeout=10) is not None
+        assert str(orphan.pid) in said[0] and "no longer exists" in said[0]
+        assert of_live_run.poll() is None and not_ray.poll() is None and unmarked.poll() is None
+    finally:
+        for p in (orphan, of_live_run, not_ray, unmarked):
+            p.kill()
+            p.wait()
+
+
+def test_temp_files_of_dead_processes_are_removed_and_nothing_else(tmp_path):
+    tmp = str(tmp_path)
+    mine, theirs, stranger = (os.path.join(tmp, f"vllm_dist_{n}") for n in ("aa", "bb", "cc"))
+    for path in (mine, theirs, stranger):
+        open(path, "w").close()
+    # a process that recorded a file and was killed
+    code = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from chatlearn.runtime import leftovers; "
+            f"leftovers.record_owned([{theirs!r}], {tmp!r})")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert json.load(open(next(tmp_path.glob("chatlearn-owned-*.json"))))["files"] == [theirs]
+    leftovers.record_owned([mine], tmp)  # this process: alive
+    assert leftovers.remove_stale_files(tmp) == 1
+    assert not os.path.exists(theirs) and os.path.exists(mine) and os.path.exists(stranger)
+    assert leftovers.release_owned(tmp) == 1  # a normal end removes this process's own files
+    assert sorted(os.listdir(tmp)) == ["vllm_dist_cc"]
+    assert leftovers.record_owned([], tmp) is None
