@@ -136,6 +136,11 @@ def _run(args) -> int:
     overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if fresh else [])
     cfg = load_config(args.config, overrides)
     plan = make_plan(cfg)
+    from chatlearn.config.schema import compat_warning
+
+    ignored = compat_warning(cfg)
+    if ignored:
+        print(_paragraph(f"warning: {ignored}"), file=sys.stderr, flush=True)
     # a dry run only reads: a run in progress in output_dir is noted, not an error
     check_start(cfg, overwrite=args.overwrite, check_lock=not args.dry_run)
     if args.dry_run:

@@ -82,6 +82,13 @@ def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
     except ConfigKeyError as err:
         raise _unknown_key(err, cfg, source) from None
     except ValidationError as err:
+        if "is not a ListConfig" in str(err):  # a string where a list belongs
+            example = ("[policy,policy_trainer,ref_policy] (the models that share devices and take turns)"
+                       if err.full_key == "runtime_args.colocation" else "[a,b]")
+            raise ConfigError(
+                f"must be a list, but {source} gives it a single value. Write it as a list: "
+                f"{err.full_key}={example} on the command line (quote the whole argument in a shell: "
+                f"'{err.full_key}=[a,b]'), or as a YAML list in the config file.", key=err.full_key) from None
         raise ConfigError(
             f"wrong type in {source}: {_first_line(err)}. Fix the value to the key's type "
             "(numbers without quotes, booleans as True/False, lists as [a, b]).", key=err.full_key) from None
@@ -171,6 +178,14 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("is not set. Point it at a Hugging Face model folder (with config.json) or give a "
                               "Hugging Face Hub model id such as Qwen/Qwen2.5-0.5B-Instruct.",
                               key=f"models.{name}.load")
+    for key, seed in [("runtime_args.seed", rt.seed)] + [(f"models.{n}.seed", m[n].seed) for n in m
+                                                          if "seed" in m[n]]:
+        if not 0 <= seed < 2**32:  # numpy's and the engines' seed range
+            raise ConfigError(f"is {seed}; a seed must be an integer from 0 to 4294967295 (2**32 - 1).", key=key)
+    if rt.max_replay_episode < -1:
+        raise ConfigError(f"is {rt.max_replay_episode}; set 0 (train on each episode's own samples), N > 0 "
+                          "(also on those of up to N earlier episodes) or -1 (on those of all earlier episodes).",
+                          key="runtime_args.max_replay_episode")
     p = m.policy
     _positive(p.num_inference_per_prompt, "models.policy.num_inference_per_prompt")
     _positive(p.eval_num_inference_per_prompt, "models.policy.eval_num_inference_per_prompt")
@@ -183,8 +198,27 @@ def validate(cfg: DictConfig) -> None:
     for key in ("top_p", "eval_top_p"):
         if not 0 < p[key] <= 1:
             raise ConfigError("must be in (0, 1].", key=f"models.policy.{key}")
+    for pre in ("", "eval_"):
+        for key in (pre + "presence_penalty", pre + "frequency_penalty"):
+            if not -2 <= p[key] <= 2:
+                raise ConfigError(f"is {p[key]}; it must be in [-2, 2] (0: no penalty).",
+                                  key=f"models.policy.{key}")
+        if not p[pre + "repetition_penalty"] > 0:
+            raise ConfigError(f"is {p[pre + 'repetition_penalty']}; it must be > 0 (1: no penalty).",
+                              key=f"models.policy.{pre}repetition_penalty")
+        if rt.rollout_backend == "sglang" and p[pre + "repetition_penalty"] > 2:
+            raise ConfigError(f"is {p[pre + 'repetition_penalty']}; SGLang accepts at most 2. Lower it, "
+                              "or set runtime_args.rollout_backend to vllm or hf.",
+                              key=f"models.policy.{pre}repetition_penalty")
     if not 0 < p.gpu_memory_utilization <= 1:
         raise ConfigError("must be in (0, 1].", key="models.policy.gpu_memory_utilization")
+    longest = policy_sequence_length(p)
+    if p.seq_length is not None and p.seq_length <= p.max_prompt_tokens_length:
+        raise ConfigError(
+            f"is {p.seq_length}; it is the engine's tokens per sequence (prompt + response), so it must exceed "
+            f"models.policy.max_prompt_tokens_length ({p.max_prompt_tokens_length}) to leave room for a response. "
+            "Raise it, lower max_prompt_tokens_length, or set it to null (max_prompt_tokens_length + "
+            "max_response_tokens_length).", key="models.policy.seq_length")
     for name in ("policy_trainer", "ref_policy"):
         t = m[name]
         if t.ulysses_sequence_parallel_size != 1:
@@ -197,6 +231,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("must be null, 'sel' or 'full'.", key=f"models.{name}.recompute_granularity")
         if t.packing:
             _positive(t.max_token_in_packing, f"models.{name}.max_token_in_packing")
+        if t.seq_length is not None and not t.packing:
+            _check_trainer_seq_length(cfg, name, longest)
         _positive(t.logprob_chunk_tokens, f"models.{name}.logprob_chunk_tokens")
     t = m.policy_trainer
     if not t.trainable:
@@ -241,7 +277,7 @@ def validate(cfg: DictConfig) -> None:
     from chatlearn.config.plan import make_plan  # noqa: PLC0415 (plan validates sizes)
     plan = make_plan(cfg)
     from chatlearn.algorithms.config import validate_algorithm  # noqa: PLC0415
-    validate_algorithm(cfg, plan.steps_per_episode * rt.num_episode)
+    validate_algorithm(cfg, plan.total_steps)
 
 
 def _check_finite(node, key: str) -> None:
@@ -289,6 +325,7 @@ def _check_paths(cfg: DictConfig) -> None:
         if found.repo_id:
             mc.load, mc.hub_id = found.path, found.pinned
         check_model_folder(mc.load, key)
+    _check_context_length(cfg)
     check_output_folder(rt.output_dir, "runtime_args.output_dir")
     la = rt.log_args_dict
     check_output_folder(la.log_dir, "runtime_args.log_args_dict.log_dir")
@@ -376,6 +413,89 @@ def check_model_folder(path: str, key: str) -> None:
     if not isinstance(conf, dict):
         raise ConfigError(f"{path}/config.json must hold a JSON object (the model's configuration). Restore the "
                           "model folder's config.json.", key=key)
+
+
+# the config.json keys vLLM reads for a model's context length (the smallest one present wins)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len")
+
+
+def model_context_length(path: str) -> int | None:
+    """The longest prompt + response the model at ``path`` takes, from its config.json (as vLLM derives
+    it: the smallest length key present, times a linear/dynamic/yarn RoPE scaling factor); ``None``
+    when the config says nothing."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        conf = json.load(f)
+    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
+    lengths = [conf[k] for k in CONTEXT_KEYS if isinstance(conf.get(k), int) and conf[k] > 0]
+    if not lengths:
+        return None
+    limit = min(lengths)
+    scaling = conf.get("rope_scaling")
+    if isinstance(scaling, dict) and isinstance(scaling.get("factor"), (int, float)):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in ("linear", "dynamic", "yarn"):
+            limit = int(limit * scaling["factor"])
+    return limit
+
+
+def policy_sequence_length(p: DictConfig) -> int:
+    """The longest sequence (prompt + response) the rollout engine produces: ``seq_length`` when set
+    (a response stops there), else ``max_prompt_tokens_length + max_response_tokens_length``."""
+    total = p.max_prompt_tokens_length + p.max_response_tokens_length
+    return total if p.seq_length is None else min(p.seq_length, total)
+
+
+def _check_trainer_seq_length(cfg: DictConfig, name: str, longest: int) -> None:
+    """``models.<name>.seq_length`` (unpacked micro-batches padded to exactly that width) holds the
+    policy's longest sequence, and under Megatron sequence parallelism splits evenly over TP ranks."""
+    t, key = cfg.models[name], f"models.{name}.seq_length"
+    _positive(t.seq_length, key)
+    if t.seq_length < longest:
+        p = cfg.models.policy
+        source = (f"models.policy.seq_length ({p.seq_length})" if p.seq_length is not None and p.seq_length < (
+            p.max_prompt_tokens_length + p.max_response_tokens_length) else
+            f"models.policy.max_prompt_tokens_length ({p.max_prompt_tokens_length}) + "
+            f"models.policy.max_response_tokens_length ({p.max_response_tokens_length})")
+        raise ConfigError(
+            f"is {t.seq_length}, but the rollout engine produces sequences of up to {longest} tokens ({source}): "
+            "every micro-batch is padded to exactly seq_length, so it must hold the longest one. Raise it to at "
+            f"least {longest}, or set it to null (pad to each micro-batch's longest sample).", key=key)
+    tp = t.tensor_model_parallel_size or 1
+    if (cfg.runtime_args.train_backend == "megatron" and t.sequence_parallel and tp > 1
+            and t.seq_length % tp):
+        raise ConfigError(
+            f"is {t.seq_length}; with sequence_parallel the sequence is split over the {tp} tensor-parallel "
+            f"ranks, so it must be a multiple of tensor_model_parallel_size ({tp}), e.g. "
+            f"{-(-t.seq_length // tp) * tp}.", key=key)
+
+
+def _check_context_length(cfg: DictConfig) -> None:
+    """Prompt + response must fit the policy's context, checked here rather than by the engine mid-start."""
+    p = cfg.models.policy
+    limit = model_context_length(p.load)
+    if limit is None:
+        return
+    where = f"max_position_embeddings in {p.load}/config.json"
+    if p.seq_length is not None and p.seq_length > limit:
+        raise ConfigError(
+            f"is {p.seq_length} tokens per sequence, more than the {limit} the model takes ({where}). Lower it "
+            f"to at most {limit}.", key="models.policy.seq_length")
+    for name in ("policy_trainer", "ref_policy"):
+        t = cfg.models[name]
+        if t.seq_length is not None and not t.packing and t.seq_length > limit:
+            raise ConfigError(
+                f"is {t.seq_length}, more than the {limit} tokens the model takes ({where}): micro-batches are "
+                f"padded to exactly seq_length. Lower it to at most {limit}, or set it to null.",
+                key=f"models.{name}.seq_length")
+    total = p.max_prompt_tokens_length + p.max_response_tokens_length
+    if p.seq_length is None and total > limit:
+        raise ConfigError(
+            f"models.policy.max_prompt_tokens_length ({p.max_prompt_tokens_length}) + "
+            f"models.policy.max_response_tokens_length ({p.max_response_tokens_length}) = {total} tokens, more "
+            f"than the {limit} the model takes ({where}). Lower one of them so that their sum fits, or set "
+            f"models.policy.seq_length to at most {limit} (a response then stops at seq_length - its prompt's "
+            "length).", key="models.policy.max_response_tokens_length")
 
 
 def _importable(module: str) -> bool:

@@ -54,6 +54,25 @@ class Plan:
     placements: dict[str, ModelPlacement] = field(default_factory=dict)
     # ref_policy exists only for a KL term (models.policy_trainer.kl_coef > 0), as in verl
     uses_ref: bool = True
+    # runtime_args.max_replay_episode: earlier episodes whose samples an episode trains on too
+    # (0: none, -1: all); num_episode, to count the run's optimizer steps
+    max_replay_episode: int = 0
+    num_episode: int = 1
+
+    def replayed_episodes(self, episode: int) -> int:
+        """Earlier episodes whose samples episode ``episode`` (1-based) trains on besides its own."""
+        earlier = episode - 1
+        return earlier if self.max_replay_episode < 0 else min(earlier, self.max_replay_episode)
+
+    def steps_in_episode(self, episode: int) -> int:
+        """Optimizer steps of episode ``episode``: ``steps_per_episode`` for each episode's samples
+        it trains on (its own and the replayed ones)."""
+        return self.steps_per_episode * (1 + self.replayed_episodes(episode))
+
+    @property
+    def total_steps(self) -> int:
+        """The run's optimizer steps (what the learning-rate schedule spans)."""
+        return sum(self.steps_in_episode(e) for e in range(1, self.num_episode + 1))
 
     @property
     def total_devices(self) -> int:
@@ -93,6 +112,13 @@ class Plan:
             f"{self.micro_batches_per_step} micro-batch(es) x "
             f"{self.samples_per_rank_per_step // self.micro_batches_per_step} samples)",
         ]
+        if self.max_replay_episode != 0:
+            lines.append(
+                f"replay: each episode also trains on the samples of up to "
+                f"{'all' if self.max_replay_episode < 0 else self.max_replay_episode} earlier episode(s) "
+                f"(runtime_args.max_replay_episode), {self.steps_per_episode} optimizer steps for each "
+                f"episode's samples: {self.total_steps} steps over the run instead of "
+                f"{self.steps_per_episode * self.num_episode}")
         return lines
 
     @property
@@ -186,7 +212,8 @@ def make_plan(cfg: DictConfig) -> Plan:
     return Plan(group_size=n, prompts_per_episode=spe // n, samples_per_episode=spe, trainer_dp=dp,
                 samples_per_step=gbs, samples_per_rank_per_step=per_rank, micro_batches_per_step=per_rank // micro,
                 steps_per_episode=spe // gbs * rt.num_training_epoch, rollout_replicas=replicas,
-                device_groups=groups, devices_per_group=sizes, placements=placements, uses_ref=uses_ref)
+                device_groups=groups, devices_per_group=sizes, placements=placements, uses_ref=uses_ref,
+                max_replay_episode=rt.max_replay_episode, num_episode=rt.num_episode)
 
 
 def _check_rollout_parallel(pol, backend: str) -> None:

@@ -71,7 +71,7 @@ class RuntimeArgs:
     eval_data_subset: Optional[str] = "${runtime_args.data_subset}"  # as data_subset, for eval_data_path
     eval_data_split: str = "test"  # as data_split, for eval_data_path
     data_rerank: bool = True  # spread the samples of one prompt over rollout replicas
-    max_replay_episode: int = 0
+    max_replay_episode: int = 0  # also train on the samples of up to N earlier episodes (-1: all)
     replay_episode_offset: int = 0
     consumed_samples: int = 0
     max_data_ckpt_nums: Optional[int] = None
@@ -176,8 +176,11 @@ class TrainerModel(ModelBase):
     gradient_checkpointing: bool = True
     save_hf: bool = True
     use_expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in this model's workers
+    # Unpacked micro-batches are padded to exactly this many tokens (fixed shapes, as Megatron's
+    # seq_length; at least the policy's longest sequence); null: to the micro-batch's longest sample.
+    # Ignored with packing (a warning says so).
+    seq_length: Optional[int] = None
     # Megatron
-    seq_length: int = 2048
     tokenizer_type: str = "HuggingFaceTokenizer"
     tokenizer_model: Optional[str] = None
     virtual_pipeline_model_parallel_size: Optional[int] = None
@@ -211,6 +214,7 @@ class RefPolicy(TrainerModel):
     generation_batch_size: int = 8
     packing: bool = "${models.policy_trainer.packing}"  # type: ignore[assignment]
     max_token_in_packing: int = "${models.policy_trainer.max_token_in_packing}"  # type: ignore[assignment]
+    seq_length: Optional[int] = "${models.policy_trainer.seq_length}"  # type: ignore[assignment]
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
 
 
@@ -226,7 +230,9 @@ class Policy(ModelBase):
     eval_num_inference_per_prompt: int = "${models.policy.num_inference_per_prompt}"  # type: ignore[assignment]
     max_prompt_tokens_length: int = 1024  # longer prompts are dropped from the data
     max_response_tokens_length: int = 2048  # max new tokens per response
-    seq_length: int = 2048  # ChatLearn's legacy total length; see max_*_tokens_length
+    # the engine's tokens per sequence, prompt + response (vLLM max_model_len, SGLang context_length):
+    # a response stops at seq_length - its prompt's length; null: max_prompt + max_response tokens
+    seq_length: Optional[int] = None
     max_new_tokens: Optional[int] = None  # legacy alias of max_response_tokens_length
     max_seq_len_to_capture: int = 2348
     max_num_batched_tokens: int = 32768
@@ -302,3 +308,101 @@ class Config:
     models: Models = field(default_factory=Models)
     runtime_env: RuntimeEnv = field(default_factory=RuntimeEnv)
 
+
+
+# Keys accepted so that a ChatLearn config loads unchanged, but read by nothing in this build.
+# A user who sets one to a value other than its default is warned at start (chatlearn run and
+# --dry-run). tests/config/test_compat_keys.py keeps this list honest: every key in it is read
+# nowhere in chatlearn/, and every other key is read somewhere.
+_TRAINERS = ("policy_trainer", "ref_policy")
+_ALL_MODELS = MODEL_NAMES
+COMPAT_ONLY_KEYS: Dict[str, str] = {
+    "runtime_args.concurrent_setup": "models are set up one after another",
+    "runtime_args.nsys": "GPU profiling switch; no profiler is attached",
+    "runtime_args.profiler_dir": "no profiler is attached",
+    "runtime_args.data_checkpoint_path": "the data position is saved in the training checkpoint",
+    "runtime_args.data_ratio": "the files of data_path are read as one dataset",
+    "runtime_args.replay_episode_offset": "episodes are not replayed with an offset",
+    "runtime_args.consumed_samples": "resume takes the data position from the checkpoint",
+    "runtime_args.max_data_ckpt_nums": "the data position is part of each checkpoint (see keep_last_checkpoints)",
+    "runtime_args.load_data_checkpoint_iteration": "resume uses the newest complete checkpoint",
+    "runtime_args.stream_data_loader_type": "one fixed-size loader per episode",
+    "runtime_args.bucket_size_mb_in_memory_manager": "Megatron memory manager; weights move in buckets of "
+                                                     "coalesced_buffer_mb",
+    "runtime_args.concurrent_comm": "weight sync has a single path",
+    "runtime_args.param_sync_comm_type": "weight sync has a single path",
+    "runtime_args.param_sync_max_workers": "weight sync has a single path",
+    "runtime_args.routed_expert_regrouping_comm_type": "weight sync has a single path",
+    "runtime_args.free_sync_collective_group": "weight sync has a single path",
+    "runtime_args.cpu_schedule_strategy": "Ray placement is computed by the plan",
+    "runtime_args.validate_param_sync": "weight sync has a single path",
+    "runtime_args.policy_to_regroup_queue": "weight sync has a single path",
+    "runtime_env.excludes": "the Ray runtime environment is not shipped",
+    "runtime_env.platform": "the Ray runtime environment is not shipped",
+    "runtime_env.pip": "the Ray runtime environment is not shipped",
+    "runtime_env.working_dir": "the Ray runtime environment is not shipped",
+    "runtime_env.py_modules": "the Ray runtime environment is not shipped",
+    "models.policy.max_seq_len_to_capture": "CUDA graph capture length; the engine chooses it",
+    "models.policy.vllm_input_ids_key": "prompts are tokenized from prompt_key",
+    "models.policy.enable_stage_resume": "resume restarts the interrupted episode",
+    "models.reward.generation_batch_size": "a reward worker scores its whole share of a batch in one call",
+    **{f"models.{m}.{k}": why for m in _ALL_MODELS for k, why in (
+        ("sync_frequency", "weight pushes follow the episode schedule"),
+        ("expert_model_parallel_size", "expert parallelism is not available"),
+        ("expert_tensor_parallel_size", "expert parallelism is not available"),
+        ("replica_dp_size", "derived by the plan"),
+    )},
+    **{f"models.{m}.{k}": why for m in _TRAINERS for k, why in (
+        ("diff_clip_ratio", "the loss clips with pos_clip_ratio / neg_clip_ratio (and clip_ratio_c)"),
+        ("final_clip_ratio", "the loss clips with pos_clip_ratio / neg_clip_ratio (and clip_ratio_c)"),
+        ("groupgemm", "MoE grouped GEMM kernels are not used"),
+        ("tokenizer_type", "the tokenizer is the model folder's Hugging Face tokenizer"),
+        ("tokenizer_model", "the tokenizer is the model folder's Hugging Face tokenizer"),
+        ("virtual_pipeline_model_parallel_size", "no interleaved pipeline schedule"),
+        ("decoder_first_pipeline_num_layers", "pipeline stages split the layers evenly"),
+        ("decoder_last_pipeline_num_layers", "pipeline stages split the layers evenly"),
+        ("moe_router_force_load_balancing", "MoE routing is the model's own"),
+        ("save", "checkpoints go to runtime_args.output_dir"),
+        ("save_interval", "see runtime_args.save_episode_interval"),
+        ("log_interval", "metrics are logged every optimizer step"),
+        ("train_iters", "steps follow from num_episode, sample_per_episode and train_global_batch_size"),
+    )},
+}
+
+
+def compat_warning(cfg) -> Optional[str]:
+    """One warning naming the compatibility-only keys that ``cfg`` sets away from their default;
+    None when there are none. A default that is an interpolation is resolved within ``cfg``."""
+    from omegaconf import OmegaConf
+
+    raw_defaults = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+    changed = []
+    for key in COMPAT_ONLY_KEYS:
+        raw = raw_defaults
+        for part in key.split("."):
+            raw = raw[part]
+        probe = OmegaConf.create({"value": OmegaConf.select(cfg, key, default=raw, throw_on_missing=False),
+                                  "default": raw, **OmegaConf.to_container(cfg, resolve=False)})
+        value, default = probe.value, probe.default
+        if OmegaConf.is_config(value):
+            value, default = OmegaConf.to_container(value), OmegaConf.to_container(default)
+        if value != default:
+            changed.append(f"{key}={json_value(value)} ({COMPAT_ONLY_KEYS[key]})")
+    models = cfg.models
+    for name in ("policy_trainer", "ref_policy"):
+        t = models[name]
+        same = name == "ref_policy" and (t.packing, t.seq_length) == (
+            models.policy_trainer.packing, models.policy_trainer.seq_length)
+        if t.packing and t.seq_length is not None and not same:
+            changed.append(f"models.{name}.seq_length={t.seq_length} (ignored with packing: a packed micro-batch "
+                           "holds up to max_token_in_packing tokens)")
+    if not changed:
+        return None
+    return (f"{'; '.join(changed)}: accepted for compatibility with ChatLearn configs, no effect in "
+            "this build (docs/config.md marks every such key); remove to silence this warning.")
+
+
+def json_value(value) -> str:
+    import json
+
+    return json.dumps(value)

@@ -76,11 +76,38 @@ def resolve_data_sources(value: str, key: str, *, name: str | None, split: str) 
             if os.path.isdir(entry) and not any(f.endswith(DATA_SUFFIXES) for f in os.listdir(entry)):
                 raise ConfigError(f"data folder {entry!r} holds no .jsonl, .json or .parquet file. Put the data files "
                                   "there, or point it at the files.", key=key)
+            files = ([os.path.join(entry, f) for f in sorted(os.listdir(entry)) if f.endswith(DATA_SUFFIXES)]
+                     if os.path.isdir(entry) else [entry])
+            if not any(_has_rows(f) for f in files):
+                what = f"data folder {entry!r} holds only empty files" if os.path.isdir(entry) else \
+                    f"data file {entry!r} is empty"
+                raise ConfigError(f"{what} (no rows). Point it at data with at least one row.", key=key)
             out.append(DataSource(entry, entry))
             continue
         repo_id, revision = split_revision(entry)
         out.append(_hub_source(entry, repo_id, revision, key, name=name, split=split))
     return out
+
+
+def _has_rows(path: str) -> bool:
+    """Whether a local data file holds at least one row (cheap: parquet metadata, or any character that is
+    not blank and not an empty JSON array). A file that cannot be read counts as having rows: reading it
+    later names what is wrong with it."""
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows > 0
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 16):
+                text = chunk.strip()
+                if text:
+                    if text == b"[]" and not f.read(1):  # a JSON file holding an empty list
+                        return False
+                    return True
+        return False
+    except Exception:  # noqa: BLE001 - reported when the file is read
+        return True
 
 
 def _hub_source(entry: str, repo_id: str, revision: str | None, key: str, *, name, split) -> DataSource:

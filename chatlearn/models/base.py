@@ -229,7 +229,9 @@ class Rollout(Model):
     def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
         """Sample one response per prompt.
 
-        ``sampling``: temperature, top_p, top_k (-1: off), max_tokens, seed (optional).
+        ``sampling``: temperature, top_p, top_k (-1: off), max_tokens, seed (optional), and the
+        penalties presence_penalty, frequency_penalty, repetition_penalty (optional, vLLM's
+        definitions; absent: off).
         Returns a batch (tokens, offsets, prompt_lens, rollout_logprobs) plus
         ``finish_reasons`` (int8 [N]: 1 stopped at EOS, 0 cut at max_tokens).
         ``rollout_logprobs`` are log-probs under the temperature-scaled distribution

@@ -64,6 +64,7 @@ class TrainerSpec(_Readable):
     train_global_batch_size: int
     packing: bool
     max_token_in_packing: int
+    seq_length: Optional[int]  # fixed width of unpacked micro-batches (Megatron's seq_length); None: the longest sample
     logprob_chunk_tokens: int  # tokens per chunk of the [tokens, vocab] log-prob/entropy computation
     # loss
     pos_clip_ratio: float
@@ -98,6 +99,7 @@ class RolloutSpec(_Readable):
     generation_batch_size: int  # max concurrent sequences (vLLM max_num_seqs; hf: sequences per call)
     max_prompt_tokens_length: int
     max_response_tokens_length: int
+    seq_length: Optional[int]  # the engine's tokens per sequence, prompt + response; None: their two maxima summed
     max_num_batched_tokens: int
     dtype: str  # "auto" until resolved in the worker, then one of DTYPES
     gpu_memory_utilization: float

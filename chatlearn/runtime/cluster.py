@@ -41,7 +41,7 @@ def trainer_spec(cfg: DictConfig, name: str) -> TrainerSpec:
     t, rt, pt = cfg.models[name], cfg.runtime_args, cfg.models.policy_trainer
     opt = pt.optimizer
     warmup, decay = resolve_schedule(opt.lr_warmup_iters, opt.lr_warmup_fraction, opt.lr_decay_iters,
-                                     make_plan(cfg).steps_per_episode * rt.num_episode)
+                                     make_plan(cfg).total_steps)
     return TrainerSpec(
         load=t.load, trust_remote_code=t.trust_remote_code, seed=t.seed, trainable=t.trainable,
         lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, adam_beta1=opt.adam_beta1,
@@ -49,7 +49,7 @@ def trainer_spec(cfg: DictConfig, name: str) -> TrainerSpec:
         lr_warmup_iters=warmup, lr_decay_iters=decay, lr_warmup_init=opt.lr_warmup_init,
         train_micro_batch_size=t.train_micro_batch_size, logprob_micro_batch_size=t.generation_batch_size,
         train_global_batch_size=rt.train_global_batch_size, packing=t.packing,
-        max_token_in_packing=t.max_token_in_packing, logprob_chunk_tokens=t.logprob_chunk_tokens,
+        max_token_in_packing=t.max_token_in_packing, seq_length=t.seq_length, logprob_chunk_tokens=t.logprob_chunk_tokens,
         pos_clip_ratio=t.pos_clip_ratio, neg_clip_ratio=t.neg_clip_ratio, clip_ratio_c=pt.clip_ratio_c,
         use_group_sequence_policy=pt.use_group_sequence_policy, loss_agg_mode=pt.loss_agg_mode,
         max_response_tokens_length=cfg.models.policy.max_response_tokens_length, kl_coef=t.kl_coef,
@@ -67,7 +67,8 @@ def rollout_spec(cfg: DictConfig) -> RolloutSpec:
     return RolloutSpec(
         load=p.load, trust_remote_code=p.trust_remote_code, seed=p.seed,
         generation_batch_size=p.generation_batch_size, max_prompt_tokens_length=p.max_prompt_tokens_length,
-        max_response_tokens_length=p.max_response_tokens_length, max_num_batched_tokens=p.max_num_batched_tokens,
+        max_response_tokens_length=p.max_response_tokens_length, seq_length=p.seq_length,
+        max_num_batched_tokens=p.max_num_batched_tokens,
         dtype=p.dtype, gpu_memory_utilization=p.gpu_memory_utilization, enforce_eager=p.enforce_eager,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         deterministic_inference=p.deterministic_inference, cpu_threads=None)

@@ -48,6 +48,7 @@ from chatlearn.runtime.cluster import Cluster
 from chatlearn.runtime.group import Activity
 from chatlearn.runtime.output_dir import check_start, move_aside, previous_run, reconcile_logs
 from chatlearn.runtime.output_dir import refusal as output_refusal
+from chatlearn.runtime.replay import ReplayBuffer
 from chatlearn.runtime.rollouts import Rollouts
 from chatlearn.runtime.run_lock import RunLock
 from chatlearn.runtime.scheduler import MODEL_PARTS, Scheduler, Timeline, movable_parts
@@ -91,6 +92,7 @@ class GRPO(Rollouts):
         self.policy, self.trainer = self.sched.groups["policy"], self.sched.groups["policy_trainer"]
         self.ref, self.reward = self.sched.groups.get("ref_policy"), self.sched.groups["reward"]
         self.sampler = PromptSampler(len(train_set), shuffle=rt.data_shuffle, seed=rt.seed)
+        self.replay = ReplayBuffer(rt.max_replay_episode)  # earlier episodes' samples to train on again
         self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
         self.metrics = MetricSinks(cfg)
         self.progress = RunProgress(rt.num_episode)
@@ -166,7 +168,8 @@ class GRPO(Rollouts):
         adv_metrics = self.advantages(batch, rewards)
         with timer("policy_trainer", "train"):
             self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
-            step_metrics = self.optimize(batch, episode)
+            step_metrics = self.optimize(self.replay.training_batch(batch), episode)
+        self.replay.add(batch)  # before the checkpoint, which keeps it for the episodes that follow
         if self.should_save(episode):  # the trainer is still resident with its optimizer state
             with timer("policy_trainer", "checkpoint"):
                 self.save_checkpoint(episode)
@@ -241,10 +244,13 @@ class GRPO(Rollouts):
                 "sample_weights")
         sums: dict[str, float] = collections.defaultdict(float)
         steps = skipped = 0
-        for _ in range(self.cfg.runtime_args.num_training_epoch):
-            for s in range(0, plan.samples_per_episode, plan.samples_per_step):
+        samples = len(batch["prompt_lens"])  # with replay, earlier episodes' samples too
+        epochs = self.cfg.runtime_args.num_training_epoch
+        total = samples // plan.samples_per_step * epochs
+        for _ in range(epochs):
+            for s in range(0, samples, plan.samples_per_step):
                 sub = select_samples({k: batch[k] for k in keys if k in batch}, range(s, s + plan.samples_per_step))
-                self.progress.stage("train", f"step {steps + 1}/{plan.steps_per_episode}")
+                self.progress.stage("train", f"step {steps + 1}/{total}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
                 steps += 1
                 if self.nonfinite_step(outs[0], episode, steps):
@@ -296,6 +302,7 @@ class GRPO(Rollouts):
         plus a Hugging Face folder of the policy when ``save_hf`` (see CheckpointManager)."""
         def write(tmp: str) -> None:
             self.trainer.call("save_checkpoint", os.path.abspath(os.path.join(tmp, "trainer")))
+            self.replay.save(tmp)
             if self.cfg.models.policy_trainer.save_hf:
                 self.trainer.call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
 
@@ -320,6 +327,7 @@ class GRPO(Rollouts):
                 f"checkpoint before it, delete or move that folder; to start "
                 "over, run with --no-resume or set runtime_args.enable_resume_training=false.") from err
         self.sampler.load_state_dict(state["sampler"])
+        self.replay.load(path)
         # the rollout engine still holds the initial weights: give it the checkpoint's
         self.sched.ensure("policy", ["weights"], keep={"policy_trainer": ["weights"]})
         self.push_weights()

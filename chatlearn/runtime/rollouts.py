@@ -17,6 +17,9 @@ class Rollouts:
         p = self.cfg.models.policy
         pre = "eval_" if eval_mode else ""
         return {"temperature": p[pre + "temperature"], "top_p": p[pre + "top_p"], "top_k": p[pre + "top_k"],
+                "presence_penalty": p[pre + "presence_penalty"],
+                "frequency_penalty": p[pre + "frequency_penalty"],
+                "repetition_penalty": p[pre + "repetition_penalty"],
                 "max_tokens": p.max_response_tokens_length, "seed": seed}
 
     def generate(self, prompts: list[list[int]], sampling: dict) -> dict:

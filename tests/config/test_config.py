@@ -1,6 +1,8 @@
 """Config loading: ChatLearn keys, interpolation, overrides, derived sizes, and user errors."""
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -58,6 +60,12 @@ def test_plan_sizes(paths_overrides):
 def test_chatlearn_yaml_with_every_documented_key_loads(tmp_path, tiny_model_dir, arith_data):
     """Every key of ChatLearn's config reference (FSDP and Megatron sections) is accepted."""
     train, evald = arith_data
+    # the reference's lengths (1024 + 2048 tokens) on a copy of the tiny model with a long enough context
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    conf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**conf, "max_position_embeddings": 4096}))
+    tiny_model_dir = str(model)
     yaml_text = textwrap.dedent(f"""
     runtime_args:
       train_backend: fsdp
@@ -200,6 +208,10 @@ def test_chatlearn_yaml_with_every_documented_key_loads(tmp_path, tiny_model_dir
     ("runtime_args.rollout_backend=vlm", "runtime_args.rollout_backend", ["Did you mean 'vllm'"]),
     ("runtime_args.colocation=[policy,polcy]", "runtime_args.colocation", ["not a model name"]),
     ("models.policy.top_p=0", "models.policy.top_p", ["(0, 1]"]),
+    ("models.policy.presence_penalty=2.5", "models.policy.presence_penalty", ["[-2, 2]"]),
+    ("models.policy.eval_frequency_penalty=-3", "models.policy.eval_frequency_penalty", ["[-2, 2]"]),
+    ("models.policy.repetition_penalty=0", "models.policy.repetition_penalty", ["> 0"]),
+    ("models.policy.eval_repetition_penalty=-1", "models.policy.eval_repetition_penalty", ["> 0"]),
 ])
 def test_config_errors_name_the_key(paths_overrides, override, key, words):
     with pytest.raises(ConfigError) as info:

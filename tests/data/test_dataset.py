@@ -49,7 +49,7 @@ def test_parquet_and_folder(tmp_path, tokenizer):
 @pytest.mark.parametrize("content, words", [
     ('{"prompt": "ok", "reward_model": {"ground_truth": "1"}}\n{"prompt": oops}\n', [":2:", "malformed JSON"]),
     ('{"question": "no prompt"}\n', [":1:", "no 'prompt' field"]),
-    ('', ["no usable prompts", "no rows"]),
+    ('', ["bad.jsonl' is empty (no rows)"]),
     ('{"prompt": "' + "9 " * 300 + '", "reward_model": {"ground_truth": "1"}}\n', ["no usable prompts", "longer than"]),
     ('{"prompt": "ok", "reward_model": {"style": "rule"}}\n', [":1:", "no 'reward_model.ground_truth' field",
                                                                 "style", "runtime_args.ground_truth_key"]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -143,6 +144,12 @@ def test_outputs_load_and_example_configs_accept_them(tmp_path, tiny_model_dir, 
     assert rm.score([""] * 3, gold, ps.ground_truths, ps.data_sources, ps.extras)["score"].tolist() == [1, 1, 1]
 
     monkeypatch.chdir(REPO)
+    # the examples' lengths (up to 1024 + 4096 tokens) on a copy of the tiny model with a Qwen2.5-sized context
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    conf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**conf, "max_position_embeddings": 32768}))
+    tiny_model_dir = str(model)
     for name in ("gsm8k", "math"):
         out = tmp_path / "gout" if name == "gsm8k" else tmp_path / "mout"
         cfg = load_config(f"examples/{name}/grpo_{name}.yaml", [

@@ -46,7 +46,7 @@ def trainer_cfg(path: str, **over) -> dict:
                weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, train_micro_batch_size=2,
                logprob_micro_batch_size=3, pos_clip_ratio=0.2, neg_clip_ratio=0.2,
                kl_coef=0.1, entropy_coef=0.01, gradient_checkpointing=False, bf16=False,
-               packing=False, max_token_in_packing=32768,
+               packing=False, max_token_in_packing=32768, seq_length=None,
                logprob_chunk_tokens=5, meta_init=False,  # 5: chunks that do not divide the tokens
                clip_ratio_c=None, use_group_sequence_policy=False, loss_agg_mode="token-mean",
                max_response_tokens_length=16, kl_estimator="k3", kl_in_reward=False,

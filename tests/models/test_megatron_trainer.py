@@ -663,7 +663,7 @@ def job_packing(rank, world, setup, out, job):
     """Padded and packed Megatron passes for each layout of ``job`` (and, for DP=2, the
     packed FSDP trainer on the same two ranks)."""
     from megatron_shim import cpu_device_shim
-    from test_packing import MAX_TOKENS
+    from test_packing import FIXED_WIDTH, MAX_TOKENS
 
     path, batch = setup["path"], setup["ragged"]
     common = dict(train_micro_batch_size=2, logprob_micro_batch_size=3,
@@ -680,8 +680,9 @@ def job_packing(rank, world, setup, out, job):
         for name in PACKING_JOBS[job]:
             keys = PACKING_LAYOUTS[name][1]
             res[name] = {mode: _packing_pass(MegatronTrainer(megatron_cfg(
-                path, packing=mode == "packed", **common, **keys)), batch)
-                for mode in ("padded", "packed")}
+                path, packing=mode == "packed", seq_length=FIXED_WIDTH if mode == "fixed" else None,
+                **common, **keys)), batch)
+                for mode in ("padded", "packed", "fixed")}
         if job == "dp2":  # the model's logits for ROPE_POSITIONS, with Megatron's causal mask
             frozen = MegatronTrainer(megatron_cfg(path, trainable=False))
             ids = torch.arange(3, 3 + len(ROPE_POSITIONS))[None]
@@ -765,6 +766,7 @@ def test_megatron_packed_matches_padded_transformers_and_fsdp_packed(packing_set
 def test_megatron_packed_micro_batches_and_padding_share(packing_runs):
     """One row per bin; PP pads every row (dummy rows too) to the replica's longest bin, SP
     to a multiple of TP; the padding share counts exactly those padding tokens."""
+    from test_packing import FIXED_WIDTH
     bins = [[1, 4], [0, 6], [3, 7], [2, 5]]  # one replica: 16, 16, 15 and 13 tokens
     expected = {  # name: (per rank: shapes of the training micro-batches, pad_token_frac)
         "tp2": ([[(1, 16), (1, 16), (1, 15), (1, 13)]] * 2, 0.0),
@@ -782,6 +784,11 @@ def test_megatron_packed_micro_batches_and_padding_share(packing_runs):
                 assert stats["pad_token_frac"] == pytest.approx(pad, abs=1e-12), name
                 assert stats["micro_steps"] == 4.0, name
             assert res["padded"]["metrics"]["pad_token_frac"] > pad, name
+            # seq_length: unpacked micro-batches of train_micro_batch_size (2) rows, each exactly
+            # FIXED_WIDTH wide; same values as per-micro-batch padding
+            fixed = res["fixed"]
+            assert {w for _, w in fixed["shapes"]} == {FIXED_WIDTH}, name
+            _assert_pass_close(fixed, res["padded"], f"{name} fixed width vs padded", full=rank == 0)
     assert [r["packed"]["samples"] for r in packing_runs["dp2"]] == [
         [[1], [0], [3], [2]], [[4, 5, 6, 7], [], [], []]]
 

@@ -23,6 +23,7 @@ from chatlearn.models.trainer.packing import pack_first_fit_decreasing, plan_mic
 TEMPERATURE = 0.8
 LR = 1e-4  # Adam's first step moves weights by ~lr whatever the gradient: keeps rounding small
 MAX_TOKENS = 16
+FIXED_WIDTH = 20  # seq_length: every unpacked micro-batch padded to this width (longest sample: 13)
 # rank 0 of 2 gets the four long samples (one bin each), rank 1 the four short ones (one bin)
 PROMPT_LENS = [3, 5, 2, 4, 1, 1, 2, 2]
 RESPONSE_LENS = [9, 8, 9, 8, 2, 1, 2, 1]
@@ -119,7 +120,14 @@ def job(rank, world, path, batch):
                   max_token_in_packing=MAX_TOKENS)
     padded = _pass(FSDPTrainer(trainer_cfg(path, packing=False, **common)), batch)
     packed = _pass(FSDPTrainer(trainer_cfg(path, packing=True, **common)), batch)
-    return {"padded": padded, "packed": packed}
+    fixed = _pass(FSDPTrainer(trainer_cfg(path, packing=False, seq_length=FIXED_WIDTH, **common)), batch)
+    short = FSDPTrainer(trainer_cfg(path, packing=False, seq_length=12, **common))
+    try:
+        short.compute_logprobs(batch, temperature=TEMPERATURE)
+        too_long = None
+    except ConfigError as err:
+        too_long = (err.key, str(err))
+    return {"padded": padded, "packed": packed, "fixed": fixed, "too_long": too_long}
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +198,30 @@ def test_padding_share_is_reported_and_zero_with_packing(setup, ranks):
                            for r in range(0, len(lens), share) for s in range(r, r + share, size))
             assert got["pad_token_frac"] == pytest.approx(1 - lens.sum() / computed) and computed > lens.sum()
             assert got["micro_steps"] == -(-share // size)
+
+
+@pytest.mark.timeout(300)
+def test_fixed_seq_length_pads_to_it_and_changes_no_value(ranks):
+    """``seq_length`` pads every unpacked micro-batch to exactly that width: log-probs, loss,
+    gradients and the step are those of per-micro-batch padding; the padding share counts the
+    fixed width; a sample longer than it is a ConfigError naming the key."""
+    world, results = ranks
+    lens = np.diff(make_batch(1000)["offsets"])
+    for res in results:
+        fixed, padded = res["fixed"], res["padded"]
+        np.testing.assert_allclose(fixed["logp"], padded["logp"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(fixed["entropy"], padded["entropy"], rtol=0, atol=1e-5)
+        for name in METRICS:
+            assert fixed["metrics"][name] == pytest.approx(padded["metrics"][name], abs=1e-6), name
+            assert fixed["step"][name] == pytest.approx(padded["step"][name], abs=1e-6), name
+        assert fixed["step"]["grad_norm"] == pytest.approx(padded["step"]["grad_norm"], rel=1e-5)
+        assert fixed["metrics"]["pad_token_frac"] == pytest.approx(1 - lens.sum() / (len(lens) * FIXED_WIDTH))
+        assert fixed["logprob_stats"]["pad_token_frac"] == pytest.approx(1 - lens.sum() / (len(lens) * FIXED_WIDTH))
+        key, msg = res["too_long"]
+        assert key == "models.policy_trainer.seq_length" and "13 tokens" in msg and "(12)" in msg
+    if world == 1:
+        for name, g in results[0]["padded"]["grads"].items():
+            torch.testing.assert_close(results[0]["fixed"]["grads"][name], g, rtol=0, atol=1e-5, msg=name)
 
 
 def test_new_metrics_are_documented():

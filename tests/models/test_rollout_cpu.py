@@ -62,6 +62,7 @@ def _cfg(load: str) -> dict:
         "generation_batch_size": 16,
         "max_prompt_tokens_length": MAX_PROMPT,
         "max_response_tokens_length": MAX_RESPONSE,
+        "seq_length": None,
         "dtype": "float32",
         "device": "cpu",
         "gpu_memory_utilization": 0.5,

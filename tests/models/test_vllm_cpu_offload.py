@@ -27,7 +27,7 @@ def engine(tmp_path_factory):
     path = make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=3)
     rollout = VLLMRollout({
         "load": path, "trust_remote_code": False, "seed": 7, "generation_batch_size": 4,
-        "max_prompt_tokens_length": MAX_PROMPT, "max_response_tokens_length": MAX_RESPONSE,
+        "max_prompt_tokens_length": MAX_PROMPT, "max_response_tokens_length": MAX_RESPONSE, "seq_length": None,
         "dtype": "float32", "device": "cpu", "gpu_memory_utilization": 0.5, "enforce_eager": True,
         "tensor_model_parallel_size": 1, "cpu_threads": 1, "max_num_batched_tokens": None,
         "deterministic_inference": True})

@@ -198,6 +198,33 @@ CASES = [
     ("load names a file in the model folder",
      lambda c: run(f"models.policy_trainer.load={os.path.join(c.model, 'config.json')}", dry=True)(c), 2,
      ["models.policy_trainer.load", "is a file", "must be a model folder"], ["Traceback", "does not exist"]),
+    # 11. errors up front, naming the key, before anything starts (all at --dry-run)
+    ("colocation given as a string", run("runtime_args.colocation=policy,policy_trainer", dry=True), 2,
+     ["runtime_args.colocation: must be a list", "runtime_args.colocation=[policy,policy_trainer,ref_policy]"],
+     ["Traceback", "AnyNode", "ListConfig"]),
+    ("temperature: nan", run("models.policy.temperature=nan", dry=True), 2,
+     ["models.policy.temperature", "inf or nan"], ["Traceback", "# plan"]),
+    ("eval_temperature: nan", run("models.policy.eval_temperature=nan", dry=True), 2,
+     ["models.policy.eval_temperature", "inf or nan"], ["Traceback", "# plan"]),
+    ("seed: 1e23", run("runtime_args.seed=1e23", dry=True), 2,
+     ["runtime_args.seed", "could not be converted to Integer"], ["Traceback", "# plan"]),
+    ("seed out of range", run("models.policy.seed=99999999999999", dry=True), 2,
+     ["models.policy.seed: is 99999999999999; a seed must be an integer from 0 to 4294967295"],
+     ["Traceback", "# plan"]),
+    ("a negative seed", run("runtime_args.seed=-1", dry=True), 2,
+     ["runtime_args.seed: is -1"], ["Traceback", "# plan"]),
+    ("prompt + response longer than the model's context",
+     run("models.policy.max_prompt_tokens_length=4000", "models.policy.max_response_tokens_length=1000", dry=True),
+     2, ["models.policy.max_prompt_tokens_length (4000) + models.policy.max_response_tokens_length (1000) = 5000",
+         "the model takes (max_position_embeddings in", "Lower one of them"], ["Traceback", "# plan"]),
+    ("an empty data file", lambda c: run(f"runtime_args.data_path={c.file('empty/a.jsonl', chr(10))}", dry=True)(c),
+     2, ["runtime_args.data_path", "is empty (no rows)"], ["Traceback", "# plan"]),
+    ("a data folder of empty files",
+     lambda c: run(f"runtime_args.data_path={os.path.dirname(c.file('empty/a.jsonl', ''))}", dry=True)(c), 2,
+     ["runtime_args.data_path", "holds only empty files (no rows)"], ["Traceback", "# plan"]),
+    ("a data folder without data files",
+     lambda c: run(f"runtime_args.data_path={os.path.dirname(c.file('nodata/readme.txt', 'x'))}", dry=True)(c), 2,
+     ["runtime_args.data_path", "holds no .jsonl, .json or .parquet file"], ["Traceback", "# plan"]),
     ("a Hub model id not in the cache, offline", run("models.policy_trainer.load=acme/not-cached", dry=True), 2,
      ["models.policy_trainer.load", "'acme/not-cached' is not a local path", "HF_HUB_OFFLINE=1",
       "hf download acme/not-cached"], ["Traceback", "# plan"]),
@@ -255,6 +282,12 @@ def test_case(ctx, no_ray, capsys, monkeypatch, argv, code, present, absent):
     if code == 2:
         message = captured.err[captured.err.index("error: "):]
         assert "\n\n" not in message.strip(), message
+
+
+def test_a_failed_validation_leaves_the_output_folder_untouched(ctx, no_ray, capsys):
+    assert main(run("runtime_args.seed=-1")(ctx)) == 2
+    assert "runtime_args.seed" in capsys.readouterr().err
+    assert not os.path.exists(ctx.out)  # no config.yaml, no lock, no folder
 
 
 def test_a_ray_address_that_does_not_answer_is_given_up_after_the_timeout():

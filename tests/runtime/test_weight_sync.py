@@ -325,7 +325,7 @@ def trainer_cfg(path: str) -> dict:
                 weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, train_micro_batch_size=4,
                 logprob_micro_batch_size=8, pos_clip_ratio=0.2, neg_clip_ratio=0.2, kl_coef=0.0,
                 entropy_coef=0.0, gradient_checkpointing=False, bf16=False, packing=False,
-                max_token_in_packing=32768, train_global_batch_size=8,
+                max_token_in_packing=32768, seq_length=None, train_global_batch_size=8,
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                 sequence_parallel=False, use_distributed_optimizer=False, meta_init=False,
                 logprob_chunk_tokens=1024)
@@ -333,7 +333,7 @@ def trainer_cfg(path: str) -> dict:
 
 def rollout_cfg(path: str) -> dict:
     return {"load": path, "trust_remote_code": False, "seed": 1234, "generation_batch_size": 16,
-            "max_prompt_tokens_length": 32, "max_response_tokens_length": 16, "dtype": "float32",
+            "max_prompt_tokens_length": 32, "max_response_tokens_length": 16, "seq_length": None, "dtype": "float32",
             "device": "cpu", "gpu_memory_utilization": 0.5, "enforce_eager": True,
             "tensor_model_parallel_size": 1, "max_num_batched_tokens": None, "cpu_threads": 1,
             "deterministic_inference": True}

@@ -27,6 +27,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # no seed. temperature and max_tokens are required. The run's values come from the config
 # (chatlearn/runtime/rollouts.py), which always sets all five.
 SAMPLING_FILTERS_OFF = {"top_p": 1.0, "top_k": -1, "seed": None}
+# Penalties (vLLM's definitions); absent means neutral.
+PENALTIES_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 def parse_sampling(sampling: dict) -> dict:
@@ -36,10 +38,10 @@ def parse_sampling(sampling: dict) -> dict:
     ``greedy`` is True for temperature 0 or top_k == 1; greedy log-probs are reported at
     temperature 1 (``temperature`` is 1.0 in the result then).
     """
-    unknown = set(sampling) - {"temperature", "max_tokens", *SAMPLING_FILTERS_OFF}
+    unknown = set(sampling) - {"temperature", "max_tokens", *SAMPLING_FILTERS_OFF, *PENALTIES_OFF}
     if unknown:
         raise ValueError(f"sampling: unknown keys {sorted(unknown)}")
-    full = {**SAMPLING_FILTERS_OFF, **sampling}
+    full = {**SAMPLING_FILTERS_OFF, **PENALTIES_OFF, **sampling}
     temperature = float(full["temperature"])
     top_k = int(full["top_k"])
     top_k = -1 if top_k <= 0 else top_k
@@ -52,19 +54,77 @@ def parse_sampling(sampling: dict) -> dict:
         "top_k": top_k,
         "max_tokens": int(full["max_tokens"]),
         "seed": None if seed is None else int(seed),
+        **{k: float(full[k]) for k in PENALTIES_OFF},
     }
 
 
+def penalties_on(sp: dict) -> bool:
+    """True when a parsed sampling dict asks for any penalty."""
+    return any(sp[k] != v for k, v in PENALTIES_OFF.items())
+
+
+class PenaltyLogitsProcessor:
+    """vLLM's sampling penalties as a transformers logits processor.
+
+    For each row, with ``count[v]`` the number of times token ``v`` occurs in the generated
+    tokens so far (the prompt is not counted)::
+
+        logits -= presence_penalty * (count > 0) + frequency_penalty * count
+
+    and for every token ``v`` seen in the prompt or the output (``repetition_penalty``)::
+
+        logits[v] = logits[v] / r if logits[v] > 0 else logits[v] * r
+
+    ``prompt_len`` is the (padded) prompt width: ``input_ids[:, prompt_len:]`` are the output
+    tokens; ``pad_left[i]`` left-padding positions of row ``i`` are not part of its prompt.
+    """
+
+    def __init__(self, prompt_len: int, pad_left: list[int], presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0):
+        self.prompt_len = prompt_len
+        self.pad_left = torch.as_tensor(pad_left, dtype=torch.long)
+        self.presence = presence_penalty
+        self.frequency = frequency_penalty
+        self.repetition = repetition_penalty
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        if self.repetition != 1.0:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            real = positions[None, :] >= self.pad_left.to(input_ids.device)[:, None]
+            seen = torch.zeros(scores.shape, dtype=torch.long, device=scores.device)
+            seen = seen.scatter_add_(1, input_ids, real.long()) > 0  # padding adds 0
+            penalised = torch.where(scores > 0, scores / self.repetition, scores * self.repetition)
+            scores = torch.where(seen, penalised, scores)
+        out = input_ids[:, self.prompt_len:]
+        if out.shape[1] and (self.presence or self.frequency):
+            counts = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
+            counts.scatter_add_(1, out, torch.ones(out.shape, dtype=torch.float32, device=out.device))
+            penalty = self.presence * (counts > 0).float() + self.frequency * counts
+            scores = scores - penalty.to(scores.dtype)
+        return scores
+
+
 def check_lengths(prompts: list, max_tokens: int, max_prompt_len: int,
-                  max_response_len: int) -> None:
-    """Reject prompts and responses longer than the engine was configured for."""
+                  max_response_len: int, seq_length: int | None = None) -> None:
+    """Reject prompts and responses longer than the engine was configured for (a prompt must also
+    leave room for one response token within ``seq_length``, when set)."""
     if max_tokens < 1 or max_tokens > max_response_len:
         raise ValueError(f"max_tokens={max_tokens} must be in [1, {max_response_len}] "
                          "(max_response_tokens_length)")
+    longest = max_prompt_len if seq_length is None else min(max_prompt_len, seq_length - 1)
     for i, p in enumerate(prompts):
-        if len(p) == 0 or len(p) > max_prompt_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; expected 1 to {max_prompt_len} "
-                             "(max_prompt_tokens_length)")
+        if len(p) == 0 or len(p) > longest:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; expected 1 to {longest} "
+                             "(max_prompt_tokens_length, and below seq_length)")
+
+
+def response_budgets(prompts: list, max_tokens: int, seq_length: int | None) -> list[int]:
+    """New tokens each prompt may get: ``max_tokens``, and with ``seq_length`` (the engine's
+    tokens per sequence, prompt + response) at most ``seq_length - len(prompt)``."""
+    if seq_length is None:
+        return [max_tokens] * len(prompts)
+    return [min(max_tokens, seq_length - len(p)) for p in prompts]
 
 
 def pack_samples(prompts: list, responses: list, logprobs: list, finished: list) -> Batch:
@@ -165,6 +225,7 @@ class HFRollout(Rollout):
         self.batch_size = int(cfg["generation_batch_size"])
         self.max_prompt_len = int(cfg["max_prompt_tokens_length"])
         self.max_response_len = int(cfg["max_response_tokens_length"])
+        self.seq_length = None if cfg["seq_length"] is None else int(cfg["seq_length"])
         self._rng = np.random.default_rng(int(cfg["seed"]))
         if self.device.type == "cpu":
             set_cpu_threads(cfg["cpu_threads"])
@@ -209,7 +270,8 @@ class HFRollout(Rollout):
             raise RuntimeError("HFRollout.generate: weights are offloaded; call onload first")
         sp = parse_sampling(sampling)
         prompts = [[int(t) for t in p] for p in prompts]
-        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len)
+        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length)
+        budgets = response_budgets(prompts, sp["max_tokens"], self.seq_length)
         seed = sp["seed"] if sp["seed"] is not None else int(self._rng.integers(2**31))
 
         responses, logprobs, finished = [], [], []
@@ -219,13 +281,16 @@ class HFRollout(Rollout):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             for start in range(0, len(prompts), self.batch_size):
-                r, lp, f = self._generate_chunk(prompts[start:start + self.batch_size], sp)
+                r, lp, f = self._generate_chunk(prompts[start:start + self.batch_size], sp,
+                                                budgets[start:start + self.batch_size])
                 responses += r
                 logprobs += lp
                 finished += f
         return pack_samples(prompts, responses, logprobs, finished)
 
-    def _generate_chunk(self, prompts: list[list[int]], sp: dict):
+    def _generate_chunk(self, prompts: list[list[int]], sp: dict, budgets: list[int]):
+        """One ``generate`` call; sample i keeps at most ``budgets[i]`` new tokens (the call runs
+        up to the largest budget; a row's tokens do not depend on the rows beside it)."""
         from transformers import GenerationConfig
 
         n, width = len(prompts), max(len(p) for p in prompts)
@@ -235,12 +300,19 @@ class HFRollout(Rollout):
             input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p):] = 1
 
+        from transformers import LogitsProcessorList
+
+        processors = LogitsProcessorList()
+        if penalties_on(sp):
+            processors.append(PenaltyLogitsProcessor(
+                width, [width - len(p) for p in prompts], sp["presence_penalty"],
+                sp["frequency_penalty"], sp["repetition_penalty"]))
         gen_cfg = GenerationConfig(
             do_sample=not sp["greedy"],
             temperature=sp["temperature"],
             top_p=1.0 if sp["greedy"] else sp["top_p"],
             top_k=0 if sp["greedy"] or sp["top_k"] < 0 else sp["top_k"],
-            max_new_tokens=sp["max_tokens"],
+            max_new_tokens=max(budgets),
             eos_token_id=self.eos_ids or None,
             pad_token_id=self.pad_id,
             use_cache=True,
@@ -249,7 +321,7 @@ class HFRollout(Rollout):
         )
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            generation_config=gen_cfg)
+            generation_config=gen_cfg, logits_processor=processors)
         new_tokens = out.sequences[:, width:]  # [n, steps]
         steps = new_tokens.shape[1]
         token_lp = torch.empty((n, steps), dtype=torch.float32, device=new_tokens.device)
@@ -261,10 +333,10 @@ class HFRollout(Rollout):
         is_eos = np.isin(new_tokens, self.eos_ids) if self.eos_ids else np.zeros_like(new_tokens, bool)
         responses, logprobs, finished = [], [], []
         for i in range(n):
-            hits = np.flatnonzero(is_eos[i])
+            hits = np.flatnonzero(is_eos[i][:budgets[i]])
             # Up to and including the first EOS; a sequence without EOS ran all the steps
-            # (generate stops early only once every sequence has ended).
-            length = int(hits[0]) + 1 if len(hits) else steps
+            # (generate stops early only once every sequence has ended), cut at its budget.
+            length = int(hits[0]) + 1 if len(hits) else min(steps, budgets[i])
             responses.append(new_tokens[i, :length])
             logprobs.append(token_lp[i, :length])
             finished.append(bool(len(hits)))

@@ -59,7 +59,8 @@ import torch
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Bucket, Rollout
 from chatlearn.models.rollout.hf import (check_lengths, eos_token_ids, pack_samples,
-                                         parse_sampling, release_cuda_cache, to_torch)
+                                         parse_sampling, release_cuda_cache, response_budgets,
+                                         to_torch)
 
 TAGS = ("weights", "kv_cache")
 FINISH_REASONS = {"stop": 1, "length": 0}
@@ -128,6 +129,7 @@ class SGLangRollout(Rollout):
         self.cfg = dict(cfg)
         self.max_prompt_len = int(cfg["max_prompt_tokens_length"])
         self.max_response_len = int(cfg["max_response_tokens_length"])
+        self.seq_length = None if cfg["seq_length"] is None else int(cfg["seq_length"])
         self._rng = np.random.default_rng(int(cfg["seed"]))
         config = AutoConfig.from_pretrained(cfg["load"], trust_remote_code=bool(cfg["trust_remote_code"]))
         try:
@@ -147,7 +149,7 @@ class SGLangRollout(Rollout):
             trust_remote_code=bool(cfg["trust_remote_code"]),
             skip_tokenizer_init=True,  # token ids in and out
             dtype=cfg["dtype"],
-            context_length=self.max_prompt_len + self.max_response_len,
+            context_length=self.seq_length or self.max_prompt_len + self.max_response_len,
             tp_size=int(cfg["tensor_model_parallel_size"]),
             mem_fraction_static=float(cfg["gpu_memory_utilization"]),
             max_running_requests=int(cfg["generation_batch_size"]),
@@ -170,7 +172,7 @@ class SGLangRollout(Rollout):
                                "call onload first")
         sp = parse_sampling(sampling)
         prompts = [[int(t) for t in p] for p in prompts]
-        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len)
+        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length)
         if not prompts:
             return pack_samples([], [], [], [])
         if self._stale_cache:
@@ -178,12 +180,15 @@ class SGLangRollout(Rollout):
             self._stale_cache = False
         base = sp["seed"] if sp["seed"] is not None else int(self._rng.integers(2**31))
         params = [{
-            "max_new_tokens": sp["max_tokens"],
+            "max_new_tokens": budget,
             "temperature": 0.0 if sp["greedy"] else sp["temperature"],
             "top_p": 1.0 if sp["greedy"] else sp["top_p"],
             "top_k": -1 if sp["greedy"] else sp["top_k"],
+            "presence_penalty": sp["presence_penalty"],
+            "frequency_penalty": sp["frequency_penalty"],
+            "repetition_penalty": sp["repetition_penalty"],
             "stop_token_ids": list(self.eos_ids),
-        } for _ in prompts]
+        } for budget in response_budgets(prompts, sp["max_tokens"], self.seq_length)]
         if self.deterministic:  # one stream per request: reproducible (ignored otherwise)
             for i, p in enumerate(params):
                 p["sampling_seed"] = (base + i) % 2**31

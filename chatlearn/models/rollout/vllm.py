@@ -83,7 +83,7 @@ import numpy as np
 import torch
 
 from chatlearn.models.base import Batch, Bucket, Rollout
-from chatlearn.models.rollout.hf import (check_lengths, pack_samples, parse_sampling,
+from chatlearn.models.rollout.hf import (check_lengths, pack_samples, parse_sampling, response_budgets,
                                          set_cpu_threads, to_torch)
 
 SLEEP_PARTS = ("weights", "kv_cache")
@@ -573,6 +573,7 @@ class VLLMRollout(Rollout):
         self.cfg = dict(cfg)
         self.max_prompt_len = int(cfg["max_prompt_tokens_length"])
         self.max_response_len = int(cfg["max_response_tokens_length"])
+        self.seq_length = None if cfg["seq_length"] is None else int(cfg["seq_length"])
         self._rng = np.random.default_rng(int(cfg["seed"]))
         self._sleep_mode = bool(current_platform.is_sleep_mode_available())
         if not self._sleep_mode:
@@ -581,7 +582,7 @@ class VLLMRollout(Rollout):
             logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
         tp = int(cfg["tensor_model_parallel_size"])
         max_num_seqs = int(cfg["generation_batch_size"])
-        max_model_len = self.max_prompt_len + self.max_response_len
+        max_model_len = self.seq_length or self.max_prompt_len + self.max_response_len
         batched_tokens = cfg["max_num_batched_tokens"]
         if current_platform.is_cpu():
             # vLLM's CPU sampler cannot rewind a seeded generator ("CPU Generator does not use
@@ -639,7 +640,8 @@ class VLLMRollout(Rollout):
                                "host copy is kept); push weights before generating")
         sp = parse_sampling(sampling)
         prompts = [[int(t) for t in p] for p in prompts]
-        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len)
+        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length)
+        budgets = response_budgets(prompts, sp["max_tokens"], self.seq_length)
         truncated = not sp["greedy"] and (sp["top_k"] > 0 or sp["top_p"] < 1.0)
         if not prompts:
             return pack_samples([], [], [], [])
@@ -662,12 +664,15 @@ class VLLMRollout(Rollout):
                 temperature=0.0 if sp["greedy"] else sp["temperature"],
                 top_p=1.0 if sp["greedy"] else sp["top_p"],
                 top_k=-1 if sp["greedy"] else sp["top_k"],
-                max_tokens=sp["max_tokens"],
+                presence_penalty=sp["presence_penalty"],
+                frequency_penalty=sp["frequency_penalty"],
+                repetition_penalty=sp["repetition_penalty"],
+                max_tokens=budget,
                 seed=seed,
                 logprobs=0,  # the sampled token's log-prob only
                 detokenize=False,
             )
-            for seed in seeds
+            for seed, budget in zip(seeds, budgets)
         ]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

@@ -46,7 +46,7 @@ from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 from chatlearn.checkpoint import sharded
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, step_is_finite
-from chatlearn.models.trainer.packing import plan_micro_batches
+from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches
 
 # Files of a model folder that save_pretrained writes itself; save_hf copies the others
 # (tokenizer, chat template, remote code) from the folder the model was loaded from.
@@ -267,7 +267,7 @@ class FSDPTrainer(Trainer):
         off, plen = batch["offsets"], batch["prompt_lens"]
         lens = [int(off[i + 1] - off[i]) for i in idx]
         packed = bool(self.cfg["packing"]) or len(idx) == 0
-        shape = (1, max(sum(lens), 1)) if packed else (len(idx), max(lens))
+        shape = (1, max(sum(lens), 1)) if packed else (len(idx), self._fixed_width(batch) or max(lens))
         ids = torch.zeros(shape, dtype=torch.long)
         positions = torch.zeros(shape, dtype=torch.long)
         mask = None if packed else torch.zeros(shape, dtype=torch.long)
@@ -294,6 +294,14 @@ class FSDPTrainer(Trainer):
             float(temperature), int(self.cfg["logprob_chunk_tokens"]), with_entropy)
         return logp, entropy, np.concatenate(pos)
 
+    def _fixed_width(self, batch: Batch) -> int | None:
+        """``seq_length`` (unpacked micro-batches padded to exactly that width) or None; a sample
+        longer than it is an error naming the key."""
+        width = self.cfg["seq_length"]
+        if width is None or self.cfg["packing"]:
+            return None
+        return check_fixed_width(np.diff(batch["offsets"]), int(width))
+
     def _micro_batches(self, batch: Batch, size: int) -> tuple[list[np.ndarray], dict]:
         """This rank's micro-batches (sample indices) and the pass's stats.
 
@@ -313,7 +321,7 @@ class FSDPTrainer(Trainer):
         shares = [np.arange(r * share, (r + 1) * share) for r in range(self.world)]
         plans, stats = plan_micro_batches(np.diff(batch["offsets"]), shares, size,
                                           bool(self.cfg["packing"]),
-                                          int(self.cfg["max_token_in_packing"]))
+                                          int(self.cfg["max_token_in_packing"]), self._fixed_width(batch))
         return plans[self.rank], stats
 
     def _all_gather_tokens(self, batch: Batch, values: torch.Tensor) -> np.ndarray:

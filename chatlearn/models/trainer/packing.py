@@ -48,15 +48,28 @@ def pack_first_fit_decreasing(lens: np.ndarray, max_tokens: int) -> list[np.ndar
     return [np.sort(np.asarray(b, dtype=np.int64)) for b in bins]
 
 
+def check_fixed_width(lens: np.ndarray, width: int) -> int:
+    """``width`` when every sample fits in it; else a ConfigError naming ``seq_length``."""
+    longest = int(np.max(lens)) if len(lens) else 0
+    if longest > width:
+        raise ConfigError(
+            f"a sample has {longest} tokens (prompt + response), more than seq_length ({width}), the width "
+            "every unpacked micro-batch is padded to. Raise it to at least models.policy.seq_length (or "
+            "max_prompt_tokens_length + max_response_tokens_length), or set it to null.",
+            key="models.policy_trainer.seq_length")
+    return width
+
+
 def plan_micro_batches(lens: np.ndarray, shares: list[np.ndarray], size: int, packing: bool,
-                       max_tokens: int) -> tuple[list[list[np.ndarray]], dict]:
+                       max_tokens: int, width: int | None = None) -> tuple[list[list[np.ndarray]], dict]:
     """Micro-batches of every rank: ``shares[r]`` are rank r's sample indices into ``lens``.
 
     Returns ``(plans, stats)``: ``plans[r]`` is rank r's list of index arrays, padded with
     empty arrays to the same number of micro-steps on every rank (an empty array is a dummy
     micro-step: see the trainers). ``stats``: ``pad_token_frac`` = padding positions /
     positions computed over all ranks' real micro-steps (0 with packing; dummy micro-steps
-    are not counted), ``micro_steps`` = micro-steps per rank.
+    are not counted), ``micro_steps`` = micro-steps per rank. ``width``: unpacked micro-batches
+    are padded to exactly that many tokens (``seq_length``) rather than to their longest sample.
     """
     lens = np.asarray(lens, dtype=np.int64)
     plans = []
@@ -66,7 +79,7 @@ def plan_micro_batches(lens: np.ndarray, shares: list[np.ndarray], size: int, pa
         else:
             plans.append([share[i:i + size] for i in range(0, len(share), size)])
     steps = max((len(p) for p in plans), default=0)
-    computed = sum(int(lens[mb].sum()) if packing else len(mb) * int(lens[mb].max())
+    computed = sum(int(lens[mb].sum()) if packing else len(mb) * (width or int(lens[mb].max()))
                    for p in plans for mb in p)
     real = sum(int(lens[share].sum()) for share in shares)
     stats = {"pad_token_frac": 1.0 - real / computed if computed else 0.0,

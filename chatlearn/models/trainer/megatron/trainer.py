@@ -85,7 +85,7 @@ from chatlearn.models.trainer.megatron.optimizer_state import (
     restore_group_steps,
     step_count,
 )
-from chatlearn.models.trainer.packing import plan_micro_batches
+from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
                     ".bin.index.json")
@@ -313,8 +313,9 @@ class MegatronTrainer(Trainer):
         segment of its own that nothing else attends to, and counts as padding); without,
         a row is exactly its bin, and a dummy row is one token.
 
-        Under sequence parallelism every width is a multiple of ``tp`` (rounded up with
-        padding).
+        With ``seq_length`` set (and no packing) every micro-batch is exactly ``seq_length``
+        wide (Megatron's fixed sequence length). Under sequence parallelism every width is a
+        multiple of ``tp`` (rounded up with padding; a ``seq_length`` must already be one).
         """
         idx = self._my_samples(batch)
         if len(idx) == 0:
@@ -324,6 +325,8 @@ class MegatronTrainer(Trainer):
         lens = all_lens[idx]
         packing = bool(self.cfg["packing"])
         uniform = self.pp > 1
+        fixed = (None if packing or self.cfg["seq_length"] is None
+                 else check_fixed_width(all_lens, int(self.cfg["seq_length"])))
         size = min(size, len(idx))
         if packing:
             share = len(idx)
@@ -342,7 +345,7 @@ class MegatronTrainer(Trainer):
                 width = longest if uniform else max(int(mb_lens.sum()), 1)
                 nrows = 1
             else:
-                width = int(lens.max() if uniform else mb_lens.max())
+                width = fixed or int(lens.max() if uniform else mb_lens.max())
                 nrows = size if uniform else len(mb)
             width = -(-width // multiple) * multiple
             ids = torch.zeros(nrows, width, dtype=torch.long)

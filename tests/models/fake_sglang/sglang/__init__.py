@@ -100,6 +100,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     n: int = 1
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -112,12 +115,29 @@ class SamplingParams:
             self.top_k = TOP_K_ALL
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 1:
             raise ValueError(f"invalid sampling parameters {self}")
+        if not -2.0 <= self.frequency_penalty <= 2.0 or not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError("frequency_penalty and presence_penalty must be in [-2, 2]")
+        if not 0.0 <= self.repetition_penalty <= 2.0:
+            raise ValueError("repetition_penalty must be in [0, 2]")
         if self.n != 1 or self.min_p != 0.0:
             raise NotImplementedError("the fake engine supports n=1 and min_p=0 only")
         if self.max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
         if self.sampling_seed is None:
             raise ValueError("sampling_seed should not be None")
+
+
+def _penalise(logits: torch.Tensor, sp: SamplingParams, prompt: list, out_ids: list) -> torch.Tensor:
+    """SGLang's penalties (vLLM's definitions): repetition over prompt + output, presence and
+    frequency over the output only."""
+    logits = logits.clone()
+    if sp.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(out_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+    for token in set(out_ids):
+        logits[token] -= sp.presence_penalty + sp.frequency_penalty * out_ids.count(token)
+    return logits
 
 
 class Engine:
@@ -201,7 +221,8 @@ class Engine:
         out_ids, out_lps, finish = [], [], None
         deterministic = self.server_args.enable_deterministic_inference
         for step in range(max_new):
-            token, lp = self._sample(logits, sp, deterministic, position=len(prompt) + step)
+            token, lp = self._sample(_penalise(logits, sp, prompt, out_ids), sp, deterministic,
+                                     position=len(prompt) + step)
             out_ids.append(token)
             out_lps.append(lp)
             if token in stops:
