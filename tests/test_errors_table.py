@@ -330,10 +330,20 @@ def test_damaged_checkpoint_on_resume(ctx):
                            timeout=280)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
     ckpt = os.path.join(ctx.tmp, "out", "checkpoints", "episode_000001")
-    with open(os.path.join(ckpt, "trainer", ".metadata"), "wb") as f:
-        f.write(b"\x80\x04not a pickle")
+    meta = os.path.join(ckpt, "trainer", ".metadata")
+    size = os.path.getsize(meta)
+    with open(meta, "wb") as f:  # damaged in place, same size: the manifest cannot tell, the load does
+        f.write(b"\x80\x04not a pickle".ljust(size, b"\0"))
     proc = subprocess.run(cmd + ["runtime_args.num_episode=2"], cwd=REPO, capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
     check_message(proc.stderr, [f"cannot resume from the newest checkpoint '{ckpt}'", ".metadata",
                                 "the checkpoint is damaged"], ["delete or move that folder", "--no-resume"])
+    with open(meta, "r+b") as f:  # truncated: refused from the manifest before anything starts
+        f.truncate(10)
+    proc = subprocess.run(cmd + ["runtime_args.num_episode=2"], cwd=REPO, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    check_message(proc.stderr, ["every checkpoint in", "none to resume from", f"{ckpt} is damaged: "
+                                f"trainer/.metadata is 10 bytes, {size} when written (truncated)"],
+                  ["Restore the files from a copy", "--no-resume"])

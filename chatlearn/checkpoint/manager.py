@@ -7,6 +7,7 @@ Layout under ``<output_dir>/checkpoints``::
         trainer/              policy_trainer's sharded state (torch.distributed.checkpoint)
         hf/                   Hugging Face folder of the policy (when save_hf)
         state.json            episode, run id, data sampler state, ...
+        manifest.json         every file above, by relative path, with its size in bytes
         COMPLETE              written last
 
 A checkpoint is written into ``episode_N.tmp`` and renamed once complete, so a crash leaves
@@ -15,6 +16,12 @@ save) or the new one complete. Only the newest ``keep`` checkpoints of the curre
 kept: each checkpoint records the id of the run that wrote it (a resumed run keeps the id of
 the checkpoint it resumed from), and retention never deletes a checkpoint of another run, nor
 the one just saved, so ``latest`` always names a checkpoint that exists.
+
+A checkpoint damaged after it was written (a file truncated or removed: a full disk, a copy
+cut short, a storage fault) no longer matches its manifest. Resume checks the manifest before
+loading and falls back, with a warning naming the damage, to the newest checkpoint that
+matches; ``chatlearn merge`` and ``chatlearn eval`` refuse a damaged one in one paragraph.
+Checkpoints written before manifests existed are taken as they are.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from typing import Callable
 from chatlearn.errors import UserError
 
 MARKER = "COMPLETE"
+MANIFEST = "manifest.json"
 _NAME = re.compile(r"^episode_(\d+)$")
 
 
@@ -75,6 +83,30 @@ class CheckpointManager:
                 out.append((int(m.group(1)), path))
         return sorted(out)
 
+    def latest_usable(self, warn: Callable[[str], None]) -> tuple[int, str] | None:
+        """The newest complete checkpoint that matches its manifest (see :meth:`latest`); each
+        newer one that does not is named through ``warn``. A UserError when there are complete
+        checkpoints but none matches."""
+        found = self.latest()
+        if found is None:
+            return None
+        damaged = []
+        for episode, path in [found] + [c for c in reversed(self.complete()) if c[0] < found[0]]:
+            problems = manifest_problems(path)
+            if not problems:
+                if damaged:
+                    warn(f"resuming from {path} (episode {episode}), the newest checkpoint that is not damaged. "
+                         "A damaged checkpoint is left in place and replaced when the run saves that episode "
+                         "again.")
+                return episode, path
+            more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+            damaged.append(f"{path} is damaged: {'; '.join(problems[:3])}{more}")
+            warn(f"checkpoint {damaged[-1]}. It no longer holds what was written (a truncated copy, a full disk or "
+                 "a storage fault), so it is not loaded.")
+        raise UserError(f"every checkpoint in {self.root!r} is damaged, so there is none to resume from: "
+                        f"{' | '.join(damaged[:3])}{' | ...' if len(damaged) > 3 else ''}. Restore the files from "
+                        "a copy, or start over with --no-resume (or --overwrite to move this run aside).")
+
     def latest(self) -> tuple[int, str] | None:
         """The newest complete checkpoint: the ``latest`` pointer, or the highest complete one."""
         pointer = os.path.join(self.root, "latest")
@@ -107,6 +139,7 @@ class CheckpointManager:
             json.dump({"episode": episode, "run_id": self.run_id, **state}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        write_manifest(tmp)
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             f.write("ok\n")
             f.flush()
@@ -136,6 +169,70 @@ class CheckpointManager:
         except (OSError, json.JSONDecodeError) as err:
             raise UserError(f"checkpoint {path!r} has no readable state.json ({err}). Delete that folder to resume "
                             "from the one before it, or start fresh with --no-resume.")
+
+
+def write_manifest(folder: str) -> None:
+    """``folder/manifest.json``: every file under ``folder`` by relative path (``/``-separated)
+    with its size in bytes, fsynced."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            full = os.path.join(root, name)
+            files[os.path.relpath(full, folder).replace(os.sep, "/")] = os.path.getsize(full)
+    with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _manifest_root(path: str) -> tuple[str, str] | None:
+    """(checkpoint folder holding manifest.json, ``path`` relative to it) for ``path`` being a
+    checkpoint folder or a folder inside one (``trainer/``, ``hf/``); None without a manifest."""
+    path = os.path.abspath(path)
+    for folder in (path, os.path.dirname(path)):
+        if os.path.isfile(os.path.join(folder, MANIFEST)):
+            return folder, os.path.relpath(path, folder).replace(os.sep, "/")
+    return None
+
+
+def manifest_problems(path: str) -> list[str]:
+    """What does not match the manifest of the checkpoint holding ``path`` (only files under
+    ``path`` when it is a folder inside the checkpoint): a missing file, or a size other than
+    the one recorded. [] when all match, or when there is no manifest (an older checkpoint)."""
+    found = _manifest_root(path)
+    if found is None:
+        return []
+    root, inner = found
+    try:
+        with open(os.path.join(root, MANIFEST), encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        files = {str(k): int(v) for k, v in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return [f"its {MANIFEST} is unreadable ({err})"]
+    prefix = "" if inner == "." else inner + "/"
+    problems = []
+    for rel, size in files.items():
+        if not rel.startswith(prefix):
+            continue
+        full = os.path.join(root, *rel.split("/"))
+        try:
+            got = os.path.getsize(full)
+        except OSError:
+            problems.append(f"{rel} is missing")
+            continue
+        if got != size:
+            problems.append(f"{rel} is {got} bytes, {size} when written" + (" (truncated)" if got < size else ""))
+    return problems
+
+
+def check_against_manifest(path: str, what: str) -> None:
+    """A UserError in one paragraph when the checkpoint at ``path`` does not match its manifest."""
+    problems = manifest_problems(path)
+    if problems:
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise UserError(f"{what} {path!r} is damaged: {'; '.join(problems[:5])}{more}. It no longer holds what "
+                        "was written (a truncated copy, a full disk or a storage fault). Use another checkpoint "
+                        "(checkpoints/episode_N of the same run), or restore this one from a copy.")
 
 
 def _fsync_dir(path: str) -> None:

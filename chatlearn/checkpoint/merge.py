@@ -43,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from chatlearn.checkpoint import sharded
+from chatlearn.checkpoint.manager import check_against_manifest
 from chatlearn.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -513,6 +514,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
     from chatlearn.models.trainer.megatron import checkpoint as megatron_format
 
     ckpt = find_checkpoint(ckpt_dir)
+    check_against_manifest(ckpt, "checkpoint")
     megatron = _checkpoint_format(ckpt) == megatron_format.FORMAT
     meta = megatron_format.read_meta(ckpt, {}) if megatron else sharded.read_meta(ckpt)
     src = _source_folder(ckpt, meta, hf_config)

@@ -413,6 +413,46 @@ def check_model_folder(path: str, key: str) -> None:
     if not isinstance(conf, dict):
         raise ConfigError(f"{path}/config.json must hold a JSON object (the model's configuration). Restore the "
                           "model folder's config.json.", key=key)
+    from chatlearn.checkpoint.manager import manifest_problems  # noqa: PLC0415
+
+    problems = manifest_problems(path)  # a run's checkpoints/episode_N/hf
+    if problems:
+        raise ConfigError(f"model folder {path!r} is a checkpoint that is damaged: {'; '.join(problems[:5])}. Use "
+                          "another checkpoint of the run, or restore this one from a copy.", key=key)
+    for name in sorted(n for n in names if n.endswith(".safetensors")):
+        problem = safetensors_problem(os.path.join(path, name))
+        if problem:
+            raise ConfigError(f"{path}/{name} {problem}. The file is damaged (a download or copy cut short, or a "
+                              "full disk): download or copy the model again (hf download re-fetches a damaged file "
+                              "with --force-download).", key=key)
+
+
+def safetensors_problem(file: str) -> str | None:
+    """What is wrong with a safetensors file's framing, from its header alone (no tensor is read):
+    a header that is cut short or not JSON, or a file shorter or longer than the tensors its header
+    places (a truncated download); None when it is whole."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"is {size} bytes, too short for a safetensors header"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"is {size} bytes, but its header alone is {n} bytes: the file is truncated"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        return f"has no valid safetensors header ({err})"
+    if not isinstance(header, dict):
+        return "has no valid safetensors header (not a JSON object)"
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        return "has no valid safetensors header (a tensor without data_offsets)"
+    if size != 8 + n + end:
+        cut = "truncated: " if size < 8 + n + end else ""
+        return f"is {size} bytes, but its header places {8 + n + end} ({cut}the tensors do not match the file)"
+    return None
 
 
 # the config.json keys vLLM reads for a model's context length (the smallest one present wins)

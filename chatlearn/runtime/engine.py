@@ -310,7 +310,7 @@ class GRPO(Rollouts):
 
     def resume(self) -> int:
         """Continue from the newest complete checkpoint; returns its episode (0: none)."""
-        found = self.ckpt.latest()
+        found = self.ckpt.latest_usable(warn=lambda msg: print(f"[chatlearn] warning: {msg}", flush=True))
         if found is None:
             return 0
         episode, path = found

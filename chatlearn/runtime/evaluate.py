@@ -60,9 +60,13 @@ def resolve_model(path: str) -> str:
 
     if looks_like_hub_id(path):
         return snapshot(path, key="--checkpoint", local_hint="a local model folder or a run's checkpoint").path
+    from chatlearn.checkpoint.manager import check_against_manifest
+
     if os.path.isfile(os.path.join(path, "config.json")):
+        check_against_manifest(path, "--checkpoint")  # a run's checkpoints/episode_N/hf
         return path
     if os.path.isfile(os.path.join(path, "hf", "config.json")):
+        check_against_manifest(os.path.join(path, "hf"), "--checkpoint")
         return os.path.join(path, "hf")
     if os.path.isdir(os.path.join(path, "trainer")) or os.path.isfile(os.path.join(path, ".metadata")):
         from chatlearn.checkpoint.merge import merge_checkpoint

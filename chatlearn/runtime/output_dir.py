@@ -115,7 +115,9 @@ def reconcile_logs(cfg: DictConfig) -> None:
     and any row torn by the crash, so that no episode appears twice and no new row is glued to a
     torn one. Each file is rewritten atomically (see chatlearn.logging.jsonl)."""
     rt = cfg.runtime_args
-    found = CheckpointManager(os.path.join(rt.output_dir, "checkpoints"), rt.keep_last_checkpoints).latest()
+    # the checkpoint resume will load: a damaged newest one is passed over (and named then)
+    found = CheckpointManager(os.path.join(rt.output_dir, "checkpoints"),
+                              rt.keep_last_checkpoints).latest_usable(warn=lambda msg: None)
     last = found[0] if found is not None else -1
     for name in ("metrics.jsonl", "timeline.jsonl"):
         jsonl.truncate_after(os.path.join(rt.output_dir, name), last)

@@ -532,3 +532,36 @@ def test_checkpoint_metadata_is_not_unpickled_blindly(ckpts, tmp_path):
     with pytest.raises(UserError, match="not allowed in checkpoint metadata"):
         merge(evil, tmp_path / "o")
     assert not marker.exists()
+
+
+@pytest.mark.timeout(300)
+def test_merge_and_eval_refuse_a_checkpoint_that_does_not_match_its_manifest(ckpts, tmp_path):
+    """A run's checkpoint (episode_N/trainer) with a shard truncated after it was written:
+    ``chatlearn merge`` exits 2 naming the file, and so does ``chatlearn eval``'s resolution
+    of --checkpoint; a damaged hf/ does not stop a merge of the intact trainer/."""
+    from chatlearn.checkpoint.manager import write_manifest
+    from chatlearn.runtime.evaluate import resolve_model
+    from chatlearn.errors import UserError
+
+    run = tmp_path / "episode_000002"
+    shutil.copytree(ckpts["out"] / "ck2", run / "trainer")
+    (run / "hf").mkdir()
+    (run / "hf" / "model.safetensors").write_bytes(b"x" * 64)
+    (run / "hf" / "config.json").write_text("{}")
+    write_manifest(str(run))
+    ok = _cli(run, tmp_path / "merged")
+    assert ok.returncode == 0, ok.stderr
+    with open(run / "hf" / "model.safetensors", "r+b") as f:
+        f.truncate(10)
+    assert _cli(run, tmp_path / "merged2").returncode == 0  # only trainer/ is read
+    shard = sorted((run / "trainer").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    bad = _cli(run, tmp_path / "merged3")
+    text = " ".join(bad.stderr.split())
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert "is damaged" in text and f"trainer/{shard.name}" in text and "(truncated)" in text
+    assert not (tmp_path / "merged3").exists()
+    for given in (run, run / "hf"):  # --checkpoint: the run's checkpoint, or its hf/ folder
+        with pytest.raises(UserError, match="is damaged: hf/model.safetensors is 10 bytes, 64 when written"):
+            resolve_model(str(given))

@@ -134,6 +134,16 @@ def model_without(*names):
     return setup
 
 
+def model_truncated(c: Ctx) -> list:
+    """A copy of the test model folder whose model.safetensors lost its last 1000 bytes; --dry-run."""
+    folder = os.path.join(c.tmp, "cut_model")
+    shutil.copytree(c.model, folder)
+    weights = os.path.join(folder, "model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) - 1000)
+    return run(f"models.policy_trainer.load={folder}", dry=True)(c)
+
+
 # id, argv(ctx), exit code, words the output must hold ({out}: the output folder, {pid}: the holder's),
 # words it must not hold
 CASES = [
@@ -195,6 +205,9 @@ CASES = [
      ["models.policy_trainer.load", "no weights (model.safetensors"], ["Traceback", "no tokenizer"]),
     ("a model folder without config.json and weights", model_without("config.json", "*.safetensors"), 2,
      ["no config.json (the model's configuration); no weights"], ["Traceback"]),
+    ("a truncated safetensors file in the model folder", model_truncated, 2,
+     ["models.policy_trainer.load", "cut_model/model.safetensors", "bytes, but its header places",
+      "truncated", "download or copy the model again"], ["Traceback"]),
     ("load names a file in the model folder",
      lambda c: run(f"models.policy_trainer.load={os.path.join(c.model, 'config.json')}", dry=True)(c), 2,
      ["models.policy_trainer.load", "is a file", "must be a model folder"], ["Traceback", "does not exist"]),

@@ -307,3 +307,24 @@ def test_ctrl_c_while_a_reward_function_is_stuck(tmp_path):
             proc.wait()
     assert proc.returncode == 130, proc.stderr.read()[-3000:]
     assert not (out / "run.lock").exists()
+
+
+@pytest.mark.timeout(900)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
+    """A shard of the newest checkpoint truncated after the run ended: the next run (two episodes
+    more) names the damage, resumes from the checkpoint before it, and logs every episode once."""
+    out = tmp_path / "out"
+    finish(out)
+    shard = sorted((out / "checkpoints" / "episode_000004" / "trainer").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    proc = finish(out, "runtime_args.num_episode=6")
+    text = " ".join(proc.stdout.split())
+    assert f"checkpoint {out / 'checkpoints' / 'episode_000004'} is damaged: trainer/{shard.name}" in text
+    assert "(truncated)" in text and "resuming from" in text and "(episode 2)" in text
+    assert "Traceback" not in proc.stderr
+    assert episodes(out / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    # the damaged checkpoint was written again by the resumed run, whole
+    from chatlearn.checkpoint.manager import manifest_problems
+
+    assert manifest_problems(str(out / "checkpoints" / "episode_000004")) == []
