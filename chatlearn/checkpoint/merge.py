@@ -332,6 +332,12 @@ class _MegatronSource:
                     raise UserError(f"checkpoint {ckpt!r} has no shard for rank {rank} ({file} "
                                     "is missing): the checkpoint is damaged. Use another "
                                     "checkpoint.")
+                from chatlearn.config.load import safetensors_problem  # noqa: PLC0415
+
+                problem = safetensors_problem(file)
+                if problem:
+                    raise UserError(f"checkpoint {ckpt!r}: the shard of rank {rank}, {file}, {problem}. The "
+                                    "checkpoint is damaged. Use another checkpoint, or restore it from a copy.")
                 with safe_open(file, framework="pt") as f:
                     for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
                         if key.startswith("model."):

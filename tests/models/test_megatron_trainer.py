@@ -12,6 +12,7 @@ vocabulary that TP=2 pads. The tests compare what they return.
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -622,6 +623,16 @@ def test_merge_turns_megatron_checkpoints_into_hf_folders(setup, tp2, pp2_run, t
         merge_checkpoint(str(tp2_out / "checkpoint"), str(tmp_path / "wrong"),
                          hf_config=setup["untied"])
     assert not (tmp_path / "wrong").exists()
+    # a rank's shard cut short (no manifest: a checkpoint copied out of its run folder)
+    cut = tmp_path / "cut"
+    shutil.copytree(tp2_out / "checkpoint", cut)
+    shard = sorted(cut.glob("*.safetensors"))[-1]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    with pytest.raises(UserError, match=f"the shard of rank 1, .*{shard.name}, is .* bytes, but its header "
+                                        "places .*truncated.*The checkpoint is damaged"):
+        merge_checkpoint(str(cut), str(tmp_path / "cut_out"))
+    assert not (tmp_path / "cut_out").exists()
 
 
 # --------------------------------------------------------------------------- sequence packing
