@@ -62,9 +62,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="allow running the Python code of the model's config.json (auto_map); never "
                             "taken from the checkpoint itself")
     merge.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
-    plot = sub.add_parser("plot", help="plot a run's metrics",
-                          description="Write PNG plots of OUTPUT_DIR/metrics.jsonl into OUTPUT_DIR/plots/.")
-    plot.add_argument("output_dir", help="a run's output folder (runtime_args.output_dir)")
+    plot = sub.add_parser("plot", help="plot a run's metrics, or compare runs",
+                          description="Write PNG plots of OUTPUT_DIR/metrics.jsonl into OUTPUT_DIR/plots/; with "
+                                      "several runs, overlay them (one colour per run) into --out.")
+    plot.add_argument("output_dir", nargs="+", metavar="RUN",
+                      help="a run's output folder (runtime_args.output_dir); several to compare them")
+    plot.add_argument("--out", default=None, metavar="DIR",
+                      help="where to write the PNG files (default: RUN/plots; required with several runs)")
     plot.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return parser
 
@@ -202,9 +206,14 @@ def _merge(args) -> int:
 
 
 def _plot(args) -> int:
-    from chatlearn.logging.plots import write_plots
+    from chatlearn.logging.plots import plot_runs
 
-    for path in write_plots(args.output_dir):
+    runs = args.output_dir
+    if len(runs) > 1 and not args.out:
+        raise UserError(f"{len(runs)} runs to compare, but no --out: say where the overlaid plots go, e.g. "
+                        "`chatlearn plot " + " ".join(runs) + " --out compare/` (a run's own plots/ folder is "
+                        "kept for its own plots).")
+    for path in plot_runs(runs, args.out or os.path.join(runs[0], "plots")):
         print(path)
     return 0
 

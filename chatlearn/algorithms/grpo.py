@@ -99,6 +99,22 @@ def compute_advantages(rewards: np.ndarray, group_size: int, estimator: str,
 
 
 # ---------------------------------------------------------------------------- policy losses
+def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, seq: torch.Tensor | None = None) -> torch.Tensor:
+    """The ratio the policy loss clips: ``exp(logp - old_logp)`` per token, or with ``seq`` (each
+    token's sample index) GSPO's sequence-level ratio in its per-token stop-gradient form (see
+    :func:`policy_loss`)."""
+    if seq is None:
+        log_ratio = logp - old_logp
+    else:
+        diff = (logp - old_logp).detach()
+        num = int(seq.max()) + 1 if seq.numel() else 0
+        sums = torch.zeros(num, dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
+        counts = torch.bincount(seq, minlength=num).to(diff.dtype).clamp(min=1)
+        log_ratio = logp - logp.detach() + (sums / counts)[seq]
+        log_ratio = torch.clamp(log_ratio, max=GSPO_LOG_RATIO_MAX)
+    return torch.exp(log_ratio)
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 pos_clip_ratio: float, neg_clip_ratio: float, clip_ratio_c: float | None = None,
                 seq: torch.Tensor | None = None):
@@ -124,16 +140,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ``clipped_lower`` those where the dual clip bound is strictly smaller (A < 0; verl
     ``pg_clipfrac_lower``; all False without dual clip).
     """
-    if seq is None:
-        log_ratio = logp - old_logp
-    else:
-        diff = (logp - old_logp).detach()
-        num = int(seq.max()) + 1 if seq.numel() else 0
-        sums = torch.zeros(num, dtype=diff.dtype, device=diff.device).index_add_(0, seq, diff)
-        counts = torch.bincount(seq, minlength=num).to(diff.dtype).clamp(min=1)
-        log_ratio = logp - logp.detach() + (sums / counts)[seq]
-        log_ratio = torch.clamp(log_ratio, max=GSPO_LOG_RATIO_MAX)
-    ratio = torch.exp(log_ratio)
+    ratio = importance_ratio(logp, old_logp, seq)
     unclipped = -advantages * ratio
     clipped_term = -advantages * torch.clamp(ratio, 1.0 - neg_clip_ratio, 1.0 + pos_clip_ratio)
     loss = torch.maximum(unclipped, clipped_term)
@@ -229,7 +236,8 @@ def grpo_token_losses(cfg: dict, logp: torch.Tensor, old_logp: torch.Tensor,
         loss_t = pg_t + kl_coef * kl_t * [not kl_in_reward] - entropy_coef * H_t
 
     (pg_t from :func:`policy_loss`, kl_t from :func:`kl_penalty`). Returns tensors
-    ``loss, pg, kl (or None without ref_logp), clipped, clipped_lower``.
+    ``loss, pg, kl (or None without ref_logp), clipped, clipped_lower`` and ``ratio`` (the
+    importance ratio the loss clips, detached: for the ``ratio_mean`` metric).
     """
     pg, clipped, clipped_lower = policy_loss(
         logp, old_logp, advantages, cfg["pos_clip_ratio"], cfg["neg_clip_ratio"],
@@ -240,7 +248,9 @@ def grpo_token_losses(cfg: dict, logp: torch.Tensor, old_logp: torch.Tensor,
         loss = loss + cfg["kl_coef"] * kl
     if cfg["entropy_coef"] > 0:
         loss = loss - cfg["entropy_coef"] * entropy
-    return {"loss": loss, "pg": pg, "kl": kl, "clipped": clipped, "clipped_lower": clipped_lower}
+    with torch.no_grad():
+        ratio = importance_ratio(logp, old_logp, seq if cfg["use_group_sequence_policy"] else None)
+    return {"loss": loss, "pg": pg, "kl": kl, "clipped": clipped, "clipped_lower": clipped_lower, "ratio": ratio}
 
 
 def needs_ref_logprobs(cfg: dict) -> bool:
@@ -319,19 +329,20 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(values, mask) / mask.to(values.dtype).sum().clamp(min=1.0)
 
 
-LOSS_SUMS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower")
+LOSS_SUMS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower", "ratio_mean")
 
 
 def loss_metrics(sums: list[float], num_tokens: int, kept_tokens: float, has_ref: bool,
                  with_entropy: bool, dual_clip: bool) -> dict:
     """Metrics of a global batch from the all-reduced sums named by ``LOSS_SUMS``: ``loss``
     and ``policy_loss`` are already aggregated (sum_t c_t * l_t); kl, entropy, clip_frac and
-    clip_frac_lower are summed over the kept tokens and divided by their number
+    clip_frac_lower and ratio_mean (the importance ratio's token mean) are summed over the kept tokens and divided by their number
     ``kept_tokens`` (token means). ``num_tokens``: all response tokens of the batch."""
     s = dict(zip(LOSS_SUMS, sums))
     denom = max(float(kept_tokens), 1.0)
     metrics = {"loss": s["loss"], "policy_loss": s["policy_loss"],
-               "clip_frac": s["clip_frac"] / denom, "num_tokens": float(num_tokens)}
+               "clip_frac": s["clip_frac"] / denom, "ratio_mean": s["ratio_mean"] / denom,
+               "num_tokens": float(num_tokens)}
     if dual_clip:
         metrics["clip_frac_lower"] = s["clip_frac_lower"] / denom
     if has_ref:
@@ -344,7 +355,7 @@ def loss_metrics(sums: list[float], num_tokens: int, kept_tokens: float, has_ref
 def token_sums(terms: dict, coef: torch.Tensor, weight: torch.Tensor,
                entropy: torch.Tensor | None) -> torch.Tensor:
     """float64 [len(LOSS_SUMS)] sums of one micro-batch: sum c*loss, sum c*pg, and the
-    weight-masked sums of kl, entropy, clipped, clipped_lower (see :func:`loss_metrics`)."""
+    weight-masked sums of kl, entropy, clipped, clipped_lower, ratio (see :func:`loss_metrics`)."""
     zero = terms["loss"].new_zeros(())
     with torch.no_grad():
         return torch.stack([
@@ -352,7 +363,8 @@ def token_sums(terms: dict, coef: torch.Tensor, weight: torch.Tensor,
             (terms["kl"] * weight).sum() if terms["kl"] is not None else zero,
             (entropy * weight).sum() if entropy is not None else zero,
             (terms["clipped"].to(weight.dtype) * weight).sum(),
-            (terms["clipped_lower"].to(weight.dtype) * weight).sum()]).double()
+            (terms["clipped_lower"].to(weight.dtype) * weight).sum(),
+            (terms["ratio"] * weight).sum()]).double()
 
 
 class GRPOLoss:

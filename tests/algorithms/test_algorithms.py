@@ -239,9 +239,18 @@ def test_rank_and_micro_batch_partial_sums_add_up_to_the_global_loss(mode, gspo)
         start += n
     assert whole.item() == pytest.approx(ref_agg(rows, batch["sample_weights"], mode, 10), rel=1e-5)
     metrics = objective.metrics(whole_sums.tolist())
-    assert set(metrics) == {"loss", "policy_loss", "clip_frac", "clip_frac_lower", "num_tokens",
-                            "kl", "entropy"} and len(LOSS_SUMS) == 6
+    assert set(metrics) == {"loss", "policy_loss", "clip_frac", "clip_frac_lower", "ratio_mean", "num_tokens",
+                            "kl", "entropy"} and len(LOSS_SUMS) == 7
     assert metrics["num_tokens"] == rlen.sum()
+    # ratio_mean: the token mean, over the kept samples, of the ratio the loss clips (the token ratio
+    # exp(logp - old_logp), or with GSPO each sample's exp(mean over its tokens of logp - old_logp))
+    mask = _mask(batch)
+    diff = logp_all.detach().double().numpy()[mask] - batch["old_logprobs"].astype(np.float64)[mask]
+    sample = np.repeat(np.arange(8), rlen)
+    if gspo:
+        diff = np.array([diff[sample == i].mean() for i in range(8)])[sample]
+    kept = batch["sample_weights"][sample] > 0
+    assert metrics["ratio_mean"] == pytest.approx(np.exp(diff[kept]).mean(), rel=1e-5)
 
 
 def _mask(batch):

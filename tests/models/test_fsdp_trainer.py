@@ -460,6 +460,7 @@ def test_loss_is_the_token_mean_of_minus_advantage(setup, one):
     assert m["loss"] == pytest.approx(expected, abs=1e-5)
     assert m["policy_loss"] == pytest.approx(expected, abs=1e-5)
     assert m["clip_frac"] == 0.0 and "entropy" not in m
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # on-policy: logp == old_logp
 
 
 @pytest.mark.timeout(240)
@@ -470,7 +471,7 @@ def test_every_loss_agg_mode_on_two_ranks_matches_the_global_aggregate(two, one)
     losses = set()
     for mode in AGG_MODES:
         g1 = one["modes"][mode]
-        for name in ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower"):
+        for name in ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower", "ratio_mean"):
             assert r0["modes"][mode]["metrics"][name] == r1["modes"][mode]["metrics"][name]
             assert r0["modes"][mode]["metrics"][name] == pytest.approx(
                 g1["metrics"][name], rel=1e-5, abs=1e-6), (mode, name)
