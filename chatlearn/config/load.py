@@ -165,6 +165,11 @@ def validate(cfg: DictConfig) -> None:
         if rt[key] < 0:
             raise ConfigError("must be 0 or a positive number.", key=f"runtime_args.{key}")
     _choice(rt.log_args_dict.wandb_resume, WANDB_RESUME, "runtime_args.log_args_dict.wandb_resume")
+    if rt.log_args_dict.log_samples_interval < 0:
+        raise ConfigError(f"is {rt.log_args_dict.log_samples_interval}; set N > 0 (log samples every N episodes) "
+                          "or 0 (do not).", key="runtime_args.log_args_dict.log_samples_interval")
+    if rt.log_args_dict.log_samples_interval > 0:
+        _positive(rt.log_args_dict.log_samples_num, "runtime_args.log_args_dict.log_samples_num")
     for name in ("policy", "policy_trainer", "ref_policy"):
         mc = m[name]
         if mc.num_gpu < 1:

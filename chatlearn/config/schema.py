@@ -31,6 +31,10 @@ class LogArgs:
     wandb_id: Optional[str] = None
     wandb_name: Optional[str] = None
     wandb_resume: str = "allow"
+    # every N episodes, log_samples_num of the episode's prompt/response/reward rows go to
+    # <output_dir>/samples.jsonl and to TensorBoard (text) and W&B (a table); 0 turns it off
+    log_samples_interval: int = 10
+    log_samples_num: int = 4
 
 
 @dataclass

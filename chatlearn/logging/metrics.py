@@ -44,6 +44,35 @@ class MetricsWriter:
         self._file.close()
 
 
+class SamplesWriter:
+    """``<output_dir>/samples.jsonl``: rows of sampled prompts and responses, each with its episode;
+    crash-safe like ``metrics.jsonl`` (a torn row dropped, rows past a resumed checkpoint dropped)."""
+
+    def __init__(self, output_dir: str):
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "samples.jsonl")
+        self._file = None  # opened on the first rows: a run that logs none leaves no file
+
+    def write(self, episode: int, rows: list[dict]) -> None:
+        if self._file is None:
+            self._file = jsonl.open_append(self.path)
+        wall = round(time.time(), 3)
+        self._file.write("".join(json.dumps({"episode": episode, WALL: wall, **row}) + "\n" for row in rows))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def truncate_after(self, episode: int) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        jsonl.truncate_after(self.path, episode)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def summary_line(episode: int, total: int, m: dict) -> str:
     """One line per episode: the numbers a user watches."""
     parts = [f"episode {episode:>{len(str(total))}}/{total}"]

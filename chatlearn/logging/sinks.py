@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, OmegaConf
 
 from chatlearn.errors import UserError
-from chatlearn.logging.metrics import MetricsWriter
+from chatlearn.logging.metrics import MetricsWriter, SamplesWriter
 
 REDACTED = "***"
 # A key is secret when its last word is "key" or "token" (api_key, hf_token, accessToken), or when
@@ -113,6 +113,20 @@ def sink_dirs(cfg: DictConfig) -> tuple[str, str]:
     return la.tensorboard_dir or os.path.join(log_dir, "tensorboard"), la.wandb_dir or log_dir
 
 
+SAMPLE_COLUMNS = ("prompt", "response", "reward", "ground_truth", "data_source", "response_tokens", "finished")
+
+
+def samples_markdown(rows: list[dict]) -> str:
+    """The rows as a markdown table (TensorBoard's text tab renders it)."""
+    def cell(value) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in SAMPLE_COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 class MetricSinks:
     """Every sink of a run behind one ``write(episode, metrics)`` / ``close()``.
 
@@ -123,6 +137,7 @@ class MetricSinks:
     def __init__(self, cfg: DictConfig, *, out=None):
         self._out = out  # None: sys.stdout at the time of printing (the live progress may redirect it)
         self.jsonl = MetricsWriter(cfg.runtime_args.output_dir)
+        self.samples = SamplesWriter(cfg.runtime_args.output_dir)
         self.path = self.jsonl.path
         self._sinks: list = []
         self._closed = False
@@ -148,9 +163,24 @@ class MetricSinks:
                       flush=True)
                 _close_quietly(sink)
 
+    def write_samples(self, episode: int, rows: list[dict]) -> None:
+        """Sampled prompt/response rows of ``episode``: to ``samples.jsonl``, TensorBoard (a markdown
+        table, text tab) and W&B (a table), with the same failure handling as :meth:`write`."""
+        self.samples.write(episode, rows)
+        for sink in list(self._sinks):
+            try:
+                sink.write_samples(episode, rows)
+            except Exception as err:  # noqa: BLE001 (a monitoring failure must not end training)
+                self._sinks.remove(sink)
+                print(f"[chatlearn] {sink.name} logging stopped after an error: {err}", file=self._out or sys.stdout,
+                      flush=True)
+                _close_quietly(sink)
+
     def truncate_after(self, episode: int) -> None:
-        """Drop ``metrics.jsonl`` rows past ``episode`` (on resume; the other sinks keep their history)."""
+        """Drop ``metrics.jsonl`` and ``samples.jsonl`` rows past ``episode`` (on resume; the other
+        sinks keep their history)."""
         self.jsonl.truncate_after(episode)
+        self.samples.truncate_after(episode)
 
     def close(self) -> None:
         sinks, self._sinks = self._sinks, []
@@ -159,6 +189,7 @@ class MetricSinks:
         if not self._closed:
             self._closed = True
             self.jsonl.close()
+            self.samples.close()
 
 
 def _close_quietly(sink) -> None:
@@ -191,6 +222,10 @@ class TensorBoardSink:
         for key, value in sorted(metrics.items()):
             if value is not None:
                 self.writer.add_scalar(key, float(value), episode)
+        self.writer.flush()
+
+    def write_samples(self, episode: int, rows: list[dict]) -> None:
+        self.writer.add_text("samples", samples_markdown(rows), episode)
         self.writer.flush()
 
     def close(self) -> None:
@@ -229,6 +264,12 @@ class WandbSink:
         row = {k: float(v) for k, v in metrics.items() if v is not None}
         row["episode"] = episode
         self.run.log(row)
+
+    def write_samples(self, episode: int, rows: list[dict]) -> None:
+        import wandb
+
+        table = wandb.Table(columns=list(SAMPLE_COLUMNS), data=[[r.get(c) for c in SAMPLE_COLUMNS] for r in rows])
+        self.run.log({"samples": table, "episode": episode})
 
     def close(self) -> None:
         self.run.finish()

@@ -203,7 +203,28 @@ class GRPO(Rollouts):
         end = time.perf_counter()
         metrics["time/episode"] = end - start
         metrics.update(overhead(self.activity.busy(COMPUTE_METHODS, start, end), end - start))
+        la = cfg.runtime_args.log_args_dict
+        if la.log_samples_interval > 0 and episode % la.log_samples_interval == 0:
+            self.metrics.write_samples(episode, self.sample_rows(batch, rewards, truths, sources,
+                                                                 la.log_samples_num))
         return metrics
+
+    def sample_rows(self, batch: dict, rewards: np.ndarray, truths: list, sources: list[str], k: int) -> list[dict]:
+        """``k`` of the episode's samples as rows (decoded prompt and response, reward, ...): one
+        response of each of the first prompts, then second responses, so the rows spread over the
+        groups. Only reads the batch; no random number is drawn."""
+        n = self.plan.group_size
+        groups = len(rewards) // n
+        picks = [g * n + j for j in range(n) for g in range(groups)][:k]
+        chosen = select_samples({key: batch[key] for key in ("tokens", "offsets", "prompt_lens", "finish_reasons")},
+                                picks)
+        lens = np.diff(chosen["offsets"]) - chosen["prompt_lens"]
+        return [{"sample": i, "prompt": p, "response": r, "reward": float(rewards[i]),
+                 "ground_truth": truths[i] if isinstance(truths[i], (str, int, float, bool)) or truths[i] is None
+                 else str(truths[i]),
+                 "data_source": sources[i], "response_tokens": int(n_tok), "finished": bool(done)}
+                for i, p, r, n_tok, done in zip(picks, self.prompts_text(chosen), self.responses_text(chosen), lens,
+                                                chosen["finish_reasons"])]
 
     # ------------------------------------------------------------------ stages
     @property

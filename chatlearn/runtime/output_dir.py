@@ -111,7 +111,8 @@ def move_aside(cfg: DictConfig, lock: RunLock) -> str:
 
 def reconcile_logs(cfg: DictConfig) -> None:
     """Before a resumed run opens its append-only logs: drop the rows that a crashed run wrote
-    past the checkpoint it resumes from (all of them when there is none: the run starts over),
+    past the checkpoint it resumes from (metrics, timeline and samples; all of them when there is none: the run
+    starts over),
     and any row torn by the crash, so that no episode appears twice and no new row is glued to a
     torn one. Each file is rewritten atomically (see chatlearn.logging.jsonl)."""
     rt = cfg.runtime_args
@@ -119,5 +120,5 @@ def reconcile_logs(cfg: DictConfig) -> None:
     found = CheckpointManager(os.path.join(rt.output_dir, "checkpoints"),
                               rt.keep_last_checkpoints).latest_usable(warn=lambda msg: None)
     last = found[0] if found is not None else -1
-    for name in ("metrics.jsonl", "timeline.jsonl"):
+    for name in ("metrics.jsonl", "timeline.jsonl", "samples.jsonl"):
         jsonl.truncate_after(os.path.join(rt.output_dir, name), last)

@@ -197,6 +197,10 @@ def test_chatlearn_yaml_with_every_documented_key_loads(tmp_path, tiny_model_dir
 @pytest.mark.parametrize("override, key, words", [
     ("runtime_args.num_episod=3", "runtime_args.num_episod", ["Did you mean 'runtime_args.num_episode'"]),
     ("models.policy.temprature=1", "models.policy.temprature", ["Did you mean 'models.policy.temperature'"]),
+    ("runtime_args.log_args_dict.log_samples_interval=-1", "runtime_args.log_args_dict.log_samples_interval",
+     ["or 0 (do not)"]),
+    ("runtime_args.log_args_dict.log_samples_num=0", "runtime_args.log_args_dict.log_samples_num",
+     ["positive integer"]),
     ("models.policy_trainer.optimizer.lr=abc", "models.policy_trainer.optimizer.lr", ["wrong type", "Float"]),
     ("runtime_args.num_episode=many", "runtime_args.num_episode", ["wrong type"]),
     ("runtime_args.sample_per_episode=250", "runtime_args.sample_per_episode", ["divisible", "num_inference_per_prompt"]),

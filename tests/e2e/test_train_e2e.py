@@ -13,7 +13,8 @@ from conftest import REPO
 SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=64", "runtime_args.train_global_batch_size=32",
          "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
          "runtime_args.eval_episode_interval=2", "runtime_args.save_episode_interval=2",
-         "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01"]
+         "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01",
+         "runtime_args.log_args_dict.log_samples_interval=2", "runtime_args.log_args_dict.log_samples_num=5"]
 
 
 def check_console(stdout: str, stderr: str, out, backend: str) -> None:
@@ -35,7 +36,7 @@ def check_console(stdout: str, stderr: str, out, backend: str) -> None:
     assert re.match(r"\[chatlearn\] eval reward: first [\d.]+ \(episode 0\), last [\d.]+ \(episode 3\), best "
                     r"[\d.]+ \(episode [023]\)$", tail[1]), tail
     assert tail[2].startswith("[chatlearn] time: generate ") and "train " in tail[2] and "eval " in tail[2], tail
-    for where in ("metrics.jsonl", "checkpoints", "plots", "logs"):
+    for where in ("metrics.jsonl", "checkpoints", "plots", "samples.jsonl", "logs"):
         assert f" {out / where}" in tail[3], tail
     logs = {p.name: p.read_text(errors="replace") for p in (out / "logs").iterdir()}
     assert "driver.log" in logs and any(name.startswith("worker-") for name in logs), logs.keys()
@@ -81,6 +82,13 @@ def test_short_run(backend, tmp_path):
         # initial weights, afterwards on the weights pushed at the end of the previous episode
         assert r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, r
     assert rows[2]["train/kl"] > 0  # the policy moved away from the reference
+
+    # log_samples_interval=2: five decoded samples of episode 2, one per prompt (16 prompts of 4 responses)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert [s["episode"] for s in samples] == [2] * 5 and [s["sample"] for s in samples] == [0, 4, 8, 12, 16]
+    for s in samples:
+        assert "What is" in s["prompt"] and isinstance(s["response"], str) and s["response_tokens"] >= 1
+        assert 0.0 <= s["reward"] <= 1.0 and s["data_source"] == "arith" and s["ground_truth"].isdigit()
 
     # checkpoints at save_episode_interval and at the end, with an HF folder transformers loads
     ckpts = sorted(p for p in os.listdir(out / "checkpoints") if p.startswith("episode_"))

@@ -158,3 +158,66 @@ def test_failing_sink_is_dropped_and_jsonl_continues(tmp_path, wandb_env, capsys
     out = capsys.readouterr().out
     assert out.count("Broken logging stopped after an error: disk full") == 1
     assert [r["episode"] for r in rows(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+SAMPLES = [{"sample": 0, "prompt": "What is 1 + 2?", "response": "It is | 3\nso \\boxed{3}", "reward": 1.0,
+            "ground_truth": "3", "data_source": "arith", "response_tokens": 9, "finished": True},
+           {"sample": 4, "prompt": "What is 2 + 2?", "response": "5", "reward": 0.0, "ground_truth": "4",
+            "data_source": "arith", "response_tokens": 1, "finished": False}]
+
+
+def test_samples_jsonl_rows_truncation_on_resume_and_a_torn_row(tmp_path, wandb_env):
+    sinks = MetricSinks(make_cfg(tmp_path))
+    sinks.write(1, {"train/loss": 0.5})
+    assert not (tmp_path / "samples.jsonl").exists()  # no file until samples are logged
+    sinks.write_samples(2, SAMPLES)
+    sinks.write_samples(4, SAMPLES[:1])
+    got = rows(tmp_path / "samples.jsonl")
+    assert [(r["episode"], r["sample"]) for r in got] == [(2, 0), (2, 4), (4, 0)]
+    assert {k: v for k, v in got[0].items() if k not in ("episode", "time/wall")} == SAMPLES[0]
+    sinks.truncate_after(3)  # resumed from the checkpoint of episode 3
+    sinks.write_samples(4, SAMPLES[1:])
+    sinks.close()
+    assert [(r["episode"], r["sample"]) for r in rows(tmp_path / "samples.jsonl")] == [(2, 0), (2, 4), (4, 4)]
+    with open(tmp_path / "samples.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"episode": 6, "prom')  # a crash in the middle of a row
+    sinks = MetricSinks(make_cfg(tmp_path))
+    sinks.write_samples(6, SAMPLES[:1])
+    sinks.close()
+    assert [(r["episode"], r["sample"]) for r in rows(tmp_path / "samples.jsonl")][-2:] == [(4, 4), (6, 0)]
+
+
+def test_samples_reach_tensorboard_as_a_markdown_table(tmp_path, wandb_env):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    sinks = MetricSinks(make_cfg(tmp_path, tensorboard=True))
+    sinks.write_samples(10, SAMPLES)
+    sinks.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    (event,) = acc.Tensors("samples/text_summary")
+    assert event.step == 10
+    text = tensor_util.make_ndarray(event.tensor_proto)[0].decode()
+    lines = text.splitlines()
+    assert lines[0] == "| prompt | response | reward | ground_truth | data_source | response_tokens | finished |"
+    assert lines[2] == "| What is 1 + 2? | It is \\| 3<br>so \\\\boxed{3} | 1 | 3 | arith | 9 | True |"
+    assert len(lines) == 4
+
+
+def test_samples_reach_wandb_as_a_table(tmp_path, wandb_env, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    sinks = MetricSinks(make_cfg(tmp_path, wandb=True, wandb_id="run-s"))
+    sinks.write_samples(10, SAMPLES)
+    sinks.close()
+    (run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*-run-s"))
+    deadline = time.monotonic() + 60
+    while not glob.glob(os.path.join(run, "files", "media", "table", "samples_*.table.json")):
+        assert time.monotonic() < deadline, os.listdir(run)
+        time.sleep(0.2)
+    (table,) = glob.glob(os.path.join(run, "files", "media", "table", "samples_*.table.json"))
+    with open(table, encoding="utf-8") as f:
+        data = json.load(f)
+    assert data["columns"] == ["prompt", "response", "reward", "ground_truth", "data_source", "response_tokens",
+                               "finished"]
+    assert data["data"][1] == ["What is 2 + 2?", "5", 0.0, "4", "arith", 1, False]
