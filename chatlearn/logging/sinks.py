@@ -268,7 +268,9 @@ class WandbSink:
     def write_samples(self, episode: int, rows: list[dict]) -> None:
         import wandb
 
-        table = wandb.Table(columns=list(SAMPLE_COLUMNS), data=[[r.get(c) for c in SAMPLE_COLUMNS] for r in rows])
+        # the episode as a column too: tables of several episodes stay apart once merged or exported
+        table = wandb.Table(columns=["episode", *SAMPLE_COLUMNS],
+                            data=[[episode, *(r.get(c) for c in SAMPLE_COLUMNS)] for r in rows])
         self.run.log({"samples": table, "episode": episode})
 
     def close(self) -> None:

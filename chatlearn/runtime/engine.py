@@ -166,6 +166,12 @@ class GRPO(Rollouts):
 
         # 4. advantages, optimizer steps
         adv_metrics = self.advantages(batch, rewards)
+        # sampled rows (samples.jsonl, TensorBoard, W&B): written before the checkpoint below, so a
+        # resume from this episode's checkpoint finds them; decoding only, no random number drawn
+        la = cfg.runtime_args.log_args_dict
+        if la.log_samples_interval > 0 and episode % la.log_samples_interval == 0:
+            self.metrics.write_samples(episode, self.sample_rows(batch, rewards, truths, sources,
+                                                                 la.log_samples_num))
         with timer("policy_trainer", "train"):
             self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
             step_metrics = self.optimize(self.replay.training_batch(batch), episode)
@@ -203,10 +209,6 @@ class GRPO(Rollouts):
         end = time.perf_counter()
         metrics["time/episode"] = end - start
         metrics.update(overhead(self.activity.busy(COMPUTE_METHODS, start, end), end - start))
-        la = cfg.runtime_args.log_args_dict
-        if la.log_samples_interval > 0 and episode % la.log_samples_interval == 0:
-            self.metrics.write_samples(episode, self.sample_rows(batch, rewards, truths, sources,
-                                                                 la.log_samples_num))
         return metrics
 
     def sample_rows(self, batch: dict, rewards: np.ndarray, truths: list, sources: list[str], k: int) -> list[dict]:

@@ -89,6 +89,8 @@ def test_short_run(backend, tmp_path):
     for s in samples:
         assert "What is" in s["prompt"] and isinstance(s["response"], str) and s["response_tokens"] >= 1
         assert 0.0 <= s["reward"] <= 1.0 and s["data_source"] == "arith" and s["ground_truth"].isdigit()
+        a, b = (int(x) for x in s["prompt"].split("What is ")[1].split("?")[0].split(" + "))
+        assert int(s["ground_truth"]) == a + b, s  # each row's ground truth is its own prompt's
 
     # checkpoints at save_episode_interval and at the end, with an HF folder transformers loads
     ckpts = sorted(p for p in os.listdir(out / "checkpoints") if p.startswith("episode_"))

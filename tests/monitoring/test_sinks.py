@@ -218,6 +218,6 @@ def test_samples_reach_wandb_as_a_table(tmp_path, wandb_env, monkeypatch):
     (table,) = glob.glob(os.path.join(run, "files", "media", "table", "samples_*.table.json"))
     with open(table, encoding="utf-8") as f:
         data = json.load(f)
-    assert data["columns"] == ["prompt", "response", "reward", "ground_truth", "data_source", "response_tokens",
-                               "finished"]
-    assert data["data"][1] == ["What is 2 + 2?", "5", 0.0, "4", "arith", 1, False]
+    assert data["columns"] == ["episode", "prompt", "response", "reward", "ground_truth", "data_source",
+                               "response_tokens", "finished"]
+    assert data["data"][1] == [10, "What is 2 + 2?", "5", 0.0, "4", "arith", 1, False]

@@ -26,6 +26,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int | None = 16
     seed: int | None = None
     logprobs: int | None = None
@@ -48,7 +51,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, enable_sleep_mode: bool = False,
-                 logprobs_mode: str = "raw_logprobs", worker_extension_cls: str = ""):
+                 logprobs_mode: str = "raw_logprobs", worker_extension_cls: str = "",
+                 use_tqdm_on_load: bool = True):
         from vllm.config import ModelConfig, VllmConfig
         from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
         from vllm.v1.engine.core_client import InprocClient, SyncMPClient
