@@ -22,7 +22,7 @@ from chatlearn.runtime.leftovers import clean_leftovers, mark_driver
 from chatlearn.runtime.signals import Terminated, stop_on_sigterm
 from chatlearn.models.specs import RolloutSpec, TrainerSpec
 from chatlearn.runtime.env import worker_env
-from chatlearn.runtime.group import WorkerGroup, create_group
+from chatlearn.runtime.group import WorkerGroup, create_group, start_actors
 
 BACKENDS = {
     "fsdp": "chatlearn.models.trainer.fsdp:FSDPTrainer",
@@ -145,6 +145,7 @@ class Cluster:
         self.started_ray = False
         self.pg = None
         self.groups: dict[str, WorkerGroup] = {}
+        self._started: dict[str, list] = {}  # actors started ahead of their model's creation (prestart)
 
     def __enter__(self) -> "Cluster":
         plan, m = self.plan, self.cfg.models
@@ -192,9 +193,9 @@ class Cluster:
                         timeout=30)
             except Exception:  # noqa: BLE001 - cleanup only; a later start removes what is left
                 pass
-        for group in self.groups.values():
-            for actor in group.actors:
-                ray.kill(actor)
+        for actor in [a for g in self.groups.values() for a in g.actors] + [
+                a for started in self._started.values() for a in started]:
+            ray.kill(actor)
         # Removing the placement group is a call to the GCS that blocks until Ray gives up on it
         # (60 s, then the process is killed) when the GCS is gone, as after a SIGTERM to the whole
         # job. A local Ray we started goes with ray.shutdown(), and Ray removes a job's placement
@@ -207,29 +208,43 @@ class Cluster:
     def device_offset(self, group_index: int) -> int:
         return sum(self.plan.devices_per_group[:group_index])
 
-    def create(self, name: str) -> WorkerGroup:
+    def _group_args(self, name: str) -> tuple[str, object, dict]:
+        """(backend factory, its spec, the keyword arguments of ``start_actors``) of ``name``."""
         cfg, plan = self.cfg, self.plan
         pl = plan.placements[name]
         threads = max(1, (os.cpu_count() or 1) // max(1, plan.total_devices))
         if name == "reward":
             per = cfg.models.reward.cpu_per_process or 1
-            group = create_group(name, BACKENDS["reward"], reward_cfg(cfg), num_actors=pl.num_actors,
-                                 pg=None, bundles=[], gpu_fraction=0, cpus=per, threads=per, distributed=False,
-                                 env=worker_env("reward", "reward", per))
+            return BACKENDS["reward"], reward_cfg(cfg), dict(
+                num_actors=pl.num_actors, pg=None, bundles=[], gpu_fraction=0, cpus=per, threads=per,
+                env=worker_env("reward", "reward", per))
+        sharing = len([x for x in plan.device_groups[pl.device_group] if x in plan.placements
+                       and plan.placements[x].device_group == pl.device_group])
+        frac = round(1.0 / sharing - 0.005, 2) if sharing > 1 else 1.0
+        bundles = [self.device_offset(pl.device_group) + d for d in pl.devices]
+        if name == "policy":
+            backend = cfg.runtime_args.rollout_backend
+            bcfg, env = rollout_spec(cfg), worker_env("rollout", backend, threads)
         else:
-            sharing = len([x for x in plan.device_groups[pl.device_group] if x in plan.placements
-                           and plan.placements[x].device_group == pl.device_group])
-            frac = round(1.0 / sharing - 0.005, 2) if sharing > 1 else 1.0
-            bundles = [self.device_offset(pl.device_group) + d for d in pl.devices]
-            if name == "policy":
-                backend = cfg.runtime_args.rollout_backend
-                bcfg, env = rollout_spec(cfg), worker_env("rollout", backend, threads)
-            else:
-                backend = cfg.runtime_args.train_backend
-                bcfg = trainer_spec(cfg, name)
-                env = worker_env("trainer", backend, threads, cfg.models[name].use_expandable_segments)
-            group = create_group(name, BACKENDS[backend], bcfg, num_actors=pl.num_actors, pg=self.pg,
-                                 bundles=bundles, gpu_fraction=frac, cpus=0, threads=threads,
-                                 distributed=name != "policy", env=env, devices_per_actor=pl.devices_per_actor)
+            backend = cfg.runtime_args.train_backend
+            bcfg = trainer_spec(cfg, name)
+            env = worker_env("trainer", backend, threads, cfg.models[name].use_expandable_segments)
+        return BACKENDS[backend], bcfg, dict(num_actors=pl.num_actors, pg=self.pg, bundles=bundles,
+                                            gpu_fraction=frac, cpus=0, threads=threads, env=env,
+                                            devices_per_actor=pl.devices_per_actor)
+
+    def prestart(self, names) -> None:
+        """Start the processes of every model in ``names`` now (each imports its backend and waits):
+        their start-up overlaps, while :meth:`create` still builds the models one after another
+        (on shared devices the order matters: the rollout engine sizes its cache from what is left)."""
+        for name in names:
+            if name not in self._started:
+                factory, _, kwargs = self._group_args(name)
+                self._started[name] = start_actors(name, factory, **kwargs)
+
+    def create(self, name: str) -> WorkerGroup:
+        factory, bcfg, kwargs = self._group_args(name)
+        group = create_group(name, factory, bcfg, distributed=name not in ("policy", "reward"),
+                             actors=self._started.pop(name, None), **kwargs)
         self.groups[name] = group
         return group

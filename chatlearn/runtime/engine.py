@@ -68,9 +68,9 @@ class GRPO(Rollouts):
         self.sched = Scheduler(plan, {}, {}, self.timeline)
         # Build each model, then let it leave the devices it shares, so the next one has room.
         # The rollout engine comes last: it sizes its KV cache from the memory left free.
-        for name in ("policy_trainer", "ref_policy", "reward", "policy"):
-            if name not in plan.placements:  # ref_policy without a KL term
-                continue
+        order = [n for n in ("policy_trainer", "ref_policy", "reward", "policy") if n in plan.placements]
+        cluster.prestart(order)  # every process starts now; the models are built in turn below
+        for name in order:  # (ref_policy is not placed without a KL term)
             group = cluster.create(name)
             self.sched.groups[name] = group
             if name == "policy_trainer":  # on GPUs, every turn records the devices' memory

@@ -83,6 +83,7 @@ def resolve_model(path: str) -> str:
 class Evaluator(Rollouts):
     def __init__(self, cfg: DictConfig, cluster: Cluster, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
+        cluster.prestart(["policy", "reward"])
         self.policy = cluster.create("policy")
         self.reward = cluster.create("reward")
 

@@ -176,19 +176,13 @@ def spanning_env(pg: PlacementGroup, bundles: list[int], gpu_fraction: float) ->
             "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
-def create_group(name: str, factory: str, cfg, *, num_actors: int, pg: PlacementGroup | None,
-                 bundles: list[int], gpu_fraction: float, cpus: float, threads: int,
-                 distributed: bool, env: dict[str, str] | None = None,
-                 devices_per_actor: int = 1) -> WorkerGroup:
-    """Start ``num_actors`` actors (actor i on bundle ``bundles[i]``) and build the backend in each.
-
-    ``distributed``: the actors form one torch.distributed world (trainer ranks); rank 0's node
-    hosts the rendezvous. ``env``: the workers' environment (``chatlearn.runtime.env.worker_env``;
-    a plain CPU worker's when not given), set by Ray before each process starts.
-    ``devices_per_actor`` > 1 (a tensor-parallel rollout engine per actor): ``bundles`` holds
-    ``devices_per_actor`` bundles per actor, in actor order; actor i runs on the first of its
-    bundles and sees the devices of all of them (:func:`spanning_env`).
-    """
+def start_actors(name: str, factory: str, *, num_actors: int, pg: PlacementGroup | None, bundles: list[int],
+                 gpu_fraction: float, cpus: float, threads: int, env: dict[str, str] | None = None,
+                 devices_per_actor: int = 1) -> list:
+    """Start the processes of ``name``'s actors (see :func:`create_group`) without building the
+    backend: each imports the backend's module and then waits for its ``setup``. Starting every
+    model's processes at once overlaps their start-up while the models are still built one after
+    another."""
     env = dict(env) if env is not None else worker_env("reward", "reward", threads)
     k = devices_per_actor
     if k > 1 and (pg is None or len(bundles) != num_actors * k):
@@ -205,13 +199,34 @@ def create_group(name: str, factory: str, cfg, *, num_actors: int, pg: Placement
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundles[i * k])
-        actors.append(ray.remote(Worker).options(**opts).remote(threads))
+        actor = ray.remote(Worker).options(**opts).remote(threads, factory.split(":")[0])
+        _ROLES[actor._actor_id.hex()] = (name, i)
+        actors.append(actor)
+    return actors
+
+
+def create_group(name: str, factory: str, cfg, *, num_actors: int, pg: PlacementGroup | None,
+                 bundles: list[int], gpu_fraction: float, cpus: float, threads: int,
+                 distributed: bool, env: dict[str, str] | None = None,
+                 devices_per_actor: int = 1, actors: list | None = None) -> WorkerGroup:
+    """Start ``num_actors`` actors (actor i on bundle ``bundles[i]``) and build the backend in each.
+
+    ``distributed``: the actors form one torch.distributed world (trainer ranks); rank 0's node
+    hosts the rendezvous. ``env``: the workers' environment (``chatlearn.runtime.env.worker_env``;
+    a plain CPU worker's when not given), set by Ray before each process starts.
+    ``devices_per_actor`` > 1 (a tensor-parallel rollout engine per actor): ``bundles`` holds
+    ``devices_per_actor`` bundles per actor, in actor order; actor i runs on the first of its
+    bundles and sees the devices of all of them (:func:`spanning_env`). ``actors``: started
+    earlier with the same arguments (:func:`start_actors`).
+    """
+    if actors is None:
+        actors = start_actors(name, factory, num_actors=num_actors, pg=pg, bundles=bundles,
+                              gpu_fraction=gpu_fraction, cpus=cpus, threads=threads, env=env,
+                              devices_per_actor=devices_per_actor)
     envs: list[dict] = [{} for _ in actors]
     if distributed:
         addr, port = ray.get(actors[0].address.remote())
         envs = [{"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(i), "WORLD_SIZE": str(num_actors),
                  "LOCAL_RANK": "0"} for i in range(num_actors)]
-    for i, actor in enumerate(actors):
-        _ROLES[actor._actor_id.hex()] = (name, i)
     ray.get([a.setup.remote(factory, cfg, e) for a, e in zip(actors, envs)])
     return WorkerGroup(name, actors)

@@ -13,7 +13,9 @@ import time
 class Worker:
     """Builds ``module:Class(cfg)`` in its own process and runs its methods on request."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, preload: str | None = None):
+        """``preload``: the backend's module, imported now, while the process waits for its
+        ``setup`` (the other models are built meanwhile); nothing touches a device here."""
         from chatlearn.logging.console import setup_worker
 
         setup_worker()  # third-party output to the run's logs/ folder (before importing them)
@@ -26,6 +28,8 @@ class Worker:
         torch.set_num_threads(threads)
         hf_logging.disable_progress_bar()  # per-file loading bars would flood the run's log
         self.obj = None
+        if preload:
+            importlib.import_module(preload)
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port (rank 0 hosts the process group's rendezvous)."""

@@ -56,11 +56,13 @@ def finish(out, *extra):
 def test_kill_after_a_checkpoint_torn_rows_then_resume(tmp_path):
     """Killed in episode 4 (checkpoint 2 complete, episode 3 logged, checkpoint 4 not yet written),
     with a torn last line in metrics.jsonl and timeline.jsonl: the rerun takes the stale lock over,
-    resumes from episode 2, and every episode appears once in both files."""
+    resumes from episode 2, and every episode appears once in both files. Then a damaged newest
+    checkpoint: the next run falls back to the one before it."""
     out = tmp_path / "out"
     metrics, timeline = out / "metrics.jsonl", out / "timeline.jsonl"
-    # a long pause inside the episode-4 save keeps checkpoint 4 incomplete while we kill
-    proc = start(out, env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "60"})
+    # a pause inside every save keeps checkpoint 4 incomplete while we kill, as soon as episode 3 is
+    # logged (episode 4 trains in about a second, then its save waits 8 s)
+    proc = start(out, env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "8"})
     try:
         wait_for(proc, lambda: metrics.exists() and 3 in episodes(metrics), "episode 3 was logged")
     finally:
@@ -81,6 +83,21 @@ def test_kill_after_a_checkpoint_torn_rows_then_resume(tmp_path):
     for episode in (1, 2, 3, 4):
         assert stages[(episode, "generate")] == 1, stages
     assert not (out / "run.lock").exists()
+
+    # then a shard of the newest checkpoint is truncated (a copy cut short): the next run, two episodes
+    # more, names the damage, resumes from the checkpoint before it and logs every episode once
+    shard = sorted((out / "checkpoints" / "episode_000004" / "trainer").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    proc = finish(out, "runtime_args.num_episode=6")
+    text = " ".join(proc.stdout.split())
+    assert f"checkpoint {out / 'checkpoints' / 'episode_000004'} is damaged: trainer/{shard.name}" in text
+    assert "(truncated)" in text and "resuming from" in text and "(episode 2)" in text
+    assert "Traceback" not in proc.stderr
+    assert episodes(metrics) == [1, 2, 3, 4, 5, 6]
+    from chatlearn.checkpoint.manager import manifest_problems
+
+    assert manifest_problems(str(out / "checkpoints" / "episode_000004")) == []  # written again, whole
 
 
 @pytest.mark.timeout(900)
@@ -308,23 +325,3 @@ def test_ctrl_c_while_a_reward_function_is_stuck(tmp_path):
     assert proc.returncode == 130, proc.stderr.read()[-3000:]
     assert not (out / "run.lock").exists()
 
-
-@pytest.mark.timeout(900)
-def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
-    """A shard of the newest checkpoint truncated after the run ended: the next run (two episodes
-    more) names the damage, resumes from the checkpoint before it, and logs every episode once."""
-    out = tmp_path / "out"
-    finish(out)
-    shard = sorted((out / "checkpoints" / "episode_000004" / "trainer").glob("*.distcp"))[0]
-    with open(shard, "r+b") as f:
-        f.truncate(shard.stat().st_size // 2)
-    proc = finish(out, "runtime_args.num_episode=6")
-    text = " ".join(proc.stdout.split())
-    assert f"checkpoint {out / 'checkpoints' / 'episode_000004'} is damaged: trainer/{shard.name}" in text
-    assert "(truncated)" in text and "resuming from" in text and "(episode 2)" in text
-    assert "Traceback" not in proc.stderr
-    assert episodes(out / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
-    # the damaged checkpoint was written again by the resumed run, whole
-    from chatlearn.checkpoint.manager import manifest_problems
-
-    assert manifest_problems(str(out / "checkpoints" / "episode_000004")) == []

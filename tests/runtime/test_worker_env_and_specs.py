@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 
 import pytest
 import ray
@@ -158,3 +159,43 @@ def test_no_get_with_a_default_in_runtime_and_backends():
                         found += [f"{os.path.relpath(path, REPO)}:{i}: {line.strip()}"
                                   for i, line in enumerate(f, 1) if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+PRELOAD_MODULE = '''
+import os, time
+open(os.path.join(os.environ["MARKS"], f"imported-{os.getpid()}"), "w").write(str(time.time()))
+
+
+class Thing:
+    def __init__(self, cfg):
+        open(os.path.join(os.environ["MARKS"], f"built-{os.getpid()}"), "w").write(str(time.time()))
+'''
+
+
+@pytest.mark.timeout(180)
+def test_started_actors_import_their_backend_before_the_model_is_built(tmp_path):
+    """``start_actors`` (Cluster.prestart) starts the processes, which import the backend's module and
+    wait; ``create_group`` then builds the backend in those same processes, named by model and rank
+    from the start (a process that dies while waiting is named too)."""
+    from chatlearn.runtime.group import create_group, role_of, start_actors
+
+    (tmp_path / "preload_probe.py").write_text(PRELOAD_MODULE)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        env = {**worker_env("reward", "reward", 1), "PYTHONPATH": str(tmp_path), "MARKS": str(marks)}
+        args = dict(num_actors=2, pg=None, bundles=[], gpu_fraction=0, cpus=0.1, threads=1, env=env)
+        actors = start_actors("probe", "preload_probe:Thing", **args)
+        assert [role_of(a._actor_id.hex()) for a in actors] == ["probe rank 0", "probe rank 1"]
+        deadline = time.time() + 120
+        while len(list(marks.glob("imported-*"))) < 2:  # imported while nothing has asked for the model
+            assert time.time() < deadline, list(marks.iterdir())
+            time.sleep(0.1)
+        assert not list(marks.glob("built-*"))
+        group = create_group("probe", "preload_probe:Thing", {}, distributed=False, actors=actors, **args)
+        assert group.actors == actors
+        imported = {p.name.split("-")[1] for p in marks.glob("imported-*")}
+        assert {p.name.split("-")[1] for p in marks.glob("built-*")} == imported
+    finally:
+        ray.shutdown()
