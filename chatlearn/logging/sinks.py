@@ -154,22 +154,19 @@ class MetricSinks:
 
     def write(self, episode: int, metrics: dict) -> None:
         self.jsonl.write(episode, metrics)
-        for sink in list(self._sinks):
-            try:
-                sink.write(episode, metrics)
-            except Exception as err:  # noqa: BLE001 (a monitoring failure must not end training)
-                self._sinks.remove(sink)
-                print(f"[chatlearn] {sink.name} logging stopped after an error: {err}", file=self._out or sys.stdout,
-                      flush=True)
-                _close_quietly(sink)
+        self._to_sinks("write", episode, metrics)
 
     def write_samples(self, episode: int, rows: list[dict]) -> None:
         """Sampled prompt/response rows of ``episode``: to ``samples.jsonl``, TensorBoard (a markdown
         table, text tab) and W&B (a table), with the same failure handling as :meth:`write`."""
         self.samples.write(episode, rows)
+        self._to_sinks("write_samples", episode, rows)
+
+    def _to_sinks(self, method: str, *args) -> None:
+        """``sink.<method>(*args)`` on every sink; one that fails is reported once and switched off."""
         for sink in list(self._sinks):
             try:
-                sink.write_samples(episode, rows)
+                getattr(sink, method)(*args)
             except Exception as err:  # noqa: BLE001 (a monitoring failure must not end training)
                 self._sinks.remove(sink)
                 print(f"[chatlearn] {sink.name} logging stopped after an error: {err}", file=self._out or sys.stdout,
