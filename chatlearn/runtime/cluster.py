@@ -145,7 +145,8 @@ class Cluster:
         self.started_ray = False
         self.pg = None
         self.groups: dict[str, WorkerGroup] = {}
-        self._started: dict[str, list] = {}  # actors started ahead of their model's creation (prestart)
+        # prestart: (group arguments, actors) of models whose processes run ahead of their creation
+        self._started: dict[str, tuple] = {}
 
     def __enter__(self) -> "Cluster":
         plan, m = self.plan, self.cfg.models
@@ -194,7 +195,7 @@ class Cluster:
             except Exception:  # noqa: BLE001 - cleanup only; a later start removes what is left
                 pass
         for actor in [a for g in self.groups.values() for a in g.actors] + [
-                a for started in self._started.values() for a in started]:
+                a for _, started in self._started.values() for a in started]:
             ray.kill(actor)
         # Removing the placement group is a call to the GCS that blocks until Ray gives up on it
         # (60 s, then the process is killed) when the GCS is gone, as after a SIGTERM to the whole
@@ -239,12 +240,12 @@ class Cluster:
         (on shared devices the order matters: the rollout engine sizes its cache from what is left)."""
         for name in names:
             if name not in self._started:
-                factory, _, kwargs = self._group_args(name)
-                self._started[name] = start_actors(name, factory, **kwargs)
+                args = self._group_args(name)
+                self._started[name] = (args, start_actors(name, args[0], **args[2]))
 
     def create(self, name: str) -> WorkerGroup:
-        factory, bcfg, kwargs = self._group_args(name)
+        (factory, bcfg, kwargs), actors = self._started.pop(name, None) or (self._group_args(name), None)
         group = create_group(name, factory, bcfg, distributed=name not in ("policy", "reward"),
-                             actors=self._started.pop(name, None), **kwargs)
+                             actors=actors, **kwargs)
         self.groups[name] = group
         return group
