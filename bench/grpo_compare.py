@@ -12,6 +12,25 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def portable_paths(value, roots: dict[str, str]):
+    """``value`` (nested dicts/lists) with every absolute path made machine-independent: relative to
+    the repository when inside it, else ``<name>/rest`` for the first of ``roots`` (name -> folder)
+    that holds it, else ``<abs>/basename``. Result files carry no path of the machine they ran on."""
+    if isinstance(value, dict):
+        return {k: portable_paths(v, roots) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable_paths(v, roots) for v in value]
+    if not isinstance(value, str) or not os.path.isabs(value):
+        return value
+    path = os.path.normpath(value)
+    for name, root in {"": REPO, **roots}.items():
+        root = os.path.normpath(root)
+        if path == root or path.startswith(root + os.sep):
+            rel = os.path.relpath(path, root)
+            return rel if not name else f"<{name}>" + ("" if rel == "." else "/" + rel)
+    return f"<abs>/{os.path.basename(path)}"
 TEMPLATE = os.path.join(REPO, "template", "grpo_fsdp.yaml")
 TINY_MODEL = os.path.join(REPO, "assets", "tiny_qwen2")
 ARITH_TRAIN = os.path.join(REPO, "assets", "arith", "train.jsonl")

@@ -336,9 +336,9 @@ def main() -> None:
             if not args.keep_runs:
                 shutil.rmtree(work, ignore_errors=True)
             entry.update(summarise_workload(runs))
-            write_json(report, json_path)  # after every run: an interrupted benchmark keeps what it measured
+            write_json(report, json_path, args.cache)  # after every run: an interrupted benchmark keeps what it measured
     text = gc.markdown(report)
-    write_json(report, json_path)
+    write_json(report, json_path, args.cache)
     with open(os.path.join(args.results, f"grpo_vs_trl{suffix}.md"), "w") as f:
         f.write(text)
     print(text)
@@ -360,9 +360,9 @@ def summarise_workload(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
-def write_json(report: dict, path: str) -> None:
+def write_json(report: dict, path: str, cache: str) -> None:
     with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1, default=str)
+        json.dump(gc.portable_paths(report, {"cache": cache}), f, indent=1, default=str)
     os.replace(path + ".tmp", path)
 
 if __name__ == "__main__":

@@ -21,12 +21,15 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench"))
+from grpo_compare import portable_paths  # noqa: E402
 
 
 def make_model(path: str) -> str:
@@ -146,7 +149,8 @@ def main() -> None:
     os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)
     out = os.path.join(REPO, "bench", "results", "weight_push.json")
     with open(out, "w", encoding="utf-8") as f:
-        json.dump({"args": vars(args), "cpus": os.cpu_count(), "rows": rows}, f, indent=2)
+        json.dump(portable_paths({"args": vars(args), "cpus": os.cpu_count(), "rows": rows},
+                                 {"tmp": tempfile.gettempdir()}), f, indent=2)
     print(f"\nwritten: {out}")
 
 

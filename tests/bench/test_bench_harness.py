@@ -178,3 +178,27 @@ def test_run_memory_counts_the_whole_tree():
     out = mem.stop()
     assert out["peak_rss_mb"] > 150 + 100  # the child alone holds 150 MB + the interpreter
     assert out["max_processes"] >= 2 and out["cpu_s"] > 0
+
+
+def test_result_files_carry_no_path_of_this_machine(tmp_path):
+    """Paths in bench result files: repo-relative inside the repository, ``<name>/...`` under a named
+    root (the benchmark's cache), else ``<abs>/basename``; the committed results hold none."""
+    import glob
+    import json
+
+    report = {"model": os.path.join(REPO, "assets", "tiny_qwen2"), "n": 3, "ok": "samples/s",
+              "runs": [{"work": str(tmp_path / "cache" / "run_0")}, {"work": "/elsewhere/x"}],
+              "args": [str(tmp_path / "cache"), "relative/path"]}
+    assert gc.portable_paths(report, {"cache": str(tmp_path / "cache")}) == {
+        "model": "assets/tiny_qwen2", "n": 3, "ok": "samples/s",
+        "runs": [{"work": "<cache>/run_0"}, {"work": "<abs>/x"}], "args": ["<cache>", "relative/path"]}
+    for path in glob.glob(os.path.join(REPO, "bench", "results", "*.json")):
+        def strings(v):
+            if isinstance(v, dict):
+                return [s for x in v.values() for s in strings(x)]
+            if isinstance(v, list):
+                return [s for x in v for s in strings(x)]
+            return [v] if isinstance(v, str) else []
+        with open(path, encoding="utf-8") as f:
+            absolute = [s for s in strings(json.load(f)) if os.path.isabs(s)]
+        assert not absolute, (path, absolute[:3])
