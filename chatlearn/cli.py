@@ -126,8 +126,7 @@ def _eval(args) -> int:
 
 
 def _run(args) -> int:
-    from chatlearn.config.load import load_config
-    from chatlearn.config.plan import make_plan
+    from chatlearn.config.load import load_run
     from omegaconf import OmegaConf
 
     from chatlearn.logging.sinks import changed_config, config_yaml
@@ -138,8 +137,7 @@ def _run(args) -> int:
         raise UserError("--all only changes what --dry-run prints: add --dry-run, or leave --all out.")
     fresh = args.no_resume or args.overwrite
     overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if fresh else [])
-    cfg = load_config(args.config, overrides)
-    plan = make_plan(cfg)
+    cfg, plan = load_run(args.config, overrides)  # the plan validation computed
     from chatlearn.config.schema import compat_warning
 
     ignored = compat_warning(cfg)

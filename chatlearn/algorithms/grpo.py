@@ -12,15 +12,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from chatlearn.config import registry
+
 KL_LOG_RATIO_CLAMP = 20.0
 LOW_VAR_KL_CLAMP = 10.0
 GSPO_LOG_RATIO_MAX = 10.0
 WHITEN_EPS = 1e-8
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                  "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+# the names are declared in chatlearn.config.registry (what the config accepts); the functions
+# registered below implement them
+ADVANTAGE_ESTIMATORS = registry.ADVANTAGE_ESTIMATORS.names
+LOSS_AGG_MODES = registry.LOSS_AGG_MODES.names
+KL_ESTIMATORS = registry.KL_ESTIMATORS.names
 
 
 # ---------------------------------------------------------------------------- advantages
@@ -78,24 +81,38 @@ def compute_advantages(rewards: np.ndarray, group_size: int, estimator: str,
     keep = np.asarray(sample_weights, dtype=np.float64) > 0
     r = g.reshape(-1)
     mean = np.repeat(g.mean(axis=1), group_size)
-    if estimator == "grpo":
-        adv = group_advantages(r, group_size).astype(np.float64)
-    elif estimator == "dr_grpo":
-        adv = r - mean
-    elif estimator == "rloo":
-        adv = (r - mean) * (group_size / (group_size - 1)) if group_size > 1 else 0.0 * r
-    elif estimator == "reinforce_plus_plus":
-        x = r - mean if group_size > 1 else r.copy()
-        n = np.asarray(response_lens, dtype=np.float64) * keep
-        total = n.sum()
-        adv = np.zeros_like(x)
-        if total > 1:
-            mu = (n * x).sum() / total
-            var = (n * (x - mu) ** 2).sum() / total * total / (total - 1)
-            adv = (x - mu) / np.sqrt(var + WHITEN_EPS)
-    else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; one of {ADVANTAGE_ESTIMATORS}")
+    adv = registry.ADVANTAGE_ESTIMATORS.get(estimator)(r, mean, group_size, response_lens, keep)
     return np.where(keep, adv, 0.0).astype(np.float32)
+
+
+# Each estimator: (rewards float64 [N], group means repeated [N], group_size, response_lens,
+# keep bool [N]) -> float64 [N] (before the filtered samples are zeroed).
+@registry.ADVANTAGE_ESTIMATORS.register("grpo")
+def _grpo(r, mean, group_size, response_lens, keep):
+    return group_advantages(r, group_size).astype(np.float64)
+
+
+@registry.ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def _dr_grpo(r, mean, group_size, response_lens, keep):
+    return r - mean
+
+
+@registry.ADVANTAGE_ESTIMATORS.register("rloo")
+def _rloo(r, mean, group_size, response_lens, keep):
+    return (r - mean) * (group_size / (group_size - 1)) if group_size > 1 else 0.0 * r
+
+
+@registry.ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+def _reinforce_plus_plus(r, mean, group_size, response_lens, keep):
+    x = r - mean if group_size > 1 else r.copy()
+    n = np.asarray(response_lens, dtype=np.float64) * keep
+    total = n.sum()
+    adv = np.zeros_like(x)
+    if total > 1:
+        mu = (n * x).sum() / total
+        var = (n * (x - mu) ** 2).sum() / total * total / (total - 1)
+        adv = (x - mu) / np.sqrt(var + WHITEN_EPS)
+    return adv
 
 
 # ---------------------------------------------------------------------------- policy losses
@@ -162,17 +179,25 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
         k3 = exp(-d) + d - 1          (d clamped to [-20, 20]; always >= 0)
         low_var_kl = clamp(k3, -10, 10)
     """
-    if estimator == "k1":
-        return logp - ref_logp
-    if estimator == "k2":
-        return 0.5 * (logp - ref_logp) ** 2
-    if estimator == "k3":
-        return kl_k3(logp, ref_logp)
-    if estimator == "low_var_kl":
-        return torch.clamp(kl_k3(logp, ref_logp), -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
-    raise ValueError(f"unknown KL estimator {estimator!r}; one of {KL_ESTIMATORS}")
+    return registry.KL_ESTIMATORS.get(estimator)(logp, ref_logp)
 
 
+@registry.KL_ESTIMATORS.register("k1")
+def _kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return logp - ref_logp
+
+
+@registry.KL_ESTIMATORS.register("k2")
+def _kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+@registry.KL_ESTIMATORS.register("low_var_kl")
+def _kl_low_var(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(kl_k3(logp, ref_logp), -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
+
+
+@registry.KL_ESTIMATORS.register("k3")
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi || pi_ref) per token (Schulman), always >= 0.
 
@@ -215,15 +240,28 @@ def sample_loss_coefficients(mode: str, response_lens: np.ndarray, sample_weight
     tokens, seqs = float((w * n).sum()), float(w.sum())
     if tokens == 0 or seqs == 0:
         return np.zeros_like(w)
-    if mode == "token-mean":
-        return w / tokens
-    if mode == "seq-mean-token-mean":
-        return w / (np.maximum(n, 1.0) * seqs)
-    if mode == "seq-mean-token-sum":
-        return w / seqs
-    if mode == "seq-mean-token-sum-norm":
-        return w / (float(max_response_len) * seqs)
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; one of {LOSS_AGG_MODES}")
+    return registry.LOSS_AGG_MODES.get(mode)(w, n, tokens, seqs, max_response_len)
+
+
+# Each mode: (w, n, T, S, L) as in sample_loss_coefficients -> c float64 [N].
+@registry.LOSS_AGG_MODES.register("token-mean")
+def _token_mean(w, n, tokens, seqs, max_response_len):
+    return w / tokens
+
+
+@registry.LOSS_AGG_MODES.register("seq-mean-token-mean")
+def _seq_mean_token_mean(w, n, tokens, seqs, max_response_len):
+    return w / (np.maximum(n, 1.0) * seqs)
+
+
+@registry.LOSS_AGG_MODES.register("seq-mean-token-sum")
+def _seq_mean_token_sum(w, n, tokens, seqs, max_response_len):
+    return w / seqs
+
+
+@registry.LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(w, n, tokens, seqs, max_response_len):
+    return w / (float(max_response_len) * seqs)
 
 
 def grpo_token_losses(cfg: dict, logp: torch.Tensor, old_logp: torch.Tensor,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+from chatlearn.config import registry
+from chatlearn.config.plan import resolve_schedule  # noqa: F401 (its home was here)
+
+LR_DECAY_STYLES = registry.LR_DECAY_STYLES.names  # declared in chatlearn.config.registry
 
 
 def learning_rate(step: int, *, lr: float, min_lr: float, decay_style: str, warmup_iters: int,
@@ -21,27 +24,32 @@ def learning_rate(step: int, *, lr: float, min_lr: float, decay_style: str, warm
     """
     if warmup_iters > 0 and step <= warmup_iters:
         return warmup_init + (lr - warmup_init) * step / warmup_iters
-    if decay_style == "constant":
-        return lr
+    return registry.LR_DECAY_STYLES.get(decay_style)(step, lr, min_lr, warmup_iters, decay_iters)
+
+
+# Each style: the learning rate after the warmup, (step, lr, min_lr, W, D) -> float.
+@registry.LR_DECAY_STYLES.register("constant")
+def _constant(step, lr, min_lr, warmup_iters, decay_iters) -> float:
+    return lr
+
+
+def _decayed(coeff, step, lr, min_lr, warmup_iters, decay_iters) -> float:
+    """``min_lr`` past the decay, else ``min_lr + coeff(r) * (lr - min_lr)``."""
     if step > decay_iters:
         return min_lr
     ratio = (step - warmup_iters) / (decay_iters - warmup_iters)
-    if decay_style == "linear":
-        coeff = 1.0 - ratio
-    elif decay_style == "cosine":
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    else:
-        raise ValueError(f"unknown lr_decay_style {decay_style!r}; one of {LR_DECAY_STYLES}")
-    return min_lr + coeff * (lr - min_lr)
+    return min_lr + coeff(ratio) * (lr - min_lr)
 
 
-def resolve_schedule(lr_warmup_iters: int, lr_warmup_fraction: float, lr_decay_iters: int | None,
-                     total_steps: int) -> tuple[int, int]:
-    """``(warmup_iters, decay_iters)`` in optimizer steps: ``lr_warmup_iters`` when > 0, else
-    floor(lr_warmup_fraction * total_steps); ``lr_decay_iters`` or, when null, the run's
-    ``total_steps`` (num_episode x optimizer steps per episode)."""
-    warmup = int(lr_warmup_iters) if lr_warmup_iters > 0 else int(lr_warmup_fraction * total_steps)
-    return warmup, int(lr_decay_iters) if lr_decay_iters is not None else int(total_steps)
+@registry.LR_DECAY_STYLES.register("linear")
+def _linear(step, lr, min_lr, warmup_iters, decay_iters) -> float:
+    return _decayed(lambda ratio: 1.0 - ratio, step, lr, min_lr, warmup_iters, decay_iters)
+
+
+@registry.LR_DECAY_STYLES.register("cosine")
+def _cosine(step, lr, min_lr, warmup_iters, decay_iters) -> float:
+    return _decayed(lambda ratio: 0.5 * (math.cos(math.pi * ratio) + 1.0), step, lr, min_lr, warmup_iters,
+                    decay_iters)
 
 
 def trainer_learning_rate(cfg: dict, step: int) -> float:

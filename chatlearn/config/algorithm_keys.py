@@ -1,30 +1,23 @@
 """Validation of the algorithm keys of ``models.policy_trainer`` (losses, KL, advantages,
-learning-rate schedule); called by ``chatlearn.config.load.validate``."""
+learning-rate schedule); called by ``chatlearn.config.load.validate``. The names come from
+:mod:`chatlearn.config.registry` (chatlearn.algorithms implements them)."""
 from __future__ import annotations
 
-import difflib
-
-from chatlearn.algorithms.grpo import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
-from chatlearn.algorithms.lr_schedule import LR_DECAY_STYLES, resolve_schedule
+from chatlearn.config.checks import choice as _choice
+from chatlearn.config.plan import resolve_schedule
+from chatlearn.config.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LR_DECAY_STYLES
 from chatlearn.errors import ConfigError
 
 PREFIX = "models.policy_trainer"
-
-
-def _choice(value, choices, key: str) -> None:
-    if value not in choices:
-        guess = difflib.get_close_matches(str(value), choices, n=1)
-        hint = f" Did you mean {guess[0]!r}?" if guess else ""
-        raise ConfigError(f"{value!r} is not one of {', '.join(choices)}.{hint}", key=key)
 
 
 def validate_algorithm(cfg, total_steps: int) -> None:
     """ConfigError for an invalid policy-loss, KL, advantage or schedule key;
     ``total_steps``: the run's optimizer steps (num_episode x steps per episode)."""
     t = cfg.models.policy_trainer
-    _choice(t.loss_agg_mode, LOSS_AGG_MODES, f"{PREFIX}.loss_agg_mode")
-    _choice(t.kl_estimator, KL_ESTIMATORS, f"{PREFIX}.kl_estimator")
-    _choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS, f"{PREFIX}.advantage_estimator")
+    _choice(t.loss_agg_mode, LOSS_AGG_MODES.names, f"{PREFIX}.loss_agg_mode")
+    _choice(t.kl_estimator, KL_ESTIMATORS.names, f"{PREFIX}.kl_estimator")
+    _choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS.names, f"{PREFIX}.advantage_estimator")
     if t.clip_ratio_c is not None and not t.clip_ratio_c > 1:
         raise ConfigError(f"must be > 1 (the dual-clip bound -A * clip_ratio_c of negative advantages), "
                           f"got {t.clip_ratio_c}; set null to turn dual clip off, or e.g. 3.0 as verl.",
@@ -38,7 +31,7 @@ def validate_algorithm(cfg, total_steps: int) -> None:
                           "2 responses per prompt.", key=f"{PREFIX}.advantage_estimator"
                           if t.advantage_estimator == "rloo" else f"{PREFIX}.filter_equal_groups")
     opt, key = t.optimizer, f"{PREFIX}.optimizer"
-    _choice(opt.lr_decay_style, LR_DECAY_STYLES, f"{key}.lr_decay_style")
+    _choice(opt.lr_decay_style, LR_DECAY_STYLES.names, f"{key}.lr_decay_style")
     if opt.lr_warmup_iters < 0:
         raise ConfigError(f"must be >= 0, got {opt.lr_warmup_iters}.", key=f"{key}.lr_warmup_iters")
     if not 0 <= opt.lr_warmup_fraction <= 1:

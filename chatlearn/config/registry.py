@@ -1,0 +1,125 @@
+"""The names the config accepts, declared once, at the bottom of the layers.
+
+Validation (``chatlearn.config``) asks these registries which values a key takes; the layers
+above attach the implementations: ``chatlearn.algorithms.grpo`` and ``.lr_schedule`` register
+their functions with :meth:`Registry.register`, and the backends and the built-in reward
+functions are declared here with their ``"module:attribute"`` factory strings (imported only by
+whoever builds them: the runtime, a reward worker). Registering a name that is not declared
+here fails when the registering module is imported, so the config and the code cannot
+disagree on a name.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Iterable, Mapping, TypeVar
+
+T = TypeVar("T")
+
+HERE = "chatlearn/config/registry.py"
+
+
+class Registry:
+    """The declared ``names`` of one ``kind`` of thing (``"advantage estimator"``), each with
+    an optional implementation: given at declaration (``names`` a mapping of name to
+    implementation) or attached later with the :meth:`register` decorator by the module
+    ``implemented_in``."""
+
+    def __init__(self, kind: str, names: Iterable[str] | Mapping[str, object], *, declared_as: str,
+                 implemented_in: str | None = None):
+        self.kind, self.declared_as, self.implemented_in = kind, declared_as, implemented_in
+        self._names = tuple(names)
+        self._impl: dict[str, object] = dict(names) if isinstance(names, Mapping) else {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The declared names, in declaration order (the order error messages list them in)."""
+        return self._names
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {self._names})"
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: ``obj`` implements the declared ``name``."""
+        if name not in self._names:
+            raise ValueError(f"cannot register {self.kind} {name!r}: it is not declared. Add it to "
+                             f"{self.declared_as} in {HERE} (the names the config accepts: "
+                             f"{', '.join(self._names)}), then register its implementation.")
+
+        def attach(obj: T) -> T:
+            if self._impl.get(name, obj) is not obj:
+                raise ValueError(f"{self.kind} {name!r} is registered twice ({self._impl[name]!r} and {obj!r}).")
+            self._impl[name] = obj
+            return obj
+
+        return attach
+
+    def get(self, name: str):
+        """The implementation of ``name``; a ValueError naming the declared names (and the
+        nearest one) for an unknown name, a LookupError for a declared name without one."""
+        if name not in self._names:
+            guess = difflib.get_close_matches(str(name), self._names, n=1)
+            hint = f" Did you mean {guess[0]!r}?" if guess else ""
+            raise ValueError(f"unknown {self.kind} {name!r}; one of {self._names}.{hint}")
+        if name not in self._impl:
+            where = f": import {self.implemented_in}, which registers it" if self.implemented_in else ""
+            raise LookupError(f"{self.kind} {name!r} is declared in {HERE} but has no implementation "
+                              f"registered{where}.")
+        return self._impl[name]
+
+    def implemented(self) -> tuple[str, ...]:
+        """The declared names that have an implementation."""
+        return tuple(n for n in self._names if n in self._impl)
+
+
+# --------------------------------------------------------------------------- algorithms
+# models.policy_trainer.advantage_estimator (chatlearn.algorithms.grpo.compute_advantages)
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus"),
+                                declared_as="ADVANTAGE_ESTIMATORS", implemented_in="chatlearn.algorithms.grpo")
+# models.policy_trainer.kl_estimator (chatlearn.algorithms.grpo.kl_penalty)
+KL_ESTIMATORS = Registry("KL estimator", ("k1", "k2", "k3", "low_var_kl"),
+                         declared_as="KL_ESTIMATORS", implemented_in="chatlearn.algorithms.grpo")
+# models.policy_trainer.loss_agg_mode (chatlearn.algorithms.grpo.sample_loss_coefficients)
+LOSS_AGG_MODES = Registry("loss_agg_mode", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                            "seq-mean-token-sum-norm"),
+                          declared_as="LOSS_AGG_MODES", implemented_in="chatlearn.algorithms.grpo")
+# models.policy_trainer.optimizer.lr_decay_style (chatlearn.algorithms.lr_schedule.learning_rate)
+LR_DECAY_STYLES = Registry("lr_decay_style", ("constant", "linear", "cosine"),
+                           declared_as="LR_DECAY_STYLES", implemented_in="chatlearn.algorithms.lr_schedule")
+
+ALGORITHMS = (ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LR_DECAY_STYLES)
+
+# --------------------------------------------------------------------------- backends
+# runtime_args.train_backend / rollout_backend: the worker class each builds, as "module:Class"
+TRAIN_BACKENDS = Registry("train backend", {
+    "fsdp": "chatlearn.models.trainer.fsdp:FSDPTrainer",
+    "megatron": "chatlearn.models.trainer.megatron:MegatronTrainer",
+}, declared_as="TRAIN_BACKENDS")
+ROLLOUT_BACKENDS = Registry("rollout backend", {
+    "vllm": "chatlearn.models.rollout.vllm:VLLMRollout",
+    "sglang": "chatlearn.models.rollout.sglang:SGLangRollout",
+    "hf": "chatlearn.models.rollout.hf:HFRollout",
+}, declared_as="ROLLOUT_BACKENDS")
+# the reward workers' class (models.reward: no choice of backend)
+REWARD_BACKEND = "chatlearn.models.reward.functions:RewardManager"
+
+
+def backend_factories() -> dict[str, str]:
+    """``{backend name: "module:Class"}`` of every worker backend, ``"reward"`` included."""
+    return {**{n: TRAIN_BACKENDS.get(n) for n in TRAIN_BACKENDS},
+            **{n: ROLLOUT_BACKENDS.get(n) for n in ROLLOUT_BACKENDS}, "reward": REWARD_BACKEND}
+
+
+# --------------------------------------------------------------------------- reward functions
+# models.reward.functions[i].path values that name a built-in function, and the function
+BUILTIN_REWARDS = Registry("built-in reward function", {
+    "builtin:math": "chatlearn.models.reward.math_reward:math_reward",
+}, declared_as="BUILTIN_REWARDS")

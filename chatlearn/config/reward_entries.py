@@ -1,0 +1,136 @@
+"""The entries of ``models.reward.functions`` as validation checks them: parsed into explicit
+entries, each function imported (a ``package.module:function`` path, a ``path/to/file.py:function``
+file, or a built-in of :data:`chatlearn.config.registry.BUILTIN_REWARDS`) and its parameters
+checked against the contract (see :mod:`chatlearn.models.reward.functions`, which runs them).
+
+This imports the user's code, never a chatlearn module above the config layer: a built-in is
+found by its ``"module:function"`` string.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import re
+import sys
+from typing import Callable
+
+from chatlearn.config.registry import BUILTIN_REWARDS
+from chatlearn.errors import ConfigError
+
+CONTRACT = ("prompts", "responses", "ground_truths", "data_sources", "extra")
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+SIGNATURE_HINT = ("define it as def f(prompts, responses, ground_truths, data_sources, extra, **kwargs) "
+                  "(names as given, keyword arguments)")
+
+
+def resolve_entries(reward) -> list[dict]:
+    """The explicit entries of ``models.reward`` (a config section or dict): ``functions`` as plain dicts, or,
+    when it is empty, the built-in math reward alone with weight 1; ``builtin:math`` gets its kwargs
+    from ``correct_score`` and ``incorrect_score``."""
+    entries = [{"name": e["name"], "path": e["path"], "weight": float(e["weight"]), "kwargs": dict(e["kwargs"])}
+               for e in reward["functions"]] or [{"name": "math", "path": "builtin:math", "weight": 1.0, "kwargs": {}}]
+    for e in entries:
+        if e["path"] == "builtin:math":
+            e["kwargs"] = {"correct_score": float(reward["correct_score"]),
+                           "incorrect_score": float(reward["incorrect_score"]), **e["kwargs"]}
+    return entries
+
+
+def _import_file(file: str, path: str, key: str):
+    if not os.path.isfile(file):
+        raise ConfigError(f"reward function {path!r}: the file {file!r} does not exist (cwd: {os.getcwd()}). "
+                          "Fix the path (relative paths are relative to the directory you run chatlearn from).",
+                          key=key)
+    digest = hashlib.sha1(os.path.abspath(file).encode()).hexdigest()[:12]
+    mod_name = f"chatlearn_user_reward_{re.sub(r'[^0-9A-Za-z_]', '_', os.path.basename(file)[:-3])}_{digest}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as err:  # the user's module: any error while it runs is theirs
+        del sys.modules[mod_name]
+        raise ConfigError(f"reward function {path!r}: importing {file!r} failed with {_describe(err)}. Fix the "
+                          "file so that it imports (its code runs in the reward workers).", key=key) from None
+    return module
+
+
+def load_function(path: str, *, key: str = "models.reward.functions", base_dir: str | None = None) -> Callable:
+    """The callable named by ``path`` (see the module docstring); a bad path is a ConfigError naming it."""
+    target = BUILTIN_REWARDS.get(path) if path in BUILTIN_REWARDS else path
+    mod_part, sep, attr = target.rpartition(":")
+    if not sep or not mod_part or not attr.isidentifier():
+        raise ConfigError(f"reward function path {path!r} is not of the form package.module:function, "
+                          "path/to/file.py:function or builtin:math. Fix the path.", key=key)
+    if mod_part.endswith(".py") or "/" in mod_part or os.sep in mod_part:
+        file = mod_part if os.path.isabs(mod_part) or base_dir is None else os.path.join(base_dir, mod_part)
+        module = _import_file(file, path, key)
+    else:
+        if base_dir and base_dir not in sys.path:
+            sys.path.append(base_dir)
+        try:
+            module = importlib.import_module(mod_part)
+        except BaseException as err:  # ImportError, or any error raised by the user's module while it runs
+            raise ConfigError(f"reward function {path!r}: cannot import module {mod_part!r}: {_describe(err)}. "
+                              "Install the package or run chatlearn from the directory that holds it, or give "
+                              "the file instead (path/to/file.py:function).", key=key) from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                         and getattr(v, "__module__", None) == module.__name__)
+        raise ConfigError(f"reward function {path!r}: {mod_part!r} has no function {attr!r} (it defines: "
+                          f"{', '.join(defined) or 'none'}). Fix the name after the colon.", key=key)
+    if not callable(fn):
+        raise ConfigError(f"reward function {path!r}: {attr!r} is a {type(fn).__name__}, not a function. Point "
+                          "the path at a function.", key=key)
+    return fn
+
+
+def check_signature(fn: Callable, path: str, kwargs: dict, key: str) -> None:
+    """The function accepts the contract's keyword arguments plus ``kwargs``."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: checked when called
+        return
+    try:
+        sig.bind(**{k: None for k in CONTRACT}, **kwargs)
+    except TypeError as err:
+        raise ConfigError(f"reward function {path!r} cannot be called with the keyword arguments "
+                          f"{', '.join(CONTRACT + tuple(kwargs))}: {err}. Fix its parameters: {SIGNATURE_HINT}.",
+                          key=key) from None
+
+
+def check_functions(reward, key: str = "models.reward.functions") -> None:
+    """Validate ``models.reward.functions`` (names, weights, paths): each function is imported and its
+    parameters are checked against the contract."""
+    seen = set()
+    for i, e in enumerate(reward["functions"]):
+        k = f"{key}[{i}]"
+        name = e["name"]
+        if not NAME_RE.match(str(name)):
+            raise ConfigError(f"name {name!r} may hold only letters, digits, '_', '.' and '-' (it names the "
+                              "metrics train/reward/<name>/...). Rename it.", key=f"{k}.name")
+        if name in seen:
+            raise ConfigError(f"name {name!r} is used twice. Give each reward function its own name.",
+                              key=f"{k}.name")
+        seen.add(name)
+        if not math.isfinite(e["weight"]):
+            raise ConfigError(f"weight must be a finite number, got {e['weight']!r}.", key=f"{k}.weight")
+        if e["path"] == "builtin:math" and len(e["kwargs"]):
+            raise ConfigError("builtin:math takes no kwargs: its values are models.reward.correct_score and "
+                              "incorrect_score. Remove the kwargs and set those keys.", key=f"{k}.kwargs")
+    for i, e in enumerate(resolve_entries(reward)):
+        fn = load_function(e["path"], key=f"{key}[{i}].path", base_dir=os.getcwd())
+        check_signature(fn, e["path"], e["kwargs"], f"{key}[{i}].path")
+
+
+def _describe(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    text = text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " (...)"
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
