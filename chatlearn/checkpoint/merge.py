@@ -22,7 +22,7 @@ A Megatron trainer checkpoint (``MegatronTrainer.save_checkpoint``: one safetens
 rank) is merged the same way: for each Megatron parameter the tensor-parallel shards are read
 one at a time from the ranks of data-parallel rank 0 (each pipeline stage holds its layers
 under their global names) into the full Megatron layout, which the trainer's own mapping
-(``chatlearn.models.trainer.megatron.model.to_hf``) turns into the Hugging Face tensors: fused
+(``chatlearn.checkpoint.megatron_mapping.to_hf``) turns into the Hugging Face tensors: fused
 QKV split per query group, fused gate/up split, vocabulary padding cut. Peak memory is about
 one full parameter. The shapes are checked up front from the safetensors headers.
 """
@@ -42,8 +42,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from chatlearn.checkpoint import sharded
+from chatlearn.checkpoint import megatron_format, sharded
 from chatlearn.checkpoint.manager import check_against_manifest
+from chatlearn.checkpoint.megatron_mapping import HFArch, mappings, to_hf
 from chatlearn.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -298,9 +299,6 @@ class _MegatronSource:
     def __init__(self, ckpt: str, meta: dict, src: str):
         from safetensors import safe_open
 
-        from chatlearn.models.trainer.megatron import checkpoint as megatron_format
-        from chatlearn.models.trainer.megatron.model import HFArch, mappings
-
         self.ckpt = ckpt
         self.problems: list[str] = []
         self.found: dict = {}
@@ -390,8 +388,6 @@ class _MegatronSource:
         return tuple(full), _FROM_SAFETENSORS[dtypes.pop()]
 
     def _describe(self, m) -> None:
-        from chatlearn.models.trainer.megatron.model import to_hf
-
         got = self._full_shape(m)
         if got is None:
             return
@@ -408,8 +404,6 @@ class _MegatronSource:
 
     def read(self, entry: _Entry) -> torch.Tensor:
         from safetensors import safe_open
-
-        from chatlearn.models.trainer.megatron.model import to_hf
 
         if entry.name in self._cache:
             return self._cache.pop(entry.name)
@@ -517,8 +511,6 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
     if sys.byteorder != "little":
         raise RuntimeError("safetensors files are little-endian; this machine is not")
     max_bytes = parse_size(max_shard_size)
-    from chatlearn.models.trainer.megatron import checkpoint as megatron_format
-
     ckpt = find_checkpoint(ckpt_dir)
     check_against_manifest(ckpt, "checkpoint")
     megatron = _checkpoint_format(ckpt) == megatron_format.FORMAT

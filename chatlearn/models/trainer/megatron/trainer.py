@@ -57,25 +57,27 @@ import torch.distributed as dist
 
 from chatlearn.algorithms.grpo import LOSS_SUMS, GRPOLoss, token_sums
 from chatlearn.algorithms.lr_schedule import trainer_learning_rate
+from chatlearn.checkpoint import megatron_format as ckpt_format
 from chatlearn.checkpoint import sharded
-from chatlearn.errors import UserError
-from chatlearn.models.base import Batch, Trainer, step_is_finite
-from chatlearn.models.trainer.fsdp import init_distributed
-from chatlearn.models.trainer.megatron import checkpoint as ckpt_format
-from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
-from chatlearn.models.trainer.megatron.model import (
+from chatlearn.checkpoint.megatron_mapping import (
     HFArch,
-    HFCheckpoint,
     Mapping,
-    build_gpt_model,
-    canonical_name,
     hf_shapes,
     local_shard,
     mappings,
-    thd_packed_seq_params,
     tied_output_mapping,
     to_hf,
     to_megatron,
+)
+from chatlearn.errors import UserError
+from chatlearn.models.base import Batch, Trainer, step_is_finite
+from chatlearn.models.trainer.fsdp import init_distributed
+from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
+from chatlearn.models.trainer.megatron.model import (
+    HFCheckpoint,
+    build_gpt_model,
+    canonical_name,
+    thd_packed_seq_params,
     transformer_config,
     uses_transformer_engine,
 )
