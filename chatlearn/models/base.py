@@ -208,10 +208,10 @@ class Trainer(Model):
 
     def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
         """All weights as ``[(hf_name, np.ndarray), ...]`` buckets of about ``bucket_mb`` MiB,
-        planned as the weight push plans them (``chatlearn.runtime.weight_sync.plan_buckets``).
+        planned as the weight push plans them (``chatlearn.models.weight_buckets.plan_buckets``).
         A collective: every rank iterates to the end; rank 0's buckets hold the arrays, the
         other ranks' are empty lists. For tests and tools; runs push with ``WeightSync``."""
-        from chatlearn.runtime.weight_sync import plan_buckets
+        from chatlearn.models.weight_buckets import plan_buckets
 
         for index in plan_buckets(self.weight_specs(), bucket_mb * 2 ** 20):
             yield [(name, t.detach().to("cpu").numpy()) for name, t in self.export_tensors(index.names)

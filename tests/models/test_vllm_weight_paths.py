@@ -149,8 +149,8 @@ def test_cuda_ipc_slots_load_inside_the_worker(tiny_model_dir, restore_threads, 
     import gc
     import weakref
 
+    from chatlearn.models import weight_buckets as ws
     from chatlearn.models.rollout.vllm import VLLMRollout
-    from chatlearn.runtime import weight_sync as ws
 
     hf = {k: v for k, v in _hf_weights(tiny_model_dir).items() if k != "lm_head.weight"}
     specs = [(n, "float32", tuple(t.shape), i) for i, (n, t) in enumerate(hf.items())]

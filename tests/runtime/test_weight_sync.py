@@ -17,6 +17,7 @@ import pytest
 import torch
 from tiny_model import make_tiny_model  # tests/ is on sys.path (tests/conftest.py)
 
+from chatlearn.models import weight_buckets as wb
 from chatlearn.runtime import weight_sync as ws
 
 TOL = 1e-4
@@ -156,7 +157,7 @@ def test_slot_table_one_rank_per_gpu(monkeypatch):
     assert table == {"GPU-a": ["a0", "a1"], "GPU-b": ["b0", "b1"]}
     with pytest.raises(RuntimeError, match="shares GPU"):
         ws.slot_table([{"uuid": "GPU-a", "handles": []}, {"uuid": "GPU-a", "handles": []}])
-    monkeypatch.setattr(ws, "device_uuid", lambda device: {0: "GPU-b", 1: "GPU-c"}[device])
+    monkeypatch.setattr(wb, "device_uuid", lambda device: {0: "GPU-b", 1: "GPU-c"}[device])
     assert ws.slots_for_device(table, 0) == ["b0", "b1"]  # a receiver reads its own GPU's slots
     with pytest.raises(RuntimeError, match="no trainer rank on GPU GPU-c"):
         ws.slots_for_device(table, 1)
@@ -221,6 +222,7 @@ class IpcTwin:
                 buf.copy_(self.wire)
 
         monkeypatch.setattr(ws, "device_uuid", lambda device: self.gpu)
+        monkeypatch.setattr(wb, "device_uuid", lambda device: self.gpu)  # what slots_for_device asks
         monkeypatch.setattr(ws, "ipc_share", share)
         monkeypatch.setattr(ws, "ipc_rebuild", rebuild)
         monkeypatch.setattr(ws, "device_stream", lambda device: Stream(self.gpu))

@@ -340,7 +340,7 @@ class WorkerExtension:
         the handle's types). Each worker picks its own device's slots, so every rank of a
         tensor-parallel engine reads from its own GPU.
         """
-        from chatlearn.runtime.weight_sync import ipc_rebuild, slots_for_device
+        from chatlearn.models.weight_buckets import ipc_rebuild, slots_for_device
 
         mine = slots_for_device(pickle.loads(blob), self.device)
         self._chatlearn_ipc_slots = [ipc_rebuild(h, self.device) for h in mine]
@@ -349,7 +349,7 @@ class WorkerExtension:
         """Load the bucket in slot ``slot`` (``entries``: ``[name, dtype, shape, offset,
         nbytes]`` rows), then wait for the loads' kernels: the sender refills the slot once
         this returns."""
-        from chatlearn.runtime.weight_sync import device_stream, entry_views
+        from chatlearn.models.weight_buckets import device_stream, entry_views
 
         self.chatlearn_load_bucket(entry_views(entries, self._chatlearn_ipc_slots[slot]))
         device_stream(self.device).synchronize()

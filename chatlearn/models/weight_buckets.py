@@ -1,0 +1,150 @@
+"""The weight buckets of the streamed weight push: their plan, their layout in a byte buffer, and
+the CUDA IPC handles of the slot buffers that hold them.
+
+A bucket is one contiguous byte buffer plus a small index of ``(name, dtype, shape, offset)``
+entries (:class:`BucketIndex`, offsets aligned to ``ALIGN`` bytes), planned once from a trainer's
+``weight_specs()`` (:func:`plan_buckets`). The sender (``chatlearn.runtime.weight_sync``) fills
+buckets; a rollout engine reads them as ``(name, tensor)`` views (:func:`bucket_views`,
+:func:`entry_views`), in the rollout actor or inside an engine's own worker processes, which map
+the slots of their own GPU (:func:`slots_for_device`, :func:`ipc_rebuild`). Pure helpers on
+torch, shared by the models (trainers' ``export_weights``, rollout engines) and the runtime.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ALIGN = 64  # byte alignment of every tensor in a bucket (any dtype's element size divides it)
+
+
+# ------------------------------------------------------------------ bucket plan
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple
+    offset: int  # byte offset in the bucket buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketIndex:
+    entries: tuple
+    nbytes: int  # bytes used in the buffer (the end of the last entry)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_buckets(specs: list, bucket_bytes: int) -> list[BucketIndex]:
+    """Buckets from ``specs``: ``(name, dtype, shape, group)`` in export order.
+
+    Consecutive specs with the same ``group`` are never split; a bucket is closed before the group
+    that would take it past ``bucket_bytes`` (a group larger than that is a bucket of its own).
+    """
+    groups: list[list] = []
+    for spec in specs:
+        if groups and groups[-1][0][3] == spec[3]:
+            groups[-1].append(spec)
+        else:
+            groups.append([spec])
+    buckets, cur, size = [], [], 0
+    for group in groups:
+        need = sum(_align(int(np.prod(s[2], dtype=np.int64)) * getattr(torch, s[1]).itemsize)
+                   for s in group)
+        if cur and size + need > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur += group
+        size += need
+    if cur:
+        buckets.append(cur)
+    out = []
+    for specs_k in buckets:
+        entries, offset = [], 0
+        for name, dtype, shape, _ in specs_k:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * getattr(torch, dtype).itemsize
+            entries.append(Entry(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
+            offset = _align(offset + nbytes)
+        out.append(BucketIndex(tuple(entries), entries[-1].offset + entries[-1].nbytes))
+    return out
+
+
+def bucket_views(index: BucketIndex, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of the uint8 buffer ``buf`` (same memory, no copy)."""
+    return [(e.name, buf[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
+            for e in index.entries]
+
+
+def index_rows(index: BucketIndex) -> list[list]:
+    """The index as plain ``[name, dtype, shape, offset, nbytes]`` rows (msgpack-friendly)."""
+    return [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in index.entries]
+
+
+def entry_views(rows: list, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``bucket_views`` for :func:`index_rows` rows."""
+    return bucket_views(BucketIndex(tuple(Entry(n, d, tuple(sh), o, nb) for n, d, sh, o, nb in rows),
+                                    0), buf)
+
+
+# ------------------------------------------------------------------ CUDA IPC slots
+
+def device_uuid(device) -> str:
+    """The GPU's UUID: the same in every process, whichever index ``CUDA_VISIBLE_DEVICES`` gives it."""
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+
+
+def ipc_share(tensor: torch.Tensor):
+    """A picklable CUDA IPC handle of ``tensor`` (``reduce_tensor``: ``(rebuild_cuda_tensor, args)``)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(tensor)
+
+
+def ipc_rebuild(handle, device) -> torch.Tensor:
+    """The tensor of ``handle`` (:func:`ipc_share`) mapped into this process on ``device``.
+
+    The handle names the device by the sender's index; this process may number the same GPU
+    differently (another ``CUDA_VISIBLE_DEVICES``), so the index is replaced by ``device``'s,
+    as verl and OpenRLHF do. The argument is found by its name in ``rebuild_cuda_tensor``
+    (``storage_device``, torch 2.x ``torch/multiprocessing/reductions.py``).
+    """
+    fn, args = handle
+    args = list(args)
+    args[list(inspect.signature(fn).parameters).index("storage_device")] = torch.device(device).index
+    return fn(*args)
+
+
+def slot_table(opened: list[dict]) -> dict[str, list]:
+    """``{GPU uuid: [handle per slot]}`` from the trainer ranks' ``open_sender`` answers."""
+    table: dict[str, list] = {}
+    for rank, o in enumerate(opened):
+        if o["uuid"] in table:
+            raise RuntimeError(f"weight sync (cuda_ipc): trainer rank {rank} shares GPU {o['uuid']} "
+                               "with another rank; use the broadcast transport")
+        table[o["uuid"]] = o["handles"]
+    return table
+
+
+def slots_for_device(table: dict[str, list], device) -> list:
+    """The slot handles that live on ``device`` (a receiver reads only from its own GPU)."""
+    uuid = device_uuid(device)
+    if uuid not in table:
+        raise RuntimeError(f"weight sync (cuda_ipc): no trainer rank on GPU {uuid} (trainer GPUs: "
+                           f"{sorted(table)}); the rollout must share the trainer's GPUs, else use "
+                           "the broadcast transport")
+    return table[uuid]
+
+
+def device_stream(device: torch.device):
+    """The current CUDA stream of ``device`` (its ``synchronize`` waits for queued copies)."""
+    return torch.cuda.current_stream(device)
