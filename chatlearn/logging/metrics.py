@@ -13,6 +13,7 @@ import math
 import os
 import time
 
+from chatlearn.config.names import Stage
 from chatlearn.logging import jsonl
 
 
@@ -85,16 +86,14 @@ def summary_line(episode: int, total: int, m: dict) -> str:
         if key in m:
             parts.append(f"{label} {m[key]:{fmt}}")
     if "time/episode" in m:
-        detail = " ".join(f"{k} {m['time/' + k]:.1f}" for k in ("generate", "train", "weight_push")
+        detail = " ".join(f"{k} {m['time/' + k]:.1f}" for k in (Stage.GENERATE, Stage.TRAIN, Stage.WEIGHT_PUSH)
                           if "time/" + k in m)
         parts.append(f"{m['time/episode']:.1f}s ({detail})")
     return " | ".join(parts)
 
 
 # the stages of an episode, in the order they run (time/<stage> keys), and their names on the console
-SUMMARY_STAGES = (("generate", "generate"), ("reward", "reward"), ("ref_logprobs", "ref log-probs"),
-                  ("old_logprobs", "old log-probs"), ("train", "train"), ("weight_push", "weight push"),
-                  ("checkpoint", "checkpoint"), ("eval", "eval"))
+SUMMARY_STAGES = tuple((s.value, s.label) for s in Stage)
 
 
 def run_summary(rows: list[dict], wall_seconds: float, since: float, outputs: dict[str, str]) -> list[str]:

@@ -15,10 +15,11 @@ import os
 import re
 from dataclasses import dataclass
 
+from chatlearn.config.names import Stage
 from chatlearn.errors import UserError
 
 # stage times of an episode, stacked bottom to top in the order the episode runs them
-STAGES = ("generate", "reward", "ref_logprobs", "old_logprobs", "train", "checkpoint", "weight_push", "eval")
+STAGES = tuple(s.value for s in Stage)
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,7 @@ def _stage_times(runs: list[Run], axes, save, colours) -> None:
     """Seconds per episode by stage. One run: the stages stacked per episode; evaluation, which
     runs only some episodes and can dwarf the rest, on its own right-hand scale as markers. Several
     runs: each run's episode time (the stages summed, evaluation left out) as a line."""
-    stages = [s for s in STAGES if s != "eval" and any(_series(r.rows, f"time/{s}")[0] for r in runs)]
+    stages = [s for s in STAGES if s != Stage.EVAL and any(_series(r.rows, f"time/{s}")[0] for r in runs)]
     evals = [r for r in runs if _series(r.rows, "time/eval")[0]]
     if not stages and (len(runs) > 1 or not evals):
         return

@@ -24,16 +24,10 @@ from rich.progress import (BarColumn, Progress, ProgressColumn, SpinnerColumn, T
                            TimeRemainingColumn)
 from rich.text import Text
 
-STAGE_LABELS = {
-    "generate": "generate",
-    "reward": "reward",
-    "ref_logprobs": "ref log-probs",
-    "old_logprobs": "old log-probs",
-    "train": "train",
-    "checkpoint": "checkpoint",
-    "weight_push": "weight push",
-    "eval": "eval",
-}
+from chatlearn.config.names import Stage
+
+STAGE_VALUES = {s.value for s in Stage}
+
 
 
 def live_wanted(stream) -> bool:
@@ -67,7 +61,7 @@ class RunProgress:
 
     def stage(self, stage: str, detail: str = "") -> None:
         """A stage of the current episode starts; ``detail`` such as ``step 1/4``."""
-        label = STAGE_LABELS.get(stage, stage.replace("_", " "))
+        label = Stage(stage).label if stage in STAGE_VALUES else str(stage).replace("_", " ")
         self._update(stage=f"{label} {detail}".strip(), since=time.monotonic())
 
     def finish(self, episode: int, line: str) -> None:

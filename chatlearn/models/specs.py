@@ -1,8 +1,8 @@
 """What each backend receives: one typed, frozen spec, built once from the validated config.
 
-The schema (``chatlearn/config/schema.py``) is the only place a default lives. The runtime builds a
-:class:`TrainerSpec` / :class:`RolloutSpec` from the validated config (``chatlearn.runtime.cluster``)
-with every field set; the spec has no defaults of its own, so a missing setting fails where the spec
+The schema (``chatlearn/config/schema.py``) is the only place a default lives. Each spec is built by
+its ``from_config`` from the validated config, once per model (``chatlearn.runtime.cluster``), with
+every field set; the spec has no defaults of its own, so a missing setting fails where the spec
 is built, not in the middle of a run. Settings that depend on the device the backend lands on
 (``device``, ``dtype: auto``, ``bf16: null``, ``deterministic_inference: null``) are resolved by
 :func:`resolve_for_device` inside the worker process, where the device is known.
@@ -18,6 +18,11 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Optional
+
+from omegaconf import OmegaConf
+
+from chatlearn.config.plan import resolve_schedule
+from chatlearn.config.reward_entries import resolve_entries
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,6 +93,34 @@ class TrainerSpec(_Readable):
     use_distributed_optimizer: bool
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
+    @classmethod
+    def from_config(cls, cfg, name: str, plan) -> "TrainerSpec":
+        """The spec of ``policy_trainer`` or ``ref_policy`` from the validated config: the model's own
+        keys, the policy trainer's optimizer and loss options (the reference model shares the
+        backend), and the learning-rate schedule's iters resolved against the run's optimizer steps
+        (``plan``: the run's :class:`~chatlearn.config.plan.Plan`, from ``load_run``)."""
+        t, rt, pt = cfg.models[name], cfg.runtime_args, cfg.models.policy_trainer
+        opt = pt.optimizer
+        warmup, decay = resolve_schedule(opt.lr_warmup_iters, opt.lr_warmup_fraction, opt.lr_decay_iters,
+                                         plan.total_steps)
+        return cls(
+            load=t.load, trust_remote_code=t.trust_remote_code, seed=t.seed, trainable=t.trainable,
+            lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, adam_beta1=opt.adam_beta1,
+            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, min_lr=opt.min_lr,
+            lr_decay_style=opt.lr_decay_style, lr_warmup_iters=warmup, lr_decay_iters=decay,
+            lr_warmup_init=opt.lr_warmup_init, train_micro_batch_size=t.train_micro_batch_size,
+            logprob_micro_batch_size=t.generation_batch_size, train_global_batch_size=rt.train_global_batch_size,
+            packing=t.packing, max_token_in_packing=t.max_token_in_packing, seq_length=t.seq_length,
+            logprob_chunk_tokens=t.logprob_chunk_tokens, pos_clip_ratio=t.pos_clip_ratio,
+            neg_clip_ratio=t.neg_clip_ratio, clip_ratio_c=pt.clip_ratio_c,
+            use_group_sequence_policy=pt.use_group_sequence_policy, loss_agg_mode=pt.loss_agg_mode,
+            max_response_tokens_length=cfg.models.policy.max_response_tokens_length, kl_coef=t.kl_coef,
+            kl_estimator=pt.kl_estimator, kl_in_reward=pt.kl_in_reward, entropy_coef=t.entropy_coef,
+            gradient_checkpointing=t.gradient_checkpointing, bf16=t.bf16, meta_init=t.meta_init,
+            tensor_model_parallel_size=t.tensor_model_parallel_size,
+            pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
+            use_distributed_optimizer=t.use_distributed_optimizer)
+
 
 @dataclass(frozen=True)
 class RolloutSpec(_Readable):
@@ -108,6 +141,37 @@ class RolloutSpec(_Readable):
     deterministic_inference: Optional[bool]  # None until resolved: on for CPU, off on CUDA
     cpu_threads: Optional[int]  # torch threads of a CPU engine (None: leave as is)
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
+
+    @classmethod
+    def from_config(cls, cfg) -> "RolloutSpec":
+        """The spec of ``policy`` (the rollout engine) from the validated config; ``dtype: auto`` and
+        ``deterministic_inference: null`` are resolved in the worker, where the device is known."""
+        p = cfg.models.policy
+        return cls(
+            load=p.load, trust_remote_code=p.trust_remote_code, seed=p.seed,
+            generation_batch_size=p.generation_batch_size, max_prompt_tokens_length=p.max_prompt_tokens_length,
+            max_response_tokens_length=p.max_response_tokens_length, seq_length=p.seq_length,
+            max_num_batched_tokens=p.max_num_batched_tokens,
+            dtype=p.dtype, gpu_memory_utilization=p.gpu_memory_utilization, enforce_eager=p.enforce_eager,
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            deterministic_inference=p.deterministic_inference, cpu_threads=None)
+
+
+@dataclass(frozen=True)
+class RewardSpec(_Readable):
+    """``reward``: the reward functions as explicit entries (name, path, weight, kwargs; the built-in
+    math reward alone when ``models.reward.functions`` is empty), the directory relative paths start
+    from, and the time limit of one function call."""
+
+    functions: tuple  # of dicts: name, path, weight, kwargs
+    base_dir: str
+    timeout_s: float  # 0: no limit
+
+    @classmethod
+    def from_config(cls, cfg) -> "RewardSpec":
+        """Relative paths start from the driver's working directory."""
+        entries = resolve_entries(OmegaConf.to_container(cfg.models.reward, resolve=True))
+        return cls(functions=tuple(entries), base_dir=os.getcwd(), timeout_s=float(cfg.models.reward.timeout_s))
 
 
 def checkpoint_dtype(model_dir: str) -> str:

@@ -11,75 +11,20 @@ import socket
 import urllib.parse
 
 import ray
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from chatlearn.algorithms.lr_schedule import resolve_schedule
-from chatlearn.config.plan import Plan, make_plan
+from chatlearn.config import registry
+from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import ray_init_options
 from chatlearn.runtime.leftovers import clean_leftovers, mark_driver
 from chatlearn.runtime.signals import Terminated, stop_on_sigterm
-from chatlearn.models.specs import RolloutSpec, TrainerSpec
+from chatlearn.models.specs import RewardSpec, RolloutSpec, TrainerSpec
 from chatlearn.runtime.env import worker_env
 from chatlearn.runtime.group import WorkerGroup, create_group, start_actors
 
-BACKENDS = {
-    "fsdp": "chatlearn.models.trainer.fsdp:FSDPTrainer",
-    "megatron": "chatlearn.models.trainer.megatron:MegatronTrainer",
-    "vllm": "chatlearn.models.rollout.vllm:VLLMRollout",
-    "hf": "chatlearn.models.rollout.hf:HFRollout",
-    "sglang": "chatlearn.models.rollout.sglang:SGLangRollout",
-    "reward": "chatlearn.models.reward.functions:RewardManager",
-}
-
-
-def trainer_spec(cfg: DictConfig, name: str) -> TrainerSpec:
-    """The spec of ``policy_trainer`` or ``ref_policy``: the model's own keys, the policy trainer's
-    optimizer and loss options (the reference model shares the backend), and the learning-rate
-    schedule's iters resolved against the run's optimizer steps."""
-    t, rt, pt = cfg.models[name], cfg.runtime_args, cfg.models.policy_trainer
-    opt = pt.optimizer
-    warmup, decay = resolve_schedule(opt.lr_warmup_iters, opt.lr_warmup_fraction, opt.lr_decay_iters,
-                                     make_plan(cfg).total_steps)
-    return TrainerSpec(
-        load=t.load, trust_remote_code=t.trust_remote_code, seed=t.seed, trainable=t.trainable,
-        lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, adam_beta1=opt.adam_beta1,
-        adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, min_lr=opt.min_lr, lr_decay_style=opt.lr_decay_style,
-        lr_warmup_iters=warmup, lr_decay_iters=decay, lr_warmup_init=opt.lr_warmup_init,
-        train_micro_batch_size=t.train_micro_batch_size, logprob_micro_batch_size=t.generation_batch_size,
-        train_global_batch_size=rt.train_global_batch_size, packing=t.packing,
-        max_token_in_packing=t.max_token_in_packing, seq_length=t.seq_length, logprob_chunk_tokens=t.logprob_chunk_tokens,
-        pos_clip_ratio=t.pos_clip_ratio, neg_clip_ratio=t.neg_clip_ratio, clip_ratio_c=pt.clip_ratio_c,
-        use_group_sequence_policy=pt.use_group_sequence_policy, loss_agg_mode=pt.loss_agg_mode,
-        max_response_tokens_length=cfg.models.policy.max_response_tokens_length, kl_coef=t.kl_coef,
-        kl_estimator=pt.kl_estimator, kl_in_reward=pt.kl_in_reward, entropy_coef=t.entropy_coef,
-        gradient_checkpointing=t.gradient_checkpointing, bf16=t.bf16, meta_init=t.meta_init,
-        tensor_model_parallel_size=t.tensor_model_parallel_size,
-        pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
-        use_distributed_optimizer=t.use_distributed_optimizer)
-
-
-def rollout_spec(cfg: DictConfig) -> RolloutSpec:
-    """The spec of ``policy`` (the rollout engine); ``dtype: auto`` and ``deterministic_inference:
-    null`` are resolved in the worker, where the device is known."""
-    p = cfg.models.policy
-    return RolloutSpec(
-        load=p.load, trust_remote_code=p.trust_remote_code, seed=p.seed,
-        generation_batch_size=p.generation_batch_size, max_prompt_tokens_length=p.max_prompt_tokens_length,
-        max_response_tokens_length=p.max_response_tokens_length, seq_length=p.seq_length,
-        max_num_batched_tokens=p.max_num_batched_tokens,
-        dtype=p.dtype, gpu_memory_utilization=p.gpu_memory_utilization, enforce_eager=p.enforce_eager,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        deterministic_inference=p.deterministic_inference, cpu_threads=None)
-
-
-def reward_cfg(cfg: DictConfig) -> dict:
-    """The reward functions as explicit entries; relative paths start from the driver's directory."""
-    from chatlearn.models.reward.functions import resolve_entries
-
-    return {"functions": resolve_entries(OmegaConf.to_container(cfg.models.reward, resolve=True)),
-            "base_dir": os.getcwd()}
+BACKENDS = registry.backend_factories()  # backend name -> "module:Class" (declared in chatlearn.config.registry)
 
 
 def use_auth_token_if_present() -> None:
@@ -145,6 +90,7 @@ class Cluster:
         self.started_ray = False
         self.pg = None
         self.groups: dict[str, WorkerGroup] = {}
+        self.specs: dict[str, object] = {}  # the spec each created model was built from
         # prestart: (group arguments, actors) of models whose processes run ahead of their creation
         self._started: dict[str, tuple] = {}
 
@@ -216,7 +162,7 @@ class Cluster:
         threads = max(1, (os.cpu_count() or 1) // max(1, plan.total_devices))
         if name == "reward":
             per = cfg.models.reward.cpu_per_process or 1
-            return BACKENDS["reward"], reward_cfg(cfg), dict(
+            return BACKENDS["reward"], RewardSpec.from_config(cfg), dict(
                 num_actors=pl.num_actors, pg=None, bundles=[], gpu_fraction=0, cpus=per, threads=per,
                 env=worker_env("reward", "reward", per))
         sharing = len([x for x in plan.device_groups[pl.device_group] if x in plan.placements
@@ -225,10 +171,10 @@ class Cluster:
         bundles = [self.device_offset(pl.device_group) + d for d in pl.devices]
         if name == "policy":
             backend = cfg.runtime_args.rollout_backend
-            bcfg, env = rollout_spec(cfg), worker_env("rollout", backend, threads)
+            bcfg, env = RolloutSpec.from_config(cfg), worker_env("rollout", backend, threads)
         else:
             backend = cfg.runtime_args.train_backend
-            bcfg = trainer_spec(cfg, name)
+            bcfg = TrainerSpec.from_config(cfg, name, plan)
             env = worker_env("trainer", backend, threads, cfg.models[name].use_expandable_segments)
         return BACKENDS[backend], bcfg, dict(num_actors=pl.num_actors, pg=self.pg, bundles=bundles,
                                             gpu_fraction=frac, cpus=0, threads=threads, env=env,
@@ -247,5 +193,5 @@ class Cluster:
         (factory, bcfg, kwargs), actors = self._started.pop(name, None) or (self._group_args(name), None)
         group = create_group(name, factory, bcfg, distributed=name not in ("policy", "reward"),
                              actors=actors, **kwargs)
-        self.groups[name] = group
+        self.groups[name], self.specs[name] = group, bcfg
         return group

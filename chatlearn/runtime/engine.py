@@ -23,9 +23,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -33,26 +33,38 @@ from omegaconf import DictConfig
 
 from chatlearn.algorithms.grpo import episode_advantages
 from chatlearn.checkpoint.manager import CheckpointManager
+from chatlearn.config.names import MODEL_PARTS, Part, Stage
 from chatlearn.config.plan import Plan
 from chatlearn.data.dataset import PromptSampler, PromptSet, load_prompts, load_tokenizer
 from chatlearn.errors import UserError
 from chatlearn.logging.console import attach_logs
 from chatlearn.logging.metrics import summary_line
 from chatlearn.logging.metrics import run_summary
-from chatlearn.logging.perf import peak_memory, throughput
+from chatlearn.logging.perf import peak_memory
 from chatlearn.logging.plots import plot_after_run
 from chatlearn.logging.progress import RunProgress
 from chatlearn.logging.sinks import MetricSinks, write_config_yaml
 from chatlearn.models.base import response_mask, select_samples
 from chatlearn.runtime.cluster import Cluster
-from chatlearn.runtime.group import Activity
+from chatlearn.runtime.instrument import EpisodeRun, Instrument
 from chatlearn.runtime.output_dir import check_start, move_aside, previous_run, reconcile_logs
 from chatlearn.runtime.output_dir import refusal as output_refusal
 from chatlearn.runtime.replay import ReplayBuffer
 from chatlearn.runtime.rollouts import Rollouts
 from chatlearn.runtime.run_lock import RunLock
-from chatlearn.runtime.scheduler import MODEL_PARTS, Scheduler, Timeline, movable_parts
+from chatlearn.runtime.scheduler import Scheduler, Timeline, movable_parts
 from chatlearn.runtime.weight_sync import WeightSync
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """An episode's prompts, one entry per sample (each prompt repeated for its group): token ids,
+    ground truths, data sources and the rows' other columns."""
+
+    ids: list
+    truths: list
+    sources: list
+    extra: list
 
 
 class GRPO(Rollouts):
@@ -65,37 +77,23 @@ class GRPO(Rollouts):
         rt, m = cfg.runtime_args, cfg.models
         self.out = rt.output_dir
         self.timeline = Timeline(os.path.join(self.out, "timeline.jsonl"))
-        self.sched = Scheduler(plan, {}, {}, self.timeline)
-        # Build each model, then let it leave the devices it shares, so the next one has room.
+        self.sched = Scheduler(plan, self.timeline)
+        # Each model is built once the models before it have left the devices they share with it.
         # The rollout engine comes last: it sizes its KV cache from the memory left free.
         order = [n for n in ("policy_trainer", "ref_policy", "reward", "policy") if n in plan.placements]
         cluster.prestart(order)  # every process starts now; the models are built in turn below
         for name in order:  # (ref_policy is not placed without a KL term)
-            group = cluster.create(name)
-            self.sched.groups[name] = group
-            if name == "policy_trainer":  # on GPUs, every turn records the devices' memory
-                self.sched.track_gpu_memory = bool(ray.get(group.actors[0].device_memory.remote()))
-            if name == "reward":
-                continue
-            self.sched.movable[name] = movable_parts(name, m[name].free_gpu_memory)
-            self.sched.resident[name] = set(MODEL_PARTS[name])
-            pinned = [p for p in MODEL_PARTS[name] if p not in self.sched.movable[name]]
-            if plan.colocated_with(name) and pinned:
-                print(f"[chatlearn] warning: models.{name}.free_gpu_memory keeps its {', '.join(pinned)} on "
-                      f"the devices it shares with {', '.join(plan.colocated_with(name))}: they stay resident "
-                      "during the other models' turns (set the flags to true to free that memory)", flush=True)
-            if plan.colocated_with(name) and name != "policy":
-                self.sched.offload(name, self.sched.movable[name])
-        self.activity = Activity()
-        for group in self.sched.groups.values():
-            group.activity = self.activity
+            movable = movable_parts(name, m[name].free_gpu_memory) if name in MODEL_PARTS else ()
+            self.sched.add(name, lambda name=name: cluster.create(name), movable)
         self.policy, self.trainer = self.sched.groups["policy"], self.sched.groups["policy_trainer"]
         self.ref, self.reward = self.sched.groups.get("ref_policy"), self.sched.groups["reward"]
+        self.reward_spec = cluster.specs["reward"]
+        self.progress = RunProgress(rt.num_episode)
+        self.instrument = Instrument(self.sched, self.progress, rt.num_training_epoch)
         self.sampler = PromptSampler(len(train_set), shuffle=rt.data_shuffle, seed=rt.seed)
         self.replay = ReplayBuffer(rt.max_replay_episode)  # earlier episodes' samples to train on again
         self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
         self.metrics = MetricSinks(cfg)
-        self.progress = RunProgress(rt.num_episode)
         self.nonfinite_in_a_row = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
 
     # ------------------------------------------------------------------ the loop
@@ -108,9 +106,6 @@ class GRPO(Rollouts):
             last = self.evaluate()
             self.log(0, last)
         for episode in range(start, rt.num_episode + 1):
-            self.timeline.begin(episode)
-            self.activity.clear()
-            self.progress.begin(episode)
             metrics = self.episode(episode)
             final = episode == rt.num_episode
             if self.eval_set is not None and rt.eval_episode_interval > 0 and (
@@ -121,75 +116,82 @@ class GRPO(Rollouts):
         return last
 
     def episode(self, episode: int) -> dict:
-        cfg, plan, n = self.cfg, self.plan, self.plan.group_size
-        p, t = cfg.models.policy, cfg.models.policy_trainer
-        timer = StageTimer(self.sched, self.progress)
-        start = time.perf_counter()
+        """One GRPO episode, stage by stage in the order it runs (see the module docstring); ``run``
+        measures the stages, ``self.sched`` makes each model resident before it runs."""
+        run = self.instrument.begin(episode)
+        prompts = self.next_prompts()
+        with run.stage(Stage.GENERATE, "policy"):
+            self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+            batch = self.generate(prompts.ids, self.sampling(eval_mode=False,
+                                                             seed=self.cfg.models.policy.seed + episode))
 
-        # 1. rollout: sample n responses for each prompt
-        idx = self.sampler.next(plan.prompts_per_episode)
-        prompts = [self.train_set.prompt_ids[i] for i in idx for _ in range(n)]
-        truths = [self.train_set.ground_truths[i] for i in idx for _ in range(n)]
-        sources = [self.train_set.data_sources[i] for i in idx for _ in range(n)]
-        extra = [self.train_set.extras[i] for i in idx for _ in range(n)]
-        with timer("policy", "generate"):
-            self.sched.ensure("policy", ["weights", "kv_cache"])
-            batch = self.generate(prompts, self.sampling(eval_mode=False, seed=p.seed + episode))
-
-        # 2-4. reward, reference and old log-probs. Models on disjoint devices run at the same
-        # time: the reward workers (CPU) score while the log-prob passes run, and the reference
-        # runs next to the trainer when they do not share devices. When they do, the reference
-        # goes first, so that the trainer, once resident for its old log-probs, stays to train.
-        temperature = self.train_temperature
+        # The reward workers (CPU) score while the log-prob passes run. The reference runs beside the
+        # trainer when they do not share devices; when they do it goes first, so that the trainer,
+        # once resident for its old log-probs, stays to train.
         with _closing(ThreadPoolExecutor(max_workers=2)) as pool:
-            self.progress.stage("reward")  # the label moves on to the log-prob passes it overlaps
-            scoring = pool.submit(timer.timed, "reward", "reward", self.score, batch, truths, sources, extra,
-                                  None, f"the rollouts of episode {episode}")
-            ref_task, ref_logprobs = None, None
-            if not plan.uses_ref:
-                pass
-            elif "policy_trainer" in plan.colocated_with("ref_policy"):
-                with timer("ref_policy", "ref_logprobs"):
-                    ref_logprobs = self.ref_logprobs(batch, temperature)
-            else:
-                ref_task = pool.submit(timer.timed, "ref_policy", "ref_logprobs", self.ref_logprobs,
-                                       batch, temperature)
-            with timer("policy_trainer", "old_logprobs"):
-                self.sched.ensure("policy_trainer", ["weights"])
-                old_logprobs = self.logprobs(self.trainer, batch, temperature)
-            if ref_task is not None:
-                ref_logprobs = ref_task.result()
+            scoring = run.background(pool, Stage.REWARD, "reward", self.score, batch, prompts.truths,
+                                     prompts.sources, prompts.extra, None, f"the rollouts of episode {episode}")
+            reference = self.start_ref_logprobs(batch, run, pool)
+            with run.stage(Stage.OLD_LOGPROBS, "policy_trainer"):
+                self.sched.ensure("policy_trainer", [Part.WEIGHTS])
+                batch["old_logprobs"] = self.logprobs(self.trainer, batch)
+            if reference is not None:
+                batch["ref_logprobs"] = reference.result()
             rewards, reward_parts = scoring.result()
-        batch["old_logprobs"] = old_logprobs
-        if ref_logprobs is not None:
-            batch["ref_logprobs"] = ref_logprobs
 
-        # 4. advantages, optimizer steps
-        adv_metrics = self.advantages(batch, rewards)
-        # sampled rows (samples.jsonl, TensorBoard, W&B): written before the checkpoint below, so a
-        # resume from this episode's checkpoint finds them; decoding only, no random number drawn
-        la = cfg.runtime_args.log_args_dict
-        if la.log_samples_interval > 0 and episode % la.log_samples_interval == 0:
-            self.metrics.write_samples(episode, self.sample_rows(batch, rewards, truths, sources,
-                                                                 la.log_samples_num))
-        with timer("policy_trainer", "train"):
-            self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
-            step_metrics = self.optimize(self.replay.training_batch(batch), episode)
+        metrics = self.advantages(batch, rewards)
+        self.log_samples(episode, batch, rewards, prompts)  # before the checkpoint, which keeps them
+        with run.stage(Stage.TRAIN, "policy_trainer"):
+            self.sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
+            metrics.update(self.optimize(self.replay.training_batch(batch), episode))
         self.replay.add(batch)  # before the checkpoint, which keeps it for the episodes that follow
         if self.should_save(episode):  # the trainer is still resident with its optimizer state
-            with timer("policy_trainer", "checkpoint"):
+            with run.stage(Stage.CHECKPOINT, "policy_trainer"):
                 self.save_checkpoint(episode)
 
-        # 5. new weights into the rollout engine: its weights first, the push, then its KV cache
-        with timer("policy", "weight_push"):
-            self.sched.ensure("policy", ["weights"], keep={"policy_trainer": ["weights"]})
-            push_metrics = self.push_weights()
-        self.sched.ensure("policy", ["kv_cache"])
+        # new weights into the rollout engine: its weights first, the push, then its KV cache
+        with run.stage(Stage.WEIGHT_PUSH, "policy"):
+            metrics.update(self.push_weights())
+        self.sched.ensure("policy", [Part.KV_CACHE])
+        metrics.update(self.episode_metrics(episode, batch, rewards, reward_parts))
+        return run.finish(metrics, batch)
 
-        metrics = {f"train/{k}": v for k, v in step_metrics.items()}
-        metrics.update(adv_metrics)
-        metrics.update(push_metrics)
-        metrics.update({f"perf/logprob_{k}": v for k, v in self.trainer.call("logprob_stats")[0][0].items()})
+    def next_prompts(self) -> "Prompts":
+        """The episode's prompts from the sampler, each repeated for its group of responses."""
+        n = self.plan.group_size
+        idx = self.sampler.next(self.plan.prompts_per_episode)
+        ts = self.train_set
+        return Prompts(ids=[ts.prompt_ids[i] for i in idx for _ in range(n)],
+                       truths=[ts.ground_truths[i] for i in idx for _ in range(n)],
+                       sources=[ts.data_sources[i] for i in idx for _ in range(n)],
+                       extra=[ts.extras[i] for i in idx for _ in range(n)])
+
+    def start_ref_logprobs(self, batch: dict, run: EpisodeRun, pool: ThreadPoolExecutor):
+        """The reference log-probs (None without a KL term): computed now when the reference shares
+        the trainer's devices, else started on ``pool`` to run beside the trainer's pass. Returns
+        something whose ``result()`` gives them."""
+        if not self.plan.uses_ref:
+            return None
+        if "policy_trainer" in self.plan.colocated_with("ref_policy"):
+            with run.stage(Stage.REF_LOGPROBS, "ref_policy"):
+                done: Future = Future()
+                done.set_result(self.ref_logprobs(batch))
+                return done
+        return pool.submit(run.timed, "ref_policy", Stage.REF_LOGPROBS, self.ref_logprobs, batch)
+
+    def log_samples(self, episode: int, batch: dict, rewards: np.ndarray, prompts: "Prompts") -> None:
+        """Every ``log_samples_interval`` episodes, ``log_samples_num`` decoded rows to the sinks
+        (samples.jsonl, TensorBoard, W&B); decoding only, no random number drawn."""
+        la = self.cfg.runtime_args.log_args_dict
+        if la.log_samples_interval > 0 and episode % la.log_samples_interval == 0:
+            self.metrics.write_samples(episode, self.sample_rows(batch, rewards, prompts.truths, prompts.sources,
+                                                                 la.log_samples_num))
+
+    def episode_metrics(self, episode: int, batch: dict, rewards: np.ndarray, reward_parts: dict) -> dict:
+        """The rollouts' and rewards' ``train/`` metrics, the trainer's log-prob pass statistics, and
+        how far the rollout engine's log-probs are from the trainer's (warned past
+        ``models.policy.logprob_mismatch_warn``)."""
+        metrics = {f"perf/logprob_{k}": v for k, v in self.trainer.call("logprob_stats")[0][0].items()}
         metrics.update(self.rollout_metrics(batch, rewards, prefix="train"))
         metrics.update(self.reward_metrics(reward_parts, prefix="train"))
         mask = response_mask(batch)
@@ -197,18 +199,13 @@ class GRPO(Rollouts):
         metrics["train/logprob_diff_rollout_vs_trainer_mean"] = float(diff.mean()) if diff.size else 0.0
         metrics["train/logprob_diff_rollout_vs_trainer_max"] = float(diff.max()) if diff.size else 0.0
         metrics["train/mismatch_kl"] = mismatch_kl(batch["old_logprobs"][mask], batch["rollout_logprobs"][mask])
-        warn_at = p.logprob_mismatch_warn
+        warn_at = self.cfg.models.policy.logprob_mismatch_warn
         if warn_at > 0 and metrics["train/logprob_diff_rollout_vs_trainer_mean"] > warn_at:
             print(f"[chatlearn] warning: episode {episode}: rollout and trainer log-probs differ by "
                   f"{metrics['train/logprob_diff_rollout_vs_trainer_mean']:.4f} nats per token on average "
                   f"(models.policy.logprob_mismatch_warn: {warn_at:g}; mismatch KL "
                   f"{metrics['train/mismatch_kl']:.2e}): the rollout engine samples from a different "
                   "distribution than the trainer (dtype, kernels, or a failed weight push)", flush=True)
-        metrics.update(timer.totals())
-        metrics.update(throughput(batch, metrics, cfg.runtime_args.num_training_epoch))
-        end = time.perf_counter()
-        metrics["time/episode"] = end - start
-        metrics.update(overhead(self.activity.busy(COMPUTE_METHODS, start, end), end - start))
         return metrics
 
     def sample_rows(self, batch: dict, rewards: np.ndarray, truths: list, sources: list[str], k: int) -> list[dict]:
@@ -235,13 +232,14 @@ class GRPO(Rollouts):
         t = self.cfg.models.policy.temperature
         return t if t > 0 else 1.0
 
-    def ref_logprobs(self, batch: dict, temperature: float) -> np.ndarray:
-        self.sched.ensure("ref_policy", ["weights"])
-        return self.logprobs(self.ref, batch, temperature)
+    def ref_logprobs(self, batch: dict) -> np.ndarray:
+        self.sched.ensure("ref_policy", [Part.WEIGHTS])
+        return self.logprobs(self.ref, batch)
 
-    def logprobs(self, group, batch: dict, temperature: float) -> np.ndarray:
+    def logprobs(self, group, batch: dict) -> np.ndarray:
+        """Log-probs of the batch's tokens under ``group``'s model, at the sampling temperature."""
         ref = ray.put({k: batch[k] for k in ("tokens", "offsets", "prompt_lens")})
-        outs, _ = group.call("compute_logprobs", ref, temperature)
+        outs, _ = group.call("compute_logprobs", ref, self.train_temperature)
         return outs[0]
 
     def advantages(self, batch: dict, rewards: np.ndarray) -> dict:
@@ -258,7 +256,7 @@ class GRPO(Rollouts):
     def optimize(self, batch: dict, episode: int = 0) -> dict:
         """``sample_per_episode / train_global_batch_size`` optimizer steps (times num_training_epoch).
 
-        Returns the means over the steps taken, and ``skipped_steps``: the steps the trainer skipped
+        Returns the means over the steps taken as ``train/<metric>``, and ``train/skipped_steps``: the steps the trainer skipped
         because their loss or gradient norm was not finite (their metrics are left out of the means).
         ``optimizer.max_nonfinite_steps`` skipped steps in a row (across episodes) stop the run with a
         UserError, before the episode's checkpoint."""
@@ -273,7 +271,7 @@ class GRPO(Rollouts):
         for _ in range(epochs):
             for s in range(0, samples, plan.samples_per_step):
                 sub = select_samples({k: batch[k] for k in keys if k in batch}, range(s, s + plan.samples_per_step))
-                self.progress.stage("train", f"step {steps + 1}/{total}")
+                self.progress.stage(Stage.TRAIN, f"step {steps + 1}/{total}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
                 steps += 1
                 if self.nonfinite_step(outs[0], episode, steps):
@@ -282,7 +280,8 @@ class GRPO(Rollouts):
                 for k, v in outs[0].items():
                     sums[k] += float(v)
         kept = steps - skipped
-        return {**{k: v / kept for k, v in sums.items()}, "skipped_steps": float(skipped)}
+        return {f"train/{k}": v for k, v in {**{k: v / kept for k, v in sums.items()},
+                                             "skipped_steps": float(skipped)}.items()}
 
     def nonfinite_step(self, step: dict, episode: int, index: int) -> bool:
         """Whether the trainer skipped this step (``skipped_steps``: its loss or gradient norm was not
@@ -310,8 +309,10 @@ class GRPO(Rollouts):
         return True
 
     def push_weights(self) -> dict:
-        """Stream the trainer's weights into every rollout replica (``WeightSync``: buckets,
-        transport chosen by placement, set up on the first push); returns ``sync/*`` metrics."""
+        """Wake the rollout engine's weights (the trainer's stay beside them) and stream the trainer's
+        weights into every rollout replica (``WeightSync``: buckets, transport chosen by placement,
+        set up on the first push); returns ``sync/*`` metrics. The KV cache is woken after it."""
+        self.sched.ensure("policy", [Part.WEIGHTS], keep={"policy_trainer": [Part.WEIGHTS]})
         if getattr(self, "weight_sync", None) is None:
             self.weight_sync = WeightSync(self.trainer, self.policy, self.plan, self.cfg)
         return self.weight_sync.push()
@@ -340,7 +341,7 @@ class GRPO(Rollouts):
         state = self.ckpt.read_state(path)
         self.ckpt.adopt(state)  # keep-last-N goes on counting this run's checkpoints
         print(f"[chatlearn] resuming from {path} (episode {episode})", flush=True)
-        self.sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
+        self.sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
         try:
             self.trainer.call("load_checkpoint", os.path.abspath(os.path.join(path, "trainer")))
         except UserError as err:  # from the trainer ranks, wrapped by Ray
@@ -352,9 +353,8 @@ class GRPO(Rollouts):
         self.sampler.load_state_dict(state["sampler"])
         self.replay.load(path)
         # the rollout engine still holds the initial weights: give it the checkpoint's
-        self.sched.ensure("policy", ["weights"], keep={"policy_trainer": ["weights"]})
         self.push_weights()
-        self.sched.ensure("policy", ["kv_cache"])
+        self.sched.ensure("policy", [Part.KV_CACHE])
         # rows a crashed run wrote past the checkpoint (also dropped before the run started, see
         # reconcile_logs; atomic, and a torn last row goes with them)
         self.metrics.truncate_after(episode)
@@ -369,8 +369,8 @@ class GRPO(Rollouts):
         sources = [s for s in es.data_sources for _ in range(k)]
         extra = [x for x in es.extras for _ in range(k)]
         start = time.perf_counter()
-        self.progress.stage("eval")
-        self.sched.ensure("policy", ["weights", "kv_cache"])
+        self.progress.stage(Stage.EVAL)
+        self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
         batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
         rewards, reward_parts = self.score(batch, truths, sources, extra, what="the evaluation set")
         metrics = self.rollout_metrics(batch, rewards, prefix="eval")
@@ -379,7 +379,7 @@ class GRPO(Rollouts):
             sel = np.array([s == src for s in sources])
             metrics[f"eval/{src}/reward_mean"] = float(rewards[sel].mean())
         metrics["time/eval"] = time.perf_counter() - start
-        self.sched.stage("policy", "eval", metrics["time/eval"])
+        self.instrument.stage(Stage.EVAL, "policy", metrics["time/eval"])
         return metrics
 
     @staticmethod
@@ -413,64 +413,6 @@ def mismatch_kl(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray) -> float
     with ``d = old_logp - rollout_logp``, ``mean(exp(d) - d - 1)`` (0 when there are none)."""
     d = old_logprobs.astype(np.float64) - rollout_logprobs.astype(np.float64)
     return float(np.mean(np.expm1(d) - d)) if d.size else 0.0
-
-
-# The calls that are model compute; everything else in an episode (turns, weight push, Ray
-# dispatch and transfers, the driver's own work) is overhead.
-COMPUTE_METHODS = {"generate", "score", "score_one", "compute_logprobs", "train"}
-
-
-def overhead(busy: float, episode: float) -> dict:
-    """``time/model_compute``: seconds of the episode during which at least one model computed
-    (overlapping calls counted once); ``perf/overhead_share``: the rest over the episode time."""
-    return {"time/model_compute": busy,
-            "perf/overhead_share": max(0.0, episode - busy) / episode if episode > 0 else 0.0}
-
-
-class StageTimer:
-    """Times stages (``time/<stage>``) and the turns inside them (``time/transitions``)."""
-
-    def __init__(self, sched: Scheduler, progress: RunProgress | None = None):
-        self.sched, self.progress = sched, progress
-        self._totals: dict[str, float] = collections.defaultdict(float)
-        self._lock = threading.Lock()
-        self._mark = len(sched.timeline.events)
-
-    def __call__(self, model: str, stage: str):
-        timer = self
-
-        class _Ctx:
-            def __enter__(self):
-                if timer.progress is not None:
-                    timer.progress.stage(stage)
-                self.start = time.perf_counter()
-
-            def __exit__(self, *exc):
-                seconds = time.perf_counter() - self.start
-                with timer._lock:
-                    timer._totals[f"time/{stage}"] += seconds
-                timer.sched.stage(model, stage, seconds)
-
-        return _Ctx()
-
-    def timed(self, model: str, stage: str, fn, *args):
-        """``fn(*args)`` timed as a stage, for stages run on a worker thread (no progress label)."""
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            seconds = time.perf_counter() - start
-            with self._lock:
-                self._totals[f"time/{stage}"] += seconds
-            self.sched.stage(model, stage, seconds)
-
-    def totals(self) -> dict:
-        events = [e for e in self.sched.timeline.events[self._mark:] if e["kind"] == "transition"]
-        out = dict(self._totals)
-        out["time/transitions"] = sum(e["seconds"] for e in events)
-        out["sched/transitions"] = len(events)
-        out["sched/bytes_moved"] = sum(e["bytes"] for e in events)
-        return out
 
 
 def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = False) -> dict:

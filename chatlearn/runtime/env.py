@@ -42,7 +42,7 @@ def worker_env(role: str, backend: str, threads: int, expandable_segments: bool 
     """Environment variables of one model's workers.
 
     ``role``: "trainer", "rollout" or "reward"; ``backend``: the backend's name in
-    ``chatlearn.runtime.cluster.BACKENDS`` ("fsdp", "megatron", "vllm", "sglang", "hf", "reward").
+    ``chatlearn.config.registry.backend_factories()`` ("fsdp", "megatron", "vllm", "sglang", "hf", "reward").
     """
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
            "VLLM_LOGGING_LEVEL": _user_or("VLLM_LOGGING_LEVEL", "WARNING")}

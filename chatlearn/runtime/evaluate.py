@@ -86,6 +86,7 @@ class Evaluator(Rollouts):
         cluster.prestart(["policy", "reward"])
         self.policy = cluster.create("policy")
         self.reward = cluster.create("reward")
+        self.reward_spec = cluster.specs["reward"]
 
     def correct(self, rewards: np.ndarray, parts: dict[str, np.ndarray]) -> np.ndarray:
         """Which samples count as solved for pass@k: the math reward's score equals

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 import ray
-from omegaconf import OmegaConf
 
 from chatlearn.errors import UserError
 from chatlearn.models.base import concat_batches, select_samples
@@ -11,7 +10,8 @@ from chatlearn.runtime.group import CallTimeout
 
 
 class Rollouts:
-    """Needs ``cfg``, ``tokenizer``, ``policy`` (rollout group) and ``reward`` (reward group)."""
+    """Needs ``cfg``, ``tokenizer``, ``policy`` (rollout group), ``reward`` (reward group) and
+    ``reward_spec`` (the :class:`~chatlearn.models.specs.RewardSpec` the reward workers were built from)."""
 
     def sampling(self, eval_mode: bool, seed: int) -> dict:
         p = self.cfg.models.policy
@@ -60,21 +60,19 @@ class Rollouts:
         ``RewardManager.score`` sums them), each within ``models.reward.timeout_s``: a worker that
         overruns is killed and the run stops with a UserError naming the function and the samples
         (``what``: the batch, e.g. "the rollouts of episode 3")."""
-        from chatlearn.models.reward.functions import resolve_entries
-
         texts = self.responses_text(batch) if texts is None else texts
         prompts = self.prompts_text(batch)
         shares = [s for s in np.array_split(np.arange(len(texts)), len(self.reward)) if len(s)]
         batches = [ray.put({"prompts": [prompts[i] for i in s], "responses": [texts[i] for i in s],
                             "ground_truths": [truths[i] for i in s], "data_sources": [sources[i] for i in s],
                             "extra": [extra[i] for i in s]}) for s in shares]
-        entries = resolve_entries(OmegaConf.to_container(self.cfg.models.reward, resolve=True))
+        entries = self.reward_spec.functions
         totals = [np.zeros(len(s), dtype=np.float64) for s in shares]
         outs = [{"metrics": {}} for _ in shares]
         for f, entry in enumerate(entries):
             try:
                 parts, _ = self.reward.call_each("score_one", [(f, b) for b in batches],
-                                                 timeout=self.cfg.models.reward.timeout_s or None)
+                                                 timeout=self.reward_spec.timeout_s or None)
             except CallTimeout as late:
                 raise self.reward_timeout(late, f, entry, shares, len(texts), what) from None
             for total, out, part in zip(totals, outs, parts):

@@ -16,30 +16,25 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
+from chatlearn.config.names import MODEL_PARTS, Part
 from chatlearn.config.plan import Plan
 from chatlearn.runtime.group import WorkerGroup
 
-MODEL_PARTS = {
-    "policy": ("weights", "kv_cache"),
-    "policy_trainer": ("weights", "optimizer", "grads"),
-    "ref_policy": ("weights",),
-}
 
-
-def movable_parts(name: str, free_gpu_memory) -> set[str]:
+def movable_parts(name: str, free_gpu_memory) -> set[Part]:
     """Parts the config allows to leave the device (the KV cache can always be dropped)."""
-    flags = {"weights": free_gpu_memory.offload_weights,
-             "optimizer": free_gpu_memory.offload_optimizer_states,
-             "grads": free_gpu_memory.free_grad_buffers,
-             "kv_cache": True}
+    flags = {Part.WEIGHTS: free_gpu_memory.offload_weights,
+             Part.OPTIMIZER: free_gpu_memory.offload_optimizer_states,
+             Part.GRADS: free_gpu_memory.free_grad_buffers,
+             Part.KV_CACHE: True}
     return {p for p in MODEL_PARTS[name] if flags[p]}
 
 
 # Parts of two models may be resident together on one device group only during a weight
 # push: the trainer's weights next to the rollout engine's (never optimizer state or KV cache).
-PUSH_PAIR = {"policy_trainer": {"weights"}, "policy": {"weights"}}
+PUSH_PAIR = {"policy_trainer": {Part.WEIGHTS}, "policy": {Part.WEIGHTS}}
 
 
 def residency_violations(device_groups: list[list[str]], resident: dict,
@@ -86,18 +81,58 @@ class Timeline:
 
 
 class Scheduler:
-    def __init__(self, plan: Plan, groups: dict[str, WorkerGroup], movable: dict[str, set[str]],
-                 timeline: Timeline):
-        self.plan, self.groups, self.movable, self.timeline = plan, groups, movable, timeline
+    """Owns the models' residency: which of their parts are on the devices, and every move.
+
+    Models are registered with :meth:`add` (which makes room on their devices first, builds them and
+    records them as resident); from then on residency changes only through :meth:`ensure`. The
+    engine never touches ``resident`` or calls a model's ``offload``/``onload`` itself.
+    """
+
+    def __init__(self, plan: Plan, timeline: Timeline):
+        self.plan, self.timeline = plan, timeline
+        self.groups: dict[str, WorkerGroup] = {}  # read-only for others: registered through add()
+        self.movable: dict[str, set[Part]] = {}
+        self.resident: dict[str, set[Part]] = {}
         # models on disjoint devices may be driven from two threads at once (see the engine)
         self._lock = threading.RLock()
-        # after setup every model holds all its parts
-        self.resident: dict[str, set[str]] = {n: set(MODEL_PARTS[n]) for n in groups if n in MODEL_PARTS}
         # On GPUs (``track_gpu_memory``), every transition and stage also records the GPU memory of
         # the models on that device group (chatlearn.logging.gpu_memory), and the episode keeps
         # each model's largest numbers (``gpu_peaks``).
         self.track_gpu_memory = False
         self.gpu_peaks: dict[str, dict] = {}
+
+    def add(self, name: str, build: Callable[[], WorkerGroup], movable: Iterable[str] = ()) -> WorkerGroup:
+        """Register model ``name``: the models already on its devices leave them (their movable
+        parts), ``build()`` creates its worker group, and all its parts are then resident.
+        ``movable``: the parts its ``free_gpu_memory`` flags let leave the device (a model that
+        holds no device part, such as the reward workers, has none). Returns the group."""
+        with self._lock:
+            self._vacate(name)
+            group = build()
+            self.groups[name] = group
+            if name not in MODEL_PARTS:
+                return group
+            self.movable[name] = {Part(p) for p in movable}
+            self.resident[name] = set(MODEL_PARTS[name])
+            if not self.track_gpu_memory:  # on GPUs, every turn records the devices' memory
+                import ray
+
+                self.track_gpu_memory = bool(ray.get(group.actors[0].device_memory.remote()))
+            pinned = [p for p in MODEL_PARTS[name] if p not in self.movable[name]]
+            if self.plan.colocated_with(name) and pinned:
+                print(f"[chatlearn] warning: models.{name}.free_gpu_memory keeps its "
+                      f"{', '.join(map(str, pinned))} on the devices it shares with "
+                      f"{', '.join(self.plan.colocated_with(name))}: they stay resident during the other "
+                      "models' turns (set the flags to true to free that memory)", flush=True)
+            return group
+
+    def _vacate(self, name: str) -> None:
+        """Offload the movable parts of the registered models that share ``name``'s devices."""
+        if name not in self.plan.placements:
+            return
+        for other in self.plan.colocated_with(name):
+            if other in self.resident:
+                self._offload(other, self.resident[other] & self.movable[other])
 
     def ensure(self, name: str, parts: Iterable[str], keep: dict[str, Iterable[str]] | None = None) -> None:
         """Make ``parts`` of ``name`` resident, first offloading what conflicts on its devices.
@@ -114,13 +149,13 @@ class Scheduler:
             if other not in self.resident:
                 continue
             out = (self.resident[other] & self.movable[other]) - (keep[other] if other in keep else set())
-            self.offload(other, out)
-        self.onload(name, set(parts) - self.resident[name])
+            self._offload(other, out)
+        self._onload(name, set(parts) - self.resident[name])
 
-    def offload(self, name: str, parts: Iterable[str]) -> None:
+    def _offload(self, name: str, parts: Iterable[str]) -> None:
         self._move(name, "offload", [p for p in MODEL_PARTS[name] if p in set(parts) & self.resident[name]])
 
-    def onload(self, name: str, parts: Iterable[str]) -> None:
+    def _onload(self, name: str, parts: Iterable[str]) -> None:
         self._move(name, "onload", [p for p in MODEL_PARTS[name] if p in set(parts) - self.resident[name]])
 
     def _move(self, name: str, action: str, parts: list[str]) -> None:

@@ -415,7 +415,8 @@ def test_warmup_must_end_before_the_decay_and_the_trainer_gets_resolved_steps(pa
             "models.policy_trainer.optimizer.lr_decay_style=linear",
             "models.policy_trainer.optimizer.lr_warmup_iters=500"])
     assert err.value.key == "models.policy_trainer.optimizer.lr_warmup_iters"
-    from chatlearn.runtime.cluster import trainer_spec
+    from chatlearn.config.plan import make_plan
+    from chatlearn.models.specs import TrainerSpec
 
     cfg = config_load.load_config(TEMPLATE, paths_overrides + [
         "models.policy_trainer.optimizer.lr_decay_style=cosine",
@@ -423,7 +424,7 @@ def test_warmup_must_end_before_the_decay_and_the_trainer_gets_resolved_steps(pa
         "models.policy_trainer.loss_agg_mode=seq-mean-token-sum-norm"])
     total = cfg.runtime_args.num_episode * (cfg.runtime_args.sample_per_episode
                                             // cfg.runtime_args.train_global_batch_size)
-    tcfg = trainer_spec(cfg, "policy_trainer")
+    tcfg = TrainerSpec.from_config(cfg, "policy_trainer", make_plan(cfg))
     assert tcfg.lr_decay_iters == total and tcfg.lr_warmup_iters == int(0.1 * total)
     assert tcfg.loss_agg_mode == "seq-mean-token-sum-norm"
     assert tcfg.max_response_tokens_length == cfg.models.policy.max_response_tokens_length

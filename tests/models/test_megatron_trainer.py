@@ -349,19 +349,19 @@ def test_config_without_megatron_core_names_the_key_and_the_install_command(
 
 @needs_megatron
 def test_template_loads_and_passes_the_parallel_sizes(paths_overrides):
+    from chatlearn.config.plan import make_plan
+    from chatlearn.models.specs import TrainerSpec
     from chatlearn.runtime.cluster import BACKENDS
-    from chatlearn.runtime.cluster import trainer_spec as cluster_trainer_cfg
+    cluster_trainer_cfg = TrainerSpec.from_config
 
     over = ["models.policy_trainer.num_gpu=4", "models.policy_trainer.tensor_model_parallel_size=2",
             "models.policy_trainer.sequence_parallel=True"]
     cfg = config_load.load_config(TEMPLATE, paths_overrides + over)
     assert cfg.runtime_args.train_backend == "megatron"
     assert BACKENDS["megatron"] == "chatlearn.models.trainer.megatron:MegatronTrainer"
-    from chatlearn.config.plan import make_plan
-
     assert make_plan(cfg).trainer_dp == 2
     for name in ("policy_trainer", "ref_policy"):  # the reference follows the trainer
-        tcfg = cluster_trainer_cfg(cfg, name)
+        tcfg = cluster_trainer_cfg(cfg, name, make_plan(cfg))
         assert (tcfg["tensor_model_parallel_size"], tcfg["pipeline_model_parallel_size"]) == (2, 1)
         assert tcfg["sequence_parallel"] is True and tcfg["use_distributed_optimizer"] is False
 

@@ -236,7 +236,9 @@ def test_packing_with_the_megatron_backend_reaches_both_trainers(paths_overrides
     """The Megatron trainer packs too (tests/models/test_megatron_trainer.py); a
     non-positive max_token_in_packing is still a config error naming the key."""
     from chatlearn.config import load as config_load
-    from chatlearn.runtime.cluster import trainer_spec as cluster_trainer_cfg
+    from chatlearn.config.plan import make_plan
+    from chatlearn.models.specs import TrainerSpec
+    cluster_trainer_cfg = TrainerSpec.from_config
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(config_load, "_importable", lambda module: True)
@@ -245,7 +247,7 @@ def test_packing_with_the_megatron_backend_reaches_both_trainers(paths_overrides
     cfg = config_load.load_config("template/grpo_fsdp.yaml",
                                   over + ["models.policy_trainer.max_token_in_packing=64"])
     for name in ("policy_trainer", "ref_policy"):
-        tcfg = cluster_trainer_cfg(cfg, name)
+        tcfg = cluster_trainer_cfg(cfg, name, make_plan(cfg))
         assert tcfg["packing"] is True and tcfg["max_token_in_packing"] == 64, name
     with pytest.raises(ConfigError) as info:
         config_load.load_config("template/grpo_fsdp.yaml",

@@ -150,14 +150,19 @@ def test_every_turn_records_the_memory_of_the_models_on_that_device_group(tmp_pa
     rollout = [[{"device": 0, "used_mb": 950.0, "processes_mb": 700.0}]]
     groups = {"policy_trainer": _Group(trainer), "policy": _Group(rollout)}
     timeline = Timeline(str(tmp_path / "timeline.jsonl"))
-    sched = Scheduler(plan, groups, {"policy": {"weights", "kv_cache"},
-                                     "policy_trainer": {"weights", "optimizer", "grads"}}, timeline)
-    sched.track_gpu_memory = True
-    sched.offload("policy", ["weights", "kv_cache"])
+    sched = Scheduler(plan, timeline)
+    # registering the trainer finds device memory to report: tracking is on from then on
+    sched.add("policy_trainer", lambda: groups["policy_trainer"], {"weights", "optimizer", "grads"})
+    assert sched.track_gpu_memory
+    sched.add("policy", lambda: groups["policy"], {"weights", "kv_cache"})  # the trainer leaves first
+    sched.ensure("policy_trainer", ["weights"])  # the rollout engine leaves, the trainer's weights come back
     sched.stage("policy_trainer", "train", 1.0)
     events = [json.loads(line) for line in open(tmp_path / "timeline.jsonl")]
-    assert [e["kind"] for e in events] == ["transition", "stage"]
-    for e in events:
+    assert [(e["kind"], e.get("model"), e.get("action")) for e in events] == [
+        ("transition", "policy_trainer", "offload"), ("transition", "policy", "offload"),
+        ("transition", "policy_trainer", "onload"), ("stage", "policy_trainer", None)]
+    assert events[0]["gpu_memory"] == {"policy_trainer": trainer}  # the rollout engine was not built yet
+    for e in events[1:]:
         assert e["gpu_memory"] == {"policy_trainer": trainer, "policy": rollout}
     peaks = sched.take_gpu_peaks()
     assert peaks["memory/policy_gpu_processes_mb"] == 700.0
@@ -165,8 +170,8 @@ def test_every_turn_records_the_memory_of_the_models_on_that_device_group(tmp_pa
     assert peaks["memory/policy_gpu_used_mb"] == 950.0
     assert sched.take_gpu_peaks() == {}  # per episode
     sched.track_gpu_memory = False  # on CPU nothing is asked or recorded
-    sched.offload("policy_trainer", ["optimizer", "grads"])
-    assert "gpu_memory" not in sched.timeline.events[-1]
+    sched.ensure("policy", ["weights"])
+    assert sched.timeline.events[-1]["action"] == "onload" and "gpu_memory" not in sched.timeline.events[-1]
     timeline.close()
 
 

@@ -13,8 +13,8 @@ import ray
 import torch
 
 from chatlearn.config import load as config_load
+from chatlearn.config.plan import make_plan
 from chatlearn.models.specs import RolloutSpec, TrainerSpec, resolve_for_device
-from chatlearn.runtime import cluster as cluster_mod
 from chatlearn.runtime.env import worker_env
 from conftest import REPO
 
@@ -88,8 +88,8 @@ def _cfg(paths_overrides, *extra):
 def test_specs_carry_every_setting_from_the_schema(paths_overrides):
     cfg = _cfg(paths_overrides, "models.policy_trainer.logprob_chunk_tokens=77",
                "models.policy_trainer.meta_init=true", "models.policy.deterministic_inference=false")
-    t = cluster_mod.trainer_spec(cfg, "policy_trainer")
-    r = cluster_mod.rollout_spec(cfg)
+    t = TrainerSpec.from_config(cfg, "policy_trainer", make_plan(cfg))
+    r = RolloutSpec.from_config(cfg)
     assert isinstance(t, TrainerSpec) and isinstance(r, RolloutSpec)
     assert t.logprob_chunk_tokens == 77 and t.meta_init is True and t.bf16 is None
     assert r.deterministic_inference is False and r.dtype == "auto"
@@ -109,7 +109,7 @@ def test_device_dependent_settings_resolve_in_the_worker(paths_overrides, monkey
     from chatlearn.models import specs
 
     cfg = _cfg(paths_overrides)
-    t, r = cluster_mod.trainer_spec(cfg, "policy_trainer"), cluster_mod.rollout_spec(cfg)
+    t, r = TrainerSpec.from_config(cfg, "policy_trainer", make_plan(cfg)), RolloutSpec.from_config(cfg)
     cpu_r, cpu_t = resolve_for_device(r, "cpu"), resolve_for_device(t, "cpu")
     assert cpu_r.device == "cpu" and cpu_r.dtype == "float32"  # the checkpoint's dtype
     assert cpu_r.deterministic_inference is True and cpu_t.bf16 is False
@@ -130,8 +130,8 @@ def test_defaults_on_a_real_gpu_are_bf16_and_fast(paths_overrides):
     """The default config on this machine's GPU: rollout and trainer in bf16 where the GPU has
     it (float16 / fp32 where not), no per-request seeds."""
     cfg = _cfg(paths_overrides)
-    r = resolve_for_device(cluster_mod.rollout_spec(cfg), "cuda")
-    t = resolve_for_device(cluster_mod.trainer_spec(cfg, "policy_trainer"), "cuda")
+    r = resolve_for_device(RolloutSpec.from_config(cfg), "cuda")
+    t = resolve_for_device(TrainerSpec.from_config(cfg, "policy_trainer", make_plan(cfg)), "cuda")
     bf16 = torch.cuda.is_bf16_supported()
     assert r.dtype == ("bfloat16" if bf16 else "float32") and t.bf16 is bf16
     assert r.deterministic_inference is False and r.device == t.device == "cuda"
