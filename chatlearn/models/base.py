@@ -15,22 +15,32 @@ token j given the tokens before it; positions inside a prompt hold 0 and are mas
     ref_logprobs      float32 [T]  from ref_policy (present when the KL term is used)
     advantages        float32 [N]  one per sample (GRPO: group-relative)
 
-Parts that a model can hold on its devices: ``weights``, ``optimizer``, ``grads``,
-``kv_cache``. ``offload(parts)`` frees their storage on the device for real (the data is
-kept on the host), ``onload(parts)`` restores it bit for bit.
+Parts that a model can hold on its devices (:class:`chatlearn.config.names.Part`): ``weights``,
+``optimizer``, ``grads``, ``kv_cache``. ``offload(parts)`` frees their storage on the device for
+real (the data is kept on the host), ``onload(parts)`` restores it bit for bit.
+
+The backends: :class:`Trainer` (FSDP2, Megatron), :class:`Rollout` (vLLM, SGLang, transformers)
+and :class:`Reward` (the reward workers). Each base class declares every method the runtime calls
+on its backends (the engine, the scheduler's offload/onload, the weight push's
+``chatlearn.runtime.weight_sync.Endpoint``), abstract where a backend must implement it, so that
+a backend that misses one fails when it is built (``TypeError``), not in the middle of a run.
 """
 from __future__ import annotations
 
 import abc
+import functools
 import math
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
+from chatlearn.config.names import Part
+
+if TYPE_CHECKING:
+    import torch
+
 Batch = dict  # dict[str, np.ndarray]; see the module docstring
 Bucket = list  # list[tuple[str, np.ndarray]] in Hugging Face parameter names
-
-PARTS = ("weights", "optimizer", "grads", "kv_cache")
 
 
 def sample_slices(batch: Batch) -> Iterator[slice]:
@@ -79,11 +89,12 @@ def select_samples(batch: Batch, index) -> Batch:
 
 
 class Model(abc.ABC):
-    """What the scheduler needs of every model."""
+    """What the scheduler needs of every model placed on devices (trainers and rollouts)."""
 
     @abc.abstractmethod
     def offload(self, parts: Iterable[str]) -> dict:
-        """Free the named parts on the device; returns {"bytes": int} moved."""
+        """Free the device storage of the named parts (:class:`Part` values; parts already off or
+        that the model does not hold are skipped); returns {"bytes": int} moved."""
 
     @abc.abstractmethod
     def onload(self, parts: Iterable[str]) -> dict:
@@ -108,29 +119,213 @@ class Trainer(Model):
 
     Every rank receives the full batch; data-parallel replica ``dp_rank`` of ``dp_size`` works
     on its contiguous share of the samples (``_my_samples``). Offloaded parts live in
-    ``self._stashes`` (part name -> what restores it).
+    ``self._stashes`` (part -> what restores it).
+
+    The training step and the log-prob pass are defined here, once (:meth:`train`,
+    :meth:`compute_grads`, :meth:`compute_logprobs`); a backend implements the pieces in which
+    the two differ, the abstract hooks below: how a batch is cut into micro-batches
+    (:meth:`_micro_batches`), how their forwards run (:meth:`_logprob_pass`) and their
+    backwards accumulate gradients (:meth:`_accumulate_grads`), and its optimizer
+    (:meth:`_optimizer_steps`, :meth:`_set_lr`, :meth:`_clip_and_step`, :meth:`zero_grad`).
+
+    The attributes annotated below are set by a backend's constructor; the weight push reads
+    ``rank`` and ``device`` (``chatlearn.runtime.weight_sync.Endpoint``).
     """
 
+    cfg: dict  # the trainer config (keys: see the backends' constructors)
+    rank: int  # global rank in the trainer's process group (rank 0 writes files, gets full tensors)
+    device: torch.device  # this rank's device (``cuda:i`` or ``cpu``)
+    trainable: bool  # policy_trainer (an optimizer) or ref_policy (frozen, forward only)
+    model: torch.nn.Module  # the module whose train/eval mode the passes set
     dp_size: int = 1
     dp_rank: int = 0
     _stashes: dict
 
+    # ------------------------------------------------------------------ the engine's calls
+    def compute_logprobs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False):
+        """float32 [T] log-probs of every token given its prefix (0 at prompt positions), the same
+        on every rank (a collective); ``logp_t = log softmax(z_{t-1} / temperature)[token_t]``.
+        With ``with_entropy`` a pair: also the entropy of the temperature-scaled distribution,
+        [T]. No gradients; the model in eval mode; the weights must be onloaded. The pass's
+        padding share and micro-steps are kept for :meth:`logprob_stats`."""
+        import torch
+
+        with torch.no_grad():
+            self._require_weights()
+            self.model.train(False)
+            micro, self._logprob_stats = self._micro_batches(batch, self.cfg["logprob_micro_batch_size"])
+            return self._logprob_pass(batch, micro, temperature, with_entropy)
+
+    def logprob_stats(self) -> dict:
+        """``pad_token_frac`` and ``micro_steps`` of the last :meth:`compute_logprobs` pass (see
+        :meth:`_micro_batches`); {} before any."""
+        return dict(getattr(self, "_logprob_stats", {}))
+
+    def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """Forward + backward over the global batch (the loss of
+        :class:`chatlearn.algorithms.grpo.GRPOLoss`); the gradients are left in the backend's
+        gradient storage, exactly d(loss)/d(theta) on every rank (see
+        :meth:`_accumulate_grads`). Returns the loss metrics (the token sums all-reduced over
+        all ranks) and the pass's ``pad_token_frac`` and ``micro_steps``; no step.
+        ``temperature`` must be the one ``old_logprobs`` were computed with."""
+        import torch.distributed as dist
+
+        from chatlearn.algorithms.grpo import GRPOLoss
+
+        name = type(self).__name__
+        if not self.trainable:
+            raise RuntimeError(f"{name}: this model is not trainable (ref_policy)")
+        self._require_weights()
+        if Part.OPTIMIZER in self._stashes:
+            raise RuntimeError(f"{name}: optimizer state is offloaded; call onload(['optimizer'])")
+        try:
+            objective = GRPOLoss(self.cfg, batch, self.device)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+        self.model.train(True)
+        sums, passes = self._accumulate_grads(batch, objective, temperature)
+        dist.all_reduce(sums)
+        return {**objective.metrics(sums.tolist()), **passes}
+
+    def train(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """One optimizer step on one global batch; returns metrics (floats): the loss metrics of
+        :meth:`compute_grads`, ``grad_norm``, ``lr``, ``skipped_steps``.
+
+        ``temperature`` must be the one ``old_logprobs`` were computed with. The step's learning
+        rate is :func:`chatlearn.algorithms.lr_schedule.trainer_learning_rate` at the current step
+        count (:meth:`_optimizer_steps`), or 0 when every sample of the batch has weight 0 (a
+        filtered batch: the step then changes no weight, and the schedule still advances).
+
+        A step whose loss or gradient norm is not finite is skipped (:func:`step_is_finite`, in
+        :meth:`_clip_and_step`): the gradients are dropped, no weight or optimizer state changes
+        and the schedule does not advance; ``skipped_steps`` is then 1.
+        """
+        from chatlearn.algorithms.grpo import GRPOLoss
+        from chatlearn.algorithms.lr_schedule import trainer_learning_rate
+
+        metrics = self.compute_grads(batch, temperature)
+        lr = (trainer_learning_rate(self.cfg, self._optimizer_steps())
+              if GRPOLoss.sample_weights(batch).any() else 0.0)
+        self._set_lr(lr)
+        stepped, grad_norm = self._clip_and_step(metrics["loss"])
+        self.zero_grad()
+        metrics["grad_norm"] = grad_norm
+        metrics["lr"] = lr
+        metrics["skipped_steps"] = 0.0 if stepped else 1.0
+        return metrics
+
+    @abc.abstractmethod
+    def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
+        """``(hf_name, dtype, full shape, group)`` of every exported weight, in export order
+        (the same on every rank; no collective); names of one ``group`` come out of one gather."""
+
+    @abc.abstractmethod
+    def export_tensors(self, names: Iterable[str]) -> Iterator[tuple]:
+        """``(hf_name, full tensor on rank 0, None elsewhere)`` for the names given (whole
+        groups), gathered group by group; a collective: every rank iterates to the end. The
+        tensors are copies (never views of the weights); the weights must be onloaded."""
+
+    def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
+        """All weights as ``[(hf_name, np.ndarray), ...]`` buckets of about ``bucket_mb`` MiB,
+        planned as the weight push plans them (``chatlearn.models.weight_buckets.plan_buckets``).
+        A collective: every rank iterates to the end; rank 0's buckets hold the arrays, the
+        other ranks' are empty lists. For tests and tools; runs push with ``WeightSync``."""
+        from chatlearn.models.weight_buckets import plan_buckets
+
+        for index in plan_buckets(self.weight_specs(), bucket_mb * 2 ** 20):
+            yield [(name, t.detach().to("cpu").numpy()) for name, t in self.export_tensors(index.names)
+                   if t is not None]
+
+    @abc.abstractmethod
+    def save_hf(self, path: str) -> None:
+        """Write a Hugging Face model folder at ``path`` (rank 0 writes; a collective): weights,
+        config and the other files of the ``load`` folder (tokenizer, chat template)."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str) -> None:
+        """Write the weights, the optimizer state (when trainable), every rank's RNG states and
+        the metadata into the folder ``path``, so that :meth:`load_checkpoint` resumes bit for
+        bit. A collective: every rank calls it with the same path, on a file system all ranks
+        share; rank 0 writes the ``.complete`` marker last (``chatlearn.checkpoint.sharded``),
+        and a return means the checkpoint is complete on every rank. Weights and optimizer must
+        be onloaded; weights that hold nan or inf are refused (:meth:`_require_finite_weights`)."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint`: weights, optimizer state
+        (when trainable) and RNG states; pending gradients are dropped. A collective; weights
+        and optimizer must be onloaded. A missing, incomplete or mismatched checkpoint raises a
+        :class:`chatlearn.errors.UserError` on every rank before any collective."""
+
+    # ------------------------------------------------------------------ backend hooks
+    @abc.abstractmethod
+    def _micro_batches(self, batch: Batch, size: int) -> tuple[list, dict]:
+        """``(micro-batches, stats)``: this rank's micro-batches of ``batch`` (of ``size``
+        samples, or with ``packing`` bins of at most ``max_token_in_packing`` tokens; in a form
+        the backend's passes take) and the pass's ``{"pad_token_frac", "micro_steps"}``. Every
+        rank that takes part in one collective runs the same number of micro-steps (dummy ones
+        make up the difference). Validates the batch (:meth:`_my_samples`)."""
+
+    @abc.abstractmethod
+    def _logprob_pass(self, batch: Batch, micro_batches: list, temperature: float,
+                      with_entropy: bool):
+        """The forwards of :meth:`compute_logprobs` over ``micro_batches`` (from
+        :meth:`_micro_batches`; called without gradients, the model in eval mode): float32 [T]
+        log-probs on every rank (the ranks' values gathered: a collective), or the pair
+        ``(log-probs, entropy)`` with ``with_entropy``."""
+
+    @abc.abstractmethod
+    def _accumulate_grads(self, batch: Batch, objective, temperature: float) -> tuple:
+        """The forwards and backwards of :meth:`compute_grads` (the model in train mode):
+        ``objective`` is the batch's :class:`chatlearn.algorithms.grpo.GRPOLoss`. Cuts the batch
+        with :meth:`_micro_batches` (``train_micro_batch_size``) and accumulates, over this
+        rank's micro-batches, gradients such that after the backend's gradient reduction over
+        the data-parallel replicas they are exactly d(loss)/d(theta) of the global loss.
+        Returns ``(sums, passes)``: a float64 tensor on ``device`` of the
+        :func:`chatlearn.algorithms.grpo.token_sums` of this rank's tokens (named by
+        ``LOSS_SUMS``; the caller all-reduces it over all ranks, so each token must be counted
+        on one rank only) and the pass's stats from :meth:`_micro_batches`."""
+
+    @abc.abstractmethod
+    def _optimizer_steps(self) -> int:
+        """Optimizer steps taken so far (restored with the optimizer state on resume, so that
+        the learning-rate schedule continues where it was); the same on every rank."""
+
+    @abc.abstractmethod
+    def _set_lr(self, lr: float) -> None:
+        """Set the learning rate of the next optimizer step on every parameter group."""
+
+    @abc.abstractmethod
+    def _clip_and_step(self, loss: float) -> tuple[bool, float]:
+        """``(stepped, grad norm)``: the global norm of the accumulated gradients, then, when
+        :func:`step_is_finite` of ``loss`` (all-reduced) and that norm, the gradients clipped to
+        ``clip_grad`` (<= 0: no clipping) and one optimizer step; otherwise no step (weights and
+        optimizer state unchanged). Every rank must decide alike. Gradients are left in place."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients (before the next :meth:`compute_grads`)."""
+
+    @abc.abstractmethod
+    def _part_tensors(self, part: str) -> list:
+        """The tensors whose storage makes up ``part`` (``weights`` or ``optimizer``), for
+        :meth:`_stash_parts`."""
+
+    # ------------------------------------------------------------------ shared helpers
     def _require_weights(self) -> None:
-        if "weights" in self._stashes:
+        if Part.WEIGHTS in self._stashes:
             raise RuntimeError(f"{type(self).__name__}: weights are offloaded; call onload(['weights'])")
 
     # parts a trainer copies to the host and back; "grads" are dropped, "kv_cache" does not exist
-    OFFLOADABLE = ("weights", "optimizer")
-
-    def _part_tensors(self, part: str) -> list:
-        """The tensors whose storage makes up ``part`` ("weights" or "optimizer")."""
-        raise NotImplementedError
+    OFFLOADABLE = (Part.WEIGHTS, Part.OPTIMIZER)
 
     def _check_parts(self, parts: Iterable[str]) -> list[str]:
         parts = list(parts)
-        unknown = [p for p in parts if p not in PARTS]
+        known = tuple(Part)
+        unknown = [p for p in parts if p not in known]
         if unknown:
-            raise ValueError(f"{type(self).__name__}: unknown parts {unknown}; known: {PARTS}")
+            raise ValueError(f"{type(self).__name__}: unknown parts {unknown}; "
+                             f"known: {tuple(str(p) for p in known)}")
         return parts
 
     def _stash_parts(self, parts: list[str]) -> int:
@@ -172,7 +367,7 @@ class Trainer(Model):
                             "models.policy_trainer.optimizer.lr (or a smaller clip_grad).")
 
     def _require_onloaded(self, what: str) -> None:
-        offloaded = [part for part in self.OFFLOADABLE if part in self._stashes]
+        offloaded = [str(part) for part in self.OFFLOADABLE if part in self._stashes]
         if offloaded:
             raise RuntimeError(f"{type(self).__name__}.{what}: {' and '.join(offloaded)} offloaded; "
                                f"call onload({offloaded}) first")
@@ -188,42 +383,48 @@ class Trainer(Model):
         share = n // self.dp_size
         return np.arange(self.dp_rank * share, (self.dp_rank + 1) * share)
 
-    @abc.abstractmethod
-    def compute_logprobs(self, batch: Batch, temperature: float = 1.0) -> np.ndarray:
-        """float32 [T] log-probs of every token given its prefix (0 at prompt positions)."""
 
-    @abc.abstractmethod
-    def train(self, batch: Batch) -> dict:
-        """One optimizer step on one global batch; returns metrics (floats)."""
+class NotProvided(NotImplementedError, AttributeError):
+    """Raised where a backend is asked for an :func:`optional_method` it does not provide.
 
-    @abc.abstractmethod
-    def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
-        """``(hf_name, dtype, full shape, group)`` of every exported weight, in export order
-        (the same on every rank); names of one ``group`` come out of one gather."""
+    Also an ``AttributeError``, so ``hasattr(backend, name)`` is False for such a method: callers
+    test whether a backend has the capability with ``hasattr`` (as
+    ``chatlearn.runtime.weight_sync.Endpoint.open_receiver`` does for ``attach_weight_slots``)."""
 
-    @abc.abstractmethod
-    def export_tensors(self, names: Iterable[str]) -> Iterator[tuple]:
-        """``(hf_name, full tensor on rank 0, None elsewhere)`` for the names given (whole
-        groups), gathered group by group; a collective: every rank iterates to the end."""
 
-    def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
-        """All weights as ``[(hf_name, np.ndarray), ...]`` buckets of about ``bucket_mb`` MiB,
-        planned as the weight push plans them (``chatlearn.models.weight_buckets.plan_buckets``).
-        A collective: every rank iterates to the end; rank 0's buckets hold the arrays, the
-        other ranks' are empty lists. For tests and tools; runs push with ``WeightSync``."""
-        from chatlearn.models.weight_buckets import plan_buckets
+class optional_method:  # noqa: N801 (used as a decorator, like ``abc.abstractmethod``)
+    """A method that a base class declares (signature and docstring: the contract) and that a
+    backend may leave out. A backend that overrides it provides it; on an instance of one that
+    does not, the attribute is missing (:class:`NotProvided`, a ``NotImplementedError`` naming the
+    backend, and an ``AttributeError``), so that ``hasattr`` tells whether it is provided. On the
+    class it reads as the declared function."""
 
-        for index in plan_buckets(self.weight_specs(), bucket_mb * 2 ** 20):
-            yield [(name, t.detach().to("cpu").numpy()) for name, t in self.export_tensors(index.names)
-                   if t is not None]
+    def __init__(self, fn):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
 
-    @abc.abstractmethod
-    def save_hf(self, path: str) -> None:
-        """Write a Hugging Face model folder (rank 0 writes; a collective)."""
+    def __set_name__(self, owner, name: str) -> None:
+        self.owner, self.name = owner.__name__, name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self.fn
+        raise NotProvided(f"{type(obj).__name__} does not provide {self.name} (optional in "
+                          f"{self.owner}: see {self.owner}.{self.name})")
 
 
 class Rollout(Model):
-    """The policy: vLLM, SGLang or transformers."""
+    """The policy: vLLM, SGLang or transformers.
+
+    A weight push (``chatlearn.runtime.weight_sync``) reaches a rollout as one update: one
+    :meth:`begin_weight_update`, the buckets, one :meth:`finish_weight_update`. A bucket comes
+    either as tensors (:meth:`load_weight_bucket`: every transport) or, with the ``cuda_ipc``
+    transport to an engine whose workers run in processes of their own (vLLM), as a slot of
+    the trainer's GPU memory that the workers map themselves (:meth:`attach_weight_slots`,
+    :meth:`load_weight_slot`, :meth:`detach_weight_slots`: optional, see
+    :func:`optional_method`; without them the rollout's process maps the slots and calls
+    :meth:`load_weight_bucket`).
+    """
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
@@ -239,8 +440,58 @@ class Rollout(Model):
         """
 
     @abc.abstractmethod
-    def update_weights(self, bucket: Bucket) -> None:
-        """Load one bucket of (hf_name, array) into the engine."""
+    def begin_weight_update(self) -> None:
+        """Open an update of the weights; the weights must be onloaded (the KV cache may be off:
+        the scheduler pushes between the two wake steps)."""
+
+    @abc.abstractmethod
+    def load_weight_bucket(self, weights: list) -> None:
+        """Load one bucket of ``(hf_name, tensor)`` pairs (Hugging Face names; a tied
+        ``lm_head.weight`` may be absent) into the open update. The tensors may be views of a
+        buffer that is reused once this returns: keep copies of whatever is kept."""
+
+    @abc.abstractmethod
+    def finish_weight_update(self) -> None:
+        """Close the update: every bucket is in place and the next generation uses the new
+        weights only (no cached KV of the old weights)."""
+
+    @optional_method
+    def attach_weight_slots(self, handles: dict) -> None:
+        """CUDA IPC slots of the trainer ranks, ``{device uuid: [handle per slot]}`` (transport
+        ``cuda_ipc``), mapped by the engine's own workers on their GPUs. Only for engines whose
+        workers run in processes of their own (vLLM)."""
+
+    @optional_method
+    def load_weight_slot(self, slot: int, entries: list) -> None:
+        """Load the bucket the trainer wrote into slot ``slot`` of :meth:`attach_weight_slots`
+        (``entries``: ``[name, dtype, shape, offset, nbytes]`` rows) into the open update;
+        returns once the slot has been read (the trainer then refills it)."""
+
+    @optional_method
+    def detach_weight_slots(self) -> None:
+        """Drop the mappings of :meth:`attach_weight_slots` (after the push, before the trainer
+        frees the slots)."""
+
+
+class Reward(abc.ABC):
+    """A reward worker: scores the responses of a share of the samples (on CPUs; it holds no
+    parts). ``chatlearn.runtime.rollouts.Rollouts.score`` calls :meth:`score_one` for each
+    reward function in turn (each within its time limit) and sums them as :meth:`score` does.
+
+    A batch here is a dict of lists, one entry per sample: ``prompts``, ``responses`` (decoded
+    text), ``ground_truths``, ``data_sources``, ``extra`` (see
+    ``chatlearn.models.reward.functions``)."""
+
+    @abc.abstractmethod
+    def score_one(self, index: int, batch: dict) -> dict:
+        """Reward function ``index`` alone on ``batch``: ``{"score": weight x score (float64
+        [N]), "metrics": {"<name>/<key>": per-sample values}}``."""
+
+    @abc.abstractmethod
+    def score(self, prompts: list[str], responses: list[str], ground_truths: list,
+              data_sources: list[str], extra: list[dict]) -> dict:
+        """Every reward function on the samples: ``{"score": the weighted sum (float32 [N]),
+        "metrics": {"<name>/<key>": per-sample values}}``."""
 
 
 def concat_batches(batches: list[Batch]) -> Batch:

@@ -184,11 +184,14 @@ def state_dict(path: str) -> list:
 
 
 def push(engine, path: str) -> None:
-    """Push a model folder's weights as two buckets (split inside a layer), no lm_head."""
-    weights = [(k, v) for k, v in state_dict(path) if k != "lm_head.weight"]
+    """Push a model folder's weights as the weight push does (one update), in two buckets (split
+    inside a layer), no lm_head."""
+    weights = [(k, torch.from_numpy(v)) for k, v in state_dict(path) if k != "lm_head.weight"]
     cut = next(i for i, (k, _) in enumerate(weights) if k.endswith("self_attn.k_proj.weight"))
-    engine.update_weights(weights[:cut])
-    engine.update_weights(weights[cut:])
+    engine.begin_weight_update()
+    engine.load_weight_bucket(weights[:cut])
+    engine.load_weight_bucket(weights[cut:])
+    engine.finish_weight_update()
 
 
 def eos_id(engine) -> int:
@@ -285,7 +288,7 @@ def test_same_seed_same_outputs(rollout):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("offloaded", [("weights", "kv_cache"), ("kv_cache",)],
                          ids=["all", "kv_cache"])
-def test_update_weights_between_the_two_wake_steps(rollout, reference, model_dirs, offloaded):
+def test_push_between_the_two_wake_steps(rollout, reference, model_dirs, offloaded):
     """offload -> onload(weights) -> push new weights -> onload(kv_cache) -> generate."""
     sampling = {"temperature": 0.7, "top_p": 1.0, "top_k": -1,
                 "max_tokens": MAX_RESPONSE, "seed": 9}

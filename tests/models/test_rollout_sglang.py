@@ -251,7 +251,9 @@ def test_tied_lm_head_is_not_sent(rollout, spy, monkeypatch):
 
     monkeypatch.setattr(rollout.engine, "update_weights_from_tensor", update)
     assert rollout._tied
-    rollout.update_weights([("lm_head.weight", np.zeros((300, 128), np.float32))])
+    rollout.begin_weight_update()
+    rollout.load_weight_bucket([("lm_head.weight", torch.zeros((300, 128)))])
+    rollout.finish_weight_update()
     assert sent == []
 
 

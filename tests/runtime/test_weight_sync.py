@@ -373,11 +373,15 @@ def _has_vllm() -> bool:
         return False
 
 
-def _old_weights(path: str) -> list:
-    from safetensors.numpy import load_file
+def _load_old_weights(rollout, path: str) -> None:
+    """Put the model folder's weights back into the rollout group, as one update of one bucket."""
+    from safetensors.torch import load_file
 
-    return [(k, v) for k, v in load_file(os.path.join(path, "model.safetensors")).items()
-            if k != "lm_head.weight"]
+    weights = [(k, v) for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+               if k != "lm_head.weight"]
+    rollout.call("begin_weight_update")
+    rollout.call("load_weight_bucket", weights)
+    rollout.call("finish_weight_update")
 
 
 def _prompts():
@@ -405,7 +409,7 @@ def test_push_reproduces_trainer_logprobs(cluster, backend, transport):
     if backend not in groups:
         pytest.skip("vllm is not installed")
     rollout = groups[backend]
-    rollout.call("update_weights", _old_weights(cluster["old"]))  # back to the "old" weights
+    _load_old_weights(rollout, cluster["old"])  # back to the "old" weights
     assert _gap(groups, rollout) > 1e-2  # the trainer holds other weights
     sync = ws.WeightSync(groups["trainer"], rollout, plan=None, cfg=cluster["cfg"], transport=transport)
     out = sync.push()
@@ -419,7 +423,7 @@ def test_push_reproduces_trainer_logprobs(cluster, backend, transport):
     assert out["sync/push_gbps"] > 0
     assert _gap(groups, rollout) < TOL  # tied lm_head, q/k/v (GQA) all in place
     # the transport is set up once and reused: a second push after a reset works too
-    rollout.call("update_weights", _old_weights(cluster["old"]))
+    _load_old_weights(rollout, cluster["old"])
     sync.push()
     assert _gap(groups, rollout) < TOL
 

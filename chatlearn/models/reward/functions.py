@@ -45,6 +45,7 @@ from chatlearn.config.reward_entries import (  # noqa: F401
     resolve_entries,
 )
 from chatlearn.errors import UserError
+from chatlearn.models.base import Reward
 
 def _user_frames(err: BaseException, n: int = 3) -> str:
     """The last ``n`` frames of the traceback outside this module, as ``file:line in function``."""
@@ -72,9 +73,10 @@ def _numbers(value, n: int, what: str, path: str) -> np.ndarray:
     return out
 
 
-class RewardManager:
-    """The reward backend: one reward worker. ``cfg["functions"]`` is the full, explicit list of entries
-    (name, path, weight, kwargs); ``cfg["base_dir"]`` is the directory relative paths start from."""
+class RewardManager(Reward):
+    """The reward backend (:class:`chatlearn.models.base.Reward`): one reward worker.
+    ``cfg["functions"]`` is the full, explicit list of entries (name, path, weight, kwargs);
+    ``cfg["base_dir"]`` is the directory relative paths start from."""
 
     def __init__(self, cfg: dict):
         self.entries = []

@@ -14,7 +14,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from chatlearn.models.base import Batch, Bucket, Rollout
+from chatlearn.config.names import Part
+from chatlearn.models.base import Batch, Rollout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -344,37 +345,32 @@ class HFRollout(Rollout):
 
     # -- weights ----------------------------------------------------------------------
 
-    @torch.no_grad()
-    def update_weights(self, bucket: Bucket) -> None:
-        """Copy (hf_name, array) pairs into the model's parameters (and persistent buffers).
+    def begin_weight_update(self) -> None:
+        """Start a streamed update (``chatlearn.runtime.weight_sync``); nothing to prepare."""
+        if self._offloaded:
+            raise RuntimeError("HFRollout: weights are offloaded; onload them before a push")
 
-        A tied ``lm_head.weight`` is the embedding itself: either name updates it.
+    @torch.no_grad()
+    def load_weight_bucket(self, weights: list) -> None:
+        """Copy one bucket's ``(hf_name, tensor or array)`` pairs straight into the model's
+        parameters (and persistent buffers); no staging: the views are only valid during this
+        call. A tied ``lm_head.weight`` is the embedding itself: either name updates it.
         """
         if self._offloaded:
-            raise RuntimeError("HFRollout.update_weights: weights are offloaded; onload first")
+            raise RuntimeError("HFRollout.load_weight_bucket: weights are offloaded; onload first")
         buffers = None
-        for name, value in bucket:
+        for name, value in weights:
             target = self._params.get(name)
             if target is None:
                 if buffers is None:
                     buffers = dict(self.model.named_buffers())
                 target = buffers.get(name)
             if target is None:
-                raise KeyError(f"HFRollout.update_weights: unknown weight {name!r}")
+                raise KeyError(f"HFRollout.load_weight_bucket: unknown weight {name!r}")
             src = to_torch(value)
             if tuple(src.shape) != tuple(target.shape):
                 raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(target.shape)}")
             target.data.copy_(src)
-
-    def begin_weight_update(self) -> None:
-        """Start a streamed update (``chatlearn.runtime.weight_sync``); nothing to prepare."""
-        if self._offloaded:
-            raise RuntimeError("HFRollout: weights are offloaded; onload them before a push")
-
-    def load_weight_bucket(self, weights: list) -> None:
-        """Copy one bucket's ``(hf_name, tensor)`` views straight into the parameters (no
-        staging: the views are only valid during this call)."""
-        self.update_weights(weights)
 
     def finish_weight_update(self) -> None:
         """End a streamed update; every bucket is already in place."""
@@ -390,7 +386,7 @@ class HFRollout(Rollout):
         storages (and the KV cache of the last ``generate``) are then returned to the device
         (:func:`release_cuda_cache`); the host copies are pinned for fast copies back.
         """
-        if "weights" not in set(parts) or self._offloaded:
+        if Part.WEIGHTS not in set(parts) or self._offloaded:
             release_cuda_cache(self.device)
             return {"bytes": 0}
         seen, moved, device_bytes = set(), 0, None
@@ -414,7 +410,7 @@ class HFRollout(Rollout):
     @torch.no_grad()
     def onload(self, parts: Iterable[str]) -> dict:
         """Restore the offloaded parameter storages bit for bit (same tensors, same views)."""
-        if "weights" not in set(parts) or not self._offloaded:
+        if Part.WEIGHTS not in set(parts) or not self._offloaded:
             return {"bytes": 0}
         moved = 0
         for storage, host in self._offloaded:

@@ -29,14 +29,14 @@ pytorch sampling backend, which costs throughput, so it follows the rollout's
 ``deterministic_inference`` setting: when on, request i of a call gets ``sampling_seed =
 seed + i`` and a seed reproduces the samples (as for vLLM); when off, no seed is sent.
 
-Weights. Each bucket goes to ``update_weights_from_tensor(named_tensors=[(hf_name,
-tensor)], flush_cache=False)``, which SGLang serialises to every TP rank and loads with
-the model's own loader (HF names; q/k/v and gate/up are fused there). Tensors are put on
-the rollout's device first (CUDA IPC, as verl does); ``update_weights_from_tensor`` returns
-once the engine has loaded them, and they are dropped then. A tied ``lm_head.weight`` is not
-sent (SGLang's loaders skip it). The prefix (radix) cache is flushed once before the next
-generation. The streamed push of ``chatlearn.runtime.weight_sync`` (``begin_weight_update``,
-``load_weight_bucket``, ``finish_weight_update``) takes the same path, bucket by bucket.
+Weights. Each bucket of a push (``chatlearn.runtime.weight_sync``: ``begin_weight_update``,
+then ``load_weight_bucket`` per bucket, then ``finish_weight_update``) goes to
+``update_weights_from_tensor(named_tensors=[(hf_name, tensor)], flush_cache=False)``, which
+SGLang serialises to every TP rank and loads with the model's own loader (HF names; q/k/v and
+gate/up are fused there). Tensors are put on the rollout's device first (CUDA IPC, as verl
+does); ``update_weights_from_tensor`` returns once the engine has loaded them, and they are
+dropped then. A tied ``lm_head.weight`` is not sent (SGLang's loaders skip it). The prefix
+(radix) cache is flushed once before the next generation.
 
 Memory. ``offload`` is ``release_memory_occupation(tags=[...])`` with the tags
 ``weights`` and ``kv_cache`` (torch_memory_saver; weights are kept in host memory by
@@ -56,13 +56,16 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from chatlearn.config.names import Part
 from chatlearn.errors import UserError
-from chatlearn.models.base import Batch, Bucket, Rollout
+from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.rollout.hf import (check_lengths, eos_token_ids, pack_samples,
                                          parse_sampling, release_cuda_cache, response_budgets,
                                          to_torch)
 
-TAGS = ("weights", "kv_cache")
+# The parts this engine holds. SGLang's memory saver names its tags as we name these parts; the
+# tags go to its API as the plain strings (str(part)).
+PARTS = (Part.WEIGHTS, Part.KV_CACHE)
 FINISH_REASONS = {"stop": 1, "length": 0}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -212,11 +215,18 @@ class SGLangRollout(Rollout):
 
     # -- weights ----------------------------------------------------------------------
 
-    def update_weights(self, bucket: Bucket) -> None:
-        """Load one bucket of (hf_name, array) into the engine (see the module docstring)."""
-        if "weights" in self._released:
-            raise RuntimeError("SGLangRollout.update_weights: weights are offloaded; onload them first")
-        named = [(name, to_torch(value).to(self._device, copy=True)) for name, value in bucket
+    def begin_weight_update(self) -> None:
+        """Start a streamed update (``chatlearn.runtime.weight_sync``); the weights must be on."""
+        if Part.WEIGHTS in self._released:
+            raise RuntimeError("SGLangRollout: weights are offloaded; onload them before a push")
+
+    def load_weight_bucket(self, weights: list) -> None:
+        """Load one bucket of ``(hf_name, tensor or array)`` pairs into the engine (see the module
+        docstring); they are copied to the rollout's device first, since the views are valid
+        only during this call."""
+        if Part.WEIGHTS in self._released:
+            raise RuntimeError("SGLangRollout.load_weight_bucket: weights are offloaded; onload them first")
+        named = [(name, to_torch(value).to(self._device, copy=True)) for name, value in weights
                  if not (self._tied and name == "lm_head.weight")]
         if not named:
             return
@@ -225,16 +235,6 @@ class SGLangRollout(Rollout):
         if isinstance(result, tuple) and result and not result[0]:
             raise RuntimeError(f"SGLang update_weights_from_tensor failed: {result[1:]}")
         self._stale_cache = True
-
-    def begin_weight_update(self) -> None:
-        """Start a streamed update (``chatlearn.runtime.weight_sync``); the weights must be on."""
-        if "weights" in self._released:
-            raise RuntimeError("SGLangRollout: weights are offloaded; onload them before a push")
-
-    def load_weight_bucket(self, weights: list) -> None:
-        """Load one bucket of ``(hf_name, tensor)`` views; they are copied to the rollout's
-        device first, since the views are valid only during this call."""
-        self.update_weights(weights)
 
     def finish_weight_update(self) -> None:
         """End a streamed update; the prefix cache is flushed before the next generation.
@@ -247,26 +247,26 @@ class SGLangRollout(Rollout):
         """``release_memory_occupation`` of the named parts that are on; returns the bytes freed."""
         parts = set(parts)
         release_cuda_cache(self._device)  # this process's staged push buffers
-        tags = [t for t in TAGS if t in parts and t not in self._released]
+        tags = [str(p) for p in PARTS if p in parts and p not in self._released]
         if not tags:
             return {"bytes": 0}
         self.engine.release_memory_occupation(tags=tags)
         self._released.update(tags)
-        if "kv_cache" in tags:
+        if Part.KV_CACHE in tags:
             self._stale_cache = False  # the cache is gone with its memory
         return {"bytes": self._bytes(tags)}
 
     def onload(self, parts: Iterable[str]) -> dict:
         """``resume_memory_occupation`` per part, weights first."""
         parts = set(parts)
-        tags = [t for t in TAGS if t in parts and t in self._released]
+        tags = [str(p) for p in PARTS if p in parts and p in self._released]
         for tag in tags:
             self.engine.resume_memory_occupation(tags=[tag])
             self._released.discard(tag)
         return {"bytes": self._bytes(tags)}
 
     def _bytes(self, tags) -> int:
-        return self._weight_bytes if "weights" in tags else 0
+        return self._weight_bytes if Part.WEIGHTS in tags else 0
 
     def shutdown(self) -> None:
         self.engine.shutdown()

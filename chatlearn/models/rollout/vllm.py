@@ -20,13 +20,11 @@ log-probs of the temperature-scaled distribution *before* truncation; sampling i
 unchanged. Where that hook cannot be installed, truncated sampling is refused rather
 than returning log-probs of a different distribution.
 
-Weights. ``update_weights`` stages buckets on the host; they are committed in one call per
-worker when the engine next needs the weights (``onload(["kv_cache"])`` or ``generate``); the
-streamed push (``chatlearn.runtime.weight_sync``) feeds one update bucket by bucket
+Weights. A push (``chatlearn.runtime.weight_sync``) feeds one update bucket by bucket
 (``begin_weight_update`` / ``load_weight_bucket`` or ``load_weight_slot`` /
-``finish_weight_update``). The prefix cache is reset after every update so that no KV block
-computed with old weights is reused. How a worker loads (:func:`weight_load_path`, decided
-once per worker):
+``finish_weight_update``), straight into every worker. The prefix cache is reset after every
+update so that no KV block computed with old weights is reused. How a worker loads
+(:func:`weight_load_path`, decided once per worker):
 
 * ``load_weights`` (unquantized models on CUDA and other GPU platforms): the model's own
   ``model.load_weights(pairs)``, what verl's and OpenRLHF's vLLM worker extensions call. It
@@ -40,9 +38,9 @@ once per worker):
   ``model_loader/reload/layerwise.py`` (added in vLLM 0.16; with it ``Worker.reload_weights``
   takes ``weights_iterator``). It re-runs each layer's post-load processing once all of its
   weights arrived: the CPU backend repacks linear weights at load (``model.load_weights``
-  alone fails there) and a quantized layer is re-quantized. The commit path is one
-  ``reload_weights(weights_iterator=...)`` call (each call restores every layer it receives
-  no weights for, so one call per update), the streamed path splits it into
+  alone fails there) and a quantized layer is re-quantized. vLLM's
+  ``reload_weights(weights_iterator=...)`` does it in one call (each call restores every layer
+  it receives no weights for, so one call per update); the push splits it into
   ``initialize_layerwise_reload`` / ``model.load_weights`` per bucket /
   ``finalize_layerwise_reload``. Without that module (vLLM < 0.16) these setups are refused
   when the engine starts.
@@ -82,11 +80,14 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from chatlearn.models.base import Batch, Bucket, Rollout
+from chatlearn.config.names import Part
+from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.rollout.hf import (check_lengths, pack_samples, parse_sampling, response_budgets,
-                                         set_cpu_threads, to_torch)
+                                         set_cpu_threads)
 
-SLEEP_PARTS = ("weights", "kv_cache")
+# The parts this engine holds. vLLM's sleep mode names its tags as we name these parts; the tags go to
+# its API (``wake_up(tags=[...])``) and to the workers' ``collective_rpc`` as plain strings.
+SLEEP_PARTS = (Part.WEIGHTS, Part.KV_CACHE)
 FINISH_REASONS = {"stop": 1, "length": 0}
 LAYERWISE_MODULE = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -239,26 +240,6 @@ class WorkerExtension:
                                     has_layerwise_reload())
             self._chatlearn_weight_path = path
         return path
-
-    def chatlearn_reload_weights(self, weights: list) -> None:
-        """Load the weights (see ``unpack_weights``) in one call.
-
-        ``load_weights`` path: ``model.load_weights``. ``layerwise`` path:
-        ``reload_weights(weights_iterator=...)``, then the tied layers are refreshed: a layer
-        that shares its weight with another one (``lm_head`` tied to the embedding) receives
-        no weights of its own in a reload, so vLLM never re-runs its post-load processing; on
-        the CPU backend it would keep computing with a packed copy of the old weights.
-        Re-running the processing rebuilds it from the shared, updated tensor. Only
-        unquantized methods are re-run: their processing derives everything from the current
-        weights, where a quantized method's would quantize twice.
-        """
-        if self.chatlearn_weight_path() == "load_weights":
-            self._chatlearn_load(unpack_weights(weights))
-            self._chatlearn_reset_caches()
-            return
-        _keep_out_of_reload(self.model_runner.get_model())
-        self.reload_weights(weights_iterator=unpack_weights(weights), is_checkpoint_format=True)
-        _reprocess_shared(self.model_runner.get_model())
 
     def _chatlearn_load(self, weights) -> None:
         """``model.load_weights`` of ``(hf_name, tensor)`` pairs (copies into the parameters)."""
@@ -462,8 +443,16 @@ def _keep_out_of_reload(model: torch.nn.Module) -> None:
 
 
 def _reprocess_shared(model: torch.nn.Module) -> None:
-    """Re-run the post-load processing of the unquantized layers that share a parameter
-    (see ``WorkerExtension.chatlearn_reload_weights``)."""
+    """Re-run the post-load processing of the unquantized layers that share a parameter, after
+    a layerwise reload (``WorkerExtension.chatlearn_finish_reload``,
+    ``chatlearn_reload_from_folder``).
+
+    A layer that shares its weight with another one (``lm_head`` tied to the embedding)
+    receives no weights of its own in a reload, so vLLM never re-runs its post-load processing;
+    on the CPU backend it would keep computing with a packed copy of the old weights.
+    Re-running the processing rebuilds it from the shared, updated tensor. Only unquantized
+    methods are re-run: their processing derives everything from the current weights, where a
+    quantized method's would quantize twice."""
     owners: dict[int, list] = {}
     for module in model.modules():
         for param in module._parameters.values():
@@ -621,9 +610,6 @@ class VLLMRollout(Rollout):
         self._asleep: set[str] = set()
         self._pushed = False  # weights received since start (else they are the folder's)
         self._awaiting_push = False  # CPU: weights woken empty, the next push refills them
-        # Staged weights by name: a name pushed twice before a commit keeps its last value
-        # (loading a layer twice in one reload fails).
-        self._pending: dict[str, torch.Tensor] = {}
 
     # -- generation -----------------------------------------------------------------
 
@@ -632,9 +618,8 @@ class VLLMRollout(Rollout):
         from vllm.inputs import TokensPrompt
 
         if self._asleep:
-            raise RuntimeError(f"VLLMRollout.generate: {sorted(self._asleep)} offloaded; "
-                               "call onload first")
-        self._commit_weights()
+            raise RuntimeError(f"VLLMRollout.generate: {sorted(str(p) for p in self._asleep)} "
+                               "offloaded; call onload first")
         if self._awaiting_push:
             raise RuntimeError("VLLMRollout.generate: the weights were offloaded on the CPU (no "
                                "host copy is kept); push weights before generating")
@@ -690,29 +675,16 @@ class VLLMRollout(Rollout):
 
     # -- weights ----------------------------------------------------------------------
 
-    def update_weights(self, bucket: Bucket) -> None:
-        """Stage one bucket of (hf_name, array); committed before the next use (see above).
-
-        A tied ``lm_head.weight`` may be absent (vLLM's loaders skip it when tied).
-        """
-        for name, value in bucket:
-            tensor = to_torch(value)
-            # Read-only arrays (as Ray hands them out) cannot change under us; anything
-            # else is copied, so that the caller may reuse its buffers right away.
-            if not (isinstance(value, np.ndarray) and not value.flags.writeable):
-                tensor = tensor.detach().to("cpu", copy=True)
-            self._pending[name] = tensor
-
     def begin_weight_update(self) -> None:
-        """Start a streamed update (``chatlearn.runtime.weight_sync``): weights staged with
-        ``update_weights`` are committed first, then one reload is opened in every worker."""
-        if "weights" in self._asleep:
+        """Start a streamed update (``chatlearn.runtime.weight_sync``): one reload is opened in
+        every worker."""
+        if Part.WEIGHTS in self._asleep:
             raise RuntimeError("VLLMRollout: weights are offloaded; onload them before a push")
-        self._commit_weights()
         self.llm.collective_rpc("chatlearn_begin_reload")
 
     def load_weight_bucket(self, weights: list) -> None:
-        """Load one bucket of ``(hf_name, tensor)`` views into the open update. In-process
+        """Load one bucket of ``(hf_name, tensor)`` views into the open update (a tied
+        ``lm_head.weight`` may be absent: vLLM's loaders skip it when tied). In-process
         the views go straight to the worker (they are copied into the parameters, or, on the
         ``layerwise`` path, only tensors of a layer left incomplete by the bucket are kept as
         copies); a multiprocess engine gets them as safetensors blobs."""
@@ -742,18 +714,6 @@ class VLLMRollout(Rollout):
         self.llm.reset_prefix_cache()
         self._pushed, self._awaiting_push = True, False
 
-    def _commit_weights(self) -> None:
-        if not self._pending:
-            return
-        if "weights" in self._asleep:
-            raise RuntimeError("VLLMRollout: weights are offloaded; onload them first")
-        pending, self._pending = list(self._pending.items()), {}
-        if not self._in_process:
-            pending = pack_weights(pending)
-        self.llm.collective_rpc("chatlearn_reload_weights", args=(pending,))
-        self.llm.reset_prefix_cache()
-        self._pushed, self._awaiting_push = True, False
-
     # -- memory -----------------------------------------------------------------------
 
     def offload(self, parts: Iterable[str]) -> dict:
@@ -769,10 +729,12 @@ class VLLMRollout(Rollout):
         if not want:
             return {"bytes": 0}
         if not self._sleep_mode:
-            freed = sum(self.llm.collective_rpc("chatlearn_cpu_release", args=(sorted(want),)))
+            freed = sum(self.llm.collective_rpc("chatlearn_cpu_release",
+                                                args=(sorted(str(p) for p in want),)))
             self._asleep |= want
             return {"bytes": int(freed)}
-        if "weights" in want:
+        # the tags of vLLM's wake_up below are its API's names (plain strings)
+        if Part.WEIGHTS in want:
             if self._asleep:  # the KV cache alone is off: the engine sleeps as a whole
                 self.llm.wake_up(tags=["kv_cache"])
                 self._asleep.clear()
@@ -781,13 +743,12 @@ class VLLMRollout(Rollout):
             return {"bytes": self._bytes(SLEEP_PARTS)}
         self.llm.sleep(level=1)
         self.llm.wake_up(tags=["weights"])
-        self._asleep = {"kv_cache"}
-        return {"bytes": self._bytes(["kv_cache"])}
+        self._asleep = {Part.KV_CACHE}
+        return {"bytes": self._bytes([Part.KV_CACHE])}
 
     def onload(self, parts: Iterable[str]) -> dict:
-        """Wake ``weights`` and/or ``kv_cache``; staged weights are committed in between,
-        before the KV cache takes its memory back. The engine generates again once both
-        are on.
+        """Wake ``weights`` and/or ``kv_cache`` (separately: a push may come in between, before
+        the KV cache takes its memory back). The engine generates again once both are on.
 
         On the CPU, woken weights must be reloaded: by the next weight push when the engine
         has received one since it started (generating before that push is an error), else
@@ -797,7 +758,8 @@ class VLLMRollout(Rollout):
         parts = set(parts)
         woken = []
         moved = 0
-        if "weights" in parts and "weights" in self._asleep:
+        # the tags passed to vLLM's wake_up and to the workers are plain strings (its API's names)
+        if Part.WEIGHTS in parts and Part.WEIGHTS in self._asleep:
             if self._sleep_mode:
                 self.llm.wake_up(tags=["weights"])
             else:
@@ -806,18 +768,16 @@ class VLLMRollout(Rollout):
                     self._awaiting_push = True
                 else:
                     self.llm.collective_rpc("chatlearn_reload_from_folder")
-            self._asleep.discard("weights")
-            woken.append("weights")
-        if "kv_cache" in parts and "kv_cache" in self._asleep:
-            if "weights" not in self._asleep:
-                self._commit_weights()
+            self._asleep.discard(Part.WEIGHTS)
+            woken.append(Part.WEIGHTS)
+        if Part.KV_CACHE in parts and Part.KV_CACHE in self._asleep:
             if self._sleep_mode:
                 self.llm.wake_up(tags=["kv_cache"])
             else:
                 moved += sum(self.llm.collective_rpc("chatlearn_cpu_resume", args=(["kv_cache"],)))
                 self.llm.reset_prefix_cache()  # the cached blocks' contents are gone
-            self._asleep.discard("kv_cache")
-            woken.append("kv_cache")
+            self._asleep.discard(Part.KV_CACHE)
+            woken.append(Part.KV_CACHE)
         return {"bytes": self._bytes(woken) if self._sleep_mode else int(moved)}
 
     def _bytes(self, parts) -> int:

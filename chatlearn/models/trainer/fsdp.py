@@ -41,9 +41,9 @@ from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shar
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 
-from chatlearn.algorithms.grpo import LOSS_SUMS, GRPOLoss, chunked_logprobs_entropy, token_sums
-from chatlearn.algorithms.lr_schedule import trainer_learning_rate
+from chatlearn.algorithms.grpo import LOSS_SUMS, chunked_logprobs_entropy, token_sums
 from chatlearn.checkpoint import sharded
+from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, step_is_finite
 from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches
@@ -341,19 +341,14 @@ class FSDPTrainer(Trainer):
         return out
 
     # ------------------------------------------------------------------ log-probs
-    @torch.no_grad()
-    def compute_logprobs(self, batch: Batch, temperature: float = 1.0,
-                         with_entropy: bool = False):
-        """float32 [T] log-probs (0 at prompt positions) on every rank; with
-        ``with_entropy`` also the entropy of the temperature-scaled distribution, [T].
-        The pass's padding share and micro-steps are kept for :meth:`logprob_stats`."""
-        self._require_weights()
-        self.model.train(False)
+    def _logprob_pass(self, batch: Batch, micro_batches: list[np.ndarray], temperature: float,
+                      with_entropy: bool):
+        """This rank's micro-batches one forward after another (:meth:`_forward`), their values
+        put at their token positions, then gathered from all ranks (``_all_gather_tokens``)."""
         total = int(batch["offsets"][-1])
         logp_all = torch.zeros(total, dtype=torch.float32, device=self.device)
         ent_all = torch.zeros_like(logp_all) if with_entropy else None
-        micro, self._logprob_stats = self._micro_batches(batch, self.cfg["logprob_micro_batch_size"])
-        for mb in micro:
+        for mb in micro_batches:
             logp, ent, pos = self._forward(batch, mb, temperature, with_entropy)
             pos_t = torch.from_numpy(pos).to(self.device)
             logp_all[pos_t] = logp
@@ -365,15 +360,11 @@ class FSDPTrainer(Trainer):
             return logp_np, self._all_gather_tokens(batch, ent_all)
         return logp_np
 
-    def logprob_stats(self) -> dict:
-        """``pad_token_frac`` and ``micro_steps`` of the last ``compute_logprobs`` pass
-        (see :func:`chatlearn.models.trainer.packing.plan_micro_batches`); {} before any."""
-        return dict(getattr(self, "_logprob_stats", {}))
-
     # ------------------------------------------------------------------ training
-    def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
-        """Forward + backward over the global batch; gradients stay in ``param.grad``
-        (sharded DTensors, already averaged over ranks). Returns the loss metrics; no step.
+    def _accumulate_grads(self, batch: Batch, objective, temperature: float) -> tuple:
+        """This rank's micro-batches one forward + backward after another; the gradients end in
+        ``param.grad`` (sharded DTensors, already averaged over ranks). Each micro-batch
+        backpropagates ``sum(c * per_token) * W``, so the averaged sum is d(loss)/d(theta).
 
         Gradient accumulation: FSDP2 reduce-scatters after every micro-batch's backward and
         adds the result into the sharded ``.grad`` (as verl does). Skipping the sync
@@ -382,17 +373,6 @@ class FSDPTrainer(Trainer):
         of micro-steps (equal shares; with packing, dummy micro-steps make up the difference:
         see ``_micro_batches``), so the collectives line up.
         """
-        if not self.trainable:
-            raise RuntimeError("FSDPTrainer: this model is not trainable (ref_policy)")
-        self._require_weights()
-        if "optimizer" in self._stashes:
-            raise RuntimeError(
-                "FSDPTrainer: optimizer state is offloaded; call onload(['optimizer'])")
-        try:
-            objective = GRPOLoss(self.cfg, batch, self.device)
-        except ValueError as err:
-            raise ValueError(f"FSDPTrainer: {err}") from None
-        self.model.train(True)
         # sums over this rank's tokens, named by LOSS_SUMS
         sums = torch.zeros(len(LOSS_SUMS), dtype=torch.float64, device=self.device)
         micro, passes = self._micro_batches(batch, self.cfg["train_micro_batch_size"])
@@ -402,8 +382,7 @@ class FSDPTrainer(Trainer):
             ((terms["loss"] * coef).sum() * self.world).backward()
             sums += token_sums(terms, coef, weight, ent)
         self._reshard()
-        dist.all_reduce(sums)
-        return {**objective.metrics(sums.tolist()), **passes}
+        return sums, passes
 
     def _optimizer_steps(self) -> int:
         """Optimizer steps taken so far: Adam's step count (restored with the optimizer state
@@ -413,37 +392,24 @@ class FSDPTrainer(Trainer):
                 return int(state["step"])
         return 0
 
-    def train(self, batch: Batch, temperature: float = 1.0) -> dict:
-        """One optimizer step on one global batch (see the module docstring for the loss).
-
-        ``temperature`` must be the one ``old_logprobs`` were computed with. The step's
-        learning rate is the schedule's at the current step count, or 0 when every sample of
-        the batch has weight 0 (a filtered batch: the step then changes no weight, and the
-        schedule still advances).
-
-        A step whose loss or gradient norm is not finite is skipped (:func:`.base.step_is_finite`):
-        the gradients are dropped, no weight or optimizer state changes and the schedule does not
-        advance; ``skipped_steps`` is then 1. Loss and norm are all-reduced, so every rank decides
-        alike.
-        """
-        metrics = self.compute_grads(batch, temperature)
-        lr = (trainer_learning_rate(self.cfg, self._optimizer_steps())
-              if GRPOLoss.sample_weights(batch).any() else 0.0)
+    def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    def _clip_and_step(self, loss: float) -> tuple[bool, float]:
+        """The global norm of the gradients of all ranks (``clip_grad_norm_`` over the sharded
+        gradients, a collective), the gradients clipped by it, and ``optimizer.step()`` when
+        :func:`.base.step_is_finite`. ``loss`` is all-reduced and the norm is global, so every
+        rank decides alike."""
         max_norm = float(self.cfg["clip_grad"])
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        stepped = step_is_finite(metrics["loss"], float(norm))
+        stepped = step_is_finite(loss, float(norm))
         if stepped:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics["grad_norm"] = float(norm)
-        metrics["lr"] = lr
-        metrics["skipped_steps"] = 0.0 if stepped else 1.0
-        return metrics
+        return stepped, float(norm)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients on the CPU by parameter name (a collective; for tests)."""
@@ -455,12 +421,13 @@ class FSDPTrainer(Trainer):
         return out
 
     def zero_grad(self) -> None:
+        """Drop the gradients (``param.grad = None``)."""
         for p in self.model.parameters():
             p.grad = None
 
     # ------------------------------------------------------------------ residency
     def _part_tensors(self, part: str) -> list[torch.Tensor]:
-        if part == "weights":
+        if part == Part.WEIGHTS:
             return list(self.model.parameters())
         if self.optimizer is None:
             return []
@@ -472,7 +439,7 @@ class FSDPTrainer(Trainer):
         (exp_avg, exp_avg_sq), keeping a host copy; ``grads`` are dropped (set to None).
         Parts already offloaded are skipped. Returns {"bytes": bytes copied to the host}."""
         parts = self._check_parts(parts)
-        if "grads" in parts:
+        if Part.GRADS in parts:
             self.zero_grad()
         self._reshard()
         moved = self._stash_parts(parts)

@@ -55,8 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from chatlearn.algorithms.grpo import LOSS_SUMS, GRPOLoss, token_sums
-from chatlearn.algorithms.lr_schedule import trainer_learning_rate
+from chatlearn.algorithms.grpo import LOSS_SUMS, token_sums
 from chatlearn.checkpoint import megatron_format as ckpt_format
 from chatlearn.checkpoint import sharded
 from chatlearn.checkpoint.megatron_mapping import (
@@ -69,6 +68,7 @@ from chatlearn.checkpoint.megatron_mapping import (
     to_hf,
     to_megatron,
 )
+from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, step_is_finite
 from chatlearn.models.trainer.fsdp import init_distributed
@@ -297,101 +297,129 @@ class MegatronTrainer(Trainer):
         and ``micro_steps`` (per replica).
 
         Without packing: ``size`` samples each, in order, right-padded (position ids
-        ``0 .. width-1``, Megatron's causal mask). With pipeline parallelism every
-        micro-batch has the same shape (``size`` rows, the longest sample's width; empty
-        rows are padding), as the stages exchange activations of a fixed shape.
-
-        With packing: the first-fit-decreasing bins of
-        :func:`chatlearn.models.trainer.packing.plan_micro_batches` (at most
-        ``max_token_in_packing`` tokens; ``size`` is ignored), one row per bin of the
-        concatenated samples, position ids restarting at 0 for each sample, and the sample
-        boundaries: with the TransformerEngine spec as ``thd`` ``PackedSeqParams``
-        (:func:`.model.thd_packed_seq_params`, no mask), else as an explicit block-diagonal
-        causal mask (``mask[0, 0, q, k]`` True = masked: k after q, or k in another sample).
-        Every rank computes every replica's plan (no collective) and runs
-        ``max over replicas`` micro-steps, the missing ones as dummy micro-steps (no
-        response token: loss 0, zero gradients). With pipeline parallelism every row,
-        dummy rows included, is padded to the replica's longest bin (the padding is a
-        segment of its own that nothing else attends to, and counts as padding); without,
-        a row is exactly its bin, and a dummy row is one token.
-
-        With ``seq_length`` set (and no packing) every micro-batch is exactly ``seq_length``
-        wide (Megatron's fixed sequence length). Under sequence parallelism every width is a
-        multiple of ``tp`` (rounded up with padding; a ``seq_length`` must already be one).
+        ``0 .. width-1``, Megatron's causal mask). With packing: the first-fit-decreasing
+        bins of :func:`chatlearn.models.trainer.packing.plan_micro_batches`, one row each
+        (:meth:`_build_micro_batch`). Every rank computes every replica's plan (no collective)
+        and runs ``max over replicas`` micro-steps, the missing ones as dummy micro-steps (no
+        response token: loss 0, zero gradients). Shapes: :meth:`_micro_batch_shape`.
         """
         idx = self._my_samples(batch)
         if len(idx) == 0:
             raise ValueError("MegatronTrainer: the batch has no samples")
-        off, plen = batch["offsets"], batch["prompt_lens"]
-        all_lens = np.diff(off)
+        all_lens = np.diff(batch["offsets"])
         lens = all_lens[idx]
-        packing = bool(self.cfg["packing"])
-        uniform = self.pp > 1
-        fixed = (None if packing or self.cfg["seq_length"] is None
+        fixed = (None if self.cfg["packing"] or self.cfg["seq_length"] is None
                  else check_fixed_width(all_lens, int(self.cfg["seq_length"])))
         size = min(size, len(idx))
-        if packing:
-            share = len(idx)
-            shares = [np.arange(d * share, (d + 1) * share) for d in range(self.dp)]
-            plans, _ = plan_micro_batches(all_lens, shares, size, True,
-                                          int(self.cfg["max_token_in_packing"]))
-            plan = plans[self.dp_rank]
-            longest = max(int(all_lens[mb].sum()) for mb in plan if len(mb))
-        else:
-            plan = [idx[start:start + size] for start in range(0, len(idx), size)]
-        multiple = self.tp if self.config.sequence_parallel else 1
+        plan, longest = self._plan_micro_batches(all_lens, idx, size)
         out, computed = [], 0
         for mb in plan:
-            mb_lens = all_lens[mb]
-            if packing:
-                width = longest if uniform else max(int(mb_lens.sum()), 1)
-                nrows = 1
-            else:
-                width = fixed or int(lens.max() if uniform else mb_lens.max())
-                nrows = size if uniform else len(mb)
-            width = -(-width // multiple) * multiple
-            ids = torch.zeros(nrows, width, dtype=torch.long)
-            positions = torch.arange(width).repeat(nrows, 1)
-            segment = torch.full((width,), -1, dtype=torch.long)  # -1: padding
-            rows, cols, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-            start = 0
-            for b, (i, n) in enumerate(zip(mb, mb_lens)):
-                n = int(n)
-                row, col = (0, start) if packing else (b, 0)
-                ids[row, col:col + n] = torch.as_tensor(np.array(batch["tokens"][off[i]:off[i + 1]]))  # copy: Ray arrays are read-only
-                if packing:
-                    positions[0, col:col + n] = torch.arange(n)
-                    segment[col:col + n] = b
-                    start += n
-                resp = np.arange(int(plen[i]), n)
-                rows.append(np.full(len(resp), row))
-                cols.append(col + resp)
-                pos.append(int(off[i]) + resp)
-            mask = packed = None
-            if packing and len(mb) and self.transformer_engine:
-                positions[0, start:] = torch.arange(width - start)
-                packed = thd_packed_seq_params(mb_lens, width, self.device)
-            elif packing and len(mb):
-                positions[0, start:] = torch.arange(width - start)
-                segment = segment.to(self.device)
-                q = torch.arange(width, device=self.device)
-                mask = ((q[None, :] > q[:, None])  # [q, k]: k after q
-                        | (segment[:, None] != segment[None, :]))[None, None]
+            nrows, width = self._micro_batch_shape(all_lens[mb], lens, size, longest, fixed)
+            out.append(self._build_micro_batch(batch, mb, all_lens[mb], nrows, width))
             if len(mb):
                 computed += nrows * width
-            out.append(_MicroBatch(
-                ids=ids.to(self.device), positions=positions.to(self.device),
-                mask=mask, packed=packed,
-                rows=torch.from_numpy(np.concatenate(rows)).to(self.device),
-                cols=torch.from_numpy(np.concatenate(cols)).to(self.device),
-                pos=np.concatenate(pos), samples=mb))
+        return out, self._pass_stats(lens, computed, len(out))
+
+    def _plan_micro_batches(self, all_lens: np.ndarray, idx: np.ndarray, size: int
+                            ) -> tuple[list[np.ndarray], int | None]:
+        """``(sample indices of each micro-batch, tokens of the longest bin or None)``: without
+        packing, ``idx`` cut into runs of ``size``; with packing, this replica's plan of
+        :func:`chatlearn.models.trainer.packing.plan_micro_batches` (bins of at most
+        ``max_token_in_packing`` tokens; ``size`` is ignored; empty bins are dummy micro-steps)."""
+        if not self.cfg["packing"]:
+            return [idx[start:start + size] for start in range(0, len(idx), size)], None
+        share = len(idx)
+        shares = [np.arange(d * share, (d + 1) * share) for d in range(self.dp)]
+        plans, _ = plan_micro_batches(all_lens, shares, size, True,
+                                      int(self.cfg["max_token_in_packing"]))
+        plan = plans[self.dp_rank]
+        return plan, max(int(all_lens[mb].sum()) for mb in plan if len(mb))
+
+    def _micro_batch_shape(self, mb_lens: np.ndarray, lens: np.ndarray, size: int,
+                           longest: int | None, fixed: int | None) -> tuple[int, int]:
+        """``(rows, width)`` of a micro-batch of samples of lengths ``mb_lens`` (``lens``: all
+        of this replica's samples; ``longest``: its longest packed bin; ``fixed``:
+        ``seq_length`` without packing, or None).
+
+        With pipeline parallelism every micro-batch has the same shape, as the stages exchange
+        activations of a fixed shape: padded, ``size`` rows of the replica's longest sample;
+        packed, one row of its longest bin (the padding is a segment of its own that nothing
+        else attends to, and counts as padding). Without, a padded micro-batch is as wide as
+        its longest sample and a packed row is exactly its bin (a dummy row is one token).
+        With ``fixed`` every micro-batch is exactly that wide (Megatron's fixed sequence
+        length). Under sequence parallelism every width is a multiple of ``tp`` (rounded up
+        with padding; a ``seq_length`` must already be one).
+        """
+        uniform = self.pp > 1
+        if self.cfg["packing"]:
+            width = longest if uniform else max(int(mb_lens.sum()), 1)
+            nrows = 1
+        else:
+            width = fixed or int(lens.max() if uniform else mb_lens.max())
+            nrows = size if uniform else len(mb_lens)
+        multiple = self.tp if self.config.sequence_parallel else 1
+        return nrows, -(-width // multiple) * multiple
+
+    def _build_micro_batch(self, batch: Batch, mb: np.ndarray, mb_lens: np.ndarray, nrows: int,
+                           width: int) -> _MicroBatch:
+        """The tensors of micro-batch ``mb`` (sample indices, of lengths ``mb_lens``) on this
+        rank's device: the samples right-padded in ``nrows`` rows of ``width``, or with packing
+        concatenated in one row, position ids restarting at 0 for each sample (the padding after
+        them counts on from 0), with the sample boundaries of :meth:`_packed_attention`."""
+        off, plen = batch["offsets"], batch["prompt_lens"]
+        packing = bool(self.cfg["packing"])
+        ids = torch.zeros(nrows, width, dtype=torch.long)
+        positions = torch.arange(width).repeat(nrows, 1)
+        segment = torch.full((width,), -1, dtype=torch.long)  # -1: padding
+        rows, cols, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        start = 0
+        for b, (i, n) in enumerate(zip(mb, mb_lens)):
+            n = int(n)
+            row, col = (0, start) if packing else (b, 0)
+            ids[row, col:col + n] = torch.as_tensor(np.array(batch["tokens"][off[i]:off[i + 1]]))  # copy: Ray arrays are read-only
+            if packing:
+                positions[0, col:col + n] = torch.arange(n)
+                segment[col:col + n] = b
+                start += n
+            resp = np.arange(int(plen[i]), n)
+            rows.append(np.full(len(resp), row))
+            cols.append(col + resp)
+            pos.append(int(off[i]) + resp)
+        mask = packed = None
+        if packing and len(mb):
+            positions[0, start:] = torch.arange(width - start)
+            mask, packed = self._packed_attention(mb_lens, segment, width)
+        return _MicroBatch(
+            ids=ids.to(self.device), positions=positions.to(self.device),
+            mask=mask, packed=packed,
+            rows=torch.from_numpy(np.concatenate(rows)).to(self.device),
+            cols=torch.from_numpy(np.concatenate(cols)).to(self.device),
+            pos=np.concatenate(pos), samples=mb)
+
+    def _packed_attention(self, mb_lens: np.ndarray, segment: torch.Tensor, width: int):
+        """``(mask, packed)`` confining attention to each sample of a packed row (``segment``:
+        the sample of each position, -1 for padding): with the TransformerEngine spec ``thd``
+        ``PackedSeqParams`` (:func:`.model.thd_packed_seq_params`, no mask), else an explicit
+        block-diagonal causal mask (``mask[0, 0, q, k]`` True = masked: k after q, or k in
+        another sample)."""
+        if self.transformer_engine:
+            return None, thd_packed_seq_params(mb_lens, width, self.device)
+        segment = segment.to(self.device)
+        q = torch.arange(width, device=self.device)
+        mask = ((q[None, :] > q[:, None])  # [q, k]: k after q
+                | (segment[:, None] != segment[None, :]))[None, None]
+        return mask, None
+
+    def _pass_stats(self, lens: np.ndarray, computed: int, steps: int) -> dict:
+        """``pad_token_frac`` over all replicas (a collective: ``lens``, this replica's sample
+        lengths; ``computed``, the positions its real micro-steps compute) and ``micro_steps``."""
         # every rank counts its replica's tokens: the world sums are tp*pp times the
         # replicas' sums, which leaves their ratio unchanged
         counts = torch.tensor([float(lens.sum()), float(computed)],
                               dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)
         real, computed = counts.tolist()
-        return out, {"pad_token_frac": 1.0 - real / computed, "micro_steps": float(len(out))}
+        return {"pad_token_frac": 1.0 - real / computed, "micro_steps": float(steps)}
 
     def _token_logprobs(self, mb: _MicroBatch, logits: torch.Tensor, temperature: float,
                         with_entropy: bool):
@@ -426,16 +454,11 @@ class MegatronTrainer(Trainer):
         return self.is_last_stage and self.tp_rank == 0
 
     # ------------------------------------------------------------------ log-probs
-    @torch.no_grad()
-    def compute_logprobs(self, batch: Batch, temperature: float = 1.0,
-                         with_entropy: bool = False):
-        """float32 [T] log-probs (0 at prompt positions) on every rank; with
-        ``with_entropy`` also the entropy of the temperature-scaled distribution, [T]."""
-        self._require_weights()
-        self.model.train(False)
-        micro, self._logprob_stats = self._micro_batches(batch,
-                                                         self.cfg["logprob_micro_batch_size"])
-
+    def _logprob_pass(self, batch: Batch, micro_batches: list[_MicroBatch], temperature: float,
+                      with_entropy: bool):
+        """Megatron's forward-only schedule over ``micro_batches``; the reporting rank of each
+        replica (:meth:`_reporter`) puts its values at their token positions, and one all-reduce
+        gives every rank all of them."""
         def loss_func(mb, logits):
             if not len(mb.pos):  # a dummy micro-step
                 none = logits.new_zeros(0, dtype=torch.float32)
@@ -445,12 +468,12 @@ class MegatronTrainer(Trainer):
             count = torch.tensor(len(logp), dtype=torch.int, device=self.device)
             return logp.new_zeros(()), count, {"logp": logp, "entropy": ent}
 
-        outs = self._run(micro, loss_func, forward_only=True)
+        outs = self._run(micro_batches, loss_func, forward_only=True)
         total = int(batch["offsets"][-1])
         values = torch.zeros(2 if with_entropy else 1, total, dtype=torch.float32,
                              device=self.device)
         if self._reporter():
-            for mb, out in zip(micro, outs):
+            for mb, out in zip(micro_batches, outs):
                 pos = torch.from_numpy(mb.pos).to(self.device)
                 values[0, pos] = out["logp"]
                 if with_entropy:
@@ -459,27 +482,13 @@ class MegatronTrainer(Trainer):
         values = values.cpu().numpy()
         return (values[0], values[1]) if with_entropy else values[0]
 
-    def logprob_stats(self) -> dict:
-        """``pad_token_frac`` and ``micro_steps`` of the last ``compute_logprobs`` pass
-        (see ``_micro_batches``); {} before any."""
-        return dict(getattr(self, "_logprob_stats", {}))
-
     # ------------------------------------------------------------------ training
-    def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
-        """Forward + backward over the global batch; gradients are left in Megatron's fp32
-        gradient buffers (reduced over replicas and divided by the global token count).
-        Returns the loss metrics; no step."""
-        if not self.trainable:
-            raise RuntimeError("MegatronTrainer: this model is not trainable (ref_policy)")
-        self._require_weights()
-        if "optimizer" in self._stashes:
-            raise RuntimeError(
-                "MegatronTrainer: optimizer state is offloaded; call onload(['optimizer'])")
+    def _accumulate_grads(self, batch: Batch, objective, temperature: float) -> tuple:
+        """Megatron's forward-backward schedule (1F1B with pipeline parallelism); the gradients
+        are left in Megatron's fp32 gradient buffers (freed ones are re-allocated first),
+        reduced over replicas and divided by the global token count. The sums are the
+        reporting ranks' (:meth:`_reporter`), zeros elsewhere."""
         self._restore_grads()
-        try:
-            objective = GRPOLoss(self.cfg, batch, self.device)
-        except ValueError as err:
-            raise ValueError(f"MegatronTrainer: {err}") from None
 
         def loss_func(mb, logits):
             if not len(mb.pos):  # a dummy micro-step: an empty sum (0, zero gradients)
@@ -493,15 +502,13 @@ class MegatronTrainer(Trainer):
             loss = (terms["loss"] * coef).sum() * objective.num_tokens
             return loss, count, {"sums": token_sums(terms, coef, weight, ent)}
 
-        self.model.train(True)
         micro, passes = self._micro_batches(batch, self.cfg["train_micro_batch_size"])
         outs = self._run(micro, loss_func, forward_only=False)
         sums = torch.zeros(len(LOSS_SUMS), dtype=torch.float64, device=self.device)
         if self._reporter():
             for out in outs:
                 sums += out["sums"]
-        dist.all_reduce(sums)
-        return {**objective.metrics(sums.tolist()), **passes}
+        return sums, passes
 
     def _optimizer_steps(self) -> int:
         """Optimizer steps taken so far: Adam's step count, wherever the optimizer in use keeps
@@ -514,29 +521,13 @@ class MegatronTrainer(Trainer):
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return int(found.item())
 
-    def train(self, batch: Batch, temperature: float = 1.0) -> dict:
-        """One optimizer step on one global batch (see the module docstring for the loss).
-
-        ``temperature`` must be the one ``old_logprobs`` were computed with. The learning
-        rate: as the FSDP trainer's (0 for a batch whose samples all have weight 0). A step
-        whose loss or gradient norm is not finite is skipped, as in the FSDP trainer
-        (``skipped_steps`` 1; see :meth:`_step`).
-        """
-        metrics = self.compute_grads(batch, temperature)
-        lr = (trainer_learning_rate(self.cfg, self._optimizer_steps())
-              if GRPOLoss.sample_weights(batch).any() else 0.0)
+    def _set_lr(self, lr: float) -> None:
         for opt in self._optimizers():
             for group in opt.optimizer.param_groups:
                 group["lr"] = lr
-        stepped, grad_norm = self._step(metrics["loss"])
-        self.zero_grad()
-        metrics["grad_norm"] = grad_norm
-        metrics["lr"] = lr
-        metrics["skipped_steps"] = 0.0 if stepped else 1.0
-        return metrics
 
     @torch.no_grad()
-    def _step(self, loss: float) -> tuple[bool, float]:
+    def _clip_and_step(self, loss: float) -> tuple[bool, float]:
         """``(stepped, grad norm)``: Megatron's ``optimizer.step()`` (megatron-core
         ``ChainedOptimizer.step``: prepare the main gradients, their global norm over the
         model-parallel ranks, clip by it, step) with the decision of
@@ -573,6 +564,8 @@ class MegatronTrainer(Trainer):
         return {name: t for name, t in self._gather_hf("grads") if t is not None}
 
     def zero_grad(self) -> None:
+        """Zero Megatron's gradient buffers and the optimizer's gradients (nothing to do for a
+        frozen model, or while the buffers are freed)."""
         if self.optimizer is not None and not self._grads_freed:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -601,7 +594,7 @@ class MegatronTrainer(Trainer):
         optimizer is used). ``optimizer``: Adam's moments, and the fp32 main parameters of a
         mixed-precision optimizer (those that are not the model's own storage)."""
         weights = list(self.gpt.parameters())
-        if part == "weights":
+        if part == Part.WEIGHTS:
             return weights
         if self.optimizer is None:
             return []
@@ -636,7 +629,7 @@ class MegatronTrainer(Trainer):
         come back as zeros). Parts already offloaded are skipped. Returns {"bytes": bytes
         copied to the host}."""
         parts = self._check_parts(parts)
-        if "grads" in parts:
+        if Part.GRADS in parts:
             self._free_grads()
         moved = self._stash_parts(parts)
         if self.device.type == "cuda":
@@ -647,7 +640,7 @@ class MegatronTrainer(Trainer):
         """Restore offloaded parts bit for bit (gradients as zeros). Returns {"bytes": bytes
         copied back}."""
         parts = self._check_parts(parts)
-        if "grads" in parts:
+        if Part.GRADS in parts:
             self._restore_grads()
         return {"bytes": self._unstash_parts(parts)}
 
