@@ -28,7 +28,6 @@ a backend that misses one fails when it is built (``TypeError``), not in the mid
 from __future__ import annotations
 
 import abc
-import functools
 import math
 from typing import TYPE_CHECKING, Iterable, Iterator
 
@@ -330,8 +329,8 @@ class Trainer(Model):
 
     def _stash_parts(self, parts: list[str]) -> int:
         """Free the device storage of the offloadable ``parts`` not yet offloaded, keeping
-        their bytes on the host (``chatlearn.models.trainer.stash.Stash``); returns the bytes."""
-        from chatlearn.models.trainer.stash import Stash
+        their bytes on the host (``chatlearn.models.stash.Stash``); returns the bytes."""
+        from chatlearn.models.stash import Stash
 
         moved = 0
         for part in self.OFFLOADABLE:
@@ -384,35 +383,6 @@ class Trainer(Model):
         return np.arange(self.dp_rank * share, (self.dp_rank + 1) * share)
 
 
-class NotProvided(NotImplementedError, AttributeError):
-    """Raised where a backend is asked for an :func:`optional_method` it does not provide.
-
-    Also an ``AttributeError``, so ``hasattr(backend, name)`` is False for such a method: callers
-    test whether a backend has the capability with ``hasattr`` (as
-    ``chatlearn.runtime.weight_sync.Endpoint.open_receiver`` does for ``attach_weight_slots``)."""
-
-
-class optional_method:  # noqa: N801 (used as a decorator, like ``abc.abstractmethod``)
-    """A method that a base class declares (signature and docstring: the contract) and that a
-    backend may leave out. A backend that overrides it provides it; on an instance of one that
-    does not, the attribute is missing (:class:`NotProvided`, a ``NotImplementedError`` naming the
-    backend, and an ``AttributeError``), so that ``hasattr`` tells whether it is provided. On the
-    class it reads as the declared function."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        functools.update_wrapper(self, fn)
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.owner, self.name = owner.__name__, name
-
-    def __get__(self, obj, objtype=None):
-        if obj is None:
-            return self.fn
-        raise NotProvided(f"{type(obj).__name__} does not provide {self.name} (optional in "
-                          f"{self.owner}: see {self.owner}.{self.name})")
-
-
 class Rollout(Model):
     """The policy: vLLM, SGLang or transformers.
 
@@ -421,10 +391,14 @@ class Rollout(Model):
     either as tensors (:meth:`load_weight_bucket`: every transport) or, with the ``cuda_ipc``
     transport to an engine whose workers run in processes of their own (vLLM), as a slot of
     the trainer's GPU memory that the workers map themselves (:meth:`attach_weight_slots`,
-    :meth:`load_weight_slot`, :meth:`detach_weight_slots`: optional, see
-    :func:`optional_method`; without them the rollout's process maps the slots and calls
-    :meth:`load_weight_bucket`).
+    :meth:`load_weight_slot`, :meth:`detach_weight_slots`): a backend that implements those sets
+    :attr:`maps_weight_slots`; for the others the rollout's own process maps the slots and calls
+    :meth:`load_weight_bucket`.
     """
+
+    # Whether the engine's workers map the trainer's CUDA IPC slots themselves (the three slot
+    # methods below are implemented); read by the weight push to choose how ``cuda_ipc`` delivers.
+    maps_weight_slots: bool = False
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
@@ -455,22 +429,27 @@ class Rollout(Model):
         """Close the update: every bucket is in place and the next generation uses the new
         weights only (no cached KV of the old weights)."""
 
-    @optional_method
     def attach_weight_slots(self, handles: dict) -> None:
         """CUDA IPC slots of the trainer ranks, ``{device uuid: [handle per slot]}`` (transport
         ``cuda_ipc``), mapped by the engine's own workers on their GPUs. Only for engines whose
         workers run in processes of their own (vLLM)."""
+        raise self._no_slots("attach_weight_slots")
 
-    @optional_method
     def load_weight_slot(self, slot: int, entries: list) -> None:
         """Load the bucket the trainer wrote into slot ``slot`` of :meth:`attach_weight_slots`
         (``entries``: ``[name, dtype, shape, offset, nbytes]`` rows) into the open update;
         returns once the slot has been read (the trainer then refills it)."""
+        raise self._no_slots("load_weight_slot")
 
-    @optional_method
     def detach_weight_slots(self) -> None:
         """Drop the mappings of :meth:`attach_weight_slots` (after the push, before the trainer
         frees the slots)."""
+        raise self._no_slots("detach_weight_slots")
+
+    def _no_slots(self, method: str) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__}.{method}: this rollout backend does not map CUDA IPC "
+                                   "weight slots in its workers (maps_weight_slots is False); the weight push "
+                                   "hands it buckets through load_weight_bucket")
 
 
 class Reward(abc.ABC):

@@ -259,7 +259,7 @@ class Endpoint:
         if transport == "shm":
             self.slots = [ShmSlot(p, attach["nbytes"], False) for p in attach["paths"]]
         elif transport == "cuda_ipc":  # attach: {GPU uuid: [handle per slot]} (slot_table)
-            self.engine_maps = hasattr(self.obj, "attach_weight_slots")
+            self.engine_maps = self.obj.maps_weight_slots
             if self.engine_maps:
                 self.obj.attach_weight_slots(attach)
             else:

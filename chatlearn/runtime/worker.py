@@ -68,10 +68,6 @@ class Worker:
         """The environment this process started with."""
         return self.start_env
 
-    def value(self, method: str, *args, **kwargs):
-        """Like ``call`` without the timing, so the result can be handed to another actor by reference."""
-        return self.call(method, *args, **kwargs)[0]
-
     def sync(self, op: str, *args):
         """Run ``op`` of this actor's weight-sync endpoint (``chatlearn.runtime.weight_sync``)."""
         if getattr(self, "_sync", None) is None:

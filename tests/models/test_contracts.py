@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from chatlearn.models.base import Model, NotProvided, Reward, Rollout, Trainer
+from chatlearn.models.base import Model, Reward, Rollout, Trainer
 
 RUNTIME = os.path.join(os.path.dirname(__file__), "..", "..", "chatlearn", "runtime")
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "chatlearn", "config")
@@ -62,25 +62,20 @@ def test_the_declared_contracts():
     assert Reward.__abstractmethods__ == {"score", "score_one"}
 
 
-def test_optional_rollout_methods_are_declared_but_absent_unless_provided():
-    """The CUDA IPC slot methods: documented on the base; a backend without them has no such
-    attribute (the weight push tests ``hasattr``) and calling one raises NotImplementedError
-    naming the backend."""
+def test_slot_methods_are_declared_and_refuse_unless_the_backend_maps_slots():
+    """The CUDA IPC slot methods: documented on the base, off by default (``maps_weight_slots``
+    False: the weight push hands such a backend buckets), and calling one on a backend without them
+    raises NotImplementedError naming the backend; vLLM provides them."""
     rollout = _complete(Rollout)()
-    assert "cuda_ipc" in Rollout.attach_weight_slots.__doc__
-    for name in ("attach_weight_slots", "load_weight_slot", "detach_weight_slots"):
+    assert "cuda_ipc" in Rollout.attach_weight_slots.__doc__ and rollout.maps_weight_slots is False
+    for name, args in (("attach_weight_slots", ({},)), ("load_weight_slot", (0, [])), ("detach_weight_slots", ())):
         assert getattr(Rollout, name).__doc__
-        assert not hasattr(rollout, name)
-        with pytest.raises(NotImplementedError, match=f"CompleteRollout does not provide {name}"):
-            getattr(rollout, name)()
-    assert issubclass(NotProvided, AttributeError)
-
-    class Slots(_complete(Rollout)):
-        def attach_weight_slots(self, handles):
-            return handles
-
-    assert Slots().attach_weight_slots({"a": 1}) == {"a": 1}
-    assert not hasattr(Slots(), "load_weight_slot")
+        with pytest.raises(NotImplementedError, match=f"CompleteRollout.{name}: .*maps_weight_slots is False"):
+            getattr(rollout, name)(*args)
+    vllm = pytest.importorskip("chatlearn.models.rollout.vllm")
+    assert vllm.VLLMRollout.maps_weight_slots is True
+    for name in ("attach_weight_slots", "load_weight_slot", "detach_weight_slots"):
+        assert getattr(vllm.VLLMRollout, name) is not getattr(Rollout, name), name
 
 
 # ------------------------------------------------------------------ (b) what the runtime calls

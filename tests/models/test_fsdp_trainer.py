@@ -176,7 +176,7 @@ def _parity_part(trainer, batch) -> dict:
 
 def _residency_part(trainer, batch, probe) -> dict:
     """Offload weights + optimizer + grads, check the storage is gone, onload, compare."""
-    from chatlearn.models.trainer.stash import _local
+    from chatlearn.models.stash import _local
 
     def states():
         return [_local(v).clone() for s in trainer.optimizer.state.values()

@@ -106,6 +106,8 @@ class FakeTrainer:
 
 
 class FakeRollout:
+    maps_weight_slots = False  # with cuda_ipc the receiving process maps the slots itself
+
     def __init__(self):
         self.got = {}
 

@@ -39,6 +39,8 @@ class Trainer:
 
 
 class Rollout:
+    maps_weight_slots = False  # the receiving process maps the slots (as for HF and SGLang)
+
     def __init__(self):
         self.expected = _weights("cuda:0")
         self.checked: list[str] = []

@@ -552,6 +552,8 @@ class VLLMRollout(Rollout):
     ``torch.set_num_threads`` with a no-op: ``cpu_threads`` is applied before that.
     """
 
+    maps_weight_slots = True  # cuda_ipc: the engine's workers map the trainer's slots (see attach_weight_slots)
+
     def __init__(self, cfg: dict):
         set_cpu_env_defaults()
         if not torch.cuda.is_available():
