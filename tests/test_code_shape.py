@@ -38,3 +38,29 @@ def test_the_episode_is_one_short_function_with_a_call_per_stage():
                                     key=lambda n: (n.lineno, n.col_offset))]
     order = [s.name for s in Stage if s is not Stage.EVAL]
     assert [s for s in named if s in order] == [s for s in order if s != "REF_LOGPROBS"], named
+
+
+# folders of whole-run tests and shared test code: not tied to one package
+NOT_MIRRORED = {"e2e", "reliability", "bench", "support"}
+
+
+def test_the_test_tree_mirrors_the_package():
+    """tests/<package>/... holds the tests of chatlearn/<package>/..., so a module's tests are found
+    by its path; every package folder has a test folder (a subpackage's tests may sit in its parent's)."""
+    tests = PACKAGE.parent / "tests"
+    folders = {p.relative_to(tests) for p in tests.rglob("*") if p.is_dir() and "__pycache__" not in p.parts
+               and any(p.glob("test_*.py"))}
+    stray = sorted(str(f) for f in folders
+                   if f.parts[0] not in NOT_MIRRORED and not (PACKAGE / f).is_dir())
+    assert not stray, f"test folders with no package folder of the same path in chatlearn/: {stray}"
+    packages = {p.relative_to(PACKAGE) for p in PACKAGE.rglob("*") if p.is_dir() and "__pycache__" not in p.parts}
+    untested = sorted(str(p) for p in packages if not any(p == f or p.is_relative_to(f) for f in folders))
+    assert not untested, f"package folders whose tests have no folder of their own or a parent's: {untested}"
+
+
+def test_the_architecture_doc_names_every_part_and_stage():
+    from chatlearn.config.names import Part, Stage
+
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = [str(n) for n in (*Part, *Stage) if f"`{n}`" not in doc]
+    assert not missing, f"docs/architecture.md does not name {missing}"

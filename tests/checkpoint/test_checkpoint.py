@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_fsdp_trainer import (  # noqa: E402
     add_logprobs,
     hf_logprobs,

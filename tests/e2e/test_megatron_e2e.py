@@ -2,7 +2,7 @@
 parallelism 2, then a resumed run for a second episode, on a machine without a GPU.
 
 megatron-core calls CUDA directly, so the trainer actors run under the test-only CPU device
-shim: the run's environment puts ``tests/models/megatron_cpu_site`` on ``PYTHONPATH`` and
+shim: the run's environment puts ``tests/support/megatron_cpu_site`` on ``PYTHONPATH`` and
 sets ``CHATLEARN_TEST_MEGATRON_CPU_SHIM=1``; its ``sitecustomize`` wraps ``MegatronTrainer``'s
 methods in ``megatron_shim.cpu_device_shim`` in every Ray actor that imports the trainer.
 The package itself is unchanged.
@@ -28,7 +28,7 @@ SHORT = ["runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_
 
 
 def run(out, episodes: int, extra: tuple = ()) -> str:
-    site = os.path.join(REPO, "tests", "models", "megatron_cpu_site")
+    site = os.path.join(REPO, "tests", "support", "megatron_cpu_site")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATLEARN_TEST_MEGATRON_CPU_SHIM": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
     cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_megatron.yaml", *SHORT,

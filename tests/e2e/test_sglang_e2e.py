@@ -1,6 +1,6 @@
 """End to end: ``chatlearn run`` with ``rollout_backend=sglang`` against the fake SGLang engine.
 
-The run's environment puts ``tests/models/fake_sglang`` on ``PYTHONPATH`` (as the Megatron
+The run's environment puts ``tests/support/fake_sglang`` on ``PYTHONPATH`` (as the Megatron
 end-to-end test does with its CPU shim), so that the rollout actors' ``import sglang`` finds
 the fake; the package itself is unchanged.
 """
@@ -25,7 +25,7 @@ SHORT = ["runtime_args.num_episode=2", "runtime_args.sample_per_episode=32",
 @pytest.mark.timeout(600)
 def test_two_episodes_with_the_sglang_adapter(tmp_path):
     out = tmp_path / "out"
-    fake = os.path.join(REPO, "tests", "models", "fake_sglang")
+    fake = os.path.join(REPO, "tests", "support", "fake_sglang")
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (fake, os.environ.get("PYTHONPATH")) if p)}
     env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)

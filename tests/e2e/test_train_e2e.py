@@ -18,7 +18,7 @@ SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=64", "ru
 
 
 def check_console(stdout: str, stderr: str, out, backend: str) -> None:
-    """A quiet, informative console (the mechanisms, --verbose included: tests/monitoring/test_console.py):
+    """A quiet, informative console (the mechanisms, --verbose included: tests/logging/test_console.py):
     third-party output is in <out>/logs/, not repeated on the console; the plain episode lines estimate
     the time left; the run ends with its summary; every metrics row has its wall-clock time."""
     import re

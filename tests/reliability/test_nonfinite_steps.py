@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models"))
 from test_fsdp_trainer import (add_logprobs, hf_logprobs, make_batch, make_tiny_model,  # noqa: E402
                                run_ranks, trainer_cfg)
 

@@ -436,7 +436,7 @@ def test_mismatch_kl_is_the_k3_estimator_and_documented():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "metrics_doc", os.path.join(os.path.dirname(__file__), "..", "monitoring", "metrics_doc.py"))
+        "metrics_doc", os.path.join(os.path.dirname(__file__), "..", "support", "metrics_doc.py"))
     metrics_doc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(metrics_doc)
     undocumented = metrics_doc.undocumented

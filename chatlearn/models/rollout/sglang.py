@@ -1,7 +1,7 @@
 """Rollout over SGLang's offline engine (``sglang.Engine``, SGLang >= 0.5.3; GPU only).
 
-Tested only against a fake of the engine API (``tests/models/fake_sglang``); not yet run
-against real SGLang on hardware (``tests/models/test_rollout_cpu.py`` holds the GPU test).
+Tested only against a fake of the engine API (``tests/support/fake_sglang``); not yet run
+against real SGLang on hardware (``tests/models/rollout/test_rollout_cpu.py`` holds the GPU test).
 
 Engine. ``sglang.Engine(model_path=load, tp_size, mem_fraction_static, dtype,
 context_length = max prompt + max response, max_running_requests = generation_batch_size,

@@ -1,7 +1,7 @@
 """vLLM rollout: how pushed weights are loaded, chosen per platform and vLLM release, and which
 requests carry seeds.
 
-A strict fake of vLLM 0.15 (``tests/models/fake_vllm``: no ``model_loader/reload/layerwise.py``,
+A strict fake of vLLM 0.15 (``tests/support/fake_vllm``: no ``model_loader/reload/layerwise.py``,
 ``Worker.reload_weights()`` without arguments, a Qwen2 whose ``load_weights`` maps Hugging Face
 names onto fused q/k/v and gate/up parameters as upstream's does) stands in for a CUDA release
 without the layerwise reload: a push in one bucket, a push in buckets that split a fused layer
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-FAKE_VLLM = os.path.join(os.path.dirname(__file__), "fake_vllm")
+FAKE_VLLM = os.path.join(os.path.dirname(__file__), "..", "..", "support", "fake_vllm")
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 3}
 
 

@@ -6,7 +6,7 @@ An end-to-end test puts this folder on ``PYTHONPATH`` and sets
 process that inherits that environment (the driver, Ray's processes, its actors). Nothing
 else is imported here: only when ``chatlearn.models.trainer.megatron.trainer`` is imported
 (by the trainer actors) is every public method of ``MegatronTrainer`` wrapped to run inside
-``megatron_shim.cpu_device_shim`` (tests/models/megatron_shim.py). Without the variable this
+``megatron_shim.cpu_device_shim`` (tests/support/megatron_shim.py). Without the variable this
 file does nothing.
 """
 import os
@@ -19,7 +19,7 @@ def _install() -> None:
     import importlib.util
     import sys
 
-    tests_models = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    support = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     class PatchOnImport(importlib.abc.MetaPathFinder):
         """Finds nothing itself: when TRAINER_MODULE is about to be imported, wraps its
@@ -34,7 +34,7 @@ def _install() -> None:
 
             def exec_and_shim(module):
                 exec_module(module)
-                sys.path.insert(0, tests_models)
+                sys.path.insert(0, support)
                 from megatron_shim import shim_trainer_class
 
                 shim_trainer_class(module.MegatronTrainer)

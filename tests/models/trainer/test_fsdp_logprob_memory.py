@@ -41,7 +41,6 @@ def test_no_tensor_holds_more_than_one_chunk_of_vocab_rows(tmp_path):
 
     from transformers import AutoConfig
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "algorithms"))
     path = make_tiny_model(str(tmp_path / "tiny"))
     batch = make_batch(AutoConfig.from_pretrained(path).vocab_size)
     logp, _ = hf_logprobs(path, batch)

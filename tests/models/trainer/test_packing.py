@@ -225,7 +225,6 @@ def test_fixed_seq_length_pads_to_it_and_changes_no_value(ranks):
 
 
 def test_new_metrics_are_documented():
-    sys.path.insert(0, os.path.join(REPO, "tests", "monitoring"))
     from metrics_doc import undocumented
 
     assert not undocumented(["train/pad_token_frac", "train/micro_steps",
@@ -233,7 +232,7 @@ def test_new_metrics_are_documented():
 
 
 def test_packing_with_the_megatron_backend_reaches_both_trainers(paths_overrides, monkeypatch):
-    """The Megatron trainer packs too (tests/models/test_megatron_trainer.py); a
+    """The Megatron trainer packs too (tests/models/trainer/test_megatron_trainer.py); a
     non-positive max_token_in_packing is still a config error naming the key."""
     from chatlearn.config import load as config_load
     from chatlearn.config.plan import make_plan

@@ -196,7 +196,6 @@ def test_config_load_checks_the_functions(tiny_model_dir, arith_data, tmp_path, 
 def test_reward_metrics_are_documented():
     from chatlearn.runtime.rollouts import Rollouts
 
-    sys.path.insert(0, os.path.join(REPO, "tests", "monitoring"))
     from metrics_doc import undocumented
 
     parts = {"math/score": np.array([1.0, 0.0]), "format/has_boxed": np.array([1.0, 1.0])}

@@ -24,13 +24,13 @@ JOB_TIMEOUT_S = 150
 
 
 def make_tiny_model(path: str) -> str:
-    """tests/tiny_model.py's random Qwen2 folder (with a tokenizer), with the (tied)
+    """tests/support/tiny_model.py's random Qwen2 folder (with a tokenizer), with the (tied)
     embeddings scaled to std 0.1 so that logits are O(1) as in a trained model: with
     std 1 log-probs are about -150 and float32 rounding alone exceeds 1e-5."""
     from transformers import AutoModelForCausalLM
 
     spec = importlib.util.spec_from_file_location(
-        "tiny_model", Path(__file__).resolve().parents[1] / "tiny_model.py")
+        "tiny_model", Path(__file__).resolve().parents[2] / "support" / "tiny_model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.make_tiny_model(path, seed=0)

@@ -1,6 +1,6 @@
 """Rollout backends (transformers, vLLM, SGLang) on a tiny random Qwen2 model, on CPU.
 
-SGLang runs here against ``tests/models/fake_sglang`` (a CPU fake of its engine API, put on
+SGLang runs here against ``tests/support/fake_sglang`` (a CPU fake of its engine API, put on
 ``sys.path`` only inside the fixture); ``sglang_gpu`` (marked ``gpu``) runs the same tests
 against the real engine where ``sglang`` and CUDA are present.
 
@@ -22,7 +22,7 @@ import torch
 from tiny_model import make_tiny_model  # tests/ is on sys.path (tests/conftest.py)
 
 BACKENDS = ["hf", "vllm", "sglang", pytest.param("sglang_gpu", marks=pytest.mark.gpu)]
-FAKE_SGLANG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang")
+FAKE_SGLANG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "support", "fake_sglang")
 MAX_PROMPT, MAX_RESPONSE = 32, 24
 TOL = 1e-4
 
