@@ -159,7 +159,10 @@ def _shimmed(method):
 
 
 def shim_trainer_class(cls) -> None:
-    """Make every public method of ``cls`` (and ``__init__``) run inside the shim."""
-    for name, member in list(vars(cls).items()):
-        if inspect.isfunction(member) and (name == "__init__" or not name.startswith("_")):
-            setattr(cls, name, _shimmed(member))
+    """Make every public method of ``cls`` (and ``__init__``), its own or inherited from chatlearn's
+    base classes (``Trainer.train``, ``compute_logprobs``, ...), run inside the shim; each once."""
+    names = {name for klass in cls.__mro__ if klass.__module__.startswith("chatlearn.")
+             for name, member in vars(klass).items()
+             if inspect.isfunction(member) and (name == "__init__" or not name.startswith("_"))}
+    for name in sorted(names):
+        setattr(cls, name, _shimmed(getattr(cls, name)))
