@@ -199,7 +199,7 @@ def start_actors(name: str, factory: str, *, num_actors: int, pg: PlacementGroup
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundles[i * k])
-        actor = ray.remote(Worker).options(**opts).remote(threads, factory.split(":")[0])
+        actor = ray.remote(Worker).options(**opts).remote(threads, factory.split(":")[0], name != "reward")
         _ROLES[actor._actor_id.hex()] = (name, i)
         actors.append(actor)
     return actors

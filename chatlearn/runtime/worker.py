@@ -13,20 +13,23 @@ import time
 class Worker:
     """Builds ``module:Class(cfg)`` in its own process and runs its methods on request."""
 
-    def __init__(self, threads: int, preload: str | None = None):
+    def __init__(self, threads: int, preload: str | None = None, uses_torch: bool = True):
         """``preload``: the backend's module, imported now, while the process waits for its
-        ``setup`` (the other models are built meanwhile); nothing touches a device here."""
+        ``setup`` (the other models are built meanwhile); nothing touches a device here.
+        ``uses_torch``: False for the reward workers, which then never import torch or
+        transformers (seconds of CPU at every start, taken from the models starting beside them)."""
         from chatlearn.logging.console import setup_worker
 
         setup_worker()  # third-party output to the run's logs/ folder (before importing them)
         # The process environment was set by Ray before start (chatlearn.runtime.env); it is
         # recorded as found, so that tests can check what the process started with.
         self.start_env = dict(os.environ)
-        import torch
-        from transformers.utils import logging as hf_logging
+        if uses_torch:
+            import torch
+            from transformers.utils import logging as hf_logging
 
-        torch.set_num_threads(threads)
-        hf_logging.disable_progress_bar()  # per-file loading bars would flood the run's log
+            torch.set_num_threads(threads)
+            hf_logging.disable_progress_bar()  # per-file loading bars would flood the run's log
         self.obj = None
         if preload:
             importlib.import_module(preload)
@@ -42,11 +45,11 @@ class Worker:
 
     def setup(self, factory: str, cfg: dict, env: dict[str, str] | None = None) -> None:
         os.environ.update(env or {})  # torch.distributed rendezvous (rank, world, address)
-        import torch
-
         from chatlearn.models.specs import RolloutSpec, TrainerSpec, resolve_for_device
 
         if isinstance(cfg, (TrainerSpec, RolloutSpec)):
+            import torch
+
             cfg = resolve_for_device(cfg, "cuda" if torch.cuda.is_available() else "cpu")
         from chatlearn.runtime.leftovers import record_owned, remove_stale_files, temp_files
 
@@ -79,9 +82,8 @@ class Worker:
     def memory(self) -> dict:
         """Peak memory of this process in MiB: CUDA memory allocated by torch when this process uses
         CUDA, else the peak resident set size (RSS). Peaks are since the process started."""
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch = sys.modules.get("torch")  # a process that never imported torch uses no CUDA
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             return {"peak_mb": torch.cuda.max_memory_allocated() / 2**20, "device": "cuda"}
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
         return {"peak_mb": rss / (2**20 if sys.platform == "darwin" else 2**10), "device": "cpu"}
