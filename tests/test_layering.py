@@ -156,15 +156,20 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle_between_subpackages():
-    """The graph of the imports between the layers (chatlearn's subpackages, the base modules and
-    the cli) has no cycle: a layer pair the table lets import each other must not do it both ways."""
+def import_edges(group_of) -> dict[str, set[str]]:
+    """The imports between groups of modules (``group_of(module)``: its layer, its folder), as edges."""
     edges: dict[str, set[str]] = defaultdict(set)
     for module, file in modules_cache().items():
         for target, _ in chatlearn_imports(module, file):
-            if layer_of(target) != layer_of(module):
-                edges[layer_of(module)].add(layer_of(target))
-    cycle = find_cycle(edges)
+            if group_of(target) != group_of(module):
+                edges[group_of(module)].add(group_of(target))
+    return edges
+
+
+def test_no_import_cycle_between_subpackages():
+    """The graph of the imports between the layers (chatlearn's subpackages, the base modules and
+    the cli) has no cycle: a layer pair the table lets import each other must not do it both ways."""
+    cycle = find_cycle(import_edges(layer_of))
     assert cycle is None, f"import cycle between chatlearn's subpackages: {' -> '.join(cycle)}"
 
 
@@ -180,10 +185,5 @@ def package_of(module: str) -> str:
 def test_no_import_cycle_between_folders_at_any_depth():
     """Inside a layer too, folders do not import each other both ways (``chatlearn.models`` and
     ``chatlearn.models.trainer``: the shared pieces sit in the parent, the backends use them)."""
-    edges: dict[str, set[str]] = defaultdict(set)
-    for module, file in modules_cache().items():
-        for target, _ in chatlearn_imports(module, file):
-            if package_of(target) != package_of(module):
-                edges[package_of(module)].add(package_of(target))
-    cycle = find_cycle(edges)
+    cycle = find_cycle(import_edges(package_of))
     assert cycle is None, f"import cycle between chatlearn's folders: {' -> '.join(cycle)}"
