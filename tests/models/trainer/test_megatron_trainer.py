@@ -509,7 +509,7 @@ def test_checkpoint_metadata_is_checked(tmp_path):
     """A checkpoint loads only when complete, of this format, and of the same layout."""
     from chatlearn.checkpoint import sharded
     from chatlearn.errors import UserError
-    from chatlearn.models.trainer.megatron import checkpoint as fmt
+    from chatlearn.checkpoint import megatron_format as fmt
 
     layout = {"world_size": 2, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
               "use_distributed_optimizer": False, "dtype": "float32"}
