@@ -25,7 +25,6 @@ import contextlib
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -50,21 +49,10 @@ from chatlearn.runtime.instrument import EpisodeRun, Instrument
 from chatlearn.runtime.output_dir import check_start, move_aside, previous_run, reconcile_logs
 from chatlearn.runtime.output_dir import refusal as output_refusal
 from chatlearn.runtime.replay import ReplayBuffer
-from chatlearn.runtime.rollouts import Rollouts
+from chatlearn.runtime.rollouts import Prompts, Rollouts
 from chatlearn.runtime.run_lock import RunLock
 from chatlearn.runtime.scheduler import Scheduler, Timeline, movable_parts
 from chatlearn.runtime.weight_sync import WeightSync
-
-
-@dataclass(frozen=True)
-class Prompts:
-    """An episode's prompts, one entry per sample (each prompt repeated for its group): token ids,
-    ground truths, data sources and the rows' other columns."""
-
-    ids: list
-    truths: list
-    sources: list
-    extra: list
 
 
 class GRPO(Rollouts):
@@ -156,15 +144,9 @@ class GRPO(Rollouts):
         metrics.update(self.episode_metrics(episode, batch, rewards, reward_parts))
         return run.finish(metrics, batch)
 
-    def next_prompts(self) -> "Prompts":
+    def next_prompts(self) -> Prompts:
         """The episode's prompts from the sampler, each repeated for its group of responses."""
-        n = self.plan.group_size
-        idx = self.sampler.next(self.plan.prompts_per_episode)
-        ts = self.train_set
-        return Prompts(ids=[ts.prompt_ids[i] for i in idx for _ in range(n)],
-                       truths=[ts.ground_truths[i] for i in idx for _ in range(n)],
-                       sources=[ts.data_sources[i] for i in idx for _ in range(n)],
-                       extra=[ts.extras[i] for i in idx for _ in range(n)])
+        return Prompts.of(self.train_set, self.sampler.next(self.plan.prompts_per_episode), self.plan.group_size)
 
     def start_ref_logprobs(self, batch: dict, run: EpisodeRun, pool: ThreadPoolExecutor):
         """The reference log-probs (None without a KL term): computed now when the reference shares
@@ -179,7 +161,7 @@ class GRPO(Rollouts):
                 return done
         return pool.submit(run.timed, "ref_policy", Stage.REF_LOGPROBS, self.ref_logprobs, batch)
 
-    def log_samples(self, episode: int, batch: dict, rewards: np.ndarray, prompts: "Prompts") -> None:
+    def log_samples(self, episode: int, batch: dict, rewards: np.ndarray, prompts: Prompts) -> None:
         """Every ``log_samples_interval`` episodes, ``log_samples_num`` decoded rows to the sinks
         (samples.jsonl, TensorBoard, W&B); decoding only, no random number drawn."""
         la = self.cfg.runtime_args.log_args_dict
@@ -256,8 +238,9 @@ class GRPO(Rollouts):
     def optimize(self, batch: dict, episode: int = 0) -> dict:
         """``sample_per_episode / train_global_batch_size`` optimizer steps (times num_training_epoch).
 
-        Returns the means over the steps taken as ``train/<metric>``, and ``train/skipped_steps``: the steps the trainer skipped
-        because their loss or gradient norm was not finite (their metrics are left out of the means).
+        Returns the means over the steps taken as ``train/<metric>``, and ``train/skipped_steps``: the
+        steps the trainer skipped because their loss or gradient norm was not finite (their metrics are
+        left out of the means).
         ``optimizer.max_nonfinite_steps`` skipped steps in a row (across episodes) stop the run with a
         UserError, before the episode's checkpoint."""
         plan = self.plan
@@ -279,9 +262,9 @@ class GRPO(Rollouts):
                     continue
                 for k, v in outs[0].items():
                     sums[k] += float(v)
-        kept = steps - skipped
-        return {f"train/{k}": v for k, v in {**{k: v / kept for k, v in sums.items()},
-                                             "skipped_steps": float(skipped)}.items()}
+        means = {k: v / (steps - skipped) for k, v in sums.items()}
+        means["skipped_steps"] = float(skipped)
+        return {f"train/{k}": v for k, v in means.items()}
 
     def nonfinite_step(self, step: dict, episode: int, index: int) -> bool:
         """Whether the trainer skipped this step (``skipped_steps``: its loss or gradient norm was not
@@ -362,21 +345,17 @@ class GRPO(Rollouts):
 
     def evaluate(self) -> dict:
         p = self.cfg.models.policy
-        k = p.eval_num_inference_per_prompt
-        es = self.eval_set
-        prompts = [ids for ids in es.prompt_ids for _ in range(k)]
-        truths = [g for g in es.ground_truths for _ in range(k)]
-        sources = [s for s in es.data_sources for _ in range(k)]
-        extra = [x for x in es.extras for _ in range(k)]
+        prompts = Prompts.of(self.eval_set, range(len(self.eval_set)), p.eval_num_inference_per_prompt)
         start = time.perf_counter()
         self.progress.stage(Stage.EVAL)
         self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
-        batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
-        rewards, reward_parts = self.score(batch, truths, sources, extra, what="the evaluation set")
+        batch = self.generate(prompts.ids, self.sampling(eval_mode=True, seed=p.seed))
+        rewards, reward_parts = self.score(batch, prompts.truths, prompts.sources, prompts.extra,
+                                           what="the evaluation set")
         metrics = self.rollout_metrics(batch, rewards, prefix="eval")
         metrics.update(self.reward_metrics(reward_parts, prefix="eval"))
-        for src in sorted(set(sources)):
-            sel = np.array([s == src for s in sources])
+        for src in sorted(set(prompts.sources)):
+            sel = np.array([s == src for s in prompts.sources])
             metrics[f"eval/{src}/reward_mean"] = float(rewards[sel].mean())
         metrics["time/eval"] = time.perf_counter() - start
         self.instrument.stage(Stage.EVAL, "policy", metrics["time/eval"])

@@ -22,7 +22,7 @@ from chatlearn.data.dataset import load_prompts, load_tokenizer
 from chatlearn.errors import UserError
 from chatlearn.logging.jsonl import write_text_atomic
 from chatlearn.runtime.cluster import Cluster
-from chatlearn.runtime.rollouts import Rollouts
+from chatlearn.runtime.rollouts import Prompts, Rollouts
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -100,13 +100,12 @@ class Evaluator(Rollouts):
 
     def run(self, prompt_set, k: int) -> tuple[list[dict], dict]:
         p = self.cfg.models.policy
-        prompts = [ids for ids in prompt_set.prompt_ids for _ in range(k)]
-        truths = [g for g in prompt_set.ground_truths for _ in range(k)]
-        sources = [s for s in prompt_set.data_sources for _ in range(k)]
-        extra = [x for x in prompt_set.extras for _ in range(k)]
-        batch = self.generate(prompts, self.sampling(eval_mode=True, seed=p.seed))
+        prompts = Prompts.of(prompt_set, range(len(prompt_set)), k)
+        truths, sources = prompts.truths, prompts.sources
+        batch = self.generate(prompts.ids, self.sampling(eval_mode=True, seed=p.seed))
         texts = self.responses_text(batch)
-        rewards, reward_parts = self.score(batch, truths, sources, extra, texts=texts, what="the evaluation set")
+        rewards, reward_parts = self.score(batch, truths, sources, prompts.extra, texts=texts,
+                                           what="the evaluation set")
         correct = self.correct(rewards, reward_parts)
         resp_lens = (batch["offsets"][1:] - batch["offsets"][:-1]) - batch["prompt_lens"]
         truncated = batch["finish_reasons"] == 0

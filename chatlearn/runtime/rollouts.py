@@ -1,12 +1,34 @@
 """Sampling and scoring, shared by training and evaluation-only runs."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Iterable
+
 import numpy as np
 import ray
 
 from chatlearn.errors import UserError
 from chatlearn.models.base import concat_batches, select_samples
 from chatlearn.runtime.group import CallTimeout
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Prompts to sample, one entry per sample (each prompt repeated for its ``k`` samples): token
+    ids, ground truths, data sources and the rows' other columns."""
+
+    ids: list
+    truths: list
+    sources: list
+    extra: list
+
+    @classmethod
+    def of(cls, prompt_set, indices: Iterable[int], k: int) -> "Prompts":
+        """Prompts ``indices`` of ``prompt_set`` (a :class:`~chatlearn.data.dataset.PromptSet`), each
+        ``k`` times in a row."""
+        rows = [i for i in indices for _ in range(k)]
+        return cls(ids=[prompt_set.prompt_ids[i] for i in rows], truths=[prompt_set.ground_truths[i] for i in rows],
+                   sources=[prompt_set.data_sources[i] for i in rows], extra=[prompt_set.extras[i] for i in rows])
 
 
 class Rollouts:
