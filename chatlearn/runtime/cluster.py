@@ -19,7 +19,7 @@ from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import ray_init_options
 from chatlearn.runtime.leftovers import clean_leftovers, mark_driver
-from chatlearn.runtime.signals import Terminated, stop_on_sigterm
+from chatlearn.runtime.signals import stop_on_sigterm, terminated
 from chatlearn.models.specs import RewardSpec, RolloutSpec, TrainerSpec
 from chatlearn.runtime.env import worker_env
 from chatlearn.runtime.group import WorkerGroup, create_group, start_actors
@@ -147,7 +147,7 @@ class Cluster:
         # (60 s, then the process is killed) when the GCS is gone, as after a SIGTERM to the whole
         # job. A local Ray we started goes with ray.shutdown(), and Ray removes a job's placement
         # groups when its driver leaves, so it is only removed explicitly where that is safe.
-        if self.pg is not None and not self.started_ray and not isinstance(exc, Terminated):
+        if self.pg is not None and not self.started_ray and not terminated():
             remove_placement_group(self.pg)
         if self.started_ray:
             ray.shutdown()

@@ -8,6 +8,10 @@ Ctrl-C exits with 130.
 
 ``ray.init`` installs its own SIGTERM handler in the driver (it kills the local Ray processes and
 calls ``sys.exit`` under running workers), so :func:`stop_on_sigterm` is called again after it.
+
+A SIGTERM that arrives while the driver waits in ``ray.get`` runs the handler inside Ray's signal
+check, and Ray replaces the exception the handler raised with a plain ``KeyboardInterrupt``. So the
+handler also records that SIGTERM came, and :func:`exit_code` reads that record, not the type.
 """
 from __future__ import annotations
 
@@ -24,7 +28,11 @@ class Terminated(KeyboardInterrupt):
     exit_code = SIGTERM_EXIT
 
 
+_received = threading.Event()
+
+
 def _raise_terminated(signum, frame):
+    _received.set()
     # later SIGTERMs while stopping are ignored: the first one already unwinds the run
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated()
@@ -36,5 +44,10 @@ def stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise_terminated)
 
 
+def terminated() -> bool:
+    """Whether this process received SIGTERM (whatever exception it became on the way up)."""
+    return _received.is_set()
+
+
 def exit_code(err: KeyboardInterrupt) -> int:
-    return getattr(err, "exit_code", SIGINT_EXIT)
+    return SIGTERM_EXIT if terminated() else getattr(err, "exit_code", SIGINT_EXIT)

@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 
-from chatlearn.runtime import group, leftovers
+from chatlearn.runtime import group, leftovers, signals
 from chatlearn.runtime.signals import SIGTERM_EXIT, Terminated, exit_code, stop_on_sigterm
 
 
@@ -27,7 +27,33 @@ def test_sigterm_raises_terminated_with_its_exit_code():
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second SIGTERM does not interrupt the stop
     finally:
         signal.signal(signal.SIGTERM, old)
+        signals._received.clear()
     assert exit_code(KeyboardInterrupt()) == 130
+
+
+SIGTERM_IN_RAY_GET = """
+import os, signal, threading, time, ray
+from chatlearn.runtime.signals import exit_code, stop_on_sigterm
+ray.init(num_cpus=1, include_dashboard=False)
+stop_on_sigterm()
+@ray.remote
+def wait():
+    time.sleep(60)
+threading.Timer(2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+try:
+    ray.get(wait.remote())
+except KeyboardInterrupt as err:
+    print("exit", type(err).__name__, exit_code(err), flush=True)
+ray.shutdown()
+"""
+
+
+def test_sigterm_during_ray_get_still_exits_143():
+    """Ray turns the handler's exception into a plain KeyboardInterrupt inside ``ray.get``; the
+    exit code still says SIGTERM (a job stopped by its scheduler exited 130 this way)."""
+    out = subprocess.run([sys.executable, "-c", SIGTERM_IN_RAY_GET], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert "exit KeyboardInterrupt 143" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
 def test_a_dead_actor_is_named_by_model_and_rank(monkeypatch):
