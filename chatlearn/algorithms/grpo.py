@@ -367,15 +367,21 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_sum(values, mask) / mask.to(values.dtype).sum().clamp(min=1.0)
 
 
-LOSS_SUMS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower", "ratio_mean")
+LOSS_SUMS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower", "ratio_mean",
+             "rollout_diff", "rollout_kl", "rollout_tokens")
+# with no old log-probs in the batch, the step's own forward stands for them, and the loss reports how
+# far they are from the rollout engine's (metrics of every response token, sample weights left out):
+# the sums of |logp - rollout_logp| and of the mismatch KL term, their count, and the largest difference
+ROLLOUT_MISMATCH = ("rollout_diff_sum", "rollout_kl_sum", "rollout_tokens", "rollout_diff_max")
 
 
 def loss_metrics(sums: list[float], num_tokens: int, kept_tokens: float, has_ref: bool,
-                 with_entropy: bool, dual_clip: bool) -> dict:
+                 with_entropy: bool, dual_clip: bool, rollout_diff_max: float | None = None) -> dict:
     """Metrics of a global batch from the all-reduced sums named by ``LOSS_SUMS``: ``loss``
     and ``policy_loss`` are already aggregated (sum_t c_t * l_t); kl, entropy, clip_frac and
     clip_frac_lower and ratio_mean (the importance ratio's token mean) are summed over the kept tokens and divided by their number
-    ``kept_tokens`` (token means). ``num_tokens``: all response tokens of the batch."""
+    ``kept_tokens`` (token means). ``num_tokens``: all response tokens of the batch. With
+    ``rollout_diff_max`` (the batch had no old log-probs), the ``ROLLOUT_MISMATCH`` sums too."""
     s = dict(zip(LOSS_SUMS, sums))
     denom = max(float(kept_tokens), 1.0)
     metrics = {"loss": s["loss"], "policy_loss": s["policy_loss"],
@@ -387,14 +393,19 @@ def loss_metrics(sums: list[float], num_tokens: int, kept_tokens: float, has_ref
         metrics["kl"] = s["kl"] / denom
     if with_entropy:
         metrics["entropy"] = s["entropy"] / denom
+    if rollout_diff_max is not None:
+        metrics.update(rollout_diff_sum=s["rollout_diff"], rollout_kl_sum=s["rollout_kl"],
+                       rollout_tokens=s["rollout_tokens"], rollout_diff_max=float(rollout_diff_max))
     return metrics
 
 
 def token_sums(terms: dict, coef: torch.Tensor, weight: torch.Tensor,
                entropy: torch.Tensor | None) -> torch.Tensor:
-    """float64 [len(LOSS_SUMS)] sums of one micro-batch: sum c*loss, sum c*pg, and the
-    weight-masked sums of kl, entropy, clipped, clipped_lower, ratio (see :func:`loss_metrics`)."""
+    """float64 [len(LOSS_SUMS)] sums of one micro-batch: sum c*loss, sum c*pg, the
+    weight-masked sums of kl, entropy, clipped, clipped_lower, ratio, and the unweighted
+    rollout mismatch sums when ``terms`` has them (see :func:`loss_metrics`)."""
     zero = terms["loss"].new_zeros(())
+    mismatch = terms.get("rollout_diff")
     with torch.no_grad():
         return torch.stack([
             (terms["loss"] * coef).sum(), (terms["pg"] * coef).sum(),
@@ -402,7 +413,10 @@ def token_sums(terms: dict, coef: torch.Tensor, weight: torch.Tensor,
             (entropy * weight).sum() if entropy is not None else zero,
             (terms["clipped"].to(weight.dtype) * weight).sum(),
             (terms["clipped_lower"].to(weight.dtype) * weight).sum(),
-            (terms["ratio"] * weight).sum()]).double()
+            (terms["ratio"] * weight).sum(),
+            mismatch.abs().sum() if mismatch is not None else zero,
+            (torch.exp(mismatch) - mismatch - 1).sum() if mismatch is not None else zero,
+            zero + mismatch.numel() if mismatch is not None else zero]).double()
 
 
 class GRPOLoss:
@@ -416,6 +430,12 @@ class GRPOLoss:
     from every denominator). Each rank sums c_i * loss_t over its own tokens, in any
     micro-batch order; the sum over ranks is the global aggregate. ``sample_weights`` absent
     means every weight is 1.
+
+    ``old_logprobs`` absent means the batch is trained on by the weights that generated it
+    (its first optimizer step): the old log-probs are then the forward's own, detached, which
+    is exactly what a separate pass with the same weights gives (the ratio is 1, its gradient
+    that of the log-probs), and with ``rollout_logprobs`` in the batch the loss also reports
+    how far they are from the rollout engine's (``ROLLOUT_MISMATCH``).
     """
 
     def __init__(self, cfg: dict, batch: dict, device: torch.device):
@@ -434,6 +454,9 @@ class GRPOLoss:
         self.coef = sample_loss_coefficients(cfg["loss_agg_mode"], lens, self.weights,
                                              cfg["max_response_tokens_length"])
         self.advantages = np.asarray(batch["advantages"], np.float32)
+        self.own_old = "old_logprobs" not in batch
+        self.tracks_rollout = self.own_old and "rollout_logprobs" in batch
+        self.rollout_diff_max = torch.zeros((), dtype=torch.float64, device=device)
 
     @staticmethod
     def sample_weights(batch: dict) -> np.ndarray:
@@ -452,15 +475,22 @@ class GRPOLoss:
         sample = np.searchsorted(self.offsets, pos, side="right") - 1
         seq = torch.from_numpy(np.unique(sample, return_inverse=True)[1].reshape(-1)).to(self.device)
         ref = (self._tensor(np.asarray(self.batch["ref_logprobs"])[pos]) if self.has_ref else None)
-        terms = grpo_token_losses(
-            self.cfg, logp, self._tensor(np.asarray(self.batch["old_logprobs"])[pos]),
-            self._tensor(self.advantages[sample]), seq, ref, entropy)
+        old = (logp.detach() if self.own_old
+               else self._tensor(np.asarray(self.batch["old_logprobs"])[pos]))
+        terms = grpo_token_losses(self.cfg, logp, old, self._tensor(self.advantages[sample]), seq, ref, entropy)
+        if self.tracks_rollout:
+            diff = (logp.detach() - self._tensor(np.asarray(self.batch["rollout_logprobs"])[pos])).double()
+            terms["rollout_diff"] = diff
+            if diff.numel():  # a running max: counting a token twice (tensor-parallel ranks) changes nothing
+                self.rollout_diff_max = torch.maximum(self.rollout_diff_max, diff.abs().max())
         return terms, self._tensor(self.coef[sample]), self._tensor(self.weights[sample])
 
-    def metrics(self, sums: list[float]) -> dict:
-        """:func:`loss_metrics` of the all-reduced :func:`token_sums`."""
+    def metrics(self, sums: list[float], rollout_diff_max: float | None = None) -> dict:
+        """:func:`loss_metrics` of the all-reduced :func:`token_sums` (and of the max-reduced
+        ``rollout_diff_max`` when :attr:`tracks_rollout`)."""
         return loss_metrics(sums, self.num_tokens, self.kept_tokens, self.has_ref,
-                            self.with_entropy, self.cfg["clip_ratio_c"] is not None)
+                            self.with_entropy, self.cfg["clip_ratio_c"] is not None,
+                            rollout_diff_max if self.tracks_rollout else None)
 
 
 def episode_advantages(batch: dict, rewards: np.ndarray, group_size: int, *, estimator: str,

@@ -9,6 +9,7 @@ from chatlearn.config.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_
 from chatlearn.errors import ConfigError
 
 PREFIX = "models.policy_trainer"
+OLD_LOGPROB_SOURCES = ("auto", "recompute")
 
 
 def validate_algorithm(cfg, total_steps: int) -> None:
@@ -18,6 +19,7 @@ def validate_algorithm(cfg, total_steps: int) -> None:
     _choice(t.loss_agg_mode, LOSS_AGG_MODES.names, f"{PREFIX}.loss_agg_mode")
     _choice(t.kl_estimator, KL_ESTIMATORS.names, f"{PREFIX}.kl_estimator")
     _choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS.names, f"{PREFIX}.advantage_estimator")
+    _choice(t.old_logprobs, OLD_LOGPROB_SOURCES, f"{PREFIX}.old_logprobs")
     if t.clip_ratio_c is not None and not t.clip_ratio_c > 1:
         raise ConfigError(f"must be > 1 (the dual-clip bound -A * clip_ratio_c of negative advantages), "
                           f"got {t.clip_ratio_c}; set null to turn dual clip off, or e.g. 3.0 as verl.",

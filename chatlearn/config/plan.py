@@ -58,6 +58,10 @@ class Plan:
     # (0: none, -1: all); num_episode, to count the run's optimizer steps
     max_replay_episode: int = 0
     num_episode: int = 1
+    # the old-log-prob pass covers samples [old_logprob_pass_from, samples_per_episode) of an episode;
+    # the ones before are the first optimizer step's, whose own forward gives them
+    # (models.policy_trainer.old_logprobs)
+    old_logprob_pass_from: int = 0
 
     def replayed_episodes(self, episode: int) -> int:
         """Earlier episodes whose samples episode ``episode`` (1-based) trains on besides its own."""
@@ -112,6 +116,13 @@ class Plan:
             f"{self.micro_batches_per_step} micro-batch(es) x "
             f"{self.samples_per_rank_per_step // self.micro_batches_per_step} samples)",
         ]
+        if self.old_logprob_pass_from >= self.samples_per_episode:
+            lines.append("old log-probs: the optimizer step's own forward (one step per episode: no "
+                         "separate pass; models.policy_trainer.old_logprobs)")
+        elif self.old_logprob_pass_from > 0:
+            lines.append(f"old log-probs: a pass over the {self.samples_per_episode - self.old_logprob_pass_from} "
+                         f"samples of optimizer steps 2..{self.steps_per_episode}; step 1's own forward gives "
+                         "its samples' (models.policy_trainer.old_logprobs)")
         if self.max_replay_episode != 0:
             lines.append(
                 f"replay: each episode also trains on the samples of up to "
@@ -213,7 +224,17 @@ def make_plan(cfg: DictConfig) -> Plan:
                 samples_per_step=gbs, samples_per_rank_per_step=per_rank, micro_batches_per_step=per_rank // micro,
                 steps_per_episode=spe // gbs * rt.num_training_epoch, rollout_replicas=replicas,
                 device_groups=groups, devices_per_group=sizes, placements=placements, uses_ref=uses_ref,
-                max_replay_episode=rt.max_replay_episode, num_episode=rt.num_episode)
+                max_replay_episode=rt.max_replay_episode, num_episode=rt.num_episode,
+                old_logprob_pass_from=old_logprob_pass_from(t, rt, gbs))
+
+
+def old_logprob_pass_from(t, rt, samples_per_step: int) -> int:
+    """The first sample of an episode that the old-log-prob pass covers (see ``Plan``): the first
+    optimizer step's samples are left out when nothing else needs their old log-probs before that
+    step: not a second epoch over them, not a later episode replaying them, not the reward's KL."""
+    own_first_step = (t.old_logprobs == "auto" and rt.num_training_epoch == 1 and rt.max_replay_episode == 0
+                      and not t.kl_in_reward)
+    return samples_per_step if own_first_step else 0
 
 
 def _check_rollout_parallel(pol, backend: str) -> None:

@@ -210,6 +210,12 @@ class PolicyTrainer(TrainerModel):
     generation_batch_size: int = 8
     free_gpu_memory: FreeGpuMemory = field(
         default_factory=lambda: FreeGpuMemory(True, True, True))
+    # Where the PPO ratio's old log-probs come from. auto: the first optimizer step of an episode
+    # trains with the weights that generated its samples, so its own forward (detached) gives them,
+    # and the separate pass covers only the samples of the later steps (none with one step per
+    # episode); the pass covers every sample where the math needs it first (num_training_epoch > 1,
+    # max_replay_episode != 0, kl_in_reward). recompute: the pass over every sample, always.
+    old_logprobs: str = "auto"  # auto | recompute
 
 
 @dataclass

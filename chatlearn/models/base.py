@@ -184,7 +184,12 @@ class Trainer(Model):
         self.model.train(True)
         sums, passes = self._accumulate_grads(batch, objective, temperature)
         dist.all_reduce(sums)
-        return {**objective.metrics(sums.tolist()), **passes}
+        diff_max = None
+        if objective.tracks_rollout:
+            top = objective.rollout_diff_max.detach().clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            diff_max = float(top.item())
+        return {**objective.metrics(sums.tolist(), diff_max), **passes}
 
     def train(self, batch: Batch, temperature: float = 1.0) -> dict:
         """One optimizer step on one global batch; returns metrics (floats): the loss metrics of

@@ -30,7 +30,7 @@ import numpy as np
 import ray
 from omegaconf import DictConfig
 
-from chatlearn.algorithms.grpo import episode_advantages
+from chatlearn.algorithms.grpo import ROLLOUT_MISMATCH, episode_advantages
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.names import MODEL_PARTS, Part, Stage
 from chatlearn.config.plan import Plan
@@ -120,9 +120,7 @@ class GRPO(Rollouts):
             scoring = run.background(pool, Stage.REWARD, "reward", self.score, batch, prompts.truths,
                                      prompts.sources, prompts.extra, None, f"the rollouts of episode {episode}")
             reference = self.start_ref_logprobs(batch, run, pool)
-            with run.stage(Stage.OLD_LOGPROBS, "policy_trainer"):
-                self.sched.ensure("policy_trainer", [Part.WEIGHTS])
-                batch["old_logprobs"] = self.logprobs(self.trainer, batch)
+            batch["old_logprobs"] = self.old_logprobs(batch, run)
             if reference is not None:
                 batch["ref_logprobs"] = reference.result()
             rewards, reward_parts = scoring.result()
@@ -131,7 +129,10 @@ class GRPO(Rollouts):
         self.log_samples(episode, batch, rewards, prompts)  # before the checkpoint, which keeps them
         with run.stage(Stage.TRAIN, "policy_trainer"):
             self.sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
-            metrics.update(self.optimize(self.replay.training_batch(batch), episode))
+            train_batch = self.replay.training_batch(batch)
+            if self.plan.old_logprob_pass_from:  # (no replay then) the first step reports the mismatch
+                train_batch["rollout_logprobs"] = batch["rollout_logprobs"]
+            metrics.update(self.optimize(train_batch, episode))
         self.replay.add(batch)  # before the checkpoint, which keeps it for the episodes that follow
         if self.should_save(episode):  # the trainer is still resident with its optimizer state
             with run.stage(Stage.CHECKPOINT, "policy_trainer"):
@@ -176,11 +177,7 @@ class GRPO(Rollouts):
         metrics = {f"perf/logprob_{k}": v for k, v in self.trainer.call("logprob_stats")[0][0].items()}
         metrics.update(self.rollout_metrics(batch, rewards, prefix="train"))
         metrics.update(self.reward_metrics(reward_parts, prefix="train"))
-        mask = response_mask(batch)
-        diff = np.abs(batch["rollout_logprobs"][mask] - batch["old_logprobs"][mask])
-        metrics["train/logprob_diff_rollout_vs_trainer_mean"] = float(diff.mean()) if diff.size else 0.0
-        metrics["train/logprob_diff_rollout_vs_trainer_max"] = float(diff.max()) if diff.size else 0.0
-        metrics["train/mismatch_kl"] = mismatch_kl(batch["old_logprobs"][mask], batch["rollout_logprobs"][mask])
+        metrics.update(self.mismatch_metrics(batch))
         warn_at = self.cfg.models.policy.logprob_mismatch_warn
         if warn_at > 0 and metrics["train/logprob_diff_rollout_vs_trainer_mean"] > warn_at:
             print(f"[chatlearn] warning: episode {episode}: rollout and trainer log-probs differ by "
@@ -189,6 +186,24 @@ class GRPO(Rollouts):
                   f"{metrics['train/mismatch_kl']:.2e}): the rollout engine samples from a different "
                   "distribution than the trainer (dtype, kernels, or a failed weight push)", flush=True)
         return metrics
+
+    def mismatch_metrics(self, batch: dict) -> dict:
+        """How far the rollout engine's log-probs are from the trainer's before the update, over every
+        response token: the old-log-prob pass's tokens, and the first optimizer step's as its own
+        forward reported them (``plan.old_logprob_pass_from``)."""
+        mask = response_mask(batch)
+        cut = min(self.plan.old_logprob_pass_from, len(batch["prompt_lens"]))
+        mask[:batch["offsets"][cut]] = False
+        d = batch["old_logprobs"][mask].astype(np.float64) - batch["rollout_logprobs"][mask].astype(np.float64)
+        own = getattr(self, "own_old_mismatch", {}) if cut else {}
+        count = d.size + own.get("rollout_tokens", 0.0)
+        total = float(np.abs(d).sum()) + own.get("rollout_diff_sum", 0.0)
+        kl = mismatch_kl(batch["old_logprobs"][mask], batch["rollout_logprobs"][mask]) * d.size + own.get(
+            "rollout_kl_sum", 0.0)
+        top = max(float(np.abs(d).max()) if d.size else 0.0, own.get("rollout_diff_max", 0.0))
+        return {"train/logprob_diff_rollout_vs_trainer_mean": total / count if count else 0.0,
+                "train/logprob_diff_rollout_vs_trainer_max": top,
+                "train/mismatch_kl": kl / count if count else 0.0}
 
     def sample_rows(self, batch: dict, rewards: np.ndarray, truths: list, sources: list[str], k: int) -> list[dict]:
         """``k`` of the episode's samples as rows (decoded prompt and response, reward, ...): one
@@ -213,6 +228,22 @@ class GRPO(Rollouts):
         """Log-probs are taken under the sampling distribution's temperature (1 for greedy)."""
         t = self.cfg.models.policy.temperature
         return t if t > 0 else 1.0
+
+    def old_logprobs(self, batch: dict, run: EpisodeRun) -> np.ndarray:
+        """The trainer's log-probs of the batch before the update, float32 [T]: NaN at the tokens of
+        the samples before ``plan.old_logprob_pass_from`` (the first optimizer step's, whose own
+        forward gives them: :class:`chatlearn.algorithms.grpo.GRPOLoss`), the pass's elsewhere."""
+        cut, n = self.plan.old_logprob_pass_from, len(batch["prompt_lens"])
+        old = np.full(len(batch["tokens"]), np.nan, np.float32)
+        if cut >= n:
+            return old
+        with run.stage(Stage.OLD_LOGPROBS, "policy_trainer"):
+            self.sched.ensure("policy_trainer", [Part.WEIGHTS])
+            if cut == 0:
+                return self.logprobs(self.trainer, batch)
+            old[batch["offsets"][cut]:] = self.logprobs(self.trainer, select_samples(
+                {k: batch[k] for k in ("tokens", "offsets", "prompt_lens")}, range(cut, n)))
+        return old
 
     def ref_logprobs(self, batch: dict) -> np.ndarray:
         self.sched.ensure("ref_policy", [Part.WEIGHTS])
@@ -251,16 +282,24 @@ class GRPO(Rollouts):
         samples = len(batch["prompt_lens"])  # with replay, earlier episodes' samples too
         epochs = self.cfg.runtime_args.num_training_epoch
         total = samples // plan.samples_per_step * epochs
+        self.own_old_mismatch = {}
         for _ in range(epochs):
             for s in range(0, samples, plan.samples_per_step):
                 sub = select_samples({k: batch[k] for k in keys if k in batch}, range(s, s + plan.samples_per_step))
+                if s < plan.old_logprob_pass_from:  # the step's own forward gives its old log-probs
+                    del sub["old_logprobs"]
+                    sub["rollout_logprobs"] = select_samples(
+                        {"offsets": batch["offsets"], "rollout_logprobs": batch["rollout_logprobs"]},
+                        range(s, s + plan.samples_per_step))["rollout_logprobs"]
                 self.progress.stage(Stage.TRAIN, f"step {steps + 1}/{total}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
+                step = dict(outs[0])
+                self.own_old_mismatch.update({k: step.pop(k) for k in ROLLOUT_MISMATCH if k in step})
                 steps += 1
-                if self.nonfinite_step(outs[0], episode, steps):
+                if self.nonfinite_step(step, episode, steps):
                     skipped += 1
                     continue
-                for k, v in outs[0].items():
+                for k, v in step.items():
                     sums[k] += float(v)
         means = {k: v / (steps - skipped) for k, v in sums.items()}
         means["skipped_steps"] = float(skipped)

@@ -196,6 +196,56 @@ def _grpo_cfg(**over):
     return cfg
 
 
+@pytest.mark.parametrize("gspo", [False, True])
+def test_without_old_logprobs_the_forward_stands_for_them(gspo):
+    """No ``old_logprobs``: the loss, its gradient and its sums equal those with old log-probs equal
+    to the forward's own values (ratio 1, not a constant: the gradient flows); with
+    ``rollout_logprobs`` the mismatch sums over every response token (sample weights left out),
+    split over micro-batches in any order, and the max."""
+    offsets, plen, rlen = ragged(6, n=8)
+    rng = np.random.default_rng(6)
+    T = int(offsets[-1])
+    logp_np = rng.normal(-1, 0.3, T).astype(np.float32)
+    rollout = (logp_np + rng.normal(0, 0.1, T)).astype(np.float32)
+    batch = {"offsets": offsets, "prompt_lens": plen, "ref_logprobs": rng.normal(-1, 0.3, T).astype(np.float32),
+             "advantages": rng.normal(size=8).astype(np.float32),
+             "sample_weights": np.array([1, 0, 1, 1, 1, 1, 0, 1], np.float32)}
+    cfg = _grpo_cfg(use_group_sequence_policy=gspo, entropy_coef=0.0)
+    own = GRPOLoss(cfg, dict(batch, rollout_logprobs=rollout), torch.device("cpu"))
+    given = GRPOLoss(cfg, dict(batch, old_logprobs=logp_np), torch.device("cpu"))
+    assert own.tracks_rollout and not given.tracks_rollout
+    pos = np.where(_mask(batch))[0]
+    results = []
+    for objective in (own, given):
+        logp = torch.tensor(logp_np[pos], requires_grad=True)
+        terms, coef, weight = objective.terms(logp, None, pos)
+        loss = (terms["loss"] * coef).sum()
+        grad, = torch.autograd.grad(loss, logp)
+        results.append((loss.item(), grad, token_sums(terms, coef, weight, None)))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+    assert results[0][1].abs().sum() > 0
+    torch.testing.assert_close(results[0][2][:7], results[1][2][:7], rtol=0, atol=0)
+    d = logp_np[pos].astype(np.float64) - rollout[pos].astype(np.float64)
+    sums = dict(zip(LOSS_SUMS, results[0][2].tolist()))
+    assert sums["rollout_diff"] == pytest.approx(np.abs(d).sum(), rel=1e-12)
+    assert sums["rollout_kl"] == pytest.approx((np.exp(d) - d - 1).sum(), rel=1e-9)
+    assert sums["rollout_tokens"] == len(pos) == rlen.sum()
+    assert own.rollout_diff_max.item() == pytest.approx(np.abs(d).max(), rel=1e-12)
+    metrics = own.metrics(results[0][2].tolist(), own.rollout_diff_max.item())
+    assert metrics["rollout_tokens"] == len(pos) and metrics["ratio_mean"] == 1.0
+    assert "rollout_diff_sum" not in given.metrics(results[1][2].tolist(), 0.5)
+    # micro-batches in any order add up to the same sums
+    again = GRPOLoss(cfg, dict(batch, rollout_logprobs=rollout), torch.device("cpu"))
+    parts = []
+    for mb in ([2, 0], [3, 1], [7, 5], [4, 6]):
+        p = np.concatenate([np.arange(offsets[i] + plen[i], offsets[i + 1]) for i in mb])
+        terms, coef, weight = again.terms(torch.tensor(logp_np[p]), None, p)
+        parts.append(token_sums(terms, coef, weight, None))
+    torch.testing.assert_close(sum(parts)[7:], results[0][2][7:], rtol=1e-12, atol=1e-12)
+    assert again.rollout_diff_max.item() == own.rollout_diff_max.item()
+
+
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("gspo", [False, True])
 def test_rank_and_micro_batch_partial_sums_add_up_to_the_global_loss(mode, gspo):
@@ -240,7 +290,7 @@ def test_rank_and_micro_batch_partial_sums_add_up_to_the_global_loss(mode, gspo)
     assert whole.item() == pytest.approx(ref_agg(rows, batch["sample_weights"], mode, 10), rel=1e-5)
     metrics = objective.metrics(whole_sums.tolist())
     assert set(metrics) == {"loss", "policy_loss", "clip_frac", "clip_frac_lower", "ratio_mean", "num_tokens",
-                            "kl", "entropy"} and len(LOSS_SUMS) == 7
+                            "kl", "entropy"} and len(LOSS_SUMS) == 10
     assert metrics["num_tokens"] == rlen.sum()
     # ratio_mean: the token mean, over the kept samples, of the ratio the loss clips (the token ratio
     # exp(logp - old_logp), or with GSPO each sample's exp(mean over its tokens of logp - old_logp))

@@ -216,6 +216,7 @@ def test_chatlearn_yaml_with_every_documented_key_loads(tmp_path, tiny_model_dir
     ("models.policy.eval_frequency_penalty=-3", "models.policy.eval_frequency_penalty", ["[-2, 2]"]),
     ("models.policy.repetition_penalty=0", "models.policy.repetition_penalty", ["> 0"]),
     ("models.policy.eval_repetition_penalty=-1", "models.policy.eval_repetition_penalty", ["> 0"]),
+    ("models.policy_trainer.old_logprobs=rollout", "models.policy_trainer.old_logprobs", ["recompute"]),
 ])
 def test_config_errors_name_the_key(paths_overrides, override, key, words):
     with pytest.raises(ConfigError) as info:
@@ -225,6 +226,23 @@ def test_config_errors_name_the_key(paths_overrides, override, key, words):
     assert msg.startswith(key)
     for w in words:
         assert w in msg, msg
+
+
+@pytest.mark.parametrize("overrides, pass_from", [
+    ([], 128),  # the template: 2 steps of 128; step 1's own forward gives its old log-probs
+    (["runtime_args.train_global_batch_size=256"], 256),  # one step per episode: no pass
+    (["models.policy_trainer.old_logprobs=recompute"], 0),
+    (["runtime_args.num_training_epoch=2"], 0),  # the second epoch needs step 1's old log-probs
+    (["runtime_args.max_replay_episode=1"], 0),  # a later episode replays them
+    (["models.policy_trainer.kl_coef=0.1", "models.policy_trainer.kl_in_reward=True"], 0),  # the reward's KL
+])
+def test_old_logprob_pass_leaves_out_what_the_math_does_not_need(paths_overrides, overrides, pass_from, capsys):
+    plan = make_plan(load_config(TEMPLATE, paths_overrides + overrides))
+    assert plan.old_logprob_pass_from == pass_from
+    lines = " ".join(plan.describe())
+    assert ("no separate pass" in lines) == (pass_from == 256)
+    assert ("step 1's own forward" in lines) == (pass_from == 128)
+
 
 
 def test_missing_required_key(tmp_path, tiny_model_dir, arith_data):

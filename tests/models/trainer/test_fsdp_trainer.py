@@ -275,12 +275,30 @@ def _lr_resume_part(path, batch, out) -> dict:
             "filtered_unchanged": unchanged, "after_filtered_lr": resumed.train(batch)["lr"]}
 
 
+def _own_old_part(path, batch) -> dict:
+    """The same weights, gradients and metrics with the old log-probs of a separate pass as without
+    them (the step's own forward, detached); without them, the rollout mismatch sums."""
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    trainer = FSDPTrainer(trainer_cfg(path, clip_ratio_c=1.5))
+    own = {k: v for k, v in batch.items() if k != "old_logprobs"}
+    rollout = own["rollout_logprobs"] = batch["old_logprobs"] + np.float32(0.05)
+    passed = trainer.compute_logprobs(batch, temperature=TEMPERATURE)
+    with_pass = trainer.compute_grads(dict(batch, old_logprobs=passed), temperature=TEMPERATURE)
+    grads_pass = trainer.full_grads()
+    trainer.zero_grad()
+    without = trainer.compute_grads(own, temperature=TEMPERATURE)
+    return {"own_pass_metrics": with_pass, "own_pass_grads": grads_pass, "own_metrics": without,
+            "own_grads": trainer.full_grads(), "own_passed": passed, "own_rollout": rollout}
+
+
 def job_two_ranks(rank, world, path, batch, probe, out):
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
     trainer = FSDPTrainer(trainer_cfg(path))
     res = _parity_part(trainer, batch)
     res["modes"] = _loss_modes_part(path, batch)
+    res.update(_own_old_part(path, batch))
     res.update(_residency_part(trainer, batch, probe))
     res.update(_export_part(trainer, probe, out))
     return res
@@ -300,6 +318,7 @@ def job_one_rank(rank, world, path, batch, out):
     logp = plain.compute_logprobs(batch)
     res["token_mean_metrics"] = plain.compute_grads(dict(batch, old_logprobs=logp))
     res["modes"] = _loss_modes_part(path, batch)
+    res.update(_own_old_part(path, batch))
     res["plain_modes"] = {}
     for mode in AGG_MODES:  # ratio 1, no KL / entropy: the loss is -agg(advantage)
         t = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0, loss_agg_mode=mode))
@@ -376,6 +395,31 @@ def test_two_ranks_match_one_rank(two, one):
     norm = torch.sqrt(sum((g.double() ** 2).sum() for g in g1.values())).item()
     assert one["step_metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert norm > 1.0  # so clip_grad=1.0 really clipped
+
+
+@pytest.mark.timeout(240)
+def test_a_step_without_old_logprobs_uses_its_own_forward(setup, two, one):
+    """No old log-probs in the batch (the first optimizer step with the weights that generated it):
+    the gradients and the loss metrics equal those with the old log-probs of a separate pass, on 1
+    and on 2 ranks, and the step reports the rollout mismatch over every response token."""
+    from chatlearn.models.base import response_mask
+
+    (r0, r1), _ = two
+    for res in (r0, r1, one):
+        for name in METRICS + ("ratio_mean",):
+            assert res["own_metrics"][name] == pytest.approx(res["own_pass_metrics"][name], abs=1e-6), name
+        for name, g in res["own_pass_grads"].items():
+            torch.testing.assert_close(res["own_grads"][name], g, rtol=0, atol=1e-6, msg=name)
+        assert "rollout_diff_sum" not in res["own_pass_metrics"]
+    assert r0["own_metrics"]["ratio_mean"] == 1.0 and r0["own_metrics"]["clip_frac"] == 0.0
+    mask = response_mask(setup["batch"])
+    d = one["own_passed"][mask].astype(np.float64) - one["own_rollout"][mask].astype(np.float64)
+    expected = {"rollout_diff_sum": np.abs(d).sum(), "rollout_kl_sum": (np.exp(d) - d - 1).sum(),
+                "rollout_tokens": float(mask.sum()), "rollout_diff_max": np.abs(d).max()}
+    for name, value in expected.items():
+        assert r0["own_metrics"][name] == r1["own_metrics"][name], name
+        assert r0["own_metrics"][name] == pytest.approx(one["own_metrics"][name], rel=1e-6), name
+        assert one["own_metrics"][name] == pytest.approx(value, rel=1e-4), name
 
 
 @pytest.mark.timeout(240)
