@@ -76,7 +76,7 @@ def trainer_cfg(path: str) -> dict:
 def rollout_cfg(path: str) -> dict:
     return {"load": path, "trust_remote_code": False, "seed": 0, "generation_batch_size": 4,
             "max_prompt_tokens_length": 32, "max_response_tokens_length": 16, "dtype": "float32",
-            "device": "cpu", "gpu_memory_utilization": 0.5, "enforce_eager": True,
+            "device": "cpu", "gpu_memory_utilization": 0.5, "kv_cache": "fit", "enforce_eager": True,
             "tensor_model_parallel_size": 1, "max_num_batched_tokens": None, "cpu_threads": 1,
             "deterministic_inference": True}
 

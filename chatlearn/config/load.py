@@ -252,6 +252,7 @@ def _check_policy(cfg: DictConfig) -> None:
     _check_sampling(p, cfg.runtime_args.rollout_backend)
     if not 0 < p.gpu_memory_utilization <= 1:
         raise ConfigError("must be in (0, 1].", key="models.policy.gpu_memory_utilization")
+    _choice(p.kv_cache, ("fit", "utilization"), "models.policy.kv_cache")
     if p.seq_length is not None and p.seq_length <= p.max_prompt_tokens_length:
         raise ConfigError(
             f"is {p.seq_length}; it is the engine's tokens per sequence (prompt + response), so it must exceed "

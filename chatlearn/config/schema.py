@@ -269,6 +269,10 @@ class Policy(ModelBase):
     vllm_input_ids_key: str = "input_ids"
     enable_stage_resume: bool = False
     gpu_memory_utilization: float = 0.8
+    # KV cache of vLLM / SGLang. fit: generation_batch_size sequences of seq_length tokens (all of an
+    # episode's sequences in flight, no more; capped on CUDA by what gpu_memory_utilization leaves
+    # beside the weights); utilization: whatever gpu_memory_utilization leaves (the engines' own sizing)
+    kv_cache: str = "fit"  # fit | utilization
     enforce_eager: bool = False
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
 

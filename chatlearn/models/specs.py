@@ -136,6 +136,7 @@ class RolloutSpec(_Readable):
     max_num_batched_tokens: int
     dtype: str  # "auto" until resolved in the worker, then one of DTYPES
     gpu_memory_utilization: float
+    kv_cache: str  # "fit" | "utilization"
     enforce_eager: bool
     tensor_model_parallel_size: int
     deterministic_inference: Optional[bool]  # None until resolved: on for CPU, off on CUDA
@@ -152,7 +153,8 @@ class RolloutSpec(_Readable):
             generation_batch_size=p.generation_batch_size, max_prompt_tokens_length=p.max_prompt_tokens_length,
             max_response_tokens_length=p.max_response_tokens_length, seq_length=p.seq_length,
             max_num_batched_tokens=p.max_num_batched_tokens,
-            dtype=p.dtype, gpu_memory_utilization=p.gpu_memory_utilization, enforce_eager=p.enforce_eager,
+            dtype=p.dtype, gpu_memory_utilization=p.gpu_memory_utilization, kv_cache=p.kv_cache,
+            enforce_eager=p.enforce_eager,
             tensor_model_parallel_size=p.tensor_model_parallel_size,
             deterministic_inference=p.deterministic_inference, cpu_threads=None)
 

@@ -59,6 +59,7 @@ import torch
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Rollout
+from chatlearn.models.rollout import kv_cache
 from chatlearn.models.rollout.hf import (check_lengths, eos_token_ids, pack_samples,
                                          parse_sampling, release_cuda_cache, response_budgets,
                                          to_torch)
@@ -67,7 +68,6 @@ from chatlearn.models.rollout.hf import (check_lengths, eos_token_ids, pack_samp
 # tags go to its API as the plain strings (str(part)).
 PARTS = (Part.WEIGHTS, Part.KV_CACHE)
 FINISH_REASONS = {"stop": 1, "length": 0}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def import_sglang():
@@ -86,19 +86,6 @@ def import_sglang():
                 "which differ from the trainer's at any temperature other than 1. Unset it for chatlearn "
                 "runs.", key="runtime_args.rollout_backend")
     return sglang
-
-
-def checkpoint_bytes(model_dir: str, dtype: str) -> int:
-    """Bytes of the checkpoint's tensors at ``dtype``: sum(numel) * itemsize."""
-    from safetensors import safe_open
-
-    numel = 0
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
-                for key in f.keys():
-                    numel += int(np.prod(f.get_slice(key).get_shape()))
-    return numel * DTYPE_BYTES[dtype]
 
 
 def deterministic_attention_backend(device: torch.device) -> str:
@@ -147,12 +134,19 @@ class SGLangRollout(Rollout):
         self.deterministic = bool(cfg["deterministic_inference"])
         extra = ({"attention_backend": deterministic_attention_backend(self._device)}
                  if self.deterministic else {})
+        context_length = self.seq_length or self.max_prompt_len + self.max_response_len
+        if cfg["kv_cache"] == "fit":  # SGLang keeps the smaller of this and what mem_fraction_static leaves
+            sized = kv_cache.fit(cfg["load"], cfg["dtype"], int(cfg["generation_batch_size"]), context_length,
+                                 int(cfg["tensor_model_parallel_size"]), float(cfg["gpu_memory_utilization"]),
+                                 block_size=1)
+            if sized.tokens is not None:
+                extra["max_total_tokens"] = sized.tokens
         self.engine = sglang.Engine(
             model_path=cfg["load"],
             trust_remote_code=bool(cfg["trust_remote_code"]),
             skip_tokenizer_init=True,  # token ids in and out
             dtype=cfg["dtype"],
-            context_length=self.seq_length or self.max_prompt_len + self.max_response_len,
+            context_length=context_length,
             tp_size=int(cfg["tensor_model_parallel_size"]),
             mem_fraction_static=float(cfg["gpu_memory_utilization"]),
             max_running_requests=int(cfg["generation_batch_size"]),
@@ -163,7 +157,7 @@ class SGLangRollout(Rollout):
             enable_deterministic_inference=self.deterministic,
             **extra,
         )
-        self._weight_bytes = checkpoint_bytes(cfg["load"], cfg["dtype"])
+        self._weight_bytes = kv_cache.checkpoint_bytes(cfg["load"], cfg["dtype"])
         self._released: set[str] = set()
         self._stale_cache = False
 

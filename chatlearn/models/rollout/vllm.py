@@ -82,6 +82,7 @@ import torch
 
 from chatlearn.config.names import Part
 from chatlearn.models.base import Batch, Rollout
+from chatlearn.models.rollout import kv_cache
 from chatlearn.models.rollout.hf import (check_lengths, pack_samples, parse_sampling, response_budgets,
                                          set_cpu_threads)
 
@@ -128,9 +129,6 @@ def set_cpu_env_defaults() -> None:
     # Let OpenMP threads float: the default binding pins cores and conflicts with any
     # other process (trainer, reward) on the same machine. ("all" is rejected.)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    # KV cache size in GiB. Unset, vLLM sizes it from the machine's free memory, which
-    # leaves nothing for the trainer next to it.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def pack_weights(weights: list[tuple[str, torch.Tensor]], blob_bytes: int = 1 << 30) -> list[bytes]:
@@ -393,14 +391,18 @@ class WorkerExtension:
         return freed
 
     def chatlearn_cpu_resume(self, tags: list) -> int:
-        """Give the released storage back; weights still need a reload. The memory is not
-        cleared (the reload overwrites the weights; KV blocks are written before read)."""
+        """Give the released storage back; weights still need a reload. The KV cache comes back
+        zeroed, as vLLM allocates it: the CPU attention kernels read whole blocks, masking the
+        unwritten positions after the products, so leftover heap bytes there (a NaN) would reach
+        every score. (The reload overwrites the weights.)"""
         state = self.__dict__.setdefault("_chatlearn_released", {})
         restored = 0
         for tag in ("weights", "kv_cache"):
             if tag in tags and tag in state:
                 for st, nbytes in state.pop(tag):
                     st.resize_(nbytes)
+                    if tag == "kv_cache":
+                        st.fill_(0)
                     restored += nbytes
         return restored
 
@@ -580,6 +582,19 @@ class VLLMRollout(Rollout):
             # offset"), which it does when a prompt's prefill is split over steps (chunked
             # prefill). A step budget that fits every sequence whole never splits one.
             batched_tokens = max(int(batched_tokens or 0), max_num_seqs * max_model_len)
+        sizing = {}
+        if cfg["kv_cache"] == "fit" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the variable wins on CPU
+            sized = kv_cache.fit(cfg["load"], cfg["dtype"], max_num_seqs, max_model_len, tp,
+                                 float(cfg["gpu_memory_utilization"]))
+            if sized.bytes is not None:
+                sizing["kv_cache_memory_bytes"] = sized.bytes
+            else:
+                print(f"[chatlearn] models.policy.kv_cache fit: {sized.note}; vLLM sizes it from "
+                      "gpu_memory_utilization instead", flush=True)
+        elif current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            # utilization on CPU: vLLM would read gpu_memory_utilization as a share of the machine's
+            # memory, none left for the trainer beside it; 1 GiB as before fit existed
+            sizing["kv_cache_memory_bytes"] = 2 ** 30
         self.llm = vllm.LLM(
             model=cfg["load"],
             trust_remote_code=bool(cfg["trust_remote_code"]),
@@ -596,6 +611,7 @@ class VLLMRollout(Rollout):
             logprobs_mode="processed_logprobs",  # see the module docstring
             worker_extension_cls=f"{__name__}.WorkerExtension",
             use_tqdm_on_load=False,  # a bar per load: at start and at every reload from the folder
+            **sizing,
         )
         # An in-process engine core takes the tensors as they are; otherwise they are
         # serialised (see ``pack_weights``).

@@ -65,7 +65,7 @@ def _cfg(load: str) -> dict:
         "seq_length": None,
         "dtype": "float32",
         "device": "cpu",
-        "gpu_memory_utilization": 0.5,
+        "gpu_memory_utilization": 0.5, "kv_cache": "fit",
         "enforce_eager": True,
         "tensor_model_parallel_size": 1,
         "cpu_threads": 1,

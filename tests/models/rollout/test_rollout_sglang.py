@@ -74,6 +74,16 @@ def test_engine_arguments_follow_the_config(model_dirs, monkeypatch):  # noqa: F
     assert seen["dtype"] == "float32" and seen["skip_tokenizer_init"] is True
     assert seen["enable_memory_saver"] and seen["enable_weights_cpu_backup"]
     assert seen["enable_deterministic_inference"] is True and seen["attention_backend"] == "triton"
+    # kv_cache fit: the pool holds the 8 running requests at full length (SGLang keeps the smaller of
+    # this and what mem_fraction_static leaves); utilization: SGLang's own sizing
+    assert seen["max_total_tokens"] == 8 * seen["context_length"] + 1
+    seen.clear()
+    with fake_sglang():
+        import sglang
+
+        monkeypatch.setattr(sglang, "Engine", Recording)
+        SGLangRollout(dict(cfg, kv_cache="utilization")).shutdown()
+    assert "max_total_tokens" not in seen and seen["mem_fraction_static"] == 0.4
 
 
 def _recording_engine(monkeypatch, cfg):

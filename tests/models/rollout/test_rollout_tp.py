@@ -32,7 +32,7 @@ def model_dirs(tmp_path_factory):
 def rollout_cfg(load: str, tp: int, device: str = "cpu") -> dict:
     return {"load": load, "trust_remote_code": False, "seed": 1234, "generation_batch_size": 8,
             "max_prompt_tokens_length": MAX_PROMPT, "max_response_tokens_length": MAX_RESPONSE,
-            "seq_length": None, "max_num_batched_tokens": None, "dtype": "float32", "device": device, "gpu_memory_utilization": 0.3,
+            "seq_length": None, "max_num_batched_tokens": None, "dtype": "float32", "device": device, "gpu_memory_utilization": 0.3, "kv_cache": "fit",
             "enforce_eager": True, "tensor_model_parallel_size": tp, "deterministic_inference": True,
             "cpu_threads": None}
 

@@ -28,7 +28,7 @@ def engine(tmp_path_factory):
     rollout = VLLMRollout({
         "load": path, "trust_remote_code": False, "seed": 7, "generation_batch_size": 4,
         "max_prompt_tokens_length": MAX_PROMPT, "max_response_tokens_length": MAX_RESPONSE, "seq_length": None,
-        "dtype": "float32", "device": "cpu", "gpu_memory_utilization": 0.5, "enforce_eager": True,
+        "dtype": "float32", "device": "cpu", "gpu_memory_utilization": 0.5, "kv_cache": "fit", "enforce_eager": True,
         "tensor_model_parallel_size": 1, "cpu_threads": 1, "max_num_batched_tokens": None,
         "deterministic_inference": True})
     if rollout._sleep_mode:
@@ -146,3 +146,13 @@ def test_reloads_leave_no_failed_load_warnings(engine):
     assert same(before, rollout.generate(PROMPTS, SAMPLING))
     logging.getLogger("vllm").removeHandler(records)
     assert not [m for m in records.messages if "Failed to load weights" in m], records.messages
+
+
+def test_kv_cache_fit_holds_every_sequence_and_no_more(engine):
+    """kv_cache fit: generation_batch_size (4) sequences of 16 + 12 tokens, in vLLM's CPU blocks of 128."""
+    from chatlearn.models.rollout import kv_cache
+
+    rollout, path = engine
+    per_token = kv_cache.bytes_per_token(kv_cache.text_config(path), "float32")
+    assert rollout._part_bytes["kv_cache"] == kv_cache.fit_tokens(4, MAX_PROMPT + MAX_RESPONSE, 128) * per_token
+    assert rollout._part_bytes["kv_cache"] < 2**20  # before: 1 GiB for a model of a few MB

@@ -48,7 +48,7 @@ def fake_vllm(multiprocess: bool = False):
 def _cfg(load: str, **over) -> dict:
     return {"load": load, "trust_remote_code": False, "seed": 1234, "generation_batch_size": 4,
             "max_prompt_tokens_length": 16, "max_response_tokens_length": 8, "seq_length": None, "dtype": "float32",
-            "device": "cuda", "gpu_memory_utilization": 0.5, "enforce_eager": True,
+            "device": "cuda", "gpu_memory_utilization": 0.5, "kv_cache": "fit", "enforce_eager": True,
             "tensor_model_parallel_size": 1, "max_num_batched_tokens": None, "cpu_threads": None,
             "deterministic_inference": True, **over}
 

@@ -69,6 +69,7 @@ class ServerArgs:
     tp_size: int = 1
     mem_fraction_static: Optional[float] = None
     max_running_requests: Optional[int] = None
+    max_total_tokens: Optional[int] = None
     random_seed: Optional[int] = None
     disable_cuda_graph: bool = False
     enable_memory_saver: bool = False

@@ -49,6 +49,7 @@ class LLM:
     def __init__(self, model: str, *, trust_remote_code: bool = False, dtype: str = "auto",
                  seed: int = 0, max_num_seqs: int | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
+                 kv_cache_memory_bytes: int | None = None,
                  enforce_eager: bool = False, tensor_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, enable_sleep_mode: bool = False,
                  logprobs_mode: str = "raw_logprobs", worker_extension_cls: str = "",
