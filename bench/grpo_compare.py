@@ -100,6 +100,8 @@ class Workload:
 
 
 MEDIUM_SPEC = ModelSpec(hidden=512, layers=10, heads=8, kv_heads=2, intermediate=2048)
+# the same model with room for 64 + 256 tokens
+LONG_SPEC = ModelSpec(hidden=512, layers=10, heads=8, kv_heads=2, intermediate=2048, max_positions=512)
 
 WORKLOADS = {
     # the embedded default run (template/grpo_fsdp.yaml), data in file order
@@ -110,6 +112,13 @@ WORKLOADS = {
     "medium": Workload("medium", MEDIUM_SPEC, ARITH_TRAIN, group_size=8, max_response=24,
                        sample_per_episode=32, global_batch=16, micro_batch=16,
                        episodes=5, warmup=1, quick_episodes=3, quick_warmup=1, lr=1e-5),
+    # the medium model with responses of up to 256 tokens that vary in length as in RL for reasoning:
+    # its random weights put about 1/320 on the end token at every step, so about half of the
+    # responses end before the limit, anywhere from the first token on (a median near 200), and the
+    # rest run to it; one optimizer step per generated batch
+    "long": Workload("long", LONG_SPEC, ARITH_TRAIN, group_size=8, max_response=256,
+                     sample_per_episode=32, global_batch=32, micro_batch=8,
+                     episodes=4, warmup=1, quick_episodes=2, quick_warmup=1, lr=1e-5),
 }
 
 

@@ -14,7 +14,7 @@ peak memory of all the run's processes together (``proc_memory.py``), mean rewar
 runs ``--repeats`` times, interleaved (A B C A B C ...); medians are reported, with the ratio
 chatlearn / TRL. Results: ``bench/results/grpo_vs_trl.json`` and ``.md`` (also printed).
 
-    .venv/bin/python bench/grpo_vs_trl.py [--workloads tiny,medium]
+    .venv/bin/python bench/grpo_vs_trl.py [--workloads tiny,medium,long]
         [--systems chatlearn-vllm,chatlearn-hf,trl] [--repeats 3] [--quick]
         [--results bench/results] [--cache /tmp/chatlearn_bench] [--keep-runs]
 
@@ -251,7 +251,7 @@ def summarise(runs: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="tiny,medium")
+    parser.add_argument("--workloads", default="tiny,medium,long")
     parser.add_argument("--systems", default=",".join(gc.SYSTEMS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 repetition, few steps: a smoke test")

@@ -120,7 +120,9 @@ class GRPO(Rollouts):
             scoring = run.background(pool, Stage.REWARD, "reward", self.score, batch, prompts.truths,
                                      prompts.sources, prompts.extra, None, f"the rollouts of episode {episode}")
             reference = self.start_ref_logprobs(batch, run, pool)
-            batch["old_logprobs"] = self.old_logprobs(batch, run)
+            with (run.stage(Stage.OLD_LOGPROBS, "policy_trainer") if self.plan.old_logprob_pass_from
+                  < self.plan.samples_per_episode else contextlib.nullcontext()):  # no pass: nothing to time
+                batch["old_logprobs"] = self.old_logprobs(batch)
             if reference is not None:
                 batch["ref_logprobs"] = reference.result()
             rewards, reward_parts = scoring.result()
@@ -195,12 +197,14 @@ class GRPO(Rollouts):
         cut = min(self.plan.old_logprob_pass_from, len(batch["prompt_lens"]))
         mask[:batch["offsets"][cut]] = False
         d = batch["old_logprobs"][mask].astype(np.float64) - batch["rollout_logprobs"][mask].astype(np.float64)
-        own = getattr(self, "own_old_mismatch", {}) if cut else {}
-        count = d.size + own.get("rollout_tokens", 0.0)
-        total = float(np.abs(d).sum()) + own.get("rollout_diff_sum", 0.0)
-        kl = mismatch_kl(batch["old_logprobs"][mask], batch["rollout_logprobs"][mask]) * d.size + own.get(
-            "rollout_kl_sum", 0.0)
-        top = max(float(np.abs(d).max()) if d.size else 0.0, own.get("rollout_diff_max", 0.0))
+        own = dict.fromkeys(ROLLOUT_MISMATCH, 0.0)  # the first step's sums (none without it)
+        if cut:
+            own.update(self.own_old_mismatch)
+        count = d.size + own["rollout_tokens"]
+        total = float(np.abs(d).sum()) + own["rollout_diff_sum"]
+        kl = (mismatch_kl(batch["old_logprobs"][mask], batch["rollout_logprobs"][mask]) * d.size
+              + own["rollout_kl_sum"])
+        top = max(float(np.abs(d).max()) if d.size else 0.0, own["rollout_diff_max"])
         return {"train/logprob_diff_rollout_vs_trainer_mean": total / count if count else 0.0,
                 "train/logprob_diff_rollout_vs_trainer_max": top,
                 "train/mismatch_kl": kl / count if count else 0.0}
@@ -229,7 +233,7 @@ class GRPO(Rollouts):
         t = self.cfg.models.policy.temperature
         return t if t > 0 else 1.0
 
-    def old_logprobs(self, batch: dict, run: EpisodeRun) -> np.ndarray:
+    def old_logprobs(self, batch: dict) -> np.ndarray:
         """The trainer's log-probs of the batch before the update, float32 [T]: NaN at the tokens of
         the samples before ``plan.old_logprob_pass_from`` (the first optimizer step's, whose own
         forward gives them: :class:`chatlearn.algorithms.grpo.GRPOLoss`), the pass's elsewhere."""
@@ -237,12 +241,11 @@ class GRPO(Rollouts):
         old = np.full(len(batch["tokens"]), np.nan, np.float32)
         if cut >= n:
             return old
-        with run.stage(Stage.OLD_LOGPROBS, "policy_trainer"):
-            self.sched.ensure("policy_trainer", [Part.WEIGHTS])
-            if cut == 0:
-                return self.logprobs(self.trainer, batch)
-            old[batch["offsets"][cut]:] = self.logprobs(self.trainer, select_samples(
-                {k: batch[k] for k in ("tokens", "offsets", "prompt_lens")}, range(cut, n)))
+        self.sched.ensure("policy_trainer", [Part.WEIGHTS])
+        if cut == 0:
+            return self.logprobs(self.trainer, batch)
+        old[batch["offsets"][cut]:] = self.logprobs(self.trainer, select_samples(
+            {k: batch[k] for k in ("tokens", "offsets", "prompt_lens")}, range(cut, n)))
         return old
 
     def ref_logprobs(self, batch: dict) -> np.ndarray:

@@ -305,7 +305,7 @@ class FSDPTrainer(Trainer):
     def _micro_batches(self, batch: Batch, size: int) -> tuple[list[np.ndarray], dict]:
         """This rank's micro-batches (sample indices) and the pass's stats.
 
-        Without packing: ``size`` samples each, in order. With packing: first-fit-decreasing
+        Without packing: ``size`` samples each, longest first. With packing: first-fit-decreasing
         bins of at most ``max_token_in_packing`` tokens (``size`` is ignored); see
         :mod:`chatlearn.models.trainer.packing`. Every rank must run the same number of
         micro-steps (each forward/backward is a sequence of FSDP collectives); every rank

@@ -1,9 +1,12 @@
 """Micro-batch plans of the trainers' log-prob and training passes, with and without
 sequence packing, and the share of padding tokens they compute.
 
-Without packing a rank's samples are cut, in order, into micro-batches of ``size`` samples;
-each is a right-padded ``[rows, width]`` batch, so it computes ``rows x width`` token
-positions of which ``sum(lens)`` are real.
+Without packing a rank's samples, longest first (ties in batch order), are cut into
+micro-batches of ``size`` samples; each is a right-padded ``[rows, width]`` batch, so it
+computes ``rows x width`` token positions of which ``sum(lens)`` are real. Grouping samples of
+similar length keeps that padding small where lengths vary (responses that stop anywhere),
+and the largest micro-batch comes first, so a pass that does not fit fails on its first
+micro-step; the loss is a sum over tokens, so the order changes nothing but float rounding.
 
 With packing (``packing: true``) a rank's samples are binned by **first-fit decreasing**:
 samples sorted by length (longest first, ties in batch order) each go into the first bin
@@ -77,7 +80,8 @@ def plan_micro_batches(lens: np.ndarray, shares: list[np.ndarray], size: int, pa
         if packing:
             plans.append([share[b] for b in pack_first_fit_decreasing(lens[share], max_tokens)])
         else:
-            plans.append([share[i:i + size] for i in range(0, len(share), size)])
+            longest_first = share[np.argsort(-lens[share], kind="stable")]
+            plans.append([longest_first[i:i + size] for i in range(0, len(share), size)])
     steps = max((len(p) for p in plans), default=0)
     computed = sum(int(lens[mb].sum()) if packing else len(mb) * (width or int(lens[mb].max()))
                    for p in plans for mb in p)

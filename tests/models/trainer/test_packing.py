@@ -57,8 +57,9 @@ def test_plan_pads_ranks_with_dummy_steps_and_counts_padding():
     assert [len(p) for p in plans] == [4, 4] and stats == {"pad_token_frac": 0.0, "micro_steps": 4.0}
     assert [mb.tolist() for mb in plans[1]] == [[4, 5, 6, 7], [], [], []]
     plans, stats = plan_micro_batches(lens, shares, 3, packing=False, max_tokens=MAX_TOKENS)
-    assert [[mb.tolist() for mb in p] for p in plans] == [[[0, 1, 2], [3]], [[4, 5, 6], [7]]]
-    computed = 3 * 13 + 12 + 3 * 4 + 3  # rows x longest sample, per micro-batch
+    # longest first (ties in batch order): samples of similar length share a micro-batch
+    assert [[mb.tolist() for mb in p] for p in plans] == [[[1, 0, 3], [2]], [[6, 4, 7], [5]]]
+    computed = 3 * 13 + 11 + 3 * 4 + 2  # rows x longest sample, per micro-batch
     assert stats["micro_steps"] == 2.0
     assert stats["pad_token_frac"] == pytest.approx(1 - lens.sum() / computed)
 
@@ -191,11 +192,13 @@ def test_padding_share_is_reported_and_zero_with_packing(setup, ranks):
     for res in results:
         assert res["packed"]["metrics"]["pad_token_frac"] == 0.0
         assert res["packed"]["logprob_stats"] == {"pad_token_frac": 0.0, "micro_steps": 4.0}
-        # padded: micro-batches of train_micro_batch_size (4 // world), logprob size 3
+        # padded: micro-batches of train_micro_batch_size (4 // world), logprob size 3, each rank's
+        # samples longest first
         for size, got in ((4 // world, res["padded"]["metrics"]),
                           (3, res["padded"]["logprob_stats"])):
-            computed = sum(len(lens[s:min(s + size, r + share)]) * lens[s:min(s + size, r + share)].max()
-                           for r in range(0, len(lens), share) for s in range(r, r + share, size))
+            ranked = [np.sort(lens[r:r + share])[::-1] for r in range(0, len(lens), share)]
+            computed = sum(len(mine[s:s + size]) * mine[s:s + size].max()
+                           for mine in ranked for s in range(0, share, size))
             assert got["pad_token_frac"] == pytest.approx(1 - lens.sum() / computed) and computed > lens.sum()
             assert got["micro_steps"] == -(-share // size)
 
