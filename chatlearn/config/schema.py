@@ -392,16 +392,22 @@ def compat_warning(cfg) -> Optional[str]:
     from omegaconf import OmegaConf
 
     raw_defaults = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
-    changed = []
-    for key in COMPAT_ONLY_KEYS:
+    values, defaults = {}, {}
+    for i, key in enumerate(COMPAT_ONLY_KEYS):
         raw = raw_defaults
         for part in key.split("."):
             raw = raw[part]
-        probe = OmegaConf.create({"value": OmegaConf.select(cfg, key, default=raw, throw_on_missing=False),
-                                  "default": raw, **OmegaConf.to_container(cfg, resolve=False)})
-        value, default = probe.value, probe.default
+        values[f"k{i}"] = OmegaConf.select(cfg, key, default=raw, throw_on_missing=False)
+        defaults[f"k{i}"] = raw
+    # one config holding the run's keys and, beside them, every value and default to compare, so that
+    # an interpolation among them resolves within the run's config (one build, not one per key)
+    probe = OmegaConf.create({"__compat_values": values, "__compat_defaults": defaults,
+                              **OmegaConf.to_container(cfg, resolve=False)})
+    changed = []
+    for i, key in enumerate(COMPAT_ONLY_KEYS):
+        value, default = probe["__compat_values"][f"k{i}"], probe["__compat_defaults"][f"k{i}"]
         if OmegaConf.is_config(value):
-            value, default = OmegaConf.to_container(value), OmegaConf.to_container(default)
+            value, default = OmegaConf.to_container(value, resolve=True), OmegaConf.to_container(default, resolve=True)
         if value != default:
             changed.append(f"{key}={json_value(value)} ({COMPAT_ONLY_KEYS[key]})")
     models = cfg.models
