@@ -37,9 +37,9 @@ ARITH_TRAIN = os.path.join(REPO, "assets", "arith", "train.jsonl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 # the systems a benchmark can run; chatlearn's names carry its rollout backend.
-# Step counts are sized for a full benchmark (both workloads, 3 systems, 3 repetitions) of about
-# 30 minutes on 2 idle cores, estimated from runs on a busy machine: chatlearn starts in about a
-# minute (Ray, vLLM), TRL in about 15 s; a medium step takes chatlearn ~10 s and TRL ~25 s.
+# Step counts are sized for a full benchmark (three workloads, 3 systems, 3 repetitions) of under
+# an hour on 2 idle cores: chatlearn starts in 20-40 s (Ray, vLLM), TRL in about 15 s; a medium step
+# takes either about 5 s, a long step 20-30 s.
 SYSTEMS = ("chatlearn-vllm", "chatlearn-hf", "trl")
 
 

@@ -22,6 +22,18 @@ def resolved(w: gc.Workload, tmp_path, extra=()):
     from chatlearn.config.load import load_config
 
     model = gc.TINY_MODEL  # the medium spec's folder is generated; the mapping does not read it
+    if w.max_prompt_tokens + w.max_response > 256:  # the tiny model's positions: a copy that takes more
+        import json
+        import shutil
+
+        model = str(tmp_path / "tiny_long")
+        if not os.path.exists(model):
+            shutil.copytree(gc.TINY_MODEL, model)
+            with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+            config["max_position_embeddings"] = w.max_prompt_tokens + w.max_response
+            with open(os.path.join(model, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(config, f)
     return load_config(gc.TEMPLATE, [*gc.chatlearn_overrides(w, model, str(tmp_path / "out"), "vllm", 7), *extra])
 
 
@@ -33,7 +45,7 @@ def test_mapping_agrees_with_chatlearns_plan(name, tmp_path):
     cfg = resolved(w, tmp_path)
     plan = make_plan(cfg)
     kw = gc.trl_config_kwargs(cfg, str(tmp_path / "trl"), 7)
-    assert gc.mismatches(gc.shared_settings(cfg, {**kw, "model": gc.TINY_MODEL})) == []
+    assert gc.mismatches(gc.shared_settings(cfg, {**kw, "model": cfg.models.policy_trainer.load})) == []
     # TRL's arithmetic (GRPOConfig.__post_init__), written out: micro-steps per generated batch,
     # optimizer steps = micro-steps / gradient accumulation
     micro_steps = kw["generation_batch_size"] // kw["per_device_train_batch_size"]
@@ -68,7 +80,7 @@ def test_trl_builds_the_mapped_config(name, tmp_path):
     assert built.steps_per_generation // built.gradient_accumulation_steps == make_plan(cfg).steps_per_episode
     assert built.generation_batch_size == cfg.runtime_args.sample_per_episode
     assert built.lr_scheduler_type == "constant" and built.warmup_steps == 0 and not built.bf16
-    assert gc.mismatches(gc.shared_settings(cfg, {**vars(built), "model": gc.TINY_MODEL})) == []
+    assert gc.mismatches(gc.shared_settings(cfg, {**vars(built), "model": cfg.models.policy_trainer.load})) == []
 
 
 def test_medium_model_size():
