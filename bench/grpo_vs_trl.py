@@ -259,7 +259,12 @@ def main() -> None:
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "chatlearn_bench"),
                         help="where generated models and run folders go")
     parser.add_argument("--keep-runs", action="store_true", help="keep each run's output folder")
+    parser.add_argument("--readme", action="store_true",
+                        help="run nothing: summarise the runs in --results again (JSON and markdown) and write "
+                             "the README's table from them")
     args = parser.parse_args()
+    if args.readme:
+        return rewrite_reports(args.results)
     workloads = [gc.WORKLOADS[n] for n in args.workloads.split(",")]
     systems = args.systems.split(",")
     unknown = [s for s in systems if s not in gc.SYSTEMS]
@@ -346,12 +351,33 @@ def main() -> None:
         raise SystemExit(f"{failed} run(s) failed; see 'error' in {json_path}")
 
 
+def rewrite_reports(results: str) -> None:
+    """Summarise the recorded runs of ``results/grpo_vs_trl.json`` again (the medians and ratios as
+    this version computes them), rewrite it and its markdown, and put the table into README.md."""
+    json_path = os.path.join(results, "grpo_vs_trl.json")
+    with open(json_path) as f:
+        report = json.load(f)
+    for entry in report["workloads"].values():
+        entry.update(summarise_workload(entry["runs"]))
+    with open(json_path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(json_path + ".tmp", json_path)
+    with open(os.path.join(results, "grpo_vs_trl.md"), "w") as f:
+        f.write(gc.markdown(report))
+    readme = os.path.join(REPO, "README.md")
+    with open(readme, encoding="utf-8") as f:
+        text = f.read()
+    with open(readme, "w", encoding="utf-8") as f:
+        f.write(gc.replace_readme_table(text, gc.readme_table(report)))
+    print(gc.readme_table(report))
+
+
 def summarise_workload(runs: dict[str, list[dict]]) -> dict:
     """Medians per system over its successful runs, ratios chatlearn / TRL, chatlearn's breakdown."""
     ok = {s: [r for r in rs if "error" not in r] for s, rs in runs.items()}
     med = {s: summarise(rs) for s, rs in ok.items()}
     ratios = {s: {k: gc.ratio(med[s][k], med["trl"][k]) for k in
-                  ("samples_per_s", "tokens_per_s", "peak_rss_mb", "peak_pss_mb", "cpu_s")}
+                  ("samples_per_s", "tokens_per_s", "peak_rss_mb", "peak_pss_mb", "cpu_s", "first_step_done_s")}
               for s in med if s != "trl" and "trl" in med}
     breakdown = {s: gc.medians([r["breakdown"] for r in rs], list(gc.SHOWN)) for s, rs in ok.items() if s != "trl"}
     out = {"median": med, "ratio_vs_trl": ratios, "breakdown": breakdown}

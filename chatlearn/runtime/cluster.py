@@ -116,8 +116,12 @@ class Cluster:
                 gpus = torch.cuda.device_count() or plan.total_devices  # logical devices without a GPU
                 mark_driver()  # the local Ray processes carry this driver's pid: orphans can be found
                 # "local": a new cluster of this run's own, even where `ray start` ran before
+                # no idle workers started ahead: every actor of a run has an environment of its own
+                # (runtime_env), so a prestarted default worker is never used, only held in memory
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, reward_cpus), num_gpus=gpus,
-                         include_dashboard=False, **ray_init_options())
+                         include_dashboard=False, _system_config={"enable_worker_prestart": False,
+                                                                  "prestart_worker_first_driver": False},
+                         **ray_init_options())
             self.started_ray = True
             stop_on_sigterm()  # ray.init replaced the driver's SIGTERM handler with its own
         have = {"GPU": 0, "CPU": 0, **ray.cluster_resources()}

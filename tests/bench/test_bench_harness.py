@@ -214,3 +214,22 @@ def test_result_files_carry_no_path_of_this_machine(tmp_path):
         with open(path, encoding="utf-8") as f:
             absolute = [s for s in strings(json.load(f)) if os.path.isabs(s)]
         assert not absolute, (path, absolute[:3])
+
+
+def test_readme_table_is_the_recorded_results():
+    """README.md's benchmark table is what bench/grpo_vs_trl.py --readme makes of
+    bench/results/grpo_vs_trl.json, and that file has the layout the README and tools read:
+    workloads.<name>.ratio_vs_trl.<system>.{samples_per_s, peak_rss_mb, peak_pss_mb} for every
+    chatlearn system on tiny, medium and long."""
+    import json
+
+    with open(os.path.join(REPO, "bench", "results", "grpo_vs_trl.json")) as f:
+        report = json.load(f)
+    assert {"tiny", "medium", "long"} <= set(report["workloads"])
+    for name, wl in report["workloads"].items():
+        for system in ("chatlearn-vllm", "chatlearn-hf"):
+            ratios = wl["ratio_vs_trl"][system]
+            assert all(isinstance(ratios[k], float) for k in ("samples_per_s", "peak_rss_mb", "peak_pss_mb")), name
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert gc.replace_readme_table(readme, gc.readme_table(report)) == readme
