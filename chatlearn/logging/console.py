@@ -192,6 +192,11 @@ def setup_worker() -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # Python buffers a standard output that is not a terminal in blocks, and a worker ends by
+    # ray.kill (no flush): what libraries print would be lost that way
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
 
 
 def worker_console():

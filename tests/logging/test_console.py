@@ -50,6 +50,25 @@ def test_worker_output_goes_to_its_log_file(tmp_path):
         assert line in text, (line, text)
 
 
+def test_worker_lines_reach_the_log_before_the_worker_is_killed(tmp_path):
+    """Workers end by ray.kill: a line a library printed before is in the log, not lost in the
+    block buffer Python gives a standard output that is not a terminal."""
+    script = textwrap.dedent("""
+        import os, signal
+        from chatlearn.logging.console import setup_worker
+
+        setup_worker()
+        print("print before the kill")
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+                               "CHATLEARN_LOG_DIR": str(tmp_path), "CHATLEARN_VERBOSE": ""})
+    assert proc.returncode == -9
+    (text,) = [p.read_text() for p in tmp_path.glob("worker-*.log")]
+    assert "print before the kill" in text, text
+
+
 def test_worker_output_on_the_console_with_verbose(tmp_path):
     shown, logs = run_worker(tmp_path, CHATLEARN_VERBOSE="1")
     for line in (*THIRD_PARTY, "[chatlearn] own line from a worker"):
