@@ -583,18 +583,19 @@ class VLLMRollout(Rollout):
             # prefill). A step budget that fits every sequence whole never splits one.
             batched_tokens = max(int(batched_tokens or 0), max_num_seqs * max_model_len)
         sizing = {}
-        if cfg["kv_cache"] == "fit" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the variable wins on CPU
-            sized = kv_cache.fit(cfg["load"], cfg["dtype"], max_num_seqs, max_model_len, tp,
-                                 float(cfg["gpu_memory_utilization"]))
-            if sized.bytes is not None:
+        cpu = current_platform.is_cpu()
+        if not (cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):  # on the CPU the variable wins
+            sized = (kv_cache.fit(cfg["load"], cfg["dtype"], max_num_seqs, max_model_len, tp,
+                                  float(cfg["gpu_memory_utilization"])) if cfg["kv_cache"] == "fit" else None)
+            if sized is not None and sized.bytes is not None:
                 sizing["kv_cache_memory_bytes"] = sized.bytes
-            else:
-                print(f"[chatlearn] models.policy.kv_cache fit: {sized.note}; vLLM sizes it from "
-                      "gpu_memory_utilization instead", flush=True)
-        elif current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            # utilization on CPU: vLLM would read gpu_memory_utilization as a share of the machine's
-            # memory, none left for the trainer beside it; 1 GiB as before fit existed
-            sizing["kv_cache_memory_bytes"] = 2 ** 30
+            elif cpu:
+                # vLLM would read gpu_memory_utilization as a share of the machine's memory, leaving
+                # none for the trainer beside it: 1 GiB
+                sizing["kv_cache_memory_bytes"] = 2 ** 30
+            if sized is not None and sized.bytes is None:
+                print(f"[chatlearn] models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
+                      f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead", flush=True)
         self.llm = vllm.LLM(
             model=cfg["load"],
             trust_remote_code=bool(cfg["trust_remote_code"]),

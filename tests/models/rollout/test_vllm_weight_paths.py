@@ -264,3 +264,37 @@ def test_no_request_seeds_without_deterministic_inference(tiny_model_dir, restor
         assert [r.seed for r in rollout.llm.requests] == [None] * 4
         out = rollout.generate([[3]], SAMPLING)
         assert np.array_equal(out["tokens"][-3:], [7, 7, 7])
+
+
+def test_kv_cache_setting_reaches_the_engine(tiny_model_dir, restore_threads, monkeypatch, capsys):
+    """models.policy.kv_cache on a CUDA platform: fit passes the need as kv_cache_memory_bytes;
+    when that exceeds what the device has room for, or with utilization, vLLM sizes it itself
+    from gpu_memory_utilization (fit then says so)."""
+    from chatlearn.models.rollout import kv_cache
+    from chatlearn.models.rollout.vllm import VLLMRollout
+
+    need = kv_cache.fit(tiny_model_dir, "float32", 4, 24, 1, 0.5).bytes
+    with fake_vllm():
+        import vllm
+
+        seen = {}
+        real = vllm.LLM
+
+        class Recording(real):
+            def __init__(self, model, **kwargs):
+                seen.clear()
+                seen.update(kwargs)
+                super().__init__(model, **kwargs)
+
+        monkeypatch.setattr(vllm, "LLM", Recording)
+        monkeypatch.setattr(kv_cache, "cuda_room", lambda weights, util: need)  # just enough
+        VLLMRollout(_cfg(tiny_model_dir))
+        assert seen["kv_cache_memory_bytes"] == need == (4 * 1 + 1) * 128 * kv_cache.bytes_per_token(
+            kv_cache.text_config(tiny_model_dir), "float32")
+        VLLMRollout(_cfg(tiny_model_dir, kv_cache="utilization"))
+        assert "kv_cache_memory_bytes" not in seen and seen["gpu_memory_utilization"] == 0.5
+        monkeypatch.setattr(kv_cache, "cuda_room", lambda weights, util: need - 1)
+        capsys.readouterr()
+        VLLMRollout(_cfg(tiny_model_dir))
+        assert "kv_cache_memory_bytes" not in seen
+        assert "sized by vLLM from gpu_memory_utilization instead" in capsys.readouterr().out
