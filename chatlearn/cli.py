@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(_paragraph(f"error: {err.message}"), file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt as err:
-        code = exit_code(err)
+    except KeyboardInterrupt:
+        code = exit_code()
         print("terminated (SIGTERM)" if code != 130 else "interrupted", file=sys.stderr)
         return code
     return 0

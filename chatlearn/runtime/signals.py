@@ -25,8 +25,6 @@ SIGTERM_EXIT = 143
 class Terminated(KeyboardInterrupt):
     """The driver received SIGTERM."""
 
-    exit_code = SIGTERM_EXIT
-
 
 _received = threading.Event()
 
@@ -49,5 +47,6 @@ def terminated() -> bool:
     return _received.is_set()
 
 
-def exit_code(err: KeyboardInterrupt) -> int:
-    return SIGTERM_EXIT if terminated() else getattr(err, "exit_code", SIGINT_EXIT)
+def exit_code() -> int:
+    """The exit code of a run stopped by a ``KeyboardInterrupt``: 143 after SIGTERM, else 130."""
+    return SIGTERM_EXIT if terminated() else SIGINT_EXIT
