@@ -55,17 +55,15 @@ def fit_tokens(max_num_seqs: int, max_model_len: int, block_size: int = 1) -> in
     return (max_num_seqs * math.ceil(max_model_len / block_size) + 1) * block_size
 
 
-def cuda_room(weight_bytes: int, utilization: float, reserve: float = 0.25) -> int | None:
-    """Bytes a KV cache can take on this CUDA device within ``utilization`` of its memory, beside
-    the weights, what is already used, and ``reserve`` x the weights for activations; None without
-    CUDA."""
+def cuda_room(utilization: float) -> int | None:
+    """Bytes of this CUDA device within ``utilization`` of its memory that nothing uses yet; None
+    without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     free, total = torch.cuda.mem_get_info()
-    used = total - free
-    return int(total * utilization - used - weight_bytes * (1 + reserve))
+    return int(total * utilization - (total - free))
 
 
 def checkpoint_bytes(model_dir: str, dtype: str) -> int:
@@ -92,18 +90,24 @@ class KVCacheFit:
 
 
 def fit(model_dir: str, dtype: str, max_num_seqs: int, max_model_len: int, tp: int,
-        utilization: float, block_size: int = 128) -> KVCacheFit:
+        utilization: float, block_size: int = 128, weight_bytes: int | None = None,
+        reserve: float = 0.25) -> KVCacheFit:
     """The KV cache of ``max_num_seqs`` sequences of ``max_model_len`` tokens (``block_size``: the
-    largest block the engines use on these devices, each sequence rounded up to it), capped on
-    CUDA by :func:`cuda_room` (then the engine's own sizing, with a note)."""
+    largest block the engines use on these devices, each sequence rounded up to it). On CUDA it must
+    fit in :func:`cuda_room` beside this rank's share of the weights (``weight_bytes``, all ranks; read
+    from the checkpoint when not given) and ``reserve`` x that for activations, else the engine sizes
+    it (a note says why)."""
     per_token = bytes_per_token(text_config(model_dir), dtype, tp)
     if per_token is None:
         return KVCacheFit(None, None, "the model's KV cache is not the standard attention shape")
     tokens = fit_tokens(max_num_seqs, max_model_len, block_size)
     need = tokens * per_token
-    room = cuda_room(checkpoint_bytes(model_dir, dtype) // tp, utilization)
-    if room is not None and need > room:
-        return KVCacheFit(None, None, (
-            f"{max_num_seqs} sequences of {max_model_len} tokens need {need / 2**30:.1f} GiB of KV cache, more "
-            f"than about {max(room, 0) / 2**30:.1f} GiB left within gpu_memory_utilization {utilization:g}"))
+    room = cuda_room(utilization)
+    if room is not None:
+        weights = weight_bytes if weight_bytes is not None else checkpoint_bytes(model_dir, dtype)
+        room -= int(weights // tp * (1 + reserve))
+        if need > room:
+            return KVCacheFit(None, None, (
+                f"{max_num_seqs} sequences of {max_model_len} tokens need {need / 2**30:.1f} GiB of KV cache, more "
+                f"than about {max(room, 0) / 2**30:.1f} GiB left within gpu_memory_utilization {utilization:g}"))
     return KVCacheFit(tokens, need)

@@ -135,10 +135,11 @@ class SGLangRollout(Rollout):
         extra = ({"attention_backend": deterministic_attention_backend(self._device)}
                  if self.deterministic else {})
         context_length = self.seq_length or self.max_prompt_len + self.max_response_len
+        self._weight_bytes = kv_cache.checkpoint_bytes(cfg["load"], cfg["dtype"])
         if cfg["kv_cache"] == "fit":  # SGLang keeps the smaller of this and what mem_fraction_static leaves
             sized = kv_cache.fit(cfg["load"], cfg["dtype"], int(cfg["generation_batch_size"]), context_length,
                                  int(cfg["tensor_model_parallel_size"]), float(cfg["gpu_memory_utilization"]),
-                                 block_size=1)
+                                 block_size=1, weight_bytes=self._weight_bytes)
             if sized.tokens is not None:
                 extra["max_total_tokens"] = sized.tokens
         self.engine = sglang.Engine(
@@ -157,7 +158,6 @@ class SGLangRollout(Rollout):
             enable_deterministic_inference=self.deterministic,
             **extra,
         )
-        self._weight_bytes = kv_cache.checkpoint_bytes(cfg["load"], cfg["dtype"])
         self._released: set[str] = set()
         self._stale_cache = False
 

@@ -586,14 +586,13 @@ class VLLMRollout(Rollout):
         cpu = current_platform.is_cpu()
         if not (cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):  # on the CPU the variable wins
             sized = (kv_cache.fit(cfg["load"], cfg["dtype"], max_num_seqs, max_model_len, tp,
-                                  float(cfg["gpu_memory_utilization"])) if cfg["kv_cache"] == "fit" else None)
-            if sized is not None and sized.bytes is not None:
-                sizing["kv_cache_memory_bytes"] = sized.bytes
-            elif cpu:
-                # vLLM would read gpu_memory_utilization as a share of the machine's memory, leaving
-                # none for the trainer beside it: 1 GiB
-                sizing["kv_cache_memory_bytes"] = 2 ** 30
-            if sized is not None and sized.bytes is None:
+                                  float(cfg["gpu_memory_utilization"])) if cfg["kv_cache"] == "fit"
+                     else kv_cache.KVCacheFit(None, None))
+            # without a size, vLLM on the CPU would read gpu_memory_utilization as a share of the
+            # machine's memory, leaving none for the trainer beside it: 1 GiB there
+            if sized.bytes is not None or cpu:
+                sizing["kv_cache_memory_bytes"] = sized.bytes if sized.bytes is not None else 2 ** 30
+            if sized.note:
                 print(f"[chatlearn] models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
                       f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead", flush=True)
         self.llm = vllm.LLM(

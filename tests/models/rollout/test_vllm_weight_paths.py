@@ -274,6 +274,7 @@ def test_kv_cache_setting_reaches_the_engine(tiny_model_dir, restore_threads, mo
     from chatlearn.models.rollout.vllm import VLLMRollout
 
     need = kv_cache.fit(tiny_model_dir, "float32", 4, 24, 1, 0.5).bytes
+    beside = int(kv_cache.checkpoint_bytes(tiny_model_dir, "float32") * 1.25)  # the weights and activations
     with fake_vllm():
         import vllm
 
@@ -287,13 +288,13 @@ def test_kv_cache_setting_reaches_the_engine(tiny_model_dir, restore_threads, mo
                 super().__init__(model, **kwargs)
 
         monkeypatch.setattr(vllm, "LLM", Recording)
-        monkeypatch.setattr(kv_cache, "cuda_room", lambda weights, util: need)  # just enough
+        monkeypatch.setattr(kv_cache, "cuda_room", lambda util: need + beside)  # just enough
         VLLMRollout(_cfg(tiny_model_dir))
         assert seen["kv_cache_memory_bytes"] == need == (4 * 1 + 1) * 128 * kv_cache.bytes_per_token(
             kv_cache.text_config(tiny_model_dir), "float32")
         VLLMRollout(_cfg(tiny_model_dir, kv_cache="utilization"))
         assert "kv_cache_memory_bytes" not in seen and seen["gpu_memory_utilization"] == 0.5
-        monkeypatch.setattr(kv_cache, "cuda_room", lambda weights, util: need - 1)
+        monkeypatch.setattr(kv_cache, "cuda_room", lambda util: need + beside - 1)
         capsys.readouterr()
         VLLMRollout(_cfg(tiny_model_dir))
         assert "kv_cache_memory_bytes" not in seen
