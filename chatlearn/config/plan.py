@@ -79,6 +79,11 @@ class Plan:
         return sum(self.steps_in_episode(e) for e in range(1, self.num_episode + 1))
 
     @property
+    def old_logprob_pass(self) -> bool:
+        """Whether an episode runs the old-log-prob pass (over some of its samples at least)."""
+        return self.old_logprob_pass_from < self.samples_per_episode
+
+    @property
     def total_devices(self) -> int:
         return sum(self.devices_per_group)
 
@@ -116,7 +121,7 @@ class Plan:
             f"{self.micro_batches_per_step} micro-batch(es) x "
             f"{self.samples_per_rank_per_step // self.micro_batches_per_step} samples)",
         ]
-        if self.old_logprob_pass_from >= self.samples_per_episode:
+        if not self.old_logprob_pass:
             lines.append("old log-probs: the optimizer step's own forward (one step per episode: no "
                          "separate pass; models.policy_trainer.old_logprobs)")
         elif self.old_logprob_pass_from > 0:

@@ -120,8 +120,8 @@ class GRPO(Rollouts):
             scoring = run.background(pool, Stage.REWARD, "reward", self.score, batch, prompts.truths,
                                      prompts.sources, prompts.extra, None, f"the rollouts of episode {episode}")
             reference = self.start_ref_logprobs(batch, run, pool)
-            with (run.stage(Stage.OLD_LOGPROBS, "policy_trainer") if self.plan.old_logprob_pass_from
-                  < self.plan.samples_per_episode else contextlib.nullcontext()):  # no pass: nothing to time
+            with (run.stage(Stage.OLD_LOGPROBS, "policy_trainer") if self.plan.old_logprob_pass
+                  else contextlib.nullcontext()):  # no pass: nothing to time
                 batch["old_logprobs"] = self.old_logprobs(batch)
             if reference is not None:
                 batch["ref_logprobs"] = reference.result()
@@ -238,14 +238,14 @@ class GRPO(Rollouts):
         the samples before ``plan.old_logprob_pass_from`` (the first optimizer step's, whose own
         forward gives them: :class:`chatlearn.algorithms.grpo.GRPOLoss`), the pass's elsewhere."""
         cut, n = self.plan.old_logprob_pass_from, len(batch["prompt_lens"])
-        old = np.full(len(batch["tokens"]), np.nan, np.float32)
-        if cut >= n:
-            return old
-        self.sched.ensure("policy_trainer", [Part.WEIGHTS])
         if cut == 0:
+            self.sched.ensure("policy_trainer", [Part.WEIGHTS])
             return self.logprobs(self.trainer, batch)
-        old[batch["offsets"][cut]:] = self.logprobs(self.trainer, select_samples(
-            {k: batch[k] for k in ("tokens", "offsets", "prompt_lens")}, range(cut, n)))
+        old = np.full(len(batch["tokens"]), np.nan, np.float32)
+        if self.plan.old_logprob_pass:
+            self.sched.ensure("policy_trainer", [Part.WEIGHTS])
+            old[batch["offsets"][cut]:] = self.logprobs(self.trainer, select_samples(
+                {k: batch[k] for k in ("tokens", "offsets", "prompt_lens")}, range(cut, n)))
         return old
 
     def ref_logprobs(self, batch: dict) -> np.ndarray:
@@ -288,12 +288,10 @@ class GRPO(Rollouts):
         self.own_old_mismatch = {}
         for _ in range(epochs):
             for s in range(0, samples, plan.samples_per_step):
-                sub = select_samples({k: batch[k] for k in keys if k in batch}, range(s, s + plan.samples_per_step))
-                if s < plan.old_logprob_pass_from:  # the step's own forward gives its old log-probs
-                    del sub["old_logprobs"]
-                    sub["rollout_logprobs"] = select_samples(
-                        {"offsets": batch["offsets"], "rollout_logprobs": batch["rollout_logprobs"]},
-                        range(s, s + plan.samples_per_step))["rollout_logprobs"]
+                # the first step's own forward gives its old log-probs; it reports the rollout mismatch
+                wanted = (keys if s >= plan.old_logprob_pass_from
+                          else (*(k for k in keys if k != "old_logprobs"), "rollout_logprobs"))
+                sub = select_samples({k: batch[k] for k in wanted if k in batch}, range(s, s + plan.samples_per_step))
                 self.progress.stage(Stage.TRAIN, f"step {steps + 1}/{total}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
                 step = dict(outs[0])
