@@ -1,4 +1,5 @@
-"""GRPO as pure functions: advantage estimators, policy losses, KL estimators, loss aggregation.
+"""GRPO as pure functions: policy losses, KL estimators, loss aggregation (the advantage
+estimators, numpy only, are in :mod:`chatlearn.algorithms.advantages` and re-exported here).
 
 Nothing here knows about models, ranks or devices. Per-token functions take 1-D tensors of
 the *response* tokens of some samples (flat, sample after sample, no padding) and return
@@ -12,107 +13,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from chatlearn.algorithms.advantages import (  # noqa: F401  (re-exported)
+    ADVANTAGE_ESTIMATORS, ROLLOUT_MISMATCH, WHITEN_EPS, compute_advantages, episode_advantages, equal_groups,
+    group_advantages, sequence_kl)
 from chatlearn.config import registry
 
 KL_LOG_RATIO_CLAMP = 20.0
 LOW_VAR_KL_CLAMP = 10.0
 GSPO_LOG_RATIO_MAX = 10.0
-WHITEN_EPS = 1e-8
 
 # the names are declared in chatlearn.config.registry (what the config accepts); the functions
 # registered below implement them
-ADVANTAGE_ESTIMATORS = registry.ADVANTAGE_ESTIMATORS.names
 LOSS_AGG_MODES = registry.LOSS_AGG_MODES.names
 KL_ESTIMATORS = registry.KL_ESTIMATORS.names
-
-
-# ---------------------------------------------------------------------------- advantages
-def group_advantages(rewards: np.ndarray, group_size: int, eps: float = 1e-6) -> np.ndarray:
-    """GRPO advantages; the ``group_size`` samples of one prompt are contiguous.
-
-        A_i = (r_i - mean_g) / (std_g + eps),   std_g = sqrt(sum_j (r_j - mean_g)^2 / (G - 1))
-
-    (unbiased std, as ``torch.std`` and verl). A group whose rewards are all equal gets
-    A = 0 exactly. With ``group_size == 1`` the std is undefined: every advantage is 0.
-    Returns float32 [N].
-    """
-    g = _groups(rewards, group_size)
-    if group_size == 1:
-        return np.zeros(g.size, dtype=np.float32)
-    mean = g.mean(axis=1, keepdims=True)
-    std = g.std(axis=1, ddof=1, keepdims=True)
-    adv = (g - mean) / (std + eps)
-    adv[equal_groups(g.reshape(-1), group_size)] = 0.0  # exact zero for constant groups
-    return adv.reshape(-1).astype(np.float32)
-
-
-def _groups(rewards, group_size: int) -> np.ndarray:
-    r = np.asarray(rewards, dtype=np.float64)
-    if group_size < 1 or r.size % group_size:
-        raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
-    return r.reshape(-1, group_size)
-
-
-def equal_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
-    """bool [N / group_size]: the groups whose rewards are all equal (DAPO's dynamic
-    sampling drops them: their group-relative advantages are 0)."""
-    g = _groups(rewards, group_size)
-    return np.all(g == g[:, :1], axis=1)
-
-
-def compute_advantages(rewards: np.ndarray, group_size: int, estimator: str,
-                       response_lens: np.ndarray, sample_weights: np.ndarray) -> np.ndarray:
-    """Advantages (float32 [N]) of the estimator ``estimator``; samples of one prompt are
-    contiguous groups of ``group_size``; samples with weight 0 (filtered) get A = 0 and do
-    not enter the batch statistics.
-
-    - ``grpo`` (DeepSeekMath, Shao et al. 2024): :func:`group_advantages`.
-    - ``dr_grpo`` (Dr. GRPO, Liu et al. 2025; verl ``norm_adv_by_std_in_grpo: False``):
-      A_i = r_i - mean_g.
-    - ``rloo`` (Ahmadian et al. 2024; verl ``rloo``): A_i = r_i - mean_{j != i} r_j
-      = G / (G - 1) * (r_i - mean_g); 0 when G = 1.
-    - ``reinforce_plus_plus`` (REINFORCE++-baseline, Hu 2025; verl
-      ``reinforce_plus_plus_baseline``): x_i = r_i - mean_g (mean_g = 0 when G = 1), then
-      whitened over the batch's response tokens as verl's ``masked_whiten``:
-      A_i = (x_i - mu) / sqrt(var + 1e-8), mu and var the token-weighted (n_i = response
-      length) mean and unbiased variance of the kept samples.
-    """
-    g = _groups(rewards, group_size)
-    keep = np.asarray(sample_weights, dtype=np.float64) > 0
-    r = g.reshape(-1)
-    mean = np.repeat(g.mean(axis=1), group_size)
-    adv = registry.ADVANTAGE_ESTIMATORS.get(estimator)(r, mean, group_size, response_lens, keep)
-    return np.where(keep, adv, 0.0).astype(np.float32)
-
-
-# Each estimator: (rewards float64 [N], group means repeated [N], group_size, response_lens,
-# keep bool [N]) -> float64 [N] (before the filtered samples are zeroed).
-@registry.ADVANTAGE_ESTIMATORS.register("grpo")
-def _grpo(r, mean, group_size, response_lens, keep):
-    return group_advantages(r, group_size).astype(np.float64)
-
-
-@registry.ADVANTAGE_ESTIMATORS.register("dr_grpo")
-def _dr_grpo(r, mean, group_size, response_lens, keep):
-    return r - mean
-
-
-@registry.ADVANTAGE_ESTIMATORS.register("rloo")
-def _rloo(r, mean, group_size, response_lens, keep):
-    return (r - mean) * (group_size / (group_size - 1)) if group_size > 1 else 0.0 * r
-
-
-@registry.ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
-def _reinforce_plus_plus(r, mean, group_size, response_lens, keep):
-    x = r - mean if group_size > 1 else r.copy()
-    n = np.asarray(response_lens, dtype=np.float64) * keep
-    total = n.sum()
-    adv = np.zeros_like(x)
-    if total > 1:
-        mu = (n * x).sum() / total
-        var = (n * (x - mu) ** 2).sum() / total * total / (total - 1)
-        adv = (x - mu) / np.sqrt(var + WHITEN_EPS)
-    return adv
 
 
 # ---------------------------------------------------------------------------- policy losses
@@ -206,18 +119,6 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """
     d = torch.clamp(ref_logp - logp, -KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
     return torch.exp(d) - d - 1.0
-
-
-def sequence_kl(old_logprobs: np.ndarray, ref_logprobs: np.ndarray, offsets: np.ndarray,
-                prompt_lens: np.ndarray, estimator: str) -> np.ndarray:
-    """float64 [N]: sum over each sample's response tokens of ``kl_penalty(old, ref)``; the
-    KL-in-reward penalty is ``kl_coef`` times it (InstructGPT / verl ``use_kl_in_reward``)."""
-    kl = kl_penalty(torch.from_numpy(np.asarray(old_logprobs, np.float64)),
-                    torch.from_numpy(np.asarray(ref_logprobs, np.float64)), estimator).numpy()
-    out = np.zeros(len(prompt_lens))
-    for i in range(len(prompt_lens)):
-        out[i] = kl[int(offsets[i] + prompt_lens[i]):int(offsets[i + 1])].sum()
-    return out
 
 
 # ---------------------------------------------------------------------------- aggregation
@@ -371,8 +272,7 @@ LOSS_SUMS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_low
              "rollout_diff", "rollout_kl", "rollout_tokens")
 # with no old log-probs in the batch, the step's own forward stands for them, and the loss reports how
 # far they are from the rollout engine's (metrics of every response token, sample weights left out):
-# the sums of |logp - rollout_logp| and of the mismatch KL term, their count, and the largest difference
-ROLLOUT_MISMATCH = ("rollout_diff_sum", "rollout_kl_sum", "rollout_tokens", "rollout_diff_max")
+# ROLLOUT_MISMATCH (chatlearn.algorithms.advantages) names those sums
 
 
 def loss_metrics(sums: list[float], num_tokens: int, kept_tokens: float, has_ref: bool,
@@ -491,36 +391,3 @@ class GRPOLoss:
         return loss_metrics(sums, self.num_tokens, self.kept_tokens, self.has_ref,
                             self.with_entropy, self.cfg["clip_ratio_c"] is not None,
                             rollout_diff_max if self.tracks_rollout else None)
-
-
-def episode_advantages(batch: dict, rewards: np.ndarray, group_size: int, *, estimator: str,
-                       filter_equal_groups: bool, kl_in_reward: bool, kl_coef: float,
-                       kl_estimator: str) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Advantages and sample weights of an episode's samples (groups of ``group_size``
-    contiguous samples per prompt). Returns ``(advantages float32 [N], sample_weights
-    float32 [N], metrics)``.
-
-    - ``kl_in_reward`` (InstructGPT; verl ``use_kl_in_reward``): the reward becomes
-      r_i - kl_coef * sum_{t in i} kl_t(old_logprobs, ref_logprobs) before the advantages
-      (metric ``kl_in_reward_penalty``: the mean penalty per sample).
-    - ``filter_equal_groups`` (DAPO's dynamic sampling): groups whose (raw) rewards are all
-      equal get weight 0 (metric ``filtered_group_frac``: the share of such groups). The
-      samples stay in the batch, so every optimizer step keeps its size and every rank its
-      micro-steps, but they count nowhere in the loss (:class:`GRPOLoss`) nor in the batch
-      statistics of the advantages.
-    """
-    offsets, prompt_lens = np.asarray(batch["offsets"]), np.asarray(batch["prompt_lens"])
-    lens = np.diff(offsets) - prompt_lens
-    r = np.asarray(rewards, dtype=np.float64)
-    metrics = {}
-    if kl_in_reward:
-        penalty = kl_coef * sequence_kl(batch["old_logprobs"], batch["ref_logprobs"], offsets,
-                                        prompt_lens, kl_estimator)
-        metrics["kl_in_reward_penalty"] = float(penalty.mean())
-        r = r - penalty
-    dropped = (equal_groups(rewards, group_size) if filter_equal_groups
-               else np.zeros(r.size // group_size, dtype=bool))
-    if filter_equal_groups:
-        metrics["filtered_group_frac"] = float(dropped.mean())
-    weights = np.repeat(~dropped, group_size).astype(np.float32)
-    return compute_advantages(r, group_size, estimator, lens, weights), weights, metrics

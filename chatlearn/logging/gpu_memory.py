@@ -40,6 +40,23 @@ def _visible_handles(nvml) -> list:
     return handles
 
 
+def visible_gpu_count() -> int:
+    """How many GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applied), without importing torch where
+    it can: NVML when it answers; 0 on a machine with no GPU device node (no NVIDIA or ROCm driver);
+    torch's count otherwise."""
+    nvml = _nvml()
+    if nvml is not None:
+        try:
+            return len(_visible_handles(nvml))
+        except Exception:  # noqa: BLE001 - a visible-device entry NVML cannot resolve: ask torch
+            pass
+    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _process_tree(pid: int) -> set[int]:
     import psutil
 

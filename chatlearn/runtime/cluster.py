@@ -18,6 +18,7 @@ from chatlearn.config import registry
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import ray_init_options
+from chatlearn.logging.gpu_memory import visible_gpu_count
 from chatlearn.runtime.leftovers import clean_leftovers, mark_driver
 from chatlearn.runtime.signals import stop_on_sigterm, terminated
 from chatlearn.models.specs import RewardSpec, RolloutSpec, TrainerSpec
@@ -111,9 +112,7 @@ class Cluster:
                         f"could not join the Ray cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']!r} ({err}). "
                         f"{START_A_CLUSTER}") from err
             else:
-                import torch
-
-                gpus = torch.cuda.device_count() or plan.total_devices  # logical devices without a GPU
+                gpus = visible_gpu_count() or plan.total_devices  # logical devices without a GPU
                 mark_driver()  # the local Ray processes carry this driver's pid: orphans can be found
                 # "local": a new cluster of this run's own, even where `ray start` ran before
                 # no idle workers started ahead: every actor of a run has an environment of its own

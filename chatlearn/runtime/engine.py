@@ -30,7 +30,7 @@ import numpy as np
 import ray
 from omegaconf import DictConfig
 
-from chatlearn.algorithms.grpo import ROLLOUT_MISMATCH, episode_advantages
+from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.names import MODEL_PARTS, Part, Stage
 from chatlearn.config.plan import Plan

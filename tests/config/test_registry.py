@@ -41,9 +41,9 @@ def test_declared_with_implementations():
     assert reg.names == ("a",) and reg.get("a") == "pkg.mod:A"
 
 
-def test_every_declared_algorithm_name_is_implemented_after_importing_chatlearn_algorithms():
-    # in a fresh interpreter: importing the package alone must register everything
-    code = ("import chatlearn.algorithms\n"
+def test_every_declared_algorithm_name_is_implemented_after_importing_the_trainer_modules():
+    # in a fresh interpreter: the loss module (it imports the advantages) and the schedule register everything
+    code = ("import chatlearn.algorithms.grpo, chatlearn.algorithms.lr_schedule\n"
             "from chatlearn.config import registry\n"
             "for reg in registry.ALGORITHMS:\n"
             "    missing = [n for n in reg.names if n not in reg.implemented()]\n"
