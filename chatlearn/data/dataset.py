@@ -15,9 +15,11 @@ the prompts and the tokenizer, so a rerun on the same data does not tokenize aga
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +29,7 @@ from chatlearn.config.data_sources import DATA_SUFFIXES, DataSource, resolve_dat
 from chatlearn.config.data_sources import brief as _brief
 from chatlearn.config.data_sources import datasets_offline as _offline
 from chatlearn.config.data_sources import quiet_datasets as _quiet_datasets
+from chatlearn.data.tokenizer import fast_tokenizer
 from chatlearn.errors import UserError
 
 TOKENIZED_CACHE = "chatlearn_prompts"  # folder under the datasets cache holding tokenized prompts
@@ -92,7 +95,11 @@ def read_rows(path: str) -> list[tuple[dict, str]]:
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool, key: str):
-    """The tokenizer of a Hugging Face model folder; a folder without a usable one is a user error."""
+    """The tokenizer of a Hugging Face model folder (:func:`chatlearn.data.tokenizer.fast_tokenizer` where
+    it gives the same ids, else transformers'); a folder without a usable one is a user error."""
+    tokenizer = fast_tokenizer(path) if os.path.isdir(path) else None
+    if tokenizer is not None:
+        return _with_chat_template(tokenizer, path, key)
     from transformers import AutoTokenizer
 
     try:
@@ -101,6 +108,10 @@ def load_tokenizer(path: str, *, trust_remote_code: bool, key: str):
         raise UserError(f"cannot load a tokenizer from {path!r}: {_brief(err)}. Point it at a "
                         "model folder that holds the tokenizer files (tokenizer.json or the tokenizer's vocabulary "
                         "files, tokenizer_config.json).", key=key) from err
+    return _with_chat_template(tokenizer, path, key)
+
+
+def _with_chat_template(tokenizer, path: str, key: str):
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"the tokenizer in {path!r} has no chat template, and prompts are formatted with it. Add "
                         "one to the folder (chat_template.jinja, or chat_template in tokenizer_config.json), or "
@@ -227,42 +238,66 @@ def tokenizer_fingerprint(tokenizer) -> list:
             getattr(tokenizer, "chat_template", None), len(tokenizer)]
 
 
+def prompts_cache_dir() -> str:
+    """``<datasets cache>/chatlearn_prompts``: ``HF_DATASETS_CACHE``, else ``HF_HOME/datasets``, else
+    ``~/.cache/huggingface/datasets`` (``datasets``' own rule, without importing it)."""
+    root = os.environ.get("HF_DATASETS_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                  os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"),
+        "datasets")
+    return os.path.join(os.path.expanduser(root), TOKENIZED_CACHE)
+
+
 def tokenize_prompts(messages: list[list[dict]], wheres: list[str], tokenizer, *,
                      enable_thinking: bool) -> list[list[int]]:
-    """Token ids of each prompt's chat template, computed with ``datasets.Dataset.map`` into a cache file
-    under ``<datasets cache>/chatlearn_prompts/`` named by a fingerprint of the prompts, the tokenizer and
-    ``enable_thinking``: the same prompts with the same tokenizer are read back, not tokenized again."""
-    datasets = _quiet_datasets()
-    from datasets.fingerprint import Hasher
-
-    texts = [json.dumps(m, ensure_ascii=False, sort_keys=True) for m in messages]
-    fingerprint = Hasher.hash(["chatlearn-prompts-v1", texts, tokenizer_fingerprint(tokenizer), bool(enable_thinking)])
-    folder = os.path.join(datasets.config.HF_DATASETS_CACHE, TOKENIZED_CACHE)
-    os.makedirs(folder, exist_ok=True)
-
-    def tokenize(batch: dict, indices: list[int]) -> dict:
-        out = []
-        for text, i in zip(batch["messages"], indices):
-            try:
-                ids = tokenizer.apply_chat_template(json.loads(text), add_generation_prompt=True, tokenize=True,
-                                                    enable_thinking=enable_thinking)
-            except Exception as err:  # the template is user code (jinja): any error is about the data or it
-                raise UserError(f"{wheres[i]}: the tokenizer's chat template fails on this row: "
-                                f"{type(err).__name__}: {_brief(err)}. Fix the row, or give the "
-                                "model folder a chat template (chat_template.jinja or tokenizer_config.json) that "
-                                "accepts it.") from err
-            if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
-                ids = ids["input_ids"]
-            out.append(list(ids))
-        return {"input_ids": out}
-
-    if not texts:
+    """Token ids of each prompt's chat template, kept in a cache file ``<fingerprint>.npz`` under
+    :func:`prompts_cache_dir`, named by a hash of the prompts, the tokenizer and ``enable_thinking``:
+    the same prompts with the same tokenizer are read back, not tokenized again. The file is written
+    whole or not at all (a temporary file renamed into place)."""
+    if not messages:
         return []
-    ds = datasets.Dataset.from_dict({"messages": texts})
-    ds = ds.map(tokenize, batched=True, batch_size=1000, with_indices=True, remove_columns=["messages"],
-                cache_file_name=os.path.join(folder, f"{fingerprint}.arrow"), new_fingerprint=fingerprint,
-                load_from_cache_file=True)
-    return ds.to_dict()["input_ids"]
+    texts = [json.dumps(m, ensure_ascii=False, sort_keys=True) for m in messages]
+    key = json.dumps(["chatlearn-prompts-v2", texts, tokenizer_fingerprint(tokenizer), bool(enable_thinking)],
+                     ensure_ascii=False, default=str)
+    folder = prompts_cache_dir()
+    path = os.path.join(folder, hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + ".npz")
+    if os.path.exists(path):
+        try:
+            with np.load(path, allow_pickle=False) as cached:
+                ids, offsets = cached["ids"], cached["offsets"]
+            if len(offsets) == len(texts) + 1:
+                return [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(len(texts))]
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache file is replaced
+    out = []
+    for text, where in zip(texts, wheres):
+        try:
+            ids = tokenizer.apply_chat_template(json.loads(text), add_generation_prompt=True, tokenize=True,
+                                                enable_thinking=enable_thinking)
+        except Exception as err:  # the template is user code (jinja): any error is about the data or it
+            raise UserError(f"{where}: the tokenizer's chat template fails on this row: "
+                            f"{type(err).__name__}: {_brief(err)}. Fix the row, or give the "
+                            "model folder a chat template (chat_template.jinja or tokenizer_config.json) that "
+                            "accepts it.") from err
+        if hasattr(ids, "keys"):  # transformers returns a BatchEncoding
+            ids = ids["input_ids"]
+        out.append([int(t) for t in ids])
+    tmp = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        offsets = np.cumsum([0] + [len(ids) for ids in out], dtype=np.int64)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, ids=np.fromiter((t for ids in out for t in ids), np.int64, int(offsets[-1])),
+                     offsets=offsets)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass  # a read-only or full cache folder: tokenized again next time
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
 
 
 class PromptSampler:

@@ -7,15 +7,20 @@ entries (:class:`BucketIndex`, offsets aligned to ``ALIGN`` bytes), planned once
 buckets; a rollout engine reads them as ``(name, tensor)`` views (:func:`bucket_views`,
 :func:`entry_views`), in the rollout actor or inside an engine's own worker processes, which map
 the slots of their own GPU (:func:`slots_for_device`, :func:`ipc_rebuild`). Pure helpers on
-torch, shared by the models (trainers' ``export_weights``, rollout engines) and the runtime.
+torch, shared by the models (trainers' ``export_weights``, rollout engines) and the runtime; the
+plan (:func:`plan_buckets`) needs no torch, since the driver makes it, and torch is imported by the
+helpers that make tensors.
 """
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 64  # byte alignment of every tensor in a bucket (any dtype's element size divides it)
 
@@ -41,6 +46,20 @@ class BucketIndex:
         return [e.name for e in self.entries]
 
 
+# element sizes of the dtypes weights come in, by torch dtype name (others are asked of torch)
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+            "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of the torch dtype named ``dtype`` (e.g. ``"bfloat16"``)."""
+    if dtype in ITEMSIZE:
+        return ITEMSIZE[dtype]
+    import torch
+
+    return itemsize(dtype)
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -59,7 +78,7 @@ def plan_buckets(specs: list, bucket_bytes: int) -> list[BucketIndex]:
             groups.append([spec])
     buckets, cur, size = [], [], 0
     for group in groups:
-        need = sum(_align(int(np.prod(s[2], dtype=np.int64)) * getattr(torch, s[1]).itemsize)
+        need = sum(_align(int(np.prod(s[2], dtype=np.int64)) * itemsize(s[1]))
                    for s in group)
         if cur and size + need > bucket_bytes:
             buckets.append(cur)
@@ -72,7 +91,7 @@ def plan_buckets(specs: list, bucket_bytes: int) -> list[BucketIndex]:
     for specs_k in buckets:
         entries, offset = [], 0
         for name, dtype, shape, _ in specs_k:
-            nbytes = int(np.prod(shape, dtype=np.int64)) * getattr(torch, dtype).itemsize
+            nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
             entries.append(Entry(name, dtype, tuple(int(d) for d in shape), offset, nbytes))
             offset = _align(offset + nbytes)
         out.append(BucketIndex(tuple(entries), entries[-1].offset + entries[-1].nbytes))
@@ -81,6 +100,8 @@ def plan_buckets(specs: list, bucket_bytes: int) -> list[BucketIndex]:
 
 def bucket_views(index: BucketIndex, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views of the uint8 buffer ``buf`` (same memory, no copy)."""
+    import torch
+
     return [(e.name, buf[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape))
             for e in index.entries]
 
@@ -100,6 +121,8 @@ def entry_views(rows: list, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]
 
 def device_uuid(device) -> str:
     """The GPU's UUID: the same in every process, whichever index ``CUDA_VISIBLE_DEVICES`` gives it."""
+    import torch
+
     return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
@@ -118,6 +141,8 @@ def ipc_rebuild(handle, device) -> torch.Tensor:
     as verl and OpenRLHF do. The argument is found by its name in ``rebuild_cuda_tensor``
     (``storage_device``, torch 2.x ``torch/multiprocessing/reductions.py``).
     """
+    import torch
+
     fn, args = handle
     args = list(args)
     args[list(inspect.signature(fn).parameters).index("storage_device")] = torch.device(device).index
@@ -147,4 +172,6 @@ def slots_for_device(table: dict[str, list], device) -> list:
 
 def device_stream(device: torch.device):
     """The current CUDA stream of ``device`` (its ``synchronize`` waits for queued copies)."""
+    import torch
+
     return torch.cuda.current_stream(device)

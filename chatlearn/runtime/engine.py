@@ -52,7 +52,7 @@ from chatlearn.runtime.replay import ReplayBuffer
 from chatlearn.runtime.rollouts import Prompts, Rollouts
 from chatlearn.runtime.run_lock import RunLock
 from chatlearn.runtime.scheduler import Scheduler, Timeline, movable_parts
-from chatlearn.runtime.weight_sync import WeightSync
+from chatlearn.runtime.weight_push import WeightSync
 
 
 class GRPO(Rollouts):

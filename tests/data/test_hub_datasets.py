@@ -114,7 +114,7 @@ def test_tokenized_prompts_are_cached_by_fingerprint(hub, tokenizer, tmp_path, m
     first = load_prompts([str(path)], tokenizer, **keys)
     assert len(calls) == 20
     cache = hub / "datasets" / TOKENIZED_CACHE
-    assert len([f for f in os.listdir(cache) if f.endswith(".arrow")]) == 1
+    assert len([f for f in os.listdir(cache) if f.endswith(".npz")]) == 1
     second = load_prompts([str(path)], tokenizer, **keys)
     assert len(calls) == 20  # nothing tokenized again
     assert second.prompt_ids == first.prompt_ids and second.ground_truths == first.ground_truths

@@ -18,6 +18,7 @@ import torch
 from tiny_model import make_tiny_model  # tests/ is on sys.path (tests/conftest.py)
 
 from chatlearn.models import weight_buckets as wb
+from chatlearn.runtime import weight_push as wp
 from chatlearn.runtime import weight_sync as ws
 
 TOL = 1e-4
@@ -232,7 +233,7 @@ class IpcTwin:
         monkeypatch.setattr(ws, "_share_among_ranks", share_among_ranks)
         monkeypatch.setattr(ws, "_release_cached", lambda device: self.log.append(("release", self.gpu)))
         # Ray: calls run at once, in submission order; refs are the results
-        monkeypatch.setattr(ws, "ray", type("FakeRay", (), {"get": staticmethod(lambda x: x)}))
+        monkeypatch.setattr(wp, "ray", type("FakeRay", (), {"get": staticmethod(lambda x: x)}))  # WeightSync's
 
 
 class TwinActor:
