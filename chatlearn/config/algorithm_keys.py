@@ -9,7 +9,9 @@ from chatlearn.config.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_
 from chatlearn.errors import ConfigError
 
 PREFIX = "models.policy_trainer"
-OLD_LOGPROB_SOURCES = ("auto", "recompute")
+OLD_LOGPROB_SOURCES = ("auto", "recompute", "rollout")
+ROLLOUT_CORRECTIONS = ("auto", "none", "tis", "mis", "decoupled")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
 
 
 def validate_algorithm(cfg, total_steps: int) -> None:
@@ -20,6 +22,7 @@ def validate_algorithm(cfg, total_steps: int) -> None:
     _choice(t.kl_estimator, KL_ESTIMATORS.names, f"{PREFIX}.kl_estimator")
     _choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS.names, f"{PREFIX}.advantage_estimator")
     _choice(t.old_logprobs, OLD_LOGPROB_SOURCES, f"{PREFIX}.old_logprobs")
+    _check_rollout_correction(t)
     if t.clip_ratio_c is not None and not t.clip_ratio_c > 1:
         raise ConfigError(f"must be > 1 (the dual-clip bound -A * clip_ratio_c of negative advantages), "
                           f"got {t.clip_ratio_c}; set null to turn dual clip off, or e.g. 3.0 as verl.",
@@ -55,3 +58,27 @@ def validate_algorithm(cfg, total_steps: int) -> None:
                           f"(lr_decay_iters: {decay} steps) for lr_decay_style {opt.lr_decay_style!r}. Lower "
                           "lr_warmup_iters / lr_warmup_fraction or raise lr_decay_iters.",
                           key=f"{key}.lr_warmup_iters")
+
+
+def _check_rollout_correction(t) -> None:
+    """rollout_correction and its level and thresholds (see docs/rollout_correction.md)."""
+    _choice(t.rollout_correction, ROLLOUT_CORRECTIONS, f"{PREFIX}.rollout_correction")
+    _choice(t.rollout_correction_level, CORRECTION_LEVELS, f"{PREFIX}.rollout_correction_level")
+    if not t.rollout_is_threshold > 1:
+        raise ConfigError(f"must be > 1 (C: the largest importance weight kept), got {t.rollout_is_threshold}; "
+                          "e.g. 2.0 as verl.", key=f"{PREFIX}.rollout_is_threshold")
+    lower = t.rollout_is_threshold_lower
+    if lower is not None:
+        if t.rollout_correction != "mis":
+            raise ConfigError(f"is read only by rollout_correction: mis (the lower end of its band), but "
+                              f"rollout_correction is {t.rollout_correction!r}. Remove it, or set "
+                              "rollout_correction: mis.", key=f"{PREFIX}.rollout_is_threshold_lower")
+        if not 0 <= lower < 1:
+            raise ConfigError(f"must be in [0, 1) (mis masks the tokens whose ratio is below it), got {lower}; "
+                              "null: 1 / rollout_is_threshold.", key=f"{PREFIX}.rollout_is_threshold_lower")
+    if t.rollout_correction == "decoupled" and t.old_logprobs == "rollout":
+        raise ConfigError("decoupled PPO clips against the proximal policy (the trainer's old log-probs) and "
+                          "weights by proximal / behaviour; with old_logprobs: rollout the two are the same "
+                          "policy. Use old_logprobs: auto (or recompute), or rollout_correction: tis or mis, "
+                          "which old_logprobs: rollout supports.", key=f"{PREFIX}.rollout_correction")
+

@@ -79,7 +79,8 @@ class GRPO(Rollouts):
         self.progress = RunProgress(rt.num_episode)
         self.instrument = Instrument(self.sched, self.progress, rt.num_training_epoch)
         self.sampler = PromptSampler(len(train_set), shuffle=rt.data_shuffle, seed=rt.seed)
-        self.replay = ReplayBuffer(rt.max_replay_episode)  # earlier episodes' samples to train on again
+        # earlier episodes' samples to train on again (with their rollout log-probs where the loss reads them)
+        self.replay = ReplayBuffer(rt.max_replay_episode, with_rollout_logprobs=self.loss_reads_rollout_logprobs)
         self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
         self.metrics = MetricSinks(cfg)
         self.nonfinite_in_a_row = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
@@ -132,7 +133,8 @@ class GRPO(Rollouts):
         with run.stage(Stage.TRAIN, "policy_trainer"):
             self.sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
             train_batch = self.replay.training_batch(batch)
-            if self.plan.old_logprob_pass_from:  # (no replay then) the first step reports the mismatch
+            if self.plan.old_logprob_pass_from and not self.loss_reads_rollout_logprobs:
+                # (no replay then) the first step reports the mismatch
                 train_batch["rollout_logprobs"] = batch["rollout_logprobs"]
             metrics.update(self.optimize(train_batch, episode))
         self.replay.add(batch)  # before the checkpoint, which keeps it for the episodes that follow
@@ -146,6 +148,12 @@ class GRPO(Rollouts):
         self.sched.ensure("policy", [Part.KV_CACHE])
         metrics.update(self.episode_metrics(episode, batch, rewards, reward_parts))
         return run.finish(metrics, batch)
+
+    @property
+    def loss_reads_rollout_logprobs(self) -> bool:
+        """Whether every optimizer step reads the rollout engine's log-probs: they are its old
+        log-probs (``old_logprobs: rollout``) or the behaviour log-probs of a rollout correction."""
+        return self.plan.old_from_rollout or self.plan.rollout_correction != "none"
 
     def next_prompts(self) -> Prompts:
         """The episode's prompts from the sampler, each repeated for its group of responses."""
@@ -238,6 +246,8 @@ class GRPO(Rollouts):
         the samples before ``plan.old_logprob_pass_from`` (the first optimizer step's, whose own
         forward gives them: :class:`chatlearn.algorithms.grpo.GRPOLoss`), the pass's elsewhere."""
         cut, n = self.plan.old_logprob_pass_from, len(batch["prompt_lens"])
+        if self.plan.old_from_rollout:  # the rollout engine's stand for them (KL in the reward, replay)
+            return np.asarray(batch["rollout_logprobs"], np.float32).copy()
         if cut == 0:
             self.sched.ensure("policy_trainer", [Part.WEIGHTS])
             return self.logprobs(self.trainer, batch)
@@ -291,18 +301,23 @@ class GRPO(Rollouts):
                 # the first step's own forward gives its old log-probs; it reports the rollout mismatch
                 wanted = (keys if s >= plan.old_logprob_pass_from
                           else (*(k for k in keys if k != "old_logprobs"), "rollout_logprobs"))
+                if self.loss_reads_rollout_logprobs:
+                    wanted = (*(k for k in wanted if k not in ("old_logprobs", "rollout_logprobs")
+                                or (k == "old_logprobs" and not plan.old_from_rollout)), "rollout_logprobs")
                 sub = select_samples({k: batch[k] for k in wanted if k in batch}, range(s, s + plan.samples_per_step))
                 self.progress.stage(Stage.TRAIN, f"step {steps + 1}/{total}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
                 step = dict(outs[0])
-                self.own_old_mismatch.update({k: step.pop(k) for k in ROLLOUT_MISMATCH if k in step})
+                mismatch = {k: step.pop(k) for k in ROLLOUT_MISMATCH if k in step}
+                if steps == 0:  # the first step's forward is that of the weights that generated its samples
+                    self.own_old_mismatch.update(mismatch)
                 steps += 1
                 if self.nonfinite_step(step, episode, steps):
                     skipped += 1
                     continue
                 for k, v in step.items():
-                    sums[k] += float(v)
-        means = {k: v / (steps - skipped) for k, v in sums.items()}
+                    sums[k] = max(sums[k], float(v)) if k in STEP_MAXIMA else sums[k] + float(v)
+        means = {k: v if k in STEP_MAXIMA else v / (steps - skipped) for k, v in sums.items()}
         means["skipped_steps"] = float(skipped)
         return {f"train/{k}": v for k, v in means.items()}
 
@@ -425,6 +440,10 @@ def _closing(pool: ThreadPoolExecutor):
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+
+
+# step metrics that are the largest over an episode's steps, not their mean
+STEP_MAXIMA = ("is_weight_max",)
 
 
 def mismatch_kl(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray) -> float:

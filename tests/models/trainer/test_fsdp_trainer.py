@@ -51,7 +51,8 @@ def trainer_cfg(path: str, **over) -> dict:
                clip_ratio_c=None, use_group_sequence_policy=False, loss_agg_mode="token-mean",
                max_response_tokens_length=16, kl_estimator="k3", kl_in_reward=False,
                min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=100,
-               lr_warmup_init=0.0)
+               lr_warmup_init=0.0, old_logprobs="auto", rollout_correction="none",
+               rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None)
     cfg.update(over)
     return cfg
 
