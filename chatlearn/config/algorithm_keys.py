@@ -23,6 +23,7 @@ def validate_algorithm(cfg, total_steps: int) -> None:
     _choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS.names, f"{PREFIX}.advantage_estimator")
     _choice(t.old_logprobs, OLD_LOGPROB_SOURCES, f"{PREFIX}.old_logprobs")
     _check_rollout_correction(t)
+    _check_dapo(cfg)
     if t.clip_ratio_c is not None and not t.clip_ratio_c > 1:
         raise ConfigError(f"must be > 1 (the dual-clip bound -A * clip_ratio_c of negative advantages), "
                           f"got {t.clip_ratio_c}; set null to turn dual clip off, or e.g. 3.0 as verl.",
@@ -82,3 +83,23 @@ def _check_rollout_correction(t) -> None:
                           "policy. Use old_logprobs: auto (or recompute), or rollout_correction: tis or mis, "
                           "which old_logprobs: rollout supports.", key=f"{PREFIX}.rollout_correction")
 
+
+def _check_dapo(cfg) -> None:
+    """DAPO's dynamic sampling (runtime_args) and overlong reward shaping (models.reward)."""
+    rt, r = cfg.runtime_args, cfg.models.reward
+    group = cfg.models.policy.num_inference_per_prompt
+    if rt.dynamic_sampling_max_rounds < 1:
+        raise ConfigError(f"must be >= 1 (rounds of prompts sampled per episode, the first included), got "
+                          f"{rt.dynamic_sampling_max_rounds}.", key="runtime_args.dynamic_sampling_max_rounds")
+    if rt.dynamic_sampling and group < 2:
+        raise ConfigError(f"keeps the groups whose rewards differ, but models.policy.num_inference_per_prompt is "
+                          f"{group}: a group of one sample never does. Sample at least 2 responses per prompt.",
+                          key="runtime_args.dynamic_sampling")
+    longest = cfg.models.policy.max_response_tokens_length
+    if not 0 <= r.overlong_buffer_len < longest:
+        raise ConfigError(f"must be in [0, models.policy.max_response_tokens_length) = [0, {longest}) (the last "
+                          f"tokens of a response over which the penalty ramps; 0: off), got {r.overlong_buffer_len}.",
+                          key="models.reward.overlong_buffer_len")
+    if r.overlong_penalty_factor < 0:
+        raise ConfigError(f"must be >= 0 (the penalty of a response of max_response_tokens_length tokens is minus "
+                          f"it), got {r.overlong_penalty_factor}.", key="models.reward.overlong_penalty_factor")

@@ -78,6 +78,10 @@ class RuntimeArgs:
     eval_data_split: str = "test"  # as data_split, for eval_data_path
     data_rerank: bool = True  # spread the samples of one prompt over rollout replicas
     max_replay_episode: int = 0  # also train on the samples of up to N earlier episodes (-1: all)
+    # DAPO dynamic sampling: sample more prompts while fewer than the episode's prompts have groups of
+    # unequal rewards; at most dynamic_sampling_max_rounds rounds of prompts_per_episode prompts each
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 10
     replay_episode_offset: int = 0
     consumed_samples: int = 0
     max_data_ckpt_nums: Optional[int] = None
@@ -304,6 +308,10 @@ class Reward(ModelBase):
     # rewards combined by weight (sum of weight x score); empty: builtin:math alone
     functions: List[RewardFunction] = field(default_factory=list)
     timeout_s: float = 600.0  # seconds a reward worker may take to score its share of a batch (0: no limit)
+    # DAPO overlong reward shaping: a penalty ramping from 0 to -overlong_penalty_factor over the last
+    # overlong_buffer_len tokens of models.policy.max_response_tokens_length (0: off)
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass
