@@ -4,7 +4,8 @@ learning-rate schedule); called by ``chatlearn.config.load.validate``. The names
 from __future__ import annotations
 
 from chatlearn.config.checks import choice as _choice
-from chatlearn.config.plan import resolve_schedule
+from chatlearn.config.plan import resolve_rollout_correction, resolve_schedule
+from chatlearn.config.schema import PolicyTrainer, Reward, RuntimeArgs
 from chatlearn.config.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LR_DECAY_STYLES
 from chatlearn.errors import ConfigError
 
@@ -68,6 +69,12 @@ def _check_rollout_correction(t) -> None:
     if not t.rollout_is_threshold > 1:
         raise ConfigError(f"must be > 1 (C: the largest importance weight kept), got {t.rollout_is_threshold}; "
                           "e.g. 2.0 as verl.", key=f"{PREFIX}.rollout_is_threshold")
+    if resolve_rollout_correction(t) == "none":
+        for name in ("rollout_correction_level", "rollout_is_threshold"):
+            if t[name] != getattr(PolicyTrainer, name):
+                raise ConfigError(f"is read only with a rollout correction, but rollout_correction is "
+                                  f"{t.rollout_correction!r} (none in this run). Remove it, or set "
+                                  "rollout_correction: tis, mis or decoupled.", key=f"{PREFIX}.{name}")
     lower = t.rollout_is_threshold_lower
     if lower is not None:
         if t.rollout_correction != "mis":
@@ -95,6 +102,12 @@ def _check_dapo(cfg) -> None:
         raise ConfigError(f"keeps the groups whose rewards differ, but models.policy.num_inference_per_prompt is "
                           f"{group}: a group of one sample never does. Sample at least 2 responses per prompt.",
                           key="runtime_args.dynamic_sampling")
+    if not rt.dynamic_sampling and rt.dynamic_sampling_max_rounds != RuntimeArgs.dynamic_sampling_max_rounds:
+        raise ConfigError("is read only with runtime_args.dynamic_sampling: true. Remove it, or turn dynamic "
+                          "sampling on.", key="runtime_args.dynamic_sampling_max_rounds")
+    if r.overlong_buffer_len == 0 and r.overlong_penalty_factor != Reward.overlong_penalty_factor:
+        raise ConfigError("is read only with models.reward.overlong_buffer_len > 0 (the shaping is off). Remove it, "
+                          "or set overlong_buffer_len.", key="models.reward.overlong_penalty_factor")
     longest = cfg.models.policy.max_response_tokens_length
     if not 0 <= r.overlong_buffer_len < longest:
         raise ConfigError(f"must be in [0, models.policy.max_response_tokens_length) = [0, {longest}) (the last "

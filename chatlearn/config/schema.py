@@ -176,12 +176,6 @@ class TrainerModel(ModelBase):
     kl_in_reward: bool = False  # subtract kl_coef * KL from the reward instead of a KL loss term
     advantage_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus
     filter_equal_groups: bool = False  # drop groups whose rewards are all equal from the loss
-    # correction of the rollout engine's (behaviour) vs the trainer's (proximal) probabilities:
-    # auto | none | tis | mis | decoupled (auto: none while the rollouts come from the current weights)
-    rollout_correction: str = "auto"
-    rollout_correction_level: str = "token"  # token | sequence | geometric: where rho is formed
-    rollout_is_threshold: float = 2.0  # C: tis caps rho at C; mis and decoupled mask rho > C
-    rollout_is_threshold_lower: Optional[float] = None  # mis: masks rho below it; null: 1 / rollout_is_threshold
     bf16: Optional[bool] = None  # bf16 compute, fp32 master weights; null: on for CUDA devices with bf16, off on CPU
     logprob_chunk_tokens: int = 1024  # tokens per chunk when log-probs/entropy are computed from [tokens, vocab] logits
     # FSDP
@@ -227,6 +221,12 @@ class PolicyTrainer(TrainerModel):
     # max_replay_episode != 0, kl_in_reward). recompute: the pass over every sample, always.
     # rollout: no pass; the rollout engine's log-probs are the old log-probs of every step.
     old_logprobs: str = "auto"  # auto | recompute | rollout
+    # correction of the rollout engine's (behaviour) vs the trainer's (proximal) probabilities:
+    # auto | none | tis | mis | decoupled (auto: none while the rollouts come from the current weights)
+    rollout_correction: str = "auto"
+    rollout_correction_level: str = "token"  # token | sequence | geometric: where rho is formed
+    rollout_is_threshold: float = 2.0  # C: tis caps rho at C; mis and decoupled mask rho > C
+    rollout_is_threshold_lower: Optional[float] = None  # mis: masks rho below it; null: 1 / rollout_is_threshold
 
 
 @dataclass

@@ -294,7 +294,14 @@ def test_dynamic_sampling_keeps_varied_groups_in_draw_order_then_fills():
     (["runtime_args.dynamic_sampling=true", "models.policy.num_inference_per_prompt=1",
       "runtime_args.sample_per_episode=128"], "runtime_args.dynamic_sampling", "at least 2"),
     (["models.reward.overlong_buffer_len=16"], "models.reward.overlong_buffer_len", "[0, 16)"),
-    (["models.reward.overlong_penalty_factor=-1"], "models.reward.overlong_penalty_factor", ">= 0"),
+    (["models.reward.overlong_buffer_len=4", "models.reward.overlong_penalty_factor=-1"],
+     "models.reward.overlong_penalty_factor", ">= 0"),
+    # read only with the feature they tune: refused without it
+    (["models.policy_trainer.rollout_is_threshold=3"], "models.policy_trainer.rollout_is_threshold", "none in this run"),
+    (["models.policy_trainer.rollout_correction=none", "models.policy_trainer.rollout_correction_level=sequence"],
+     "models.policy_trainer.rollout_correction_level", "rollout_correction: tis, mis or decoupled"),
+    (["runtime_args.dynamic_sampling_max_rounds=3"], "runtime_args.dynamic_sampling_max_rounds", "dynamic_sampling: true"),
+    (["models.reward.overlong_penalty_factor=0.5"], "models.reward.overlong_penalty_factor", "overlong_buffer_len > 0"),
 ])
 def test_invalid_correction_and_dapo_keys_name_the_key(paths_overrides, overrides, key, text):
     with pytest.raises(ConfigError) as err:
