@@ -157,7 +157,7 @@ class GRPO(Rollouts):
             metrics.update(self.push_weights())
         self.sched.ensure("policy", [Part.KV_CACHE])
         metrics.update(self.episode_metrics(episode, batch, rewards, reward_parts))
-        return run.finish(metrics, batch)
+        return run.finish(metrics, batch, self.generated_tokens if dynamic else None)
 
     @property
     def loss_reads_rollout_logprobs(self) -> bool:
@@ -222,6 +222,8 @@ class GRPO(Rollouts):
                   {key: np.concatenate([r[1][key] for r in parts_r]) for key in parts_r[0][1]},
                   np.concatenate([r[2] for r in parts_r]))
         drawn = len(rounds) * needed
+        self.generated_tokens = sum(int(r[0]["offsets"][-1] - r[0]["offsets"][0] - np.sum(r[0]["prompt_lens"]))
+                                    for r in rounds)
         metrics = {"train/dynamic_sampling_rounds": float(len(rounds)),
                    "train/dynamic_sampling_prompts_drawn": float(drawn),
                    "train/dynamic_sampling_kept_frac": kept / drawn,
