@@ -158,3 +158,40 @@ def episode_advantages(batch: dict, rewards: np.ndarray, group_size: int, *, est
         metrics["filtered_group_frac"] = float(dropped.mean())
     weights = np.repeat(~dropped, group_size).astype(np.float32)
     return compute_advantages(r, group_size, estimator, lens, weights), weights, metrics
+
+
+# ---------------------------------------------------------------------------- DAPO
+def overlong_penalty(response_lens: np.ndarray, max_response_len: int, buffer_len: int,
+                     penalty_factor: float) -> np.ndarray:
+    """float64 [N]: DAPO's overlong reward shaping (Yu et al. 2025, eq. 13; verl
+    ``overlong_buffer``), added to each sample's reward. With L_max = ``max_response_len``,
+    L_cache = ``buffer_len``, f = ``penalty_factor`` and |y| the response length:
+
+        r_len = 0                                   |y| <= L_max - L_cache
+        r_len = (L_max - L_cache - |y|) / L_cache * f    L_max - L_cache < |y| <= L_max
+        r_len = -f                                  |y| > L_max
+
+    (a linear ramp from 0 to -f over the last L_cache tokens). ``buffer_len`` 0: all zeros."""
+    n = np.asarray(response_lens, dtype=np.float64)
+    if buffer_len <= 0:
+        return np.zeros_like(n)
+    start = float(max_response_len - buffer_len)
+    return np.clip((start - n) / float(buffer_len) * penalty_factor, -penalty_factor, 0.0)
+
+
+def varied_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """bool [N / group_size]: the groups whose rewards are not all equal (non-zero variance), the
+    ones DAPO's dynamic sampling keeps."""
+    return ~equal_groups(rewards, group_size)
+
+
+def fill_groups(rounds: list[np.ndarray], needed: int) -> list[tuple[int, int]]:
+    """DAPO's dynamic sampling as a choice of groups: ``rounds[k]`` is bool [groups of round k], True
+    for the groups kept (non-zero reward variance). Returns ``needed`` ``(round, group)`` pairs: the
+    kept groups in the order they were drawn, then, when there are too few (the rounds ran out), the
+    earliest other groups to fill the batch. Deterministic: it depends on the rewards only."""
+    kept = [(k, int(g)) for k, r in enumerate(rounds) for g in np.flatnonzero(r)][:needed]
+    if len(kept) < needed:
+        rest = [(k, int(g)) for k, r in enumerate(rounds) for g in np.flatnonzero(~np.asarray(r))]
+        kept += rest[:needed - len(kept)]
+    return kept

@@ -10,6 +10,8 @@ so each rank can add up its own tokens and the sum over ranks is the global aggr
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -81,6 +83,71 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     negative = advantages < 0
     clipped_lower = negative & (loss > bound)
     return torch.where(negative, torch.minimum(loss, bound), loss), clipped, clipped_lower
+
+
+# ---------------------------------------------------------------------------- rollout correction
+IS_LOG_RATIO_CLAMP = 20.0  # |log rho| bound before exp (verl's SAFETY_BOUND)
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "decoupled")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
+
+
+def correction_log_ratio(prox_logp: torch.Tensor, behav_logp: torch.Tensor, seq: torch.Tensor,
+                         level: str) -> torch.Tensor:
+    """log rho per token, detached, between the proximal policy (the trainer's log-probs before the
+    update) and the behaviour policy (the rollout engine's), with ``d_t = prox_t - behav_t``:
+
+        token       log rho_t = d_t
+        sequence    log rho_t = sum_{t' in i(t)} d_t'        (the sequence's likelihood ratio)
+        geometric   log rho_t = mean_{t' in i(t)} d_t'       (its geometric mean per token)
+
+    clamped to [-20, 20]. ``seq``: each token's sample index (all of a sample's tokens are in
+    the same call, as for GSPO)."""
+    d = (prox_logp - behav_logp).detach()
+    if level != "token":
+        num = int(seq.max()) + 1 if seq.numel() else 0
+        sums = torch.zeros(num, dtype=d.dtype, device=d.device).index_add_(0, seq, d)
+        if level == "geometric":
+            sums = sums / torch.bincount(seq, minlength=num).to(d.dtype).clamp(min=1)
+        elif level != "sequence":
+            raise ValueError(f"unknown rollout correction level {level!r}; one of {CORRECTION_LEVELS}")
+        d = sums[seq]
+    return torch.clamp(d, -IS_LOG_RATIO_CLAMP, IS_LOG_RATIO_CLAMP)
+
+
+def rollout_is_weights(log_rho: torch.Tensor, mode: str, upper: float, lower: float | None,
+                       anchored_at_behaviour: bool = False):
+    """The detached per-token weight of the policy loss that corrects for the rollout engine's
+    (behaviour) distribution, rho = exp(log_rho) (:func:`correction_log_ratio`), C = ``upper``:
+
+        tis        w = min(rho, C)                       truncated IS (Yao et al. 2025; verl rollout_is)
+        mis        w = rho * 1[lower <= rho <= C]        masked IS (Liu, Li et al. 2025; verl mask mode)
+        decoupled  w = rho * 1[rho <= C]                 decoupled PPO's behaviour weight (Hilton et al.
+                                                         2021; AReaL behav_imp_weight_cap)
+
+    With ``anchored_at_behaviour`` (``old_logprobs: rollout``: the PPO ratio is taken against the
+    behaviour policy, so its value at the current weights already holds rho) the weight is w / rho:
+    ``min(1, C / rho)`` (tis) or the mask alone (mis), so that the product with the PPO ratio is the
+    corrected weight; decoupled needs a proximal policy apart from the behaviour one and is refused
+    there (chatlearn.config.algorithm_keys).
+
+    Returns ``(w, clipped, masked)``: ``clipped`` the tokens whose rho exceeds C under tis,
+    ``masked`` those whose weight the band zeroes (mis, decoupled)."""
+    log_rho = log_rho.detach()
+    rho = torch.exp(log_rho)
+    none = torch.zeros_like(rho, dtype=torch.bool)
+    if mode == "tis":
+        clipped = rho > upper
+        w = (torch.clamp(torch.exp(math.log(upper) - log_rho), max=1.0) if anchored_at_behaviour
+             else torch.clamp(rho, max=upper))
+        return w, clipped, none
+    if mode == "mis":
+        keep = (rho >= lower) & (rho <= upper)
+    elif mode == "decoupled":
+        keep = rho <= upper
+    else:
+        raise ValueError(f"unknown rollout correction {mode!r}; one of {ROLLOUT_CORRECTIONS[1:]}")
+    w = keep.to(rho.dtype) if anchored_at_behaviour else torch.where(keep, rho, torch.zeros_like(rho))
+    return w, none, ~keep
 
 
 # ---------------------------------------------------------------------------- KL
@@ -167,20 +234,24 @@ def _seq_mean_token_sum_norm(w, n, tokens, seqs, max_response_len):
 
 def grpo_token_losses(cfg: dict, logp: torch.Tensor, old_logp: torch.Tensor,
                       advantages: torch.Tensor, seq: torch.Tensor,
-                      ref_logp: torch.Tensor | None, entropy: torch.Tensor | None) -> dict:
+                      ref_logp: torch.Tensor | None, entropy: torch.Tensor | None,
+                      is_weight: torch.Tensor | None = None) -> dict:
     """The per-token terms of the trainers' loss, from the trainer config keys
     pos_clip_ratio, neg_clip_ratio, clip_ratio_c, use_group_sequence_policy, kl_coef,
     kl_estimator, kl_in_reward, entropy_coef:
 
-        loss_t = pg_t + kl_coef * kl_t * [not kl_in_reward] - entropy_coef * H_t
+        loss_t = w_t * pg_t + kl_coef * kl_t * [not kl_in_reward] - entropy_coef * H_t
 
-    (pg_t from :func:`policy_loss`, kl_t from :func:`kl_penalty`). Returns tensors
-    ``loss, pg, kl (or None without ref_logp), clipped, clipped_lower`` and ``ratio`` (the
-    importance ratio the loss clips, detached: for the ``ratio_mean`` metric).
+    (pg_t from :func:`policy_loss`, kl_t from :func:`kl_penalty`, w_t the detached rollout
+    correction weight ``is_weight`` of :func:`rollout_is_weights`, 1 without it). Returns tensors
+    ``loss, pg (weighted), kl (or None without ref_logp), clipped, clipped_lower`` and ``ratio``
+    (the importance ratio the loss clips, detached: for the ``ratio_mean`` metric).
     """
     pg, clipped, clipped_lower = policy_loss(
         logp, old_logp, advantages, cfg["pos_clip_ratio"], cfg["neg_clip_ratio"],
         cfg["clip_ratio_c"], seq if cfg["use_group_sequence_policy"] else None)
+    if is_weight is not None:
+        pg = pg * is_weight.detach()
     loss = pg
     kl = kl_penalty(logp, ref_logp, cfg["kl_estimator"]) if ref_logp is not None else None
     if cfg["kl_coef"] > 0 and not cfg["kl_in_reward"]:
@@ -269,19 +340,27 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 LOSS_SUMS = ("loss", "policy_loss", "kl", "entropy", "clip_frac", "clip_frac_lower", "ratio_mean",
-             "rollout_diff", "rollout_kl", "rollout_tokens")
+             "rollout_diff", "rollout_kl", "rollout_tokens",
+             "is_weight", "is_clipped", "is_masked", "is_mismatch_kl")
+# with a rollout correction (rollout_correction), the weight-masked sums of its weight, of the tokens it
+# truncated (tis) or masked (mis, decoupled) and of the k3 mismatch term exp(d) - d - 1 of
+# d = prox - behaviour log-prob per token; the largest weight is max-reduced apart (is_weight_max)
 # with no old log-probs in the batch, the step's own forward stands for them, and the loss reports how
 # far they are from the rollout engine's (metrics of every response token, sample weights left out):
 # ROLLOUT_MISMATCH (chatlearn.algorithms.advantages) names those sums
 
 
 def loss_metrics(sums: list[float], num_tokens: int, kept_tokens: float, has_ref: bool,
-                 with_entropy: bool, dual_clip: bool, rollout_diff_max: float | None = None) -> dict:
+                 with_entropy: bool, dual_clip: bool, rollout_diff_max: float | None = None,
+                 correction: str = "none", is_weight_max: float | None = None) -> dict:
     """Metrics of a global batch from the all-reduced sums named by ``LOSS_SUMS``: ``loss``
     and ``policy_loss`` are already aggregated (sum_t c_t * l_t); kl, entropy, clip_frac and
     clip_frac_lower and ratio_mean (the importance ratio's token mean) are summed over the kept tokens and divided by their number
     ``kept_tokens`` (token means). ``num_tokens``: all response tokens of the batch. With
-    ``rollout_diff_max`` (the batch had no old log-probs), the ``ROLLOUT_MISMATCH`` sums too."""
+    ``rollout_diff_max`` (the batch had no old log-probs), the ``ROLLOUT_MISMATCH`` sums too. With a
+    ``correction`` (not "none"): ``is_weight_mean``, ``is_weight_max`` (max-reduced apart),
+    ``is_mismatch_kl`` and ``is_clip_frac`` (tis) or ``is_masked_frac`` (mis, decoupled), token means
+    over the kept tokens."""
     s = dict(zip(LOSS_SUMS, sums))
     denom = max(float(kept_tokens), 1.0)
     metrics = {"loss": s["loss"], "policy_loss": s["policy_loss"],
@@ -296,16 +375,25 @@ def loss_metrics(sums: list[float], num_tokens: int, kept_tokens: float, has_ref
     if rollout_diff_max is not None:
         metrics.update(rollout_diff_sum=s["rollout_diff"], rollout_kl_sum=s["rollout_kl"],
                        rollout_tokens=s["rollout_tokens"], rollout_diff_max=float(rollout_diff_max))
+    if correction != "none":
+        metrics.update(is_weight_mean=s["is_weight"] / denom, is_weight_max=float(is_weight_max or 0.0),
+                       is_mismatch_kl=s["is_mismatch_kl"] / denom)
+        if correction == "tis":
+            metrics["is_clip_frac"] = s["is_clipped"] / denom
+        else:
+            metrics["is_masked_frac"] = s["is_masked"] / denom
     return metrics
 
 
 def token_sums(terms: dict, coef: torch.Tensor, weight: torch.Tensor,
                entropy: torch.Tensor | None) -> torch.Tensor:
     """float64 [len(LOSS_SUMS)] sums of one micro-batch: sum c*loss, sum c*pg, the
-    weight-masked sums of kl, entropy, clipped, clipped_lower, ratio, and the unweighted
-    rollout mismatch sums when ``terms`` has them (see :func:`loss_metrics`)."""
+    weight-masked sums of kl, entropy, clipped, clipped_lower, ratio, the unweighted
+    rollout mismatch sums when ``terms`` has them, and the weight-masked rollout correction sums
+    when ``terms`` has ``is_weight`` (see :func:`loss_metrics`)."""
     zero = terms["loss"].new_zeros(())
     mismatch = terms.get("rollout_diff")
+    corrected = "is_weight" in terms
     with torch.no_grad():
         return torch.stack([
             (terms["loss"] * coef).sum(), (terms["pg"] * coef).sum(),
@@ -316,7 +404,12 @@ def token_sums(terms: dict, coef: torch.Tensor, weight: torch.Tensor,
             (terms["ratio"] * weight).sum(),
             mismatch.abs().sum() if mismatch is not None else zero,
             (torch.exp(mismatch) - mismatch - 1).sum() if mismatch is not None else zero,
-            zero + mismatch.numel() if mismatch is not None else zero]).double()
+            zero + mismatch.numel() if mismatch is not None else zero,
+            (terms["is_weight"] * weight).sum() if corrected else zero,
+            (terms["is_clipped"].to(weight.dtype) * weight).sum() if corrected else zero,
+            (terms["is_masked"].to(weight.dtype) * weight).sum() if corrected else zero,
+            ((torch.exp(terms["is_d"]) - terms["is_d"] - 1) * weight).sum() if corrected else zero,
+        ]).double()
 
 
 class GRPOLoss:
@@ -336,6 +429,16 @@ class GRPOLoss:
     is exactly what a separate pass with the same weights gives (the ratio is 1, its gradient
     that of the log-probs), and with ``rollout_logprobs`` in the batch the loss also reports
     how far they are from the rollout engine's (``ROLLOUT_MISMATCH``).
+
+    ``old_logprobs: rollout`` (cfg): the batch's ``rollout_logprobs`` are the old log-probs of every
+    step (no pass; verl's bypass mode), and every step reports the mismatch of its own forward
+    against them (the engine keeps the first step's).
+
+    ``rollout_correction`` (cfg, resolved: none | tis | mis | decoupled) weights the policy loss by
+    :func:`rollout_is_weights` of rho = proximal / behaviour probability at
+    ``rollout_correction_level``: the behaviour log-probs are ``rollout_logprobs`` (which the batch
+    must then hold), the proximal ones the old log-probs of the pass, or the forward's own, detached,
+    where no pass gave them (the first step of ``old_logprobs: auto``, every step of ``rollout``).
     """
 
     def __init__(self, cfg: dict, batch: dict, device: torch.device):
@@ -354,9 +457,16 @@ class GRPOLoss:
         self.coef = sample_loss_coefficients(cfg["loss_agg_mode"], lens, self.weights,
                                              cfg["max_response_tokens_length"])
         self.advantages = np.asarray(batch["advantages"], np.float32)
-        self.own_old = "old_logprobs" not in batch
-        self.tracks_rollout = self.own_old and "rollout_logprobs" in batch
+        self.rollout_old = cfg["old_logprobs"] == "rollout"
+        self.own_old = "old_logprobs" not in batch and not self.rollout_old
+        self.tracks_rollout = (self.own_old or self.rollout_old) and "rollout_logprobs" in batch
+        if self.rollout_old and "rollout_logprobs" not in batch:
+            raise ValueError("old_logprobs: rollout needs rollout_logprobs in the batch")
         self.rollout_diff_max = torch.zeros((), dtype=torch.float64, device=device)
+        self.correction = cfg["rollout_correction"]
+        if self.correction != "none" and "rollout_logprobs" not in batch:
+            raise ValueError(f"rollout_correction {self.correction!r} needs rollout_logprobs in the batch")
+        self.is_weight_max = torch.zeros((), dtype=torch.float64, device=device)
 
     @staticmethod
     def sample_weights(batch: dict) -> np.ndarray:
@@ -375,19 +485,40 @@ class GRPOLoss:
         sample = np.searchsorted(self.offsets, pos, side="right") - 1
         seq = torch.from_numpy(np.unique(sample, return_inverse=True)[1].reshape(-1)).to(self.device)
         ref = (self._tensor(np.asarray(self.batch["ref_logprobs"])[pos]) if self.has_ref else None)
-        old = (logp.detach() if self.own_old
+        behav = (self._tensor(np.asarray(self.batch["rollout_logprobs"])[pos])
+                 if "rollout_logprobs" in self.batch else None)
+        old = (logp.detach() if self.own_old else behav if self.rollout_old
                else self._tensor(np.asarray(self.batch["old_logprobs"])[pos]))
-        terms = grpo_token_losses(self.cfg, logp, old, self._tensor(self.advantages[sample]), seq, ref, entropy)
+        weights = self._tensor(self.weights[sample])
+        correction = None
+        if self.correction != "none":
+            prox = logp.detach() if (self.own_old or self.rollout_old) else old
+            log_rho = correction_log_ratio(prox, behav, seq, self.cfg["rollout_correction_level"])
+            lower = self.cfg["rollout_is_threshold_lower"]
+            w, clipped, masked = rollout_is_weights(
+                log_rho, self.correction, self.cfg["rollout_is_threshold"],
+                1.0 / self.cfg["rollout_is_threshold"] if lower is None else lower, self.rollout_old)
+            correction = {"is_weight": w, "is_clipped": clipped, "is_masked": masked,
+                          "is_d": (prox - behav).detach()}
+            kept = w[weights > 0]
+            if kept.numel():
+                self.is_weight_max = torch.maximum(self.is_weight_max, kept.max().double())
+        terms = grpo_token_losses(self.cfg, logp, old, self._tensor(self.advantages[sample]), seq, ref, entropy,
+                                  correction["is_weight"] if correction else None)
+        if correction:
+            terms.update(correction)
         if self.tracks_rollout:
-            diff = (logp.detach() - self._tensor(np.asarray(self.batch["rollout_logprobs"])[pos])).double()
+            diff = (logp.detach() - behav).double()
             terms["rollout_diff"] = diff
             if diff.numel():  # a running max: counting a token twice (tensor-parallel ranks) changes nothing
                 self.rollout_diff_max = torch.maximum(self.rollout_diff_max, diff.abs().max())
-        return terms, self._tensor(self.coef[sample]), self._tensor(self.weights[sample])
+        return terms, self._tensor(self.coef[sample]), weights
 
-    def metrics(self, sums: list[float], rollout_diff_max: float | None = None) -> dict:
+    def metrics(self, sums: list[float], rollout_diff_max: float | None = None,
+                is_weight_max: float | None = None) -> dict:
         """:func:`loss_metrics` of the all-reduced :func:`token_sums` (and of the max-reduced
-        ``rollout_diff_max`` when :attr:`tracks_rollout`)."""
+        ``rollout_diff_max`` when :attr:`tracks_rollout`, ``is_weight_max`` with a correction)."""
         return loss_metrics(sums, self.num_tokens, self.kept_tokens, self.has_ref,
                             self.with_entropy, self.cfg["clip_ratio_c"] is not None,
-                            rollout_diff_max if self.tracks_rollout else None)
+                            rollout_diff_max if self.tracks_rollout else None,
+                            self.correction, is_weight_max)

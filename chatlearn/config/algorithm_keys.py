@@ -4,12 +4,15 @@ learning-rate schedule); called by ``chatlearn.config.load.validate``. The names
 from __future__ import annotations
 
 from chatlearn.config.checks import choice as _choice
-from chatlearn.config.plan import resolve_schedule
+from chatlearn.config.plan import resolve_rollout_correction, resolve_schedule
+from chatlearn.config.schema import PolicyTrainer, Reward, RuntimeArgs
 from chatlearn.config.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LR_DECAY_STYLES
 from chatlearn.errors import ConfigError
 
 PREFIX = "models.policy_trainer"
-OLD_LOGPROB_SOURCES = ("auto", "recompute")
+OLD_LOGPROB_SOURCES = ("auto", "recompute", "rollout")
+ROLLOUT_CORRECTIONS = ("auto", "none", "tis", "mis", "decoupled")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
 
 
 def validate_algorithm(cfg, total_steps: int) -> None:
@@ -20,6 +23,8 @@ def validate_algorithm(cfg, total_steps: int) -> None:
     _choice(t.kl_estimator, KL_ESTIMATORS.names, f"{PREFIX}.kl_estimator")
     _choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS.names, f"{PREFIX}.advantage_estimator")
     _choice(t.old_logprobs, OLD_LOGPROB_SOURCES, f"{PREFIX}.old_logprobs")
+    _check_rollout_correction(t)
+    _check_dapo(cfg)
     if t.clip_ratio_c is not None and not t.clip_ratio_c > 1:
         raise ConfigError(f"must be > 1 (the dual-clip bound -A * clip_ratio_c of negative advantages), "
                           f"got {t.clip_ratio_c}; set null to turn dual clip off, or e.g. 3.0 as verl.",
@@ -55,3 +60,59 @@ def validate_algorithm(cfg, total_steps: int) -> None:
                           f"(lr_decay_iters: {decay} steps) for lr_decay_style {opt.lr_decay_style!r}. Lower "
                           "lr_warmup_iters / lr_warmup_fraction or raise lr_decay_iters.",
                           key=f"{key}.lr_warmup_iters")
+
+
+def _check_rollout_correction(t) -> None:
+    """rollout_correction and its level and thresholds (see docs/rollout_correction.md)."""
+    _choice(t.rollout_correction, ROLLOUT_CORRECTIONS, f"{PREFIX}.rollout_correction")
+    _choice(t.rollout_correction_level, CORRECTION_LEVELS, f"{PREFIX}.rollout_correction_level")
+    if not t.rollout_is_threshold > 1:
+        raise ConfigError(f"must be > 1 (C: the largest importance weight kept), got {t.rollout_is_threshold}; "
+                          "e.g. 2.0 as verl.", key=f"{PREFIX}.rollout_is_threshold")
+    if resolve_rollout_correction(t) == "none":
+        for name in ("rollout_correction_level", "rollout_is_threshold"):
+            if t[name] != getattr(PolicyTrainer, name):
+                raise ConfigError(f"is read only with a rollout correction, but rollout_correction is "
+                                  f"{t.rollout_correction!r} (none in this run). Remove it, or set "
+                                  "rollout_correction: tis, mis or decoupled.", key=f"{PREFIX}.{name}")
+    lower = t.rollout_is_threshold_lower
+    if lower is not None:
+        if t.rollout_correction != "mis":
+            raise ConfigError(f"is read only by rollout_correction: mis (the lower end of its band), but "
+                              f"rollout_correction is {t.rollout_correction!r}. Remove it, or set "
+                              "rollout_correction: mis.", key=f"{PREFIX}.rollout_is_threshold_lower")
+        if not 0 <= lower < 1:
+            raise ConfigError(f"must be in [0, 1) (mis masks the tokens whose ratio is below it), got {lower}; "
+                              "null: 1 / rollout_is_threshold.", key=f"{PREFIX}.rollout_is_threshold_lower")
+    if t.rollout_correction == "decoupled" and t.old_logprobs == "rollout":
+        raise ConfigError("decoupled PPO clips against the proximal policy (the trainer's old log-probs) and "
+                          "weights by proximal / behaviour; with old_logprobs: rollout the two are the same "
+                          "policy. Use old_logprobs: auto (or recompute), or rollout_correction: tis or mis, "
+                          "which old_logprobs: rollout supports.", key=f"{PREFIX}.rollout_correction")
+
+
+def _check_dapo(cfg) -> None:
+    """DAPO's dynamic sampling (runtime_args) and overlong reward shaping (models.reward)."""
+    rt, r = cfg.runtime_args, cfg.models.reward
+    group = cfg.models.policy.num_inference_per_prompt
+    if rt.dynamic_sampling_max_rounds < 1:
+        raise ConfigError(f"must be >= 1 (rounds of prompts sampled per episode, the first included), got "
+                          f"{rt.dynamic_sampling_max_rounds}.", key="runtime_args.dynamic_sampling_max_rounds")
+    if rt.dynamic_sampling and group < 2:
+        raise ConfigError(f"keeps the groups whose rewards differ, but models.policy.num_inference_per_prompt is "
+                          f"{group}: a group of one sample never does. Sample at least 2 responses per prompt.",
+                          key="runtime_args.dynamic_sampling")
+    if not rt.dynamic_sampling and rt.dynamic_sampling_max_rounds != RuntimeArgs.dynamic_sampling_max_rounds:
+        raise ConfigError("is read only with runtime_args.dynamic_sampling: true. Remove it, or turn dynamic "
+                          "sampling on.", key="runtime_args.dynamic_sampling_max_rounds")
+    if r.overlong_buffer_len == 0 and r.overlong_penalty_factor != Reward.overlong_penalty_factor:
+        raise ConfigError("is read only with models.reward.overlong_buffer_len > 0 (the shaping is off). Remove it, "
+                          "or set overlong_buffer_len.", key="models.reward.overlong_penalty_factor")
+    longest = cfg.models.policy.max_response_tokens_length
+    if not 0 <= r.overlong_buffer_len < longest:
+        raise ConfigError(f"must be in [0, models.policy.max_response_tokens_length) = [0, {longest}) (the last "
+                          f"tokens of a response over which the penalty ramps; 0: off), got {r.overlong_buffer_len}.",
+                          key="models.reward.overlong_buffer_len")
+    if r.overlong_penalty_factor < 0:
+        raise ConfigError(f"must be >= 0 (the penalty of a response of max_response_tokens_length tokens is minus "
+                          f"it), got {r.overlong_penalty_factor}.", key="models.reward.overlong_penalty_factor")

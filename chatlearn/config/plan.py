@@ -62,6 +62,10 @@ class Plan:
     # the ones before are the first optimizer step's, whose own forward gives them
     # (models.policy_trainer.old_logprobs)
     old_logprob_pass_from: int = 0
+    # models.policy_trainer.old_logprobs: rollout: the rollout engine's log-probs are the old ones
+    old_from_rollout: bool = False
+    # the rollout correction the loss applies (resolve_rollout_correction): none | tis | mis | decoupled
+    rollout_correction: str = "none"
 
     def replayed_episodes(self, episode: int) -> int:
         """Earlier episodes whose samples episode ``episode`` (1-based) trains on besides its own."""
@@ -121,13 +125,18 @@ class Plan:
             f"{self.micro_batches_per_step} micro-batch(es) x "
             f"{self.samples_per_rank_per_step // self.micro_batches_per_step} samples)",
         ]
-        if not self.old_logprob_pass:
+        if self.old_from_rollout:
+            lines.append("old log-probs: the rollout engine's, for every optimizer step (no separate pass; "
+                         "models.policy_trainer.old_logprobs: rollout)")
+        elif not self.old_logprob_pass:
             lines.append("old log-probs: the optimizer step's own forward (one step per episode: no "
                          "separate pass; models.policy_trainer.old_logprobs)")
         elif self.old_logprob_pass_from > 0:
             lines.append(f"old log-probs: a pass over the {self.samples_per_episode - self.old_logprob_pass_from} "
                          f"samples of optimizer steps 2..{self.steps_per_episode}; step 1's own forward gives "
                          "its samples' (models.policy_trainer.old_logprobs)")
+        if self.rollout_correction != "none":
+            lines.append(f"rollout correction: {self.rollout_correction} (models.policy_trainer.rollout_correction)")
         if self.max_replay_episode != 0:
             lines.append(
                 f"replay: each episode also trains on the samples of up to "
@@ -230,13 +239,28 @@ def make_plan(cfg: DictConfig) -> Plan:
                 steps_per_episode=spe // gbs * rt.num_training_epoch, rollout_replicas=replicas,
                 device_groups=groups, devices_per_group=sizes, placements=placements, uses_ref=uses_ref,
                 max_replay_episode=rt.max_replay_episode, num_episode=rt.num_episode,
-                old_logprob_pass_from=old_logprob_pass_from(t, rt, gbs))
+                old_logprob_pass_from=old_logprob_pass_from(t, rt, gbs, spe),
+                old_from_rollout=t.old_logprobs == "rollout",
+                rollout_correction=resolve_rollout_correction(t))
 
 
-def old_logprob_pass_from(t, rt, samples_per_step: int) -> int:
+def resolve_rollout_correction(t, stale_rollouts: bool = False) -> str:
+    """The rollout correction the loss applies (``models.policy_trainer.rollout_correction``): the
+    value set, or for ``auto`` ``decoupled`` when the rollouts may come from weights older than the
+    trainer's (``stale_rollouts``: asynchronous rollouts, which pass it), else ``none``: the rollouts
+    of a synchronous run come from the trainer's current weights."""
+    if t.rollout_correction != "auto":
+        return t.rollout_correction
+    return "decoupled" if stale_rollouts else "none"
+
+
+def old_logprob_pass_from(t, rt, samples_per_step: int, samples_per_episode: int) -> int:
     """The first sample of an episode that the old-log-prob pass covers (see ``Plan``): the first
     optimizer step's samples are left out when nothing else needs their old log-probs before that
-    step: not a second epoch over them, not a later episode replaying them, not the reward's KL."""
+    step: not a second epoch over them, not a later episode replaying them, not the reward's KL.
+    ``old_logprobs: rollout``: none (``samples_per_episode``): the rollout engine's stand for them."""
+    if t.old_logprobs == "rollout":
+        return samples_per_episode
     own_first_step = (t.old_logprobs == "auto" and rt.num_training_epoch == 1 and rt.max_replay_episode == 0
                       and not t.kl_in_reward)
     return samples_per_step if own_first_step else 0

@@ -78,6 +78,10 @@ class RuntimeArgs:
     eval_data_split: str = "test"  # as data_split, for eval_data_path
     data_rerank: bool = True  # spread the samples of one prompt over rollout replicas
     max_replay_episode: int = 0  # also train on the samples of up to N earlier episodes (-1: all)
+    # DAPO dynamic sampling: sample more prompts while fewer than the episode's prompts have groups of
+    # unequal rewards; at most dynamic_sampling_max_rounds rounds of prompts_per_episode prompts each
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 10
     replay_episode_offset: int = 0
     consumed_samples: int = 0
     max_data_ckpt_nums: Optional[int] = None
@@ -215,7 +219,14 @@ class PolicyTrainer(TrainerModel):
     # and the separate pass covers only the samples of the later steps (none with one step per
     # episode); the pass covers every sample where the math needs it first (num_training_epoch > 1,
     # max_replay_episode != 0, kl_in_reward). recompute: the pass over every sample, always.
-    old_logprobs: str = "auto"  # auto | recompute
+    # rollout: no pass; the rollout engine's log-probs are the old log-probs of every step.
+    old_logprobs: str = "auto"  # auto | recompute | rollout
+    # correction of the rollout engine's (behaviour) vs the trainer's (proximal) probabilities:
+    # auto | none | tis | mis | decoupled (auto: none while the rollouts come from the current weights)
+    rollout_correction: str = "auto"
+    rollout_correction_level: str = "token"  # token | sequence | geometric: where rho is formed
+    rollout_is_threshold: float = 2.0  # C: tis caps rho at C; mis and decoupled mask rho > C
+    rollout_is_threshold_lower: Optional[float] = None  # mis: masks rho below it; null: 1 / rollout_is_threshold
 
 
 @dataclass
@@ -297,6 +308,10 @@ class Reward(ModelBase):
     # rewards combined by weight (sum of weight x score); empty: builtin:math alone
     functions: List[RewardFunction] = field(default_factory=list)
     timeout_s: float = 600.0  # seconds a reward worker may take to score its share of a batch (0: no limit)
+    # DAPO overlong reward shaping: a penalty ramping from 0 to -overlong_penalty_factor over the last
+    # overlong_buffer_len tokens of models.policy.max_response_tokens_length (0: off)
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass

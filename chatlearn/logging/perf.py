@@ -5,15 +5,16 @@ import numpy as np
 import ray
 
 
-def throughput(batch: dict, metrics: dict, epochs: int) -> dict:
+def throughput(batch: dict, metrics: dict, epochs: int, generated: int | None = None) -> dict:
     """Tokens per second of the generate and train stages, from the stage times in ``metrics``.
 
-    Generation counts the response tokens sampled; training counts every token of every sample
+    Generation counts the response tokens sampled (``generated`` when given: with dynamic sampling,
+    those of every round, not only the batch's); training counts every token of every sample
     (prompt and response) once per pass over the episode (``num_training_epoch``).
     """
     offsets = np.asarray(batch["offsets"])
     total = float(offsets[-1] - offsets[0])
-    response = total - float(np.sum(batch["prompt_lens"]))
+    response = total - float(np.sum(batch["prompt_lens"])) if generated is None else float(generated)
     out = {}
     if metrics.get("time/generate", 0) > 0:
         out["perf/generate_tokens_per_s"] = response / metrics["time/generate"]

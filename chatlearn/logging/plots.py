@@ -40,6 +40,12 @@ PANELS = (
     Panel("loss", "Loss", "per token", ("train/loss", "train/policy_loss")),
     Panel("ratio", "Importance ratio and the clip range", "ratio", ("train/ratio_mean",)),
     Panel("clip_frac", "Clipped tokens", "fraction of response tokens", ("train/clip_frac", "train/clip_frac_lower")),
+    Panel("mismatch", "Rollout engine vs trainer (before the update)", "nats per token",
+          ("train/mismatch_kl", "train/is_mismatch_kl", "train/logprob_diff_rollout_vs_trainer_mean")),
+    Panel("rollout_correction", "Rollout correction weights (rollout_correction)", "weight / fraction of tokens",
+          ("train/is_weight_mean", "train/is_weight_max", "train/is_clip_frac", "train/is_masked_frac")),
+    Panel("dynamic_sampling", "Dynamic sampling", "prompts / groups",
+          ("train/dynamic_sampling_prompts_drawn", "train/dynamic_sampling_filled_groups")),
     Panel("throughput", "Throughput", "tokens / s", ("perf/generate_tokens_per_s", "perf/train_tokens_per_s")),
     Panel("memory", "Peak memory per model", "MiB", ("memory/<model>_peak_mb",)),
 )

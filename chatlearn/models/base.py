@@ -189,7 +189,12 @@ class Trainer(Model):
             top = objective.rollout_diff_max.detach().clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
             diff_max = float(top.item())
-        return {**objective.metrics(sums.tolist(), diff_max), **passes}
+        weight_max = None
+        if objective.correction != "none":
+            top = objective.is_weight_max.detach().clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            weight_max = float(top.item())
+        return {**objective.metrics(sums.tolist(), diff_max, weight_max), **passes}
 
     def train(self, batch: Batch, temperature: float = 1.0) -> dict:
         """One optimizer step on one global batch; returns metrics (floats): the loss metrics of

@@ -82,6 +82,11 @@ class TrainerSpec(_Readable):
     kl_estimator: str
     kl_in_reward: bool
     entropy_coef: float
+    old_logprobs: str  # auto | recompute | rollout
+    rollout_correction: str  # resolved by the plan: none | tis | mis | decoupled
+    rollout_correction_level: str
+    rollout_is_threshold: float
+    rollout_is_threshold_lower: Optional[float]
     # memory and precision
     gradient_checkpointing: bool
     bf16: Optional[bool]  # None: bf16 on CUDA devices that support it, fp32 elsewhere
@@ -116,6 +121,9 @@ class TrainerSpec(_Readable):
             use_group_sequence_policy=pt.use_group_sequence_policy, loss_agg_mode=pt.loss_agg_mode,
             max_response_tokens_length=cfg.models.policy.max_response_tokens_length, kl_coef=t.kl_coef,
             kl_estimator=pt.kl_estimator, kl_in_reward=pt.kl_in_reward, entropy_coef=t.entropy_coef,
+            old_logprobs=pt.old_logprobs, rollout_correction=plan.rollout_correction,
+            rollout_correction_level=pt.rollout_correction_level, rollout_is_threshold=pt.rollout_is_threshold,
+            rollout_is_threshold_lower=pt.rollout_is_threshold_lower,
             gradient_checkpointing=t.gradient_checkpointing, bf16=t.bf16, meta_init=t.meta_init,
             tensor_model_parallel_size=t.tensor_model_parallel_size,
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,

@@ -30,7 +30,8 @@ import numpy as np
 import ray
 from omegaconf import DictConfig
 
-from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages
+from chatlearn.algorithms.advantages import (ROLLOUT_MISMATCH, episode_advantages, fill_groups, overlong_penalty,
+                                             varied_groups)
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.names import MODEL_PARTS, Part, Stage
 from chatlearn.config.plan import Plan
@@ -43,7 +44,7 @@ from chatlearn.logging.perf import peak_memory
 from chatlearn.logging.plots import plot_after_run
 from chatlearn.logging.progress import RunProgress
 from chatlearn.logging.sinks import MetricSinks, write_config_yaml
-from chatlearn.models.base import response_mask, select_samples
+from chatlearn.models.base import concat_batches, response_mask, select_samples
 from chatlearn.runtime.cluster import Cluster
 from chatlearn.runtime.instrument import EpisodeRun, Instrument
 from chatlearn.runtime.output_dir import check_start, move_aside, previous_run, reconcile_logs
@@ -79,7 +80,8 @@ class GRPO(Rollouts):
         self.progress = RunProgress(rt.num_episode)
         self.instrument = Instrument(self.sched, self.progress, rt.num_training_epoch)
         self.sampler = PromptSampler(len(train_set), shuffle=rt.data_shuffle, seed=rt.seed)
-        self.replay = ReplayBuffer(rt.max_replay_episode)  # earlier episodes' samples to train on again
+        # earlier episodes' samples to train on again (with their rollout log-probs where the loss reads them)
+        self.replay = ReplayBuffer(rt.max_replay_episode, with_rollout_logprobs=self.loss_reads_rollout_logprobs)
         self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
         self.metrics = MetricSinks(cfg)
         self.nonfinite_in_a_row = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
@@ -112,27 +114,37 @@ class GRPO(Rollouts):
             self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
             batch = self.generate(prompts.ids, self.sampling(eval_mode=False,
                                                              seed=self.cfg.models.policy.seed + episode))
+        dynamic = self.cfg.runtime_args.dynamic_sampling
+        metrics = {}
+        if dynamic:  # scored now: the rewards choose the groups that fill the batch
+            batch, prompts, scored, metrics = self.dynamic_sampling(run, episode, batch, prompts)
 
         # The reward workers (CPU) score while the log-prob passes run. The reference runs beside the
         # trainer when they do not share devices; when they do it goes first, so that the trainer,
         # once resident for its old log-probs, stays to train.
         with _closing(ThreadPoolExecutor(max_workers=2)) as pool:
-            scoring = run.background(pool, Stage.REWARD, "reward", self.score, batch, prompts.truths,
-                                     prompts.sources, prompts.extra, None, f"the rollouts of episode {episode}")
+            scoring = None if dynamic else run.background(
+                pool, Stage.REWARD, "reward", self.score, batch, prompts.truths, prompts.sources, prompts.extra,
+                None, f"the rollouts of episode {episode}")
             reference = self.start_ref_logprobs(batch, run, pool)
             with (run.stage(Stage.OLD_LOGPROBS, "policy_trainer") if self.plan.old_logprob_pass
                   else contextlib.nullcontext()):  # no pass: nothing to time
                 batch["old_logprobs"] = self.old_logprobs(batch)
             if reference is not None:
                 batch["ref_logprobs"] = reference.result()
-            rewards, reward_parts = scoring.result()
+            if not dynamic:
+                scored = self.shaped(batch, *scoring.result())
+        rewards, reward_parts, shaped_rewards = scored
 
-        metrics = self.advantages(batch, rewards)
+        metrics.update(self.advantages(batch, shaped_rewards))
+        if self.cfg.models.reward.overlong_buffer_len > 0:
+            metrics["train/overlong_penalty_mean"] = float(np.mean(shaped_rewards - rewards))
         self.log_samples(episode, batch, rewards, prompts)  # before the checkpoint, which keeps them
         with run.stage(Stage.TRAIN, "policy_trainer"):
             self.sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
             train_batch = self.replay.training_batch(batch)
-            if self.plan.old_logprob_pass_from:  # (no replay then) the first step reports the mismatch
+            if self.plan.old_logprob_pass_from and not self.loss_reads_rollout_logprobs:
+                # (no replay then) the first step reports the mismatch
                 train_batch["rollout_logprobs"] = batch["rollout_logprobs"]
             metrics.update(self.optimize(train_batch, episode))
         self.replay.add(batch)  # before the checkpoint, which keeps it for the episodes that follow
@@ -145,7 +157,78 @@ class GRPO(Rollouts):
             metrics.update(self.push_weights())
         self.sched.ensure("policy", [Part.KV_CACHE])
         metrics.update(self.episode_metrics(episode, batch, rewards, reward_parts))
-        return run.finish(metrics, batch)
+        return run.finish(metrics, batch, self.generated_tokens if dynamic else None)
+
+    @property
+    def loss_reads_rollout_logprobs(self) -> bool:
+        """Whether every optimizer step reads the rollout engine's log-probs: they are its old
+        log-probs (``old_logprobs: rollout``) or the behaviour log-probs of a rollout correction."""
+        return self.plan.old_from_rollout or self.plan.rollout_correction != "none"
+
+    def shaped(self, batch: dict, rewards: np.ndarray, reward_parts: dict) -> tuple:
+        """``(rewards, reward_parts, shaped rewards)``: the shaped ones (what the advantages and dynamic
+        sampling read) add DAPO's overlong penalty (``models.reward.overlong_buffer_len``,
+        :func:`chatlearn.algorithms.advantages.overlong_penalty`) to the reward functions' total; the
+        same array without it."""
+        r = self.cfg.models.reward
+        if r.overlong_buffer_len <= 0:
+            return rewards, reward_parts, rewards
+        lens = np.diff(batch["offsets"]) - np.asarray(batch["prompt_lens"])
+        penalty = overlong_penalty(lens, self.cfg.models.policy.max_response_tokens_length,
+                                   r.overlong_buffer_len, r.overlong_penalty_factor)
+        return rewards, reward_parts, rewards.astype(np.float64) + penalty
+
+    def dynamic_sampling(self, run: EpisodeRun, episode: int, batch: dict, prompts: Prompts) -> tuple:
+        """DAPO's dynamic sampling (``runtime_args.dynamic_sampling``): score the episode's groups, and
+        while fewer than ``prompts_per_episode`` of the groups drawn have unequal (shaped) rewards, draw
+        that many prompts more from the sampler and sample them, for at most
+        ``dynamic_sampling_max_rounds`` rounds; the batch is the kept groups in the order they were
+        drawn, filled with the earliest equal-reward groups when the rounds ran out
+        (:func:`chatlearn.algorithms.advantages.fill_groups`). Round k samples with seed
+        ``seed + episode + k * DYNAMIC_SAMPLING_SEED_STRIDE``; the sampler's position, saved with each
+        checkpoint, includes every prompt drawn, so a resumed run draws what the uninterrupted one did.
+        Returns ``(batch, prompts, (rewards, reward_parts, shaped), metrics)``."""
+        rt, g = self.cfg.runtime_args, self.plan.group_size
+        needed = self.plan.prompts_per_episode
+        rounds: list[tuple] = []
+        kept = 0
+        while True:
+            with run.stage(Stage.REWARD, "reward"):
+                scored = self.shaped(batch, *self.score(batch, prompts.truths, prompts.sources, prompts.extra, None,
+                                                        f"the rollouts of episode {episode}"))
+            varied = varied_groups(scored[2], g)
+            rounds.append((batch, prompts, scored, varied))
+            kept += int(varied.sum())
+            if kept >= needed or len(rounds) >= rt.dynamic_sampling_max_rounds:
+                break
+            prompts = self.next_prompts()
+            seed = self.cfg.models.policy.seed + episode + len(rounds) * DYNAMIC_SAMPLING_SEED_STRIDE
+            with run.stage(Stage.GENERATE, "policy"):
+                batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=seed))
+        chosen = fill_groups([r[3] for r in rounds], needed)
+        parts_b, parts_p, parts_r = [], [], []
+        for k, (b, p, sc, _) in enumerate(rounds):
+            groups = [grp for kk, grp in chosen if kk == k]
+            if not groups:
+                continue
+            idx = [grp * g + j for grp in groups for j in range(g)]
+            parts_b.append(select_samples(b, idx))
+            parts_p.append(Prompts(ids=[p.ids[i] for i in idx], truths=[p.truths[i] for i in idx],
+                                   sources=[p.sources[i] for i in idx], extra=[p.extra[i] for i in idx]))
+            parts_r.append((sc[0][idx], {key: v[idx] for key, v in sc[1].items()}, sc[2][idx]))
+        batch = concat_batches(parts_b) if len(parts_b) > 1 else parts_b[0]
+        prompts = Prompts(*(sum((getattr(p, f) for p in parts_p), []) for f in ("ids", "truths", "sources", "extra")))
+        scored = (np.concatenate([r[0] for r in parts_r]),
+                  {key: np.concatenate([r[1][key] for r in parts_r]) for key in parts_r[0][1]},
+                  np.concatenate([r[2] for r in parts_r]))
+        drawn = len(rounds) * needed
+        self.generated_tokens = sum(int(r[0]["offsets"][-1] - r[0]["offsets"][0] - np.sum(r[0]["prompt_lens"]))
+                                    for r in rounds)
+        metrics = {"train/dynamic_sampling_rounds": float(len(rounds)),
+                   "train/dynamic_sampling_prompts_drawn": float(drawn),
+                   "train/dynamic_sampling_kept_frac": kept / drawn,
+                   "train/dynamic_sampling_filled_groups": float(max(needed - kept, 0))}
+        return batch, prompts, scored, metrics
 
     def next_prompts(self) -> Prompts:
         """The episode's prompts from the sampler, each repeated for its group of responses."""
@@ -238,6 +321,8 @@ class GRPO(Rollouts):
         the samples before ``plan.old_logprob_pass_from`` (the first optimizer step's, whose own
         forward gives them: :class:`chatlearn.algorithms.grpo.GRPOLoss`), the pass's elsewhere."""
         cut, n = self.plan.old_logprob_pass_from, len(batch["prompt_lens"])
+        if self.plan.old_from_rollout:  # the rollout engine's stand for them (KL in the reward, replay)
+            return np.asarray(batch["rollout_logprobs"], np.float32).copy()
         if cut == 0:
             self.sched.ensure("policy_trainer", [Part.WEIGHTS])
             return self.logprobs(self.trainer, batch)
@@ -291,18 +376,23 @@ class GRPO(Rollouts):
                 # the first step's own forward gives its old log-probs; it reports the rollout mismatch
                 wanted = (keys if s >= plan.old_logprob_pass_from
                           else (*(k for k in keys if k != "old_logprobs"), "rollout_logprobs"))
+                if self.loss_reads_rollout_logprobs:
+                    wanted = (*(k for k in wanted if k not in ("old_logprobs", "rollout_logprobs")
+                                or (k == "old_logprobs" and not plan.old_from_rollout)), "rollout_logprobs")
                 sub = select_samples({k: batch[k] for k in wanted if k in batch}, range(s, s + plan.samples_per_step))
                 self.progress.stage(Stage.TRAIN, f"step {steps + 1}/{total}")
                 outs, _ = self.trainer.call("train", ray.put(sub), self.train_temperature)
                 step = dict(outs[0])
-                self.own_old_mismatch.update({k: step.pop(k) for k in ROLLOUT_MISMATCH if k in step})
+                mismatch = {k: step.pop(k) for k in ROLLOUT_MISMATCH if k in step}
+                if steps == 0:  # the first step's forward is that of the weights that generated its samples
+                    self.own_old_mismatch.update(mismatch)
                 steps += 1
                 if self.nonfinite_step(step, episode, steps):
                     skipped += 1
                     continue
                 for k, v in step.items():
-                    sums[k] += float(v)
-        means = {k: v / (steps - skipped) for k, v in sums.items()}
+                    sums[k] = max(sums[k], float(v)) if k in STEP_MAXIMA else sums[k] + float(v)
+        means = {k: v if k in STEP_MAXIMA else v / (steps - skipped) for k, v in sums.items()}
         means["skipped_steps"] = float(skipped)
         return {f"train/{k}": v for k, v in means.items()}
 
@@ -425,6 +515,13 @@ def _closing(pool: ThreadPoolExecutor):
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+
+
+# dynamic sampling: round k of an episode samples with seed + episode + k * this stride
+DYNAMIC_SAMPLING_SEED_STRIDE = 100_003
+
+# step metrics that are the largest over an episode's steps, not their mean
+STEP_MAXIMA = ("is_weight_max",)
 
 
 def mismatch_kl(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray) -> float:

@@ -89,10 +89,11 @@ class EpisodeRun(StageTimer):
         self.progress.stage(stage)
         return pool.submit(self.timed, model, stage, fn, *args)
 
-    def finish(self, metrics: dict, batch: dict) -> dict:
-        """``metrics`` with the episode's stage times, turns, throughput and overhead added."""
+    def finish(self, metrics: dict, batch: dict, generated: int | None = None) -> dict:
+        """``metrics`` with the episode's stage times, turns, throughput and overhead added
+        (``generated``: the response tokens sampled, when more than the batch's)."""
         metrics.update(self.totals())
-        metrics.update(throughput(batch, metrics, self.epochs))
+        metrics.update(throughput(batch, metrics, self.epochs, generated))
         end = time.perf_counter()
         metrics["time/episode"] = end - self.start
         metrics.update(overhead(self.activity.busy(COMPUTE_METHODS, self.start, end), end - self.start))

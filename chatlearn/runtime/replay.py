@@ -17,13 +17,15 @@ FILE = "replay.npz"
 
 
 class ReplayBuffer:
-    def __init__(self, max_replay_episode: int):
+    def __init__(self, max_replay_episode: int, with_rollout_logprobs: bool = False):
         self.max_replay_episode = max_replay_episode
         self.episodes: list[dict] = []  # oldest first, the training fields of each kept episode
+        # the loss reads rollout_logprobs (old_logprobs: rollout, or a rollout correction): keep them too
+        self.keys = TRAIN_KEYS + (("rollout_logprobs",) if with_rollout_logprobs else ())
 
     def training_batch(self, batch: dict) -> dict:
         """The current episode's training fields, after those of the kept earlier episodes."""
-        own = {k: batch[k] for k in TRAIN_KEYS if k in batch}
+        own = {k: batch[k] for k in self.keys if k in batch}
         return concat_batches(self.episodes + [own]) if self.episodes else own
 
     def add(self, batch: dict) -> None:
@@ -31,7 +33,7 @@ class ReplayBuffer:
         if self.max_replay_episode == 0:
             return
         n = len(batch["prompt_lens"])
-        self.episodes.append(select_samples({k: batch[k] for k in TRAIN_KEYS if k in batch}, range(n)))
+        self.episodes.append(select_samples({k: batch[k] for k in self.keys if k in batch}, range(n)))
         if self.max_replay_episode > 0:
             self.episodes = self.episodes[-self.max_replay_episode:]
 

@@ -191,7 +191,8 @@ def _grpo_cfg(**over):
     cfg = dict(pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=3.0,
                use_group_sequence_policy=False, kl_coef=0.1, kl_estimator="k3",
                kl_in_reward=False, entropy_coef=0.01, loss_agg_mode="token-mean",
-               max_response_tokens_length=10)
+               max_response_tokens_length=10, old_logprobs="auto", rollout_correction="none",
+               rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None)
     cfg.update(over)
     return cfg
 
@@ -290,7 +291,7 @@ def test_rank_and_micro_batch_partial_sums_add_up_to_the_global_loss(mode, gspo)
     assert whole.item() == pytest.approx(ref_agg(rows, batch["sample_weights"], mode, 10), rel=1e-5)
     metrics = objective.metrics(whole_sums.tolist())
     assert set(metrics) == {"loss", "policy_loss", "clip_frac", "clip_frac_lower", "ratio_mean", "num_tokens",
-                            "kl", "entropy"} and len(LOSS_SUMS) == 10
+                            "kl", "entropy"} and len(LOSS_SUMS) == 14
     assert metrics["num_tokens"] == rlen.sum()
     # ratio_mean: the token mean, over the kept samples, of the ratio the loss clips (the token ratio
     # exp(logp - old_logp), or with GSPO each sample's exp(mean over its tokens of logp - old_logp))

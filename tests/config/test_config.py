@@ -216,7 +216,7 @@ def test_chatlearn_yaml_with_every_documented_key_loads(tmp_path, tiny_model_dir
     ("models.policy.eval_frequency_penalty=-3", "models.policy.eval_frequency_penalty", ["[-2, 2]"]),
     ("models.policy.repetition_penalty=0", "models.policy.repetition_penalty", ["> 0"]),
     ("models.policy.eval_repetition_penalty=-1", "models.policy.eval_repetition_penalty", ["> 0"]),
-    ("models.policy_trainer.old_logprobs=rollout", "models.policy_trainer.old_logprobs", ["recompute"]),
+    ("models.policy_trainer.old_logprobs=engine", "models.policy_trainer.old_logprobs", ["recompute", "rollout"]),
 ])
 def test_config_errors_name_the_key(paths_overrides, override, key, words):
     with pytest.raises(ConfigError) as info:

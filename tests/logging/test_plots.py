@@ -49,6 +49,20 @@ def test_plots_written_and_missing_metrics_skipped(tmp_path):
     assert write_plots(write_metrics(str(tmp_path / "b"), entropy=True))[3].endswith("entropy.png")
 
 
+def test_mismatch_correction_and_dynamic_sampling_plots(tmp_path):
+    folder = str(tmp_path)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "metrics.jsonl"), "w", encoding="utf-8") as f:
+        for e in range(1, 5):
+            f.write(json.dumps({"episode": e, "train/mismatch_kl": 1e-3 * e, "train/is_mismatch_kl": 2e-3 * e,
+                                "train/logprob_diff_rollout_vs_trainer_mean": 0.01 * e,
+                                "train/is_weight_mean": 1.0 - 0.01 * e, "train/is_weight_max": 2.0,
+                                "train/is_clip_frac": 0.01 * e, "train/dynamic_sampling_prompts_drawn": 32.0 * e,
+                                "train/dynamic_sampling_filled_groups": 0.0}) + "\n")
+    names = sorted(os.path.basename(f) for f in write_plots(folder))
+    assert names == ["dynamic_sampling.png", "mismatch.png", "rollout_correction.png"]
+
+
 def test_cli_plot_prints_files(tmp_path, capsys):
     write_metrics(str(tmp_path))
     assert main(["plot", str(tmp_path)]) == 0

@@ -51,7 +51,8 @@ def trainer_cfg(path: str, **over) -> dict:
                clip_ratio_c=None, use_group_sequence_policy=False, loss_agg_mode="token-mean",
                max_response_tokens_length=16, kl_estimator="k3", kl_in_reward=False,
                min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=100,
-               lr_warmup_init=0.0)
+               lr_warmup_init=0.0, old_logprobs="auto", rollout_correction="none",
+               rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None)
     cfg.update(over)
     return cfg
 
@@ -292,6 +293,35 @@ def _own_old_part(path, batch) -> dict:
             "own_grads": trainer.full_grads(), "own_passed": passed, "own_rollout": rollout}
 
 
+def _correction_part(path, batch) -> dict:
+    """Rollout corrections through the trainer: a rollout that agrees with the trainer (weights 1)
+    gives the uncorrected loss and gradients; a rollout that differs gives the is_* metrics (the max
+    all-reduced apart), for mis at the sequence level with the pass's old log-probs, tis with the
+    step's own forward, and tis with old_logprobs: rollout."""
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    rng = np.random.default_rng(11)
+    noisy = batch["old_logprobs"] + rng.normal(0, 0.3, len(batch["old_logprobs"])).astype(np.float32)
+    res = {}
+    plain = FSDPTrainer(trainer_cfg(path))
+    res["corr_plain"] = plain.compute_grads(batch, temperature=TEMPERATURE)
+    res["corr_plain_grads"] = plain.full_grads()
+    same = FSDPTrainer(trainer_cfg(path, rollout_correction="tis"))
+    res["corr_same"] = same.compute_grads(dict(batch, rollout_logprobs=batch["old_logprobs"]),
+                                          temperature=TEMPERATURE)
+    res["corr_same_grads"] = same.full_grads()
+    for name, over, drop in (("mis_seq", dict(rollout_correction="mis", rollout_correction_level="sequence",
+                                                rollout_is_threshold=1.5), ()),
+                             ("tis_own", dict(rollout_correction="tis", rollout_is_threshold=1.2), ("old_logprobs",)),
+                             ("tis_rollout", dict(rollout_correction="tis", rollout_is_threshold=1.2,
+                                                  old_logprobs="rollout"), ("old_logprobs",))):
+        t = FSDPTrainer(trainer_cfg(path, **over))
+        b = {k: v for k, v in dict(batch, rollout_logprobs=noisy).items() if k not in drop}
+        res[f"corr_{name}"] = t.compute_grads(b, temperature=TEMPERATURE)
+    res["corr_noisy"] = noisy
+    return res
+
+
 def job_two_ranks(rank, world, path, batch, probe, out):
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
@@ -299,6 +329,7 @@ def job_two_ranks(rank, world, path, batch, probe, out):
     res = _parity_part(trainer, batch)
     res["modes"] = _loss_modes_part(path, batch)
     res.update(_own_old_part(path, batch))
+    res.update(_correction_part(path, batch))
     res.update(_residency_part(trainer, batch, probe))
     res.update(_export_part(trainer, probe, out))
     return res
@@ -319,6 +350,7 @@ def job_one_rank(rank, world, path, batch, out):
     res["token_mean_metrics"] = plain.compute_grads(dict(batch, old_logprobs=logp))
     res["modes"] = _loss_modes_part(path, batch)
     res.update(_own_old_part(path, batch))
+    res.update(_correction_part(path, batch))
     res["plain_modes"] = {}
     for mode in AGG_MODES:  # ratio 1, no KL / entropy: the loss is -agg(advantage)
         t = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0, loss_agg_mode=mode))
@@ -420,6 +452,41 @@ def test_a_step_without_old_logprobs_uses_its_own_forward(setup, two, one):
         assert r0["own_metrics"][name] == r1["own_metrics"][name], name
         assert r0["own_metrics"][name] == pytest.approx(one["own_metrics"][name], rel=1e-6), name
         assert one["own_metrics"][name] == pytest.approx(value, rel=1e-4), name
+
+
+@pytest.mark.timeout(240)
+def test_rollout_correction_through_the_trainer(setup, two, one):
+    """A rollout that agrees with the trainer gives weights 1: the uncorrected loss and gradients.
+    A differing one gives the same is_* metrics on 1 and 2 ranks (sums all-reduced, the max
+    max-reduced), and mis at the sequence level masks exactly the samples whose likelihood ratio
+    old / rollout is outside [1 / 1.5, 1.5]."""
+    from chatlearn.models.base import response_mask
+
+    (r0, r1), _ = two
+    for res in (r0, r1, one):
+        for name in METRICS:
+            assert res["corr_same"][name] == pytest.approx(res["corr_plain"][name], abs=1e-7), name
+        assert res["corr_same"]["is_weight_mean"] == pytest.approx(1.0) and res["corr_same"]["is_clip_frac"] == 0
+        for name, g in res["corr_plain_grads"].items():
+            torch.testing.assert_close(res["corr_same_grads"][name], g, rtol=0, atol=1e-7, msg=name)
+    for case in ("mis_seq", "tis_own", "tis_rollout"):
+        for name in ("loss", "is_weight_mean", "is_weight_max", "is_mismatch_kl"):
+            assert r0[f"corr_{case}"][name] == r1[f"corr_{case}"][name], (case, name)
+            assert r0[f"corr_{case}"][name] == pytest.approx(one[f"corr_{case}"][name], rel=1e-5, abs=1e-7), (case, name)
+    batch = setup["batch"]
+    mask = response_mask(batch)
+    d = batch["old_logprobs"].astype(np.float64) - one["corr_noisy"].astype(np.float64)
+    sample = np.repeat(np.arange(len(batch["prompt_lens"])), np.diff(batch["offsets"]))
+    rho = np.exp([d[mask & (sample == i)].sum() for i in range(len(batch["prompt_lens"]))])
+    lens = np.array([(mask & (sample == i)).sum() for i in range(len(rho))])
+    masked = (rho < 1 / 1.5) | (rho > 1.5)
+    assert 0 < masked.sum() < len(rho)
+    m = one["corr_mis_seq"]
+    assert m["is_masked_frac"] == pytest.approx((lens * masked).sum() / lens.sum(), rel=1e-6)
+    assert m["is_weight_max"] == pytest.approx(rho[~masked].max(), rel=1e-4)
+    assert 0 < one["corr_tis_own"]["is_clip_frac"] < 1 and one["corr_tis_own"]["is_weight_max"] == pytest.approx(1.2)
+    assert one["corr_tis_rollout"]["is_weight_max"] <= 1.0 + 1e-6  # min(1, C / rho)
+    assert one["corr_tis_rollout"]["rollout_tokens"] == mask.sum()
 
 
 @pytest.mark.timeout(240)
