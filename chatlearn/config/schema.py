@@ -93,6 +93,9 @@ class RuntimeArgs:
     # weight sync
     bucket_size_mb_in_memory_manager: int = 1024
     coalesced_buffer_mb: int = 100  # size of one weight-push bucket, in MB
+    # Without a GPU (logical devices), colocated models keep every part in memory between turns
+    # (host memory is all there is: moving frees nothing); true: they move as on GPUs.
+    offload_without_gpu: bool = False
     concurrent_comm: bool = True
     param_sync_comm_type: str = "broadcast"
     param_sync_max_workers: Optional[int] = None

@@ -66,7 +66,7 @@ class GRPO(Rollouts):
         rt, m = cfg.runtime_args, cfg.models
         self.out = rt.output_dir
         self.timeline = Timeline(os.path.join(self.out, "timeline.jsonl"))
-        self.sched = Scheduler(plan, self.timeline)
+        self.sched = Scheduler(plan, self.timeline, offload_without_gpu=rt.offload_without_gpu)
         # Each model is built once the models before it have left the devices they share with it.
         # The rollout engine comes last: it sizes its KV cache from the memory left free.
         order = [n for n in ("policy_trainer", "ref_policy", "reward", "policy") if n in plan.placements]

@@ -88,8 +88,13 @@ class Scheduler:
     engine never touches ``resident`` or calls a model's ``offload``/``onload`` itself.
     """
 
-    def __init__(self, plan: Plan, timeline: Timeline):
+    def __init__(self, plan: Plan, timeline: Timeline, *, offload_without_gpu: bool):
         self.plan, self.timeline = plan, timeline
+        # Without a GPU the devices are logical and every part lives in host memory: moving a part
+        # "to the host" frees nothing another model could use, so by default nothing moves there
+        # (runtime_args.offload_without_gpu: move as on GPUs, to rehearse a GPU run's schedule).
+        self.offload_without_gpu = offload_without_gpu
+        self.on_gpu: bool | None = None  # known once the first model with device parts is built
         self.groups: dict[str, WorkerGroup] = {}  # read-only for others: registered through add()
         self.movable: dict[str, set[Part]] = {}
         self.resident: dict[str, set[Part]] = {}
@@ -112,14 +117,20 @@ class Scheduler:
             self.groups[name] = group
             if name not in MODEL_PARTS:
                 return group
-            self.movable[name] = {Part(p) for p in movable}
             self.resident[name] = set(MODEL_PARTS[name])
-            if not self.track_gpu_memory:  # on GPUs, every turn records the devices' memory
+            if self.on_gpu is None:  # on GPUs, every turn records the devices' memory
                 import ray
 
-                self.track_gpu_memory = bool(ray.get(group.actors[0].device_memory.remote()))
+                self.on_gpu = self.track_gpu_memory = bool(ray.get(group.actors[0].device_memory.remote()))
+                if not self.on_gpu and not self.offload_without_gpu and any(
+                        self.plan.colocated_with(m) for m in self.plan.placements if m in MODEL_PARTS):
+                    print("[chatlearn] no GPU: colocated models keep their weights, optimizer state, gradients "
+                          "and KV cache in memory during each other's turns (moving them to host memory would "
+                          "free nothing); runtime_args.offload_without_gpu=true moves them as on GPUs", flush=True)
+            stays = not self.on_gpu and not self.offload_without_gpu
+            self.movable[name] = set() if stays else {Part(p) for p in movable}
             pinned = [p for p in MODEL_PARTS[name] if p not in self.movable[name]]
-            if self.plan.colocated_with(name) and pinned:
+            if self.plan.colocated_with(name) and pinned and not stays:
                 print(f"[chatlearn] warning: models.{name}.free_gpu_memory keeps its "
                       f"{', '.join(map(str, pinned))} on the devices it shares with "
                       f"{', '.join(self.plan.colocated_with(name))}: they stay resident during the other "

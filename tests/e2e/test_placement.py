@@ -20,7 +20,9 @@ SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=32",
          "runtime_args.train_global_batch_size=16", "runtime_args.train_micro_batch_size=8",
          "models.policy.num_inference_per_prompt=4", "runtime_args.eval_episode_interval=3",
          "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01",
-         "runtime_args.save_episode_interval=0", "models.policy_trainer.save_hf=false"]
+         "runtime_args.save_episode_interval=0", "models.policy_trainer.save_hf=false",
+         # the parts move between turns as on GPUs (without a GPU they stay by default): the schedule is checked
+         "runtime_args.offload_without_gpu=true"]
 
 # the turns of one steady-state episode under full colocation, in order
 EXPECTED = [

@@ -35,10 +35,7 @@ CASES = {
          "models.policy_trainer.old_logprobs=rollout", "runtime_args.dynamic_sampling=true",
          "runtime_args.dynamic_sampling_max_rounds=3", "models.reward.overlong_buffer_len=8",
          "models.policy_trainer.pos_clip_ratio=0.28"], "is_masked_frac"),
-    "decoupled-sequence-recompute": (
-        ["models.policy_trainer.rollout_correction=decoupled", "models.policy_trainer.rollout_correction_level=sequence",
-         "models.policy_trainer.old_logprobs=recompute"], "is_masked_frac"),
-}
+}  # decoupled (mis with no lower bound) at the sequence level: tests/algorithms/test_rollout_correction.py
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=64", "ru
          "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
          "runtime_args.eval_episode_interval=2", "runtime_args.save_episode_interval=2",
          "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01",
-         "runtime_args.log_args_dict.log_samples_interval=2", "runtime_args.log_args_dict.log_samples_num=5"]
+         "runtime_args.log_args_dict.log_samples_interval=2", "runtime_args.log_args_dict.log_samples_num=5",
+         # the parts move between turns as on GPUs (without a GPU they stay by default): the schedule is checked
+         "runtime_args.offload_without_gpu=true"]
 
 
 def check_console(stdout: str, stderr: str, out, backend: str) -> None:

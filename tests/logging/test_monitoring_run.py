@@ -92,6 +92,9 @@ def test_every_logged_metric_is_documented(run):
     for r in run["rows"][1:]:
         assert r["perf/generate_tokens_per_s"] > 0 and r["perf/train_tokens_per_s"] > 0
         assert 10 < r["memory/policy_trainer_peak_mb"] < 100_000
+        # no GPU: the colocated models' turns move nothing (runtime_args.offload_without_gpu is off)
+        assert r["sched/transitions"] == 0 and r["sched/bytes_moved"] == 0
+    assert "no GPU: colocated models keep" in run["stdout"]
 
 
 @pytest.mark.slow

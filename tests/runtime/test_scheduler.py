@@ -44,7 +44,7 @@ def ray_get(monkeypatch):
 
 def colocated(ray_get, movable=None, order=("policy_trainer", "ref_policy", "reward", "policy")):
     log: list = []
-    sched = Scheduler(plan_of([["policy", "policy_trainer", "ref_policy"]]), Timeline(None))
+    sched = Scheduler(plan_of([["policy", "policy_trainer", "ref_policy"]]), Timeline(None), offload_without_gpu=True)
     movable = movable or {}
     for name in order:
         sched.add(name, lambda name=name: FakeGroup(name, log),
@@ -54,7 +54,7 @@ def colocated(ray_get, movable=None, order=("policy_trainer", "ref_policy", "rew
 
 def test_add_makes_room_builds_and_registers_in_turn(ray_get):
     log: list = []
-    sched = Scheduler(plan_of([["policy", "policy_trainer", "ref_policy"]]), Timeline(None))
+    sched = Scheduler(plan_of([["policy", "policy_trainer", "ref_policy"]]), Timeline(None), offload_without_gpu=True)
     built = []
 
     def build(name):
@@ -115,7 +115,7 @@ def test_pinned_parts_stay_and_are_exempt(ray_get, capsys):
 
 def test_models_on_disjoint_devices_never_turn(ray_get):
     log: list = []
-    sched = Scheduler(plan_of([["policy"], ["policy_trainer"]]), Timeline(None))
+    sched = Scheduler(plan_of([["policy"], ["policy_trainer"]]), Timeline(None), offload_without_gpu=True)
     for name in ("policy_trainer", "policy"):
         sched.add(name, lambda name=name: FakeGroup(name, log), MODEL_PARTS[name])
     sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
@@ -123,3 +123,22 @@ def test_models_on_disjoint_devices_never_turn(ray_get):
     assert log == []
     assert sched.snapshot() == {"policy": ["kv_cache", "weights"],
                                 "policy_trainer": ["grads", "optimizer", "weights"]}
+
+
+def test_without_a_gpu_nothing_moves_unless_asked(ray_get, capsys):
+    """Logical devices: every part is in host memory, so the turns move nothing (and say so once);
+    offload_without_gpu=True moves the parts as on GPUs."""
+    for asked in (False, True):
+        log = []
+        sched = Scheduler(plan_of([["policy", "policy_trainer"]]), Timeline(None), offload_without_gpu=asked)
+        sched.add("policy_trainer", lambda: FakeGroup("policy_trainer", log), ["weights", "optimizer", "grads"])
+        sched.add("policy", lambda: FakeGroup("policy", log), ["weights", "kv_cache"])
+        sched.ensure("policy_trainer", ["weights", "optimizer", "grads"])
+        sched.ensure("policy", ["weights", "kv_cache"])
+        notice = "no GPU: colocated models keep" in capsys.readouterr().out
+        if asked:
+            assert log and not notice
+        else:
+            assert log == [] and notice
+            assert sched.resident == {"policy_trainer": {"weights", "optimizer", "grads"},
+                                      "policy": {"weights", "kv_cache"}}
