@@ -150,7 +150,7 @@ def test_every_turn_records_the_memory_of_the_models_on_that_device_group(tmp_pa
     rollout = [[{"device": 0, "used_mb": 950.0, "processes_mb": 700.0}]]
     groups = {"policy_trainer": _Group(trainer), "policy": _Group(rollout)}
     timeline = Timeline(str(tmp_path / "timeline.jsonl"))
-    sched = Scheduler(plan, timeline)
+    sched = Scheduler(plan, timeline, offload_without_gpu=False)  # a GPU: the flag has no effect
     # registering the trainer finds device memory to report: tracking is on from then on
     sched.add("policy_trainer", lambda: groups["policy_trainer"], {"weights", "optimizer", "grads"})
     assert sched.track_gpu_memory
