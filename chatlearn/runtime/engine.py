@@ -47,6 +47,7 @@ from chatlearn.logging.sinks import MetricSinks, write_config_yaml
 from chatlearn.models.base import concat_batches, response_mask, select_samples
 from chatlearn.runtime.cluster import Cluster
 from chatlearn.runtime.instrument import EpisodeRun, Instrument
+from chatlearn.runtime.overlap import RolloutPipeline
 from chatlearn.runtime.output_dir import check_start, move_aside, previous_run, reconcile_logs
 from chatlearn.runtime.output_dir import refusal as output_refusal
 from chatlearn.runtime.replay import ReplayBuffer
@@ -85,6 +86,9 @@ class GRPO(Rollouts):
         self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
         self.metrics = MetricSinks(cfg)
         self.nonfinite_in_a_row = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
+        # runtime_args.max_staleness > 0: the rollouts of the next episodes run beside training
+        self.pipeline = (RolloutPipeline(plan.max_staleness, self.draw_prompts, self.produce_rollout)
+                         if plan.max_staleness > 0 else None)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -109,13 +113,23 @@ class GRPO(Rollouts):
         """One GRPO episode, stage by stage in the order it runs (see the module docstring); ``run``
         measures the stages, ``self.sched`` makes each model resident before it runs."""
         run = self.instrument.begin(episode)
-        prompts = self.next_prompts()
-        with run.stage(Stage.GENERATE, "policy"):
-            self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
-            batch = self.generate(prompts.ids, self.sampling(eval_mode=False,
-                                                             seed=self.cfg.models.policy.seed + episode))
         dynamic = self.cfg.runtime_args.dynamic_sampling
         metrics = {}
+        ahead = self.pipeline is not None
+        if ahead:  # generated and scored on the rollout thread, up to max_staleness episodes ago
+            self.pipeline.fill(episode, self.cfg.runtime_args.num_episode)
+            self.progress.stage(Stage.GENERATE)
+            rollout, metrics = self.pipeline.take(episode, trainer_version=episode - 1)
+            batch, prompts, scored = rollout.batch, rollout.prompts, rollout.scored
+            for stage, model in ((Stage.GENERATE, "policy"), (Stage.REWARD, "reward")):
+                if f"time/{stage}" in metrics:
+                    self.sched.stage(model, stage, metrics[f"time/{stage}"])
+        else:
+            prompts = self.next_prompts()
+            with run.stage(Stage.GENERATE, "policy"):
+                self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+                batch = self.generate(prompts.ids, self.sampling(eval_mode=False,
+                                                                 seed=self.cfg.models.policy.seed + episode))
         if dynamic:  # scored now: the rewards choose the groups that fill the batch
             batch, prompts, scored, metrics = self.dynamic_sampling(run, episode, batch, prompts)
 
@@ -123,7 +137,7 @@ class GRPO(Rollouts):
         # trainer when they do not share devices; when they do it goes first, so that the trainer,
         # once resident for its old log-probs, stays to train.
         with _closing(ThreadPoolExecutor(max_workers=2)) as pool:
-            scoring = None if dynamic else run.background(
+            scoring = None if dynamic or ahead else run.background(
                 pool, Stage.REWARD, "reward", self.score, batch, prompts.truths, prompts.sources, prompts.extra,
                 None, f"the rollouts of episode {episode}")
             reference = self.start_ref_logprobs(batch, run, pool)
@@ -132,7 +146,7 @@ class GRPO(Rollouts):
                 batch["old_logprobs"] = self.old_logprobs(batch)
             if reference is not None:
                 batch["ref_logprobs"] = reference.result()
-            if not dynamic:
+            if scoring is not None:
                 scored = self.shaped(batch, *scoring.result())
         rewards, reward_parts, shaped_rewards = scored
 
@@ -154,7 +168,11 @@ class GRPO(Rollouts):
 
         # new weights into the rollout engine: its weights first, the push, then its KV cache
         with run.stage(Stage.WEIGHT_PUSH, "policy"):
+            if ahead:  # the rollout engine changes weights between generate calls, never during one
+                self.pipeline.drain()
             metrics.update(self.push_weights())
+            if ahead:
+                self.pipeline.pushed()
         self.sched.ensure("policy", [Part.KV_CACHE])
         metrics.update(self.episode_metrics(episode, batch, rewards, reward_parts))
         return run.finish(metrics, batch, self.generated_tokens if dynamic else None)
@@ -229,6 +247,21 @@ class GRPO(Rollouts):
                    "train/dynamic_sampling_kept_frac": kept / drawn,
                    "train/dynamic_sampling_filled_groups": float(max(needed - kept, 0))}
         return batch, prompts, scored, metrics
+
+    def draw_prompts(self, episode: int) -> Prompts:
+        """The prompts of ``episode`` for the rollout pipeline, drawn on the driver in episode order."""
+        return self.next_prompts()
+
+    def produce_rollout(self, episode: int, prompts: Prompts) -> tuple:
+        """Episode ``episode``'s samples and their (shaped) rewards, on the rollout thread: the
+        generate call of the on-policy run (its seed), then scoring. Returns ``(batch, scored, seconds)``."""
+        start = time.perf_counter()
+        self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+        batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=self.cfg.models.policy.seed + episode))
+        mid = time.perf_counter()
+        scored = self.shaped(batch, *self.score(batch, prompts.truths, prompts.sources, prompts.extra, None,
+                                                f"the rollouts of episode {episode}"))
+        return batch, scored, {"time/generate": mid - start, "time/reward": time.perf_counter() - mid}
 
     def next_prompts(self) -> Prompts:
         """The episode's prompts from the sampler, each repeated for its group of responses."""
@@ -440,6 +473,8 @@ class GRPO(Rollouts):
         def write(tmp: str) -> None:
             self.trainer.call("save_checkpoint", os.path.abspath(os.path.join(tmp, "trainer")))
             self.replay.save(tmp)
+            if self.pipeline is not None:  # the finished rollouts of the episodes after this one
+                self.pipeline.save(tmp)
             if self.cfg.models.policy_trainer.save_hf:
                 self.trainer.call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
 
@@ -467,6 +502,9 @@ class GRPO(Rollouts):
         self.replay.load(path)
         # the rollout engine still holds the initial weights: give it the checkpoint's
         self.push_weights()
+        if self.pipeline is not None:
+            self.pipeline.load(path)
+            self.pipeline.pushed(version=episode)
         self.sched.ensure("policy", [Part.KV_CACHE])
         # rows a crashed run wrote past the checkpoint (also dropped before the run started, see
         # reconcile_logs; atomic, and a torn last row goes with them)
@@ -572,6 +610,8 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
             try:
                 last = run.train()
             finally:
+                if run.pipeline is not None:
+                    run.pipeline.close()
                 run.progress.close()
                 run.metrics.close()
                 run.timeline.close()
