@@ -17,6 +17,11 @@ weights out, policy KV cache in), seven without a reference model (no KL term); 
 disjoint devices make no turns and run concurrently.
 Every episode reports the time spent in model compute and the overhead share (everything else:
 turns, the weight push, Ray dispatch and transfers, the driver's own work).
+
+With ``runtime_args.max_staleness`` = k > 0 (the rollout on devices of its own) steps 1-2 of the
+next k episodes run on a rollout thread while the driver runs steps 3-5 of the current one
+(:mod:`chatlearn.runtime.overlap`): the push waits for the generate call in flight, and episode n
+trains on samples of weight version n-1-k.
 """
 from __future__ import annotations
 
@@ -114,22 +119,9 @@ class GRPO(Rollouts):
         measures the stages, ``self.sched`` makes each model resident before it runs."""
         run = self.instrument.begin(episode)
         dynamic = self.cfg.runtime_args.dynamic_sampling
-        metrics = {}
-        ahead = self.pipeline is not None
-        if ahead:  # generated and scored on the rollout thread, up to max_staleness episodes ago
-            self.pipeline.fill(episode, self.cfg.runtime_args.num_episode)
-            self.progress.stage(Stage.GENERATE)
-            rollout, metrics = self.pipeline.take(episode, trainer_version=episode - 1)
-            batch, prompts, scored = rollout.batch, rollout.prompts, rollout.scored
-            for stage, model in ((Stage.GENERATE, "policy"), (Stage.REWARD, "reward")):
-                if f"time/{stage}" in metrics:
-                    self.sched.stage(model, stage, metrics[f"time/{stage}"])
-        else:
-            prompts = self.next_prompts()
-            with run.stage(Stage.GENERATE, "policy"):
-                self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
-                batch = self.generate(prompts.ids, self.sampling(eval_mode=False,
-                                                                 seed=self.cfg.models.policy.seed + episode))
+        ahead = self.pipeline is not None  # generated and scored on the rollout thread (max_staleness)
+        with run.stage(Stage.GENERATE, "policy") if not ahead else contextlib.nullcontext():
+            prompts, batch, scored, metrics = self.rollout(episode)
         if dynamic:  # scored now: the rewards choose the groups that fill the batch
             batch, prompts, scored, metrics = self.dynamic_sampling(run, episode, batch, prompts)
 
@@ -168,11 +160,7 @@ class GRPO(Rollouts):
 
         # new weights into the rollout engine: its weights first, the push, then its KV cache
         with run.stage(Stage.WEIGHT_PUSH, "policy"):
-            if ahead:  # the rollout engine changes weights between generate calls, never during one
-                self.pipeline.drain()
             metrics.update(self.push_weights())
-            if ahead:
-                self.pipeline.pushed()
         self.sched.ensure("policy", [Part.KV_CACHE])
         metrics.update(self.episode_metrics(episode, batch, rewards, reward_parts))
         return run.finish(metrics, batch, self.generated_tokens if dynamic else None)
@@ -247,6 +235,23 @@ class GRPO(Rollouts):
                    "train/dynamic_sampling_kept_frac": kept / drawn,
                    "train/dynamic_sampling_filled_groups": float(max(needed - kept, 0))}
         return batch, prompts, scored, metrics
+
+    def rollout(self, episode: int) -> tuple:
+        """``(prompts, batch, scored, metrics)`` of the episode: sampled now (``scored`` None: scoring
+        runs beside the log-prob passes), or with ``max_staleness`` taken from the rollout pipeline,
+        scored, with the staleness and overlap metrics (launching the rollouts ahead first)."""
+        if self.pipeline is None:
+            prompts = self.next_prompts()
+            self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+            batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=self.cfg.models.policy.seed + episode))
+            return prompts, batch, None, {}
+        self.pipeline.fill(episode, self.cfg.runtime_args.num_episode)
+        self.progress.stage(Stage.GENERATE)
+        rollout, metrics = self.pipeline.take(episode, trainer_version=episode - 1)
+        for stage, model in ((Stage.GENERATE, "policy"), (Stage.REWARD, "reward")):
+            if f"time/{stage}" in metrics:  # timed on the rollout thread
+                self.sched.stage(model, stage, metrics[f"time/{stage}"])
+        return rollout.prompts, rollout.batch, rollout.scored, metrics
 
     def draw_prompts(self, episode: int) -> Prompts:
         """The prompts of ``episode`` for the rollout pipeline, drawn on the driver in episode order."""
@@ -458,10 +463,15 @@ class GRPO(Rollouts):
         """Wake the rollout engine's weights (the trainer's stay beside them) and stream the trainer's
         weights into every rollout replica (``WeightSync``: buckets, transport chosen by placement,
         set up on the first push); returns ``sync/*`` metrics. The KV cache is woken after it."""
+        if self.pipeline is not None:  # the rollout engine changes weights between generate calls, never in one
+            self.pipeline.drain()
         self.sched.ensure("policy", [Part.WEIGHTS], keep={"policy_trainer": [Part.WEIGHTS]})
         if getattr(self, "weight_sync", None) is None:
             self.weight_sync = WeightSync(self.trainer, self.policy, self.plan, self.cfg)
-        return self.weight_sync.push()
+        pushed = self.weight_sync.push()
+        if self.pipeline is not None:
+            self.pipeline.pushed()
+        return pushed
 
     def should_save(self, episode: int) -> bool:
         rt = self.cfg.runtime_args

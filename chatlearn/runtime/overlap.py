@@ -13,7 +13,7 @@ drew for them in episode order and the seed of their episode: the same generatio
 on-policy run, with older weights. A push waits for the generation in flight (``drain``), so the
 rollout engine never changes weights during a generate call; the next rollout is launched when the
 next episode begins. A checkpoint keeps the finished rollouts of the episodes after it
-(:meth:`RolloutPipeline.save`), so a resumed run trains on the very samples the uninterrupted one did.
+(``save`` of the pipeline), so a resumed run trains on the very samples the uninterrupted one did.
 """
 from __future__ import annotations
 
@@ -87,15 +87,14 @@ class RolloutPipeline:
         if lag.size and (lag.max() > self.k or lag.min() < 0):
             raise StaleSamples(f"episode {episode}: samples of policy versions {sorted(set(rollout.batch['policy_version'].tolist()))} "
                                f"reached the trainer at version {trainer_version} (runtime_args.max_staleness: {self.k})")
-        busy = rollout.seconds.get("time/generate", 0.0) + rollout.seconds.get("time/reward", 0.0)
+        timed = {k: v for k, v in rollout.seconds.items() if k.startswith("time/")}  # none after a resume
+        busy = sum(timed.values())
         metrics = {"train/staleness_mean": float(lag.mean()) if lag.size else 0.0,
                    "train/staleness_max": float(lag.max()) if lag.size else 0.0,
                    "train/policy_version": float(rollout.version),
                    "time/rollout_wait": waited,
                    "time/overlapped": max(0.0, busy - waited)}
-        for key in ("time/generate", "time/reward"):
-            if key in rollout.seconds:
-                metrics[key] = rollout.seconds[key]
+        metrics.update(timed)
         return rollout, metrics
 
     def drain(self) -> None:
