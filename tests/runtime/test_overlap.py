@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from chatlearn.cli import main
-from chatlearn.config.load import load_config
+from chatlearn.config.load import load_config, load_run
 from chatlearn.config.plan import make_plan
 from chatlearn.errors import ConfigError
 from chatlearn.runtime.overlap import RolloutPipeline, StaleSamples
@@ -169,3 +169,14 @@ def test_plan_with_staleness_resolves_decoupled_and_describes_the_overlap(paths_
            "(device group 0) generates and the reward workers score episodes n+1..n+2" in out
     assert "episode n trains on samples of policy version n-3" in out
     assert "rollout correction: decoupled" in out
+
+
+def test_correction_keys_are_read_when_staleness_resolves_auto_to_decoupled(paths_overrides):
+    """rollout_correction_level is refused while auto resolves to none, accepted once max_staleness
+    makes it decoupled."""
+    level = ["models.policy_trainer.rollout_correction_level=sequence"]
+    with pytest.raises(ConfigError) as info:
+        load_run(TEMPLATE, paths_overrides + APART + level)
+    assert info.value.key == "models.policy_trainer.rollout_correction_level"
+    _, plan = load_run(TEMPLATE, paths_overrides + APART + level + ["runtime_args.max_staleness=1"])
+    assert plan.rollout_correction == "decoupled"
