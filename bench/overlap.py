@@ -93,6 +93,8 @@ def main(argv=None) -> int:
                 print(json.dumps(r), flush=True)
     result = {
         "benchmark": "bench/overlap.py",
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                 text=True).stdout.strip(),
         "job": {"template": "template/grpo_fsdp.yaml", "overrides": JOB,
                 "num_episode": args.episodes, "eval": "eval/reward_mean after the last episode (eval set: assets/arith/eval.jsonl)"},
         "order": "interleaved: max_staleness 0, 1, 0, 1",
