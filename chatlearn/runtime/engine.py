@@ -52,7 +52,7 @@ from chatlearn.logging.sinks import MetricSinks, write_config_yaml
 from chatlearn.models.base import concat_batches, response_mask, select_samples
 from chatlearn.runtime.cluster import Cluster
 from chatlearn.runtime.instrument import EpisodeRun, Instrument
-from chatlearn.runtime.overlap import RolloutPipeline
+from chatlearn.runtime.overlap import RolloutPipeline, kept_rollouts
 from chatlearn.runtime.output_dir import check_start, move_aside, previous_run, reconcile_logs
 from chatlearn.runtime.output_dir import refusal as output_refusal
 from chatlearn.runtime.replay import ReplayBuffer
@@ -243,7 +243,8 @@ class GRPO(Rollouts):
         if self.pipeline is None:
             prompts = self.next_prompts()
             self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
-            batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=self.cfg.models.policy.seed + episode))
+            seed = self.cfg.models.policy.seed + episode
+            batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=seed))
             return prompts, batch, None, {}
         self.pipeline.fill(episode, self.cfg.runtime_args.num_episode)
         self.progress.stage(Stage.GENERATE)
@@ -499,6 +500,7 @@ class GRPO(Rollouts):
         state = self.ckpt.read_state(path)
         self.ckpt.adopt(state)  # keep-last-N goes on counting this run's checkpoints
         print(f"[chatlearn] resuming from {path} (episode {episode})", flush=True)
+        kept_rollouts(path, self.plan.max_staleness)  # refused before anything loads when the bound changed
         self.sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
         try:
             self.trainer.call("load_checkpoint", os.path.abspath(os.path.join(path, "trainer")))

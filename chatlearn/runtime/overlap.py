@@ -26,6 +26,8 @@ from typing import Callable
 
 import numpy as np
 
+from chatlearn.errors import UserError
+
 FILE = "rollouts_ahead.pkl"
 
 
@@ -85,8 +87,9 @@ class RolloutPipeline:
         waited = time.perf_counter() - waited
         lag = staleness(rollout.batch["policy_version"], trainer_version)
         if lag.size and (lag.max() > self.k or lag.min() < 0):
-            raise StaleSamples(f"episode {episode}: samples of policy versions {sorted(set(rollout.batch['policy_version'].tolist()))} "
-                               f"reached the trainer at version {trainer_version} (runtime_args.max_staleness: {self.k})")
+            versions = sorted(set(rollout.batch["policy_version"].tolist()))
+            raise StaleSamples(f"episode {episode}: samples of policy versions {versions} reached the trainer at "
+                               f"version {trainer_version} (runtime_args.max_staleness: {self.k})")
         timed = {k: v for k, v in rollout.seconds.items() if k.startswith("time/")}  # none after a resume
         busy = sum(timed.values())
         metrics = {"train/staleness_mean": float(lag.mean()) if lag.size else 0.0,
@@ -111,19 +114,35 @@ class RolloutPipeline:
         self.drain()
         ahead = [self.pending[m].result() for m in sorted(self.pending)]
         with open(os.path.join(folder, FILE), "wb") as f:
-            pickle.dump([(r.episode, r.version, r.prompts, r.batch, r.scored) for r in ahead], f)
+            pickle.dump({"max_staleness": self.k,
+                         "rollouts": [(r.episode, r.version, r.prompts, r.batch, r.scored) for r in ahead]}, f)
 
     def load(self, folder: str) -> None:
         """Restore the rollouts a checkpoint kept (none if it has no file) as finished ones."""
         self.pending = {}
-        path = os.path.join(folder, FILE)
-        if not os.path.exists(path):
-            return
-        with open(path, "rb") as f:
-            for episode, version, prompts, batch, scored in pickle.load(f):
-                done: Future = Future()
-                done.set_result(Rollout(episode, version, prompts, batch, scored))
-                self.pending[episode] = done
+        for episode, version, prompts, batch, scored in kept_rollouts(folder, self.k):
+            done: Future = Future()
+            done.set_result(Rollout(episode, version, prompts, batch, scored))
+            self.pending[episode] = done
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def kept_rollouts(folder: str, max_staleness: int) -> list[tuple]:
+    """The rollouts ahead that the checkpoint in ``folder`` kept (none without the file); a UserError
+    when it kept some and was written with another ``max_staleness``: the data position it saved is
+    past their prompts and their versions fit its bound, so another value would skip them or train
+    on samples older than it allows."""
+    path = os.path.join(folder, FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        kept = pickle.load(f)
+    if kept["rollouts"] and kept["max_staleness"] != max_staleness:
+        raise UserError(
+            f"the checkpoint {folder!r} was written with runtime_args.max_staleness={kept['max_staleness']} and "
+            f"keeps the rollouts of episode(s) {', '.join(str(r[0]) for r in kept['rollouts'])}, generated ahead; "
+            f"this run sets max_staleness={max_staleness}. Resume with "
+            f"runtime_args.max_staleness={kept['max_staleness']}, or start over (--no-resume).")
+    return kept["rollouts"]

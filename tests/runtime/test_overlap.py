@@ -12,8 +12,8 @@ import pytest
 from chatlearn.cli import main
 from chatlearn.config.load import load_config, load_run
 from chatlearn.config.plan import make_plan
-from chatlearn.errors import ConfigError
-from chatlearn.runtime.overlap import RolloutPipeline, StaleSamples
+from chatlearn.errors import ConfigError, UserError
+from chatlearn.runtime.overlap import RolloutPipeline, StaleSamples, kept_rollouts
 
 TEMPLATE = "template/grpo_fsdp.yaml"
 APART = ["runtime_args.colocation=[]"]
@@ -180,3 +180,22 @@ def test_correction_keys_are_read_when_staleness_resolves_auto_to_decoupled(path
     assert info.value.key == "models.policy_trainer.rollout_correction_level"
     _, plan = load_run(TEMPLATE, paths_overrides + APART + level + ["runtime_args.max_staleness=1"])
     assert plan.rollout_correction == "decoupled"
+
+
+def test_a_checkpoint_with_rollouts_ahead_resumes_only_with_its_staleness(tmp_path):
+    engine = FakeRollout()
+    pipe = RolloutPipeline(2, engine.draw, engine.produce)
+    pipe.fill(1, 9)
+    pipe.take(1, 0)
+    pipe.save(str(tmp_path))  # episodes 2 and 3 ahead
+    pipe.close()
+    assert [r[0] for r in kept_rollouts(str(tmp_path), 2)] == [2, 3]
+    for other in (0, 1, 3):
+        with pytest.raises(UserError, match="runtime_args.max_staleness=2"):
+            kept_rollouts(str(tmp_path), other)
+    assert kept_rollouts(str(tmp_path / "none"), 0) == []  # an on-policy checkpoint keeps nothing
+    last = RolloutPipeline(1, engine.draw, engine.produce)
+    (tmp_path / "last").mkdir()
+    last.save(str(tmp_path / "last"))  # nothing ahead (the final episode's checkpoint): any value resumes
+    assert kept_rollouts(str(tmp_path / "last"), 0) == []
+    last.close()
