@@ -23,7 +23,7 @@ def validate_algorithm(cfg, total_steps: int) -> None:
     _choice(t.kl_estimator, KL_ESTIMATORS.names, f"{PREFIX}.kl_estimator")
     _choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS.names, f"{PREFIX}.advantage_estimator")
     _choice(t.old_logprobs, OLD_LOGPROB_SOURCES, f"{PREFIX}.old_logprobs")
-    _check_rollout_correction(t)
+    _check_rollout_correction(t, cfg.runtime_args.max_staleness > 0)
     _check_dapo(cfg)
     if t.clip_ratio_c is not None and not t.clip_ratio_c > 1:
         raise ConfigError(f"must be > 1 (the dual-clip bound -A * clip_ratio_c of negative advantages), "
@@ -62,14 +62,14 @@ def validate_algorithm(cfg, total_steps: int) -> None:
                           key=f"{key}.lr_warmup_iters")
 
 
-def _check_rollout_correction(t) -> None:
+def _check_rollout_correction(t, stale_rollouts: bool = False) -> None:
     """rollout_correction and its level and thresholds (see docs/rollout_correction.md)."""
     _choice(t.rollout_correction, ROLLOUT_CORRECTIONS, f"{PREFIX}.rollout_correction")
     _choice(t.rollout_correction_level, CORRECTION_LEVELS, f"{PREFIX}.rollout_correction_level")
     if not t.rollout_is_threshold > 1:
         raise ConfigError(f"must be > 1 (C: the largest importance weight kept), got {t.rollout_is_threshold}; "
                           "e.g. 2.0 as verl.", key=f"{PREFIX}.rollout_is_threshold")
-    if resolve_rollout_correction(t) == "none":
+    if resolve_rollout_correction(t, stale_rollouts) == "none":
         for name in ("rollout_correction_level", "rollout_is_threshold"):
             if t[name] != getattr(PolicyTrainer, name):
                 raise ConfigError(f"is read only with a rollout correction, but rollout_correction is "

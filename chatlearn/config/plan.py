@@ -66,6 +66,8 @@ class Plan:
     old_from_rollout: bool = False
     # the rollout correction the loss applies (resolve_rollout_correction): none | tis | mis | decoupled
     rollout_correction: str = "none"
+    # runtime_args.max_staleness: the rollout runs up to this many episodes ahead of the trainer
+    max_staleness: int = 0
 
     def replayed_episodes(self, episode: int) -> int:
         """Earlier episodes whose samples episode ``episode`` (1-based) trains on besides its own."""
@@ -137,6 +139,8 @@ class Plan:
                          "its samples' (models.policy_trainer.old_logprobs)")
         if self.rollout_correction != "none":
             lines.append(f"rollout correction: {self.rollout_correction} (models.policy_trainer.rollout_correction)")
+        if self.max_staleness > 0:
+            lines += self._describe_overlap()
         if self.max_replay_episode != 0:
             lines.append(
                 f"replay: each episode also trains on the samples of up to "
@@ -145,6 +149,21 @@ class Plan:
                 f"episode's samples: {self.total_steps} steps over the run instead of "
                 f"{self.steps_per_episode * self.num_episode}")
         return lines
+
+    def _describe_overlap(self) -> list[str]:
+        """The asynchronous schedule of ``runtime_args.max_staleness``: what runs beside what."""
+        k = self.max_staleness
+        pol, tr = self.placements["policy"].device_group, self.placements["policy_trainer"].device_group
+        ahead = "episode n+1" if k == 1 else f"episodes n+1..n+{k}"
+        return [
+            f"overlap: max_staleness {k}: while episode n trains (device group {tr}), the rollout engine "
+            f"(device group {pol}) generates and the reward workers score {ahead}; the weight push after "
+            "episode n's optimizer steps waits for the generation in flight, and the next episode's "
+            "rollout is launched when that episode begins",
+            f"overlap: episode n trains on samples of policy version n-{k + 1} (the trainer is at version n-1; "
+            f"episodes 1..{k + 1} sample with the initial weights): at most {k} version(s) old, older ones "
+            "are refused (runtime_args.max_staleness)",
+        ]
 
     @property
     def rollout_tp(self) -> int:
@@ -241,7 +260,38 @@ def make_plan(cfg: DictConfig) -> Plan:
                 max_replay_episode=rt.max_replay_episode, num_episode=rt.num_episode,
                 old_logprob_pass_from=old_logprob_pass_from(t, rt, gbs, spe),
                 old_from_rollout=t.old_logprobs == "rollout",
-                rollout_correction=resolve_rollout_correction(t))
+                rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
+                max_staleness=_check_staleness(rt, placements))
+
+
+def _check_staleness(rt, placements: dict) -> int:
+    """``runtime_args.max_staleness`` for this layout: 0, or N > 0 with the rollout on devices of its
+    own (it generates while the trainer trains: models that share its devices would take turns with
+    it, so nothing could overlap), without dynamic sampling or replay."""
+    k, key = rt.max_staleness, "runtime_args.max_staleness"
+    if k < 0:
+        raise ConfigError(f"is {k}; set 0 (on-policy: each episode samples with the weights it trains) or N > 0 "
+                          "(the rollout runs up to N episodes ahead of the trainer).", key=key)
+    if k == 0:
+        return 0
+    pol = placements["policy"].device_group
+    sharing = [name for name, pl in placements.items() if name != "policy" and pl.device_group == pol]
+    if sharing:
+        raise ConfigError(
+            f"is {k}, but the rollout (policy) shares its devices with {', '.join(sharing)} "
+            f"(runtime_args.colocation: {list(rt.colocation)}): colocated models take turns, so generation "
+            "cannot run while the trainer trains. Give the rollout devices of its own (remove policy from "
+            "runtime_args.colocation, e.g. runtime_args.colocation=[] or [policy_trainer,ref_policy]), or set "
+            "runtime_args.max_staleness=0.", key=key)
+    if rt.dynamic_sampling:
+        raise ConfigError(f"is {k}, but runtime_args.dynamic_sampling is on: its extra rounds of sampling depend on "
+                          "the episode's rewards, which asynchronous rollouts do not wait for. Set one of them "
+                          "off (max_staleness=0 or dynamic_sampling=false).", key=key)
+    if rt.max_replay_episode != 0:
+        raise ConfigError(f"is {k}, but runtime_args.max_replay_episode is {rt.max_replay_episode}: replayed "
+                          "samples would be older than max_staleness versions. Set max_replay_episode=0 or "
+                          "max_staleness=0.", key=key)
+    return k
 
 
 def resolve_rollout_correction(t, stale_rollouts: bool = False) -> str:

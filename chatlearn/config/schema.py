@@ -82,6 +82,9 @@ class RuntimeArgs:
     # unequal rewards; at most dynamic_sampling_max_rounds rounds of prompts_per_episode prompts each
     dynamic_sampling: bool = False
     dynamic_sampling_max_rounds: int = 10
+    # asynchronous rollouts (rollout and trainer on different devices): the rollout of the next N episodes
+    # runs while an episode trains; no sample trained on is more than N weight versions old (0: on-policy)
+    max_staleness: int = 0
     replay_episode_offset: int = 0
     consumed_samples: int = 0
     max_data_ckpt_nums: Optional[int] = None

@@ -17,6 +17,11 @@ weights out, policy KV cache in), seven without a reference model (no KL term); 
 disjoint devices make no turns and run concurrently.
 Every episode reports the time spent in model compute and the overhead share (everything else:
 turns, the weight push, Ray dispatch and transfers, the driver's own work).
+
+With ``runtime_args.max_staleness`` = k > 0 (the rollout on devices of its own) steps 1-2 of the
+next k episodes run on a rollout thread while the driver runs steps 3-5 of the current one
+(:mod:`chatlearn.runtime.overlap`): the push waits for the generate call in flight, and episode n
+trains on samples of weight version n-1-k.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from chatlearn.logging.sinks import MetricSinks, write_config_yaml
 from chatlearn.models.base import concat_batches, response_mask, select_samples
 from chatlearn.runtime.cluster import Cluster
 from chatlearn.runtime.instrument import EpisodeRun, Instrument
+from chatlearn.runtime.overlap import RolloutPipeline, kept_rollouts
 from chatlearn.runtime.output_dir import check_start, move_aside, previous_run, reconcile_logs
 from chatlearn.runtime.output_dir import refusal as output_refusal
 from chatlearn.runtime.replay import ReplayBuffer
@@ -85,6 +91,9 @@ class GRPO(Rollouts):
         self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
         self.metrics = MetricSinks(cfg)
         self.nonfinite_in_a_row = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
+        # runtime_args.max_staleness > 0: the rollouts of the next episodes run beside training
+        self.pipeline = (RolloutPipeline(plan.max_staleness, self.draw_prompts, self.produce_rollout)
+                         if plan.max_staleness > 0 else None)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -109,13 +118,10 @@ class GRPO(Rollouts):
         """One GRPO episode, stage by stage in the order it runs (see the module docstring); ``run``
         measures the stages, ``self.sched`` makes each model resident before it runs."""
         run = self.instrument.begin(episode)
-        prompts = self.next_prompts()
-        with run.stage(Stage.GENERATE, "policy"):
-            self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
-            batch = self.generate(prompts.ids, self.sampling(eval_mode=False,
-                                                             seed=self.cfg.models.policy.seed + episode))
         dynamic = self.cfg.runtime_args.dynamic_sampling
-        metrics = {}
+        ahead = self.pipeline is not None  # generated and scored on the rollout thread (max_staleness)
+        with run.stage(Stage.GENERATE, "policy") if not ahead else contextlib.nullcontext():
+            prompts, batch, scored, metrics = self.rollout(episode)
         if dynamic:  # scored now: the rewards choose the groups that fill the batch
             batch, prompts, scored, metrics = self.dynamic_sampling(run, episode, batch, prompts)
 
@@ -123,7 +129,7 @@ class GRPO(Rollouts):
         # trainer when they do not share devices; when they do it goes first, so that the trainer,
         # once resident for its old log-probs, stays to train.
         with _closing(ThreadPoolExecutor(max_workers=2)) as pool:
-            scoring = None if dynamic else run.background(
+            scoring = None if dynamic or ahead else run.background(
                 pool, Stage.REWARD, "reward", self.score, batch, prompts.truths, prompts.sources, prompts.extra,
                 None, f"the rollouts of episode {episode}")
             reference = self.start_ref_logprobs(batch, run, pool)
@@ -132,7 +138,7 @@ class GRPO(Rollouts):
                 batch["old_logprobs"] = self.old_logprobs(batch)
             if reference is not None:
                 batch["ref_logprobs"] = reference.result()
-            if not dynamic:
+            if scoring is not None:
                 scored = self.shaped(batch, *scoring.result())
         rewards, reward_parts, shaped_rewards = scored
 
@@ -229,6 +235,39 @@ class GRPO(Rollouts):
                    "train/dynamic_sampling_kept_frac": kept / drawn,
                    "train/dynamic_sampling_filled_groups": float(max(needed - kept, 0))}
         return batch, prompts, scored, metrics
+
+    def rollout(self, episode: int) -> tuple:
+        """``(prompts, batch, scored, metrics)`` of the episode: sampled now (``scored`` None: scoring
+        runs beside the log-prob passes), or with ``max_staleness`` taken from the rollout pipeline,
+        scored, with the staleness and overlap metrics (launching the rollouts ahead first)."""
+        if self.pipeline is None:
+            prompts = self.next_prompts()
+            self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+            seed = self.cfg.models.policy.seed + episode
+            batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=seed))
+            return prompts, batch, None, {}
+        self.pipeline.fill(episode, self.cfg.runtime_args.num_episode)
+        self.progress.stage(Stage.GENERATE)
+        rollout, metrics = self.pipeline.take(episode, trainer_version=episode - 1)
+        for stage, model in ((Stage.GENERATE, "policy"), (Stage.REWARD, "reward")):
+            if f"time/{stage}" in metrics:  # timed on the rollout thread
+                self.sched.stage(model, stage, metrics[f"time/{stage}"])
+        return rollout.prompts, rollout.batch, rollout.scored, metrics
+
+    def draw_prompts(self, episode: int) -> Prompts:
+        """The prompts of ``episode`` for the rollout pipeline, drawn on the driver in episode order."""
+        return self.next_prompts()
+
+    def produce_rollout(self, episode: int, prompts: Prompts) -> tuple:
+        """Episode ``episode``'s samples and their (shaped) rewards, on the rollout thread: the
+        generate call of the on-policy run (its seed), then scoring. Returns ``(batch, scored, seconds)``."""
+        start = time.perf_counter()
+        self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+        batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=self.cfg.models.policy.seed + episode))
+        mid = time.perf_counter()
+        scored = self.shaped(batch, *self.score(batch, prompts.truths, prompts.sources, prompts.extra, None,
+                                                f"the rollouts of episode {episode}"))
+        return batch, scored, {"time/generate": mid - start, "time/reward": time.perf_counter() - mid}
 
     def next_prompts(self) -> Prompts:
         """The episode's prompts from the sampler, each repeated for its group of responses."""
@@ -425,10 +464,15 @@ class GRPO(Rollouts):
         """Wake the rollout engine's weights (the trainer's stay beside them) and stream the trainer's
         weights into every rollout replica (``WeightSync``: buckets, transport chosen by placement,
         set up on the first push); returns ``sync/*`` metrics. The KV cache is woken after it."""
+        if self.pipeline is not None:  # the rollout engine changes weights between generate calls, never in one
+            self.pipeline.drain()
         self.sched.ensure("policy", [Part.WEIGHTS], keep={"policy_trainer": [Part.WEIGHTS]})
         if getattr(self, "weight_sync", None) is None:
             self.weight_sync = WeightSync(self.trainer, self.policy, self.plan, self.cfg)
-        return self.weight_sync.push()
+        pushed = self.weight_sync.push()
+        if self.pipeline is not None:
+            self.pipeline.pushed()
+        return pushed
 
     def should_save(self, episode: int) -> bool:
         rt = self.cfg.runtime_args
@@ -440,6 +484,8 @@ class GRPO(Rollouts):
         def write(tmp: str) -> None:
             self.trainer.call("save_checkpoint", os.path.abspath(os.path.join(tmp, "trainer")))
             self.replay.save(tmp)
+            if self.pipeline is not None:  # the finished rollouts of the episodes after this one
+                self.pipeline.save(tmp)
             if self.cfg.models.policy_trainer.save_hf:
                 self.trainer.call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
 
@@ -454,6 +500,7 @@ class GRPO(Rollouts):
         state = self.ckpt.read_state(path)
         self.ckpt.adopt(state)  # keep-last-N goes on counting this run's checkpoints
         print(f"[chatlearn] resuming from {path} (episode {episode})", flush=True)
+        kept_rollouts(path, self.plan.max_staleness)  # refused before anything loads when the bound changed
         self.sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
         try:
             self.trainer.call("load_checkpoint", os.path.abspath(os.path.join(path, "trainer")))
@@ -467,6 +514,9 @@ class GRPO(Rollouts):
         self.replay.load(path)
         # the rollout engine still holds the initial weights: give it the checkpoint's
         self.push_weights()
+        if self.pipeline is not None:
+            self.pipeline.load(path)
+            self.pipeline.pushed(version=episode)
         self.sched.ensure("policy", [Part.KV_CACHE])
         # rows a crashed run wrote past the checkpoint (also dropped before the run started, see
         # reconcile_logs; atomic, and a torn last row goes with them)
@@ -572,6 +622,8 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
             try:
                 last = run.train()
             finally:
+                if run.pipeline is not None:
+                    run.pipeline.close()
                 run.progress.close()
                 run.metrics.close()
                 run.timeline.close()

@@ -1,0 +1,148 @@
+"""Asynchronous rollouts (``runtime_args.max_staleness`` = k > 0): the rollout engine generates, and
+the reward workers score, the next k episodes while the trainer trains the current one.
+
+Versions count the weight pushes: the rollout engine holds version v after v pushes (0: the initial
+weights), and the trainer is at version n - 1 when it trains episode n. With k, the rollout of
+episode m is launched when episode m - k begins (episodes 1..k+1 at the start), after the push of
+version m - k - 1, so it is k versions behind the trainer that trains on it (fewer for the first k
+episodes). Every sample carries the version that generated it (``policy_version``); ``take`` refuses
+a batch older than k versions (:func:`staleness`).
+
+The rollouts run on one worker thread, in the order they were launched, with the prompts the driver
+drew for them in episode order and the seed of their episode: the same generation calls as the
+on-policy run, with older weights. A push waits for the generation in flight (``drain``), so the
+rollout engine never changes weights during a generate call; the next rollout is launched when the
+next episode begins. A checkpoint keeps the finished rollouts of the episodes after it
+(``save`` of the pipeline), so a resumed run trains on the very samples the uninterrupted one did.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from chatlearn.errors import UserError
+
+FILE = "rollouts_ahead.pkl"
+
+
+@dataclass
+class Rollout:
+    """One episode's generated and scored samples and the weight version that generated them."""
+
+    episode: int
+    version: int
+    prompts: object  # chatlearn.runtime.rollouts.Prompts
+    batch: dict
+    scored: tuple  # (rewards, reward_parts, shaped rewards)
+    seconds: dict = field(default_factory=dict)  # time/generate, time/reward; start and end on the driver's clock
+
+
+def staleness(versions: np.ndarray, trainer_version: int) -> np.ndarray:
+    """Versions between the weights that generated each sample and the trainer's (>= 0)."""
+    return trainer_version - np.asarray(versions, dtype=np.int64)
+
+
+class StaleSamples(RuntimeError):
+    """A batch older than ``max_staleness`` versions reached the trainer (a scheduling bug)."""
+
+
+class RolloutPipeline:
+    """Launches and hands out the rollouts of ``max_staleness`` episodes ahead (see the module docstring).
+
+    ``draw(episode)`` (driver thread, launch order) returns the episode's prompts; ``produce(episode,
+    prompts)`` (the rollout thread) returns ``(batch, scored, seconds)``."""
+
+    def __init__(self, max_staleness: int, draw: Callable, produce: Callable):
+        self.k = max_staleness
+        self.draw, self.produce = draw, produce
+        self.version = 0  # the rollout engine's weights: pushes done
+        self.pending: dict[int, Future] = {}  # episode -> its rollout, in launch order
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+
+    def fill(self, episode: int, last: int) -> None:
+        """Launch the rollouts of episodes ``episode .. episode + k`` (at most ``last``) not launched yet."""
+        for m in range(episode, min(episode + self.k, last) + 1):
+            if m not in self.pending:
+                self.pending[m] = self.pool.submit(self._run, m, self.version, self.draw(m))
+
+    def _run(self, episode: int, version: int, prompts) -> Rollout:
+        start = time.perf_counter()
+        batch, scored, seconds = self.produce(episode, prompts)
+        n = len(batch["prompt_lens"])
+        batch["policy_version"] = np.full(n, version, dtype=np.int64)
+        seconds = {**seconds, "start": start, "end": time.perf_counter()}
+        return Rollout(episode, version, prompts, batch, scored, seconds)
+
+    def take(self, episode: int, trainer_version: int) -> tuple[Rollout, dict]:
+        """Episode ``episode``'s rollout (waiting for it), and its ``train/staleness_*`` and overlap
+        metrics; StaleSamples if any of its samples is more than ``max_staleness`` versions old."""
+        waited = time.perf_counter()
+        rollout = self.pending.pop(episode).result()
+        waited = time.perf_counter() - waited
+        lag = staleness(rollout.batch["policy_version"], trainer_version)
+        if lag.size and (lag.max() > self.k or lag.min() < 0):
+            versions = sorted(set(rollout.batch["policy_version"].tolist()))
+            raise StaleSamples(f"episode {episode}: samples of policy versions {versions} reached the trainer at "
+                               f"version {trainer_version} (runtime_args.max_staleness: {self.k})")
+        timed = {k: v for k, v in rollout.seconds.items() if k.startswith("time/")}  # none after a resume
+        busy = sum(timed.values())
+        metrics = {"train/staleness_mean": float(lag.mean()) if lag.size else 0.0,
+                   "train/staleness_max": float(lag.max()) if lag.size else 0.0,
+                   "train/policy_version": float(rollout.version),
+                   "time/rollout_wait": waited,
+                   "time/overlapped": max(0.0, busy - waited)}
+        metrics.update(timed)
+        return rollout, metrics
+
+    def drain(self) -> None:
+        """Wait for every rollout in flight (before a push, a checkpoint or an error's way out)."""
+        for f in list(self.pending.values()):
+            f.result()
+
+    def pushed(self, version: int | None = None) -> None:
+        """The rollout engine received new weights (``version``: set, on resume)."""
+        self.version = self.version + 1 if version is None else version
+
+    def save(self, folder: str) -> None:
+        """Keep the finished rollouts of the episodes after the checkpoint (waits for those in flight)."""
+        self.drain()
+        ahead = [self.pending[m].result() for m in sorted(self.pending)]
+        with open(os.path.join(folder, FILE), "wb") as f:
+            pickle.dump({"max_staleness": self.k,
+                         "rollouts": [(r.episode, r.version, r.prompts, r.batch, r.scored) for r in ahead]}, f)
+
+    def load(self, folder: str) -> None:
+        """Restore the rollouts a checkpoint kept (none if it has no file) as finished ones."""
+        self.pending = {}
+        for episode, version, prompts, batch, scored in kept_rollouts(folder, self.k):
+            done: Future = Future()
+            done.set_result(Rollout(episode, version, prompts, batch, scored))
+            self.pending[episode] = done
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def kept_rollouts(folder: str, max_staleness: int) -> list[tuple]:
+    """The rollouts ahead that the checkpoint in ``folder`` kept (none without the file); a UserError
+    when it kept some and was written with another ``max_staleness``: the data position it saved is
+    past their prompts and their versions fit its bound, so another value would skip them or train
+    on samples older than it allows."""
+    path = os.path.join(folder, FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        kept = pickle.load(f)
+    if kept["rollouts"] and kept["max_staleness"] != max_staleness:
+        raise UserError(
+            f"the checkpoint {folder!r} was written with runtime_args.max_staleness={kept['max_staleness']} and "
+            f"keeps the rollouts of episode(s) {', '.join(str(r[0]) for r in kept['rollouts'])}, generated ahead; "
+            f"this run sets max_staleness={max_staleness}. Resume with "
+            f"runtime_args.max_staleness={kept['max_staleness']}, or start over (--no-resume).")
+    return kept["rollouts"]
