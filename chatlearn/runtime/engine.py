@@ -92,7 +92,8 @@ class GRPO(Rollouts):
         self.metrics = MetricSinks(cfg)
         self.nonfinite_in_a_row = 0  # optimizer steps skipped in a row (non-finite loss or gradient norm)
         # runtime_args.max_staleness > 0: the rollouts of the next episodes run beside training
-        self.pipeline = (RolloutPipeline(plan.max_staleness, self.draw_prompts, self.produce_rollout)
+        self.pipeline = (RolloutPipeline(plan.max_staleness, self.draw_prompts, self.produce_rollout,
+                                          lambda rows: Prompts.of(self.train_set, rows, self.plan.group_size))
                          if plan.max_staleness > 0 else None)
 
     # ------------------------------------------------------------------ the loop

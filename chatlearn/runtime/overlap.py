@@ -18,7 +18,6 @@ next episode begins. A checkpoint keeps the finished rollouts of the episodes af
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import numpy as np
 
 from chatlearn.errors import UserError
 
-FILE = "rollouts_ahead.pkl"
+FILE = "rollouts_ahead.npz"  # arrays only: read back without pickle
 
 
 @dataclass
@@ -56,11 +55,12 @@ class RolloutPipeline:
     """Launches and hands out the rollouts of ``max_staleness`` episodes ahead (see the module docstring).
 
     ``draw(episode)`` (driver thread, launch order) returns the episode's prompts; ``produce(episode,
-    prompts)`` (the rollout thread) returns ``(batch, scored, seconds)``."""
+    prompts)`` (the rollout thread) returns ``(batch, scored, seconds)``; ``prompts_of(indices)`` gives
+    the prompts of those rows of the prompt set again (a checkpoint keeps the rows, not the prompts)."""
 
-    def __init__(self, max_staleness: int, draw: Callable, produce: Callable):
+    def __init__(self, max_staleness: int, draw: Callable, produce: Callable, prompts_of: Callable):
         self.k = max_staleness
-        self.draw, self.produce = draw, produce
+        self.draw, self.produce, self.prompts_of = draw, produce, prompts_of
         self.version = 0  # the rollout engine's weights: pushes done
         self.pending: dict[int, Future] = {}  # episode -> its rollout, in launch order
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
@@ -113,16 +113,26 @@ class RolloutPipeline:
         """Keep the finished rollouts of the episodes after the checkpoint (waits for those in flight)."""
         self.drain()
         ahead = [self.pending[m].result() for m in sorted(self.pending)]
-        with open(os.path.join(folder, FILE), "wb") as f:
-            pickle.dump({"max_staleness": self.k,
-                         "rollouts": [(r.episode, r.version, r.prompts, r.batch, r.scored) for r in ahead]}, f)
+        arrays = {"max_staleness": np.int64(self.k), "count": np.int64(len(ahead))}
+        for j, r in enumerate(ahead):
+            rewards, parts, shaped = r.scored
+            arrays.update({f"{j}/episode": np.int64(r.episode), f"{j}/version": np.int64(r.version),
+                           f"{j}/indices": np.asarray(r.prompts.indices, dtype=np.int64),
+                           f"{j}/rewards": np.asarray(rewards), f"{j}/shaped": np.asarray(shaped),
+                           f"{j}/parts": np.asarray(list(parts), dtype=str)})
+            arrays.update({f"{j}/part/{i}": np.asarray(v) for i, v in enumerate(parts.values())})
+            arrays.update({f"{j}/batch/{k}": np.asarray(v) for k, v in r.batch.items()})
+        for name, value in arrays.items():
+            if value.dtype == object:
+                raise TypeError(f"rollouts ahead: {name} is not an array of numbers or strings")
+        np.savez(os.path.join(folder, FILE), **arrays)
 
     def load(self, folder: str) -> None:
         """Restore the rollouts a checkpoint kept (none if it has no file) as finished ones."""
         self.pending = {}
-        for episode, version, prompts, batch, scored in kept_rollouts(folder, self.k):
+        for episode, version, indices, batch, scored in kept_rollouts(folder, self.k):
             done: Future = Future()
-            done.set_result(Rollout(episode, version, prompts, batch, scored))
+            done.set_result(Rollout(episode, version, self.prompts_of(indices), batch, scored))
             self.pending[episode] = done
 
     def close(self) -> None:
@@ -137,12 +147,19 @@ def kept_rollouts(folder: str, max_staleness: int) -> list[tuple]:
     path = os.path.join(folder, FILE)
     if not os.path.exists(path):
         return []
-    with open(path, "rb") as f:
-        kept = pickle.load(f)
-    if kept["rollouts"] and kept["max_staleness"] != max_staleness:
+    with np.load(path, allow_pickle=False) as data:
+        saved_k, count = int(data["max_staleness"]), int(data["count"])
+        kept = []
+        for j in range(count):
+            names = [str(n) for n in data[f"{j}/parts"]]
+            parts = {n: data[f"{j}/part/{i}"] for i, n in enumerate(names)}
+            batch = {name.split("/", 2)[2]: data[name] for name in data.files if name.startswith(f"{j}/batch/")}
+            kept.append((int(data[f"{j}/episode"]), int(data[f"{j}/version"]), data[f"{j}/indices"].tolist(), batch,
+                         (data[f"{j}/rewards"], parts, data[f"{j}/shaped"])))
+    if kept and saved_k != max_staleness:
         raise UserError(
-            f"the checkpoint {folder!r} was written with runtime_args.max_staleness={kept['max_staleness']} and "
-            f"keeps the rollouts of episode(s) {', '.join(str(r[0]) for r in kept['rollouts'])}, generated ahead; "
+            f"the checkpoint {folder!r} was written with runtime_args.max_staleness={saved_k} and "
+            f"keeps the rollouts of episode(s) {', '.join(str(r[0]) for r in kept)}, generated ahead; "
             f"this run sets max_staleness={max_staleness}. Resume with "
-            f"runtime_args.max_staleness={kept['max_staleness']}, or start over (--no-resume).")
-    return kept["rollouts"]
+            f"runtime_args.max_staleness={saved_k}, or start over (--no-resume).")
+    return kept

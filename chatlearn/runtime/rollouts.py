@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 import ray
@@ -21,14 +21,17 @@ class Prompts:
     truths: list
     sources: list
     extra: list
+    indices: Optional[list] = None  # the prompt set's rows these came from, once each (None: not from one)
 
     @classmethod
     def of(cls, prompt_set, indices: Iterable[int], k: int) -> "Prompts":
         """Prompts ``indices`` of ``prompt_set`` (a :class:`~chatlearn.data.dataset.PromptSet`), each
         ``k`` times in a row."""
+        indices = [int(i) for i in indices]
         rows = [i for i in indices for _ in range(k)]
         return cls(ids=[prompt_set.prompt_ids[i] for i in rows], truths=[prompt_set.ground_truths[i] for i in rows],
-                   sources=[prompt_set.data_sources[i] for i in rows], extra=[prompt_set.extras[i] for i in rows])
+                   sources=[prompt_set.data_sources[i] for i in rows], extra=[prompt_set.extras[i] for i in rows],
+                   indices=indices)
 
 
 class Rollouts:

@@ -76,6 +76,8 @@ def test_stale_rollouts_stay_within_the_bound_and_resume_exactly(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert len([r for r in rows(cut) if r["episode"] > 0]) < 4
+    kept = [d for d in os.listdir(cut / "checkpoints") if (cut / "checkpoints" / d / "rollouts_ahead.npz").exists()]
+    assert kept, os.listdir(cut / "checkpoints")  # the rollout generated ahead, as arrays (no pickle)
     stdout = finish(cut)
     assert "resuming from" in stdout
     assert learning(cut) == learning(whole)

@@ -14,6 +14,7 @@ from chatlearn.config.load import load_config, load_run
 from chatlearn.config.plan import make_plan
 from chatlearn.errors import ConfigError, UserError
 from chatlearn.runtime.overlap import RolloutPipeline, StaleSamples, kept_rollouts
+from chatlearn.runtime.rollouts import Prompts
 
 TEMPLATE = "template/grpo_fsdp.yaml"
 APART = ["runtime_args.colocation=[]"]
@@ -39,7 +40,13 @@ class FakeRollout:
 
     def draw(self, episode):
         self.draws.append(episode)
-        return [f"prompt of {episode}"] * 4
+        return self.prompts_of([episode])
+
+    @staticmethod
+    def prompts_of(rows):
+        """Prompt row e (of episode e), four samples of it."""
+        return Prompts(ids=[[int(e)] for e in rows for _ in range(4)], truths=[str(e) for e in rows for _ in range(4)],
+                       sources=["fake"] * 4 * len(rows), extra=[{}] * 4 * len(rows), indices=[int(e) for e in rows])
 
     def produce(self, episode, prompts):
         with self.busy:
@@ -47,8 +54,10 @@ class FakeRollout:
             time.sleep(0.002)
             self.torn |= self.version != v
             self.calls.append((episode, v))
-        batch = {"prompt_lens": np.ones(len(prompts), int)}
-        return batch, (np.zeros(len(prompts)),), {"time/generate": 0.002}
+        n = len(prompts.ids)
+        batch = {"prompt_lens": np.ones(n, int), "tokens": np.full(n, episode, np.int64)}
+        rewards = np.full(n, episode / 10)
+        return batch, (rewards, {"fake/score": rewards * 2}, rewards + 1), {"time/generate": 0.002}
 
     def push(self):
         with self.busy:
@@ -58,7 +67,7 @@ class FakeRollout:
 def drive(k: int, episodes: int, engine: FakeRollout, pipe: RolloutPipeline | None = None, start: int = 1,
           trained: list | None = None) -> list[tuple[int, int, np.ndarray]]:
     """The engine's loop: fill, take (the trainer at version episode - 1), train, drain, push."""
-    pipe = pipe or RolloutPipeline(k, engine.draw, engine.produce)
+    pipe = pipe or RolloutPipeline(k, engine.draw, engine.produce, engine.prompts_of)
     trained = [] if trained is None else trained
     for episode in range(start, episodes + 1):
         pipe.fill(episode, episodes)
@@ -92,7 +101,7 @@ def test_no_trained_sample_is_older_than_max_staleness(k):
 
 def test_a_batch_older_than_max_staleness_is_refused():
     engine = FakeRollout()
-    pipe = RolloutPipeline(1, engine.draw, engine.produce)
+    pipe = RolloutPipeline(1, engine.draw, engine.produce, engine.prompts_of)
     pipe.fill(1, 5)  # episodes 1 and 2 with version 0
     pipe.take(1, trainer_version=0)
     with pytest.raises(StaleSamples, match="max_staleness: 1"):
@@ -108,7 +117,7 @@ def test_checkpoint_keeps_the_rollouts_ahead(tmp_path):
     expected = drive(k, n, whole)
 
     first = FakeRollout()
-    pipe = RolloutPipeline(k, first.draw, first.produce)
+    pipe = RolloutPipeline(k, first.draw, first.produce, first.prompts_of)
     trained = []
     for episode in (1, 2, 3):
         pipe.fill(episode, n)
@@ -123,10 +132,15 @@ def test_checkpoint_keeps_the_rollouts_ahead(tmp_path):
 
     again = FakeRollout()
     again.version = 3  # the checkpoint's weights pushed on resume
-    pipe = RolloutPipeline(k, again.draw, again.produce)
+    pipe = RolloutPipeline(k, again.draw, again.produce, again.prompts_of)
     pipe.load(str(tmp_path))
     pipe.pushed(version=3)
     assert sorted(pipe.pending) == [4, 5]
+    for m in (4, 5):  # restored from arrays (no pickle): the same prompts, samples and rewards
+        r = pipe.pending[m].result()
+        assert r.prompts == FakeRollout.prompts_of([m]) and r.version == (m - k - 1 if m > k + 1 else 0)
+        assert r.batch["tokens"].tolist() == [m] * 4 and r.scored[1]["fake/score"].tolist() == [m / 5] * 4
+        assert r.scored[2].tolist() == [m / 10 + 1] * 4
     drive(k, n, again, pipe, start=4, trained=trained)
     assert [(e, v, list(s)) for e, v, s, _ in trained] == [(e, v, list(s)) for e, v, s, _ in expected]
     assert first.calls[:5] + again.calls == whole.calls
@@ -184,7 +198,7 @@ def test_correction_keys_are_read_when_staleness_resolves_auto_to_decoupled(path
 
 def test_a_checkpoint_with_rollouts_ahead_resumes_only_with_its_staleness(tmp_path):
     engine = FakeRollout()
-    pipe = RolloutPipeline(2, engine.draw, engine.produce)
+    pipe = RolloutPipeline(2, engine.draw, engine.produce, engine.prompts_of)
     pipe.fill(1, 9)
     pipe.take(1, 0)
     pipe.save(str(tmp_path))  # episodes 2 and 3 ahead
@@ -194,7 +208,7 @@ def test_a_checkpoint_with_rollouts_ahead_resumes_only_with_its_staleness(tmp_pa
         with pytest.raises(UserError, match="runtime_args.max_staleness=2"):
             kept_rollouts(str(tmp_path), other)
     assert kept_rollouts(str(tmp_path / "none"), 0) == []  # an on-policy checkpoint keeps nothing
-    last = RolloutPipeline(1, engine.draw, engine.produce)
+    last = RolloutPipeline(1, engine.draw, engine.produce, engine.prompts_of)
     (tmp_path / "last").mkdir()
     last.save(str(tmp_path / "last"))  # nothing ahead (the final episode's checkpoint): any value resumes
     assert kept_rollouts(str(tmp_path / "last"), 0) == []
