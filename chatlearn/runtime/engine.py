@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -628,7 +629,10 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
                 run.progress.close()
                 run.metrics.close()
                 run.timeline.close()
-        plot_after_run(rt.output_dir)
+            # the plots read the finished files: they are drawn while Ray's processes stop
+            plots = threading.Thread(target=plot_after_run, args=(rt.output_dir,), name="plots", daemon=True)
+            plots.start()
+        plots.join()
     print_run_summary(rt.output_dir, time.monotonic() - started, started_wall)
     return last
 
