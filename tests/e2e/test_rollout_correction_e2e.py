@@ -1,6 +1,7 @@
-"""End to end: short runs with the rollout corrections (tis, mis, decoupled), the rollout engine's
-log-probs as the old ones, and DAPO's dynamic sampling and overlong shaping; their metrics are logged
-and plotted, and a run with dynamic sampling resumes exactly."""
+"""End to end: short runs with the rollout corrections (tis; mis with the rollout engine's log-probs
+as the old ones, DAPO's dynamic sampling and overlong shaping; decoupled's formula is tested in
+tests/algorithms): their metrics are logged and plotted, and a run with dynamic sampling resumes
+exactly."""
 from __future__ import annotations
 
 import json
