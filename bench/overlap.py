@@ -103,9 +103,9 @@ def main(argv=None) -> int:
         "runs": runs,
         "summary": summarize(runs),
         "notes": ("samples_per_s = episodes x sample_per_episode / sum(time/episode), start-up and evaluation "
-                  "excluded. Run under nice -n 15 on a shared 2-core machine while another job measured "
-                  "memory: absolute numbers are noisy, the interleaved order spreads the noise over both "
-                  "settings."),
+                  "excluded. On 2 cores generation and training compete for the same cores when they overlap "
+                  "(time_generate_s and time_train_s grow), so the gain is smaller than the time overlapped; "
+                  "runs are deterministic: the repetitions of a setting give the same evaluation."),
     }
     out = os.path.join(REPO, args.out) if not os.path.isabs(args.out) else args.out
     os.makedirs(os.path.dirname(out), exist_ok=True)
