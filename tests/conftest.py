@@ -22,6 +22,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _environment_per_module():
+    """What a test module leaves in ``os.environ`` does not reach the next modules and the runs they
+    start: an in-process vLLM engine sets a dozen variables (``LD_PRELOAD``, ``VLLM_DIST_IDENT``, ...)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     from tiny_model import make_tiny_model
