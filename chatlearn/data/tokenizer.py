@@ -4,8 +4,8 @@ transformers and torch where that gives the same ids.
 
 ``load_tokenizer(path)`` returns a :class:`FastChatTokenizer` when transformers itself would use the
 folder's ``tokenizer.json`` as it is: the folder has one, its ``tokenizer_config.json`` names no class
-of its own (``tokenizer_class`` absent, ``TokenizersBackend`` or ``PreTrainedTokenizerFast``: the
-classes that do not rebuild the tokenizer from its vocabulary) and no custom code (``auto_map``), every
+of its own (``tokenizer_class`` is ``TokenizersBackend`` or ``PreTrainedTokenizerFast``: the classes
+that do not rebuild the tokenizer from its vocabulary) and no custom code (``auto_map``), every
 special token the chat template refers to is in the config, and no WordPiece-style clean-up of spaces
 is asked for. The chat template is rendered as transformers renders it (a sandboxed jinja2
 environment with ``trim_blocks``, ``lstrip_blocks``, the loop controls, ``raise_exception``,
@@ -23,8 +23,9 @@ from datetime import datetime
 from functools import lru_cache
 
 # the tokenizer_config.json classes that load tokenizer.json unchanged (transformers 5.x:
-# PreTrainedTokenizerFast is TokenizersBackend); any other class may rebuild the tokenizer in code
-VERBATIM_CLASSES = (None, "TokenizersBackend", "PreTrainedTokenizerFast")
+# PreTrainedTokenizerFast is TokenizersBackend); any other class, or none named (transformers then
+# picks one by the model type), may rebuild the tokenizer in code
+VERBATIM_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 

@@ -83,12 +83,14 @@ def test_a_template_in_the_config_with_special_token_variables_gives_transformer
                          template=None))
 
 
-@pytest.mark.parametrize("change", ["class", "auto_map", "no_json", "missing_special", "named_templates",
-                                    "more_templates", "odd_special"])
+@pytest.mark.parametrize("change", ["class", "no_class", "auto_map", "no_json", "missing_special",
+                                    "named_templates", "more_templates", "odd_special"])
 def test_folders_it_cannot_reproduce_go_to_transformers(tmp_path, change):
     config, template, jinja = {}, None, True
     if change == "class":
         config = {"tokenizer_class": "Qwen2Tokenizer"}  # a class that may rebuild the tokenizer in code
+    elif change == "no_class":
+        config = {"tokenizer_class": None}  # transformers picks a class by the model type
     elif change == "auto_map":
         config = {"auto_map": {"AutoTokenizer": ["tok.MyTokenizer", None]}}
     elif change == "missing_special":
