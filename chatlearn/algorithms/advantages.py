@@ -20,6 +20,28 @@ ADVANTAGE_ESTIMATORS = registry.ADVANTAGE_ESTIMATORS.names
 ROLLOUT_MISMATCH = ("rollout_diff_sum", "rollout_kl_sum", "rollout_tokens", "rollout_diff_max")
 
 
+# ---------------------------------------------------------------------------- response tokens
+def response_mask(batch: dict) -> np.ndarray:
+    """bool [T]: True on the response tokens a loss or a log-prob covers (the model's own: not the
+    prompt, not the observations a multi-turn rollout appended, where ``loss_mask`` is 0)."""
+    off, plen = batch["offsets"], batch["prompt_lens"]
+    mask = np.zeros(int(off[-1]), dtype=bool)
+    for i in range(len(plen)):
+        mask[int(off[i] + plen[i]):int(off[i + 1])] = True
+    if "loss_mask" in batch:
+        mask &= np.asarray(batch["loss_mask"], dtype=bool)
+    return mask
+
+
+def loss_token_counts(batch: dict) -> np.ndarray:
+    """int64 [N]: per sample, the response tokens a loss covers (see :func:`response_mask`)."""
+    off = np.asarray(batch["offsets"], dtype=np.int64)
+    if "loss_mask" not in batch:
+        return np.diff(off) - np.asarray(batch["prompt_lens"], dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(response_mask(batch), dtype=np.int64)])
+    return cum[off[1:]] - cum[off[:-1]]
+
+
 # ---------------------------------------------------------------------------- advantages
 def group_advantages(rewards: np.ndarray, group_size: int, eps: float = 1e-6) -> np.ndarray:
     """GRPO advantages; the ``group_size`` samples of one prompt are contiguous.
@@ -111,15 +133,18 @@ def _reinforce_plus_plus(r, mean, group_size, response_lens, keep):
 
 
 def sequence_kl(old_logprobs: np.ndarray, ref_logprobs: np.ndarray, offsets: np.ndarray,
-                prompt_lens: np.ndarray, estimator: str) -> np.ndarray:
-    """float64 [N]: sum over each sample's response tokens of ``kl_penalty(old, ref)``; the
-    KL-in-reward penalty is ``kl_coef`` times it (InstructGPT / verl ``use_kl_in_reward``)."""
+                prompt_lens: np.ndarray, estimator: str, loss_mask: np.ndarray | None = None) -> np.ndarray:
+    """float64 [N]: sum over each sample's response tokens (those of ``loss_mask``, when given) of
+    ``kl_penalty(old, ref)``; the KL-in-reward penalty is ``kl_coef`` times it (InstructGPT / verl
+    ``use_kl_in_reward``)."""
     import torch  # only with the KL in the reward: the driver otherwise runs without torch
 
     from chatlearn.algorithms.grpo import kl_penalty
 
     kl = kl_penalty(torch.from_numpy(np.asarray(old_logprobs, np.float64)),
                     torch.from_numpy(np.asarray(ref_logprobs, np.float64)), estimator).numpy()
+    if loss_mask is not None:
+        kl = np.where(np.asarray(loss_mask, dtype=bool), kl, 0.0)
     out = np.zeros(len(prompt_lens))
     for i in range(len(prompt_lens)):
         out[i] = kl[int(offsets[i] + prompt_lens[i]):int(offsets[i + 1])].sum()
@@ -144,12 +169,12 @@ def episode_advantages(batch: dict, rewards: np.ndarray, group_size: int, *, est
       statistics of the advantages.
     """
     offsets, prompt_lens = np.asarray(batch["offsets"]), np.asarray(batch["prompt_lens"])
-    lens = np.diff(offsets) - prompt_lens
+    lens = loss_token_counts(batch)
     r = np.asarray(rewards, dtype=np.float64)
     metrics = {}
     if kl_in_reward:
         penalty = kl_coef * sequence_kl(batch["old_logprobs"], batch["ref_logprobs"], offsets,
-                                        prompt_lens, kl_estimator)
+                                        prompt_lens, kl_estimator, batch.get("loss_mask"))
         metrics["kl_in_reward_penalty"] = float(penalty.mean())
         r = r - penalty
     dropped = (equal_groups(rewards, group_size) if filter_equal_groups

@@ -17,7 +17,7 @@ import torch
 
 from chatlearn.algorithms.advantages import (  # noqa: F401  (re-exported)
     ADVANTAGE_ESTIMATORS, ROLLOUT_MISMATCH, WHITEN_EPS, compute_advantages, episode_advantages, equal_groups,
-    group_advantages, sequence_kl)
+    group_advantages, loss_token_counts, sequence_kl)
 from chatlearn.config import registry
 
 KL_LOG_RATIO_CLAMP = 20.0
@@ -444,7 +444,7 @@ class GRPOLoss:
     def __init__(self, cfg: dict, batch: dict, device: torch.device):
         self.cfg, self.batch, self.device = cfg, batch, device
         self.offsets = np.asarray(batch["offsets"])
-        lens = np.diff(self.offsets) - np.asarray(batch["prompt_lens"])
+        lens = loss_token_counts(batch)  # the model's response tokens (not a multi-turn observation)
         self.weights = self.sample_weights(batch)
         self.num_tokens = int(lens.sum())
         self.kept_tokens = float((self.weights * lens).sum())

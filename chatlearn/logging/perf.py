@@ -9,12 +9,14 @@ def throughput(batch: dict, metrics: dict, epochs: int, generated: int | None = 
     """Tokens per second of the generate and train stages, from the stage times in ``metrics``.
 
     Generation counts the response tokens sampled (``generated`` when given: with dynamic sampling,
-    those of every round, not only the batch's); training counts every token of every sample
+    those of every round, not only the batch's; a multi-turn batch's model tokens, not its observations); training counts every token of every sample
     (prompt and response) once per pass over the episode (``num_training_epoch``).
     """
     offsets = np.asarray(batch["offsets"])
     total = float(offsets[-1] - offsets[0])
-    response = total - float(np.sum(batch["prompt_lens"])) if generated is None else float(generated)
+    response = (float(generated) if generated is not None
+                else float(np.sum(batch["loss_mask"])) if "loss_mask" in batch  # multi-turn: the model's tokens
+                else total - float(np.sum(batch["prompt_lens"])))
     out = {}
     if metrics.get("time/generate", 0) > 0:
         out["perf/generate_tokens_per_s"] = response / metrics["time/generate"]

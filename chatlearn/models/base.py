@@ -11,6 +11,10 @@ Per-token values are aligned with ``tokens`` (length T): position j holds the va
 token j given the tokens before it; positions inside a prompt hold 0 and are masked out.
 
     rollout_logprobs  float32 [T]  from the rollout engine (sampled tokens)
+    loss_mask         uint8   [T]  optional (multi-turn rollouts): 1 on the tokens the model
+                                   generated, 0 on the prompt and on the observations an
+                                   environment or tool appended; absent means every response
+                                   token is the model's
     old_logprobs      float32 [T]  from policy_trainer before the update
     ref_logprobs      float32 [T]  from ref_policy (present when the KL term is used)
     advantages        float32 [N]  one per sample (GRPO: group-relative)
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
+from chatlearn.algorithms.advantages import loss_token_counts, response_mask  # noqa: F401  (re-exported)
 from chatlearn.config.names import Part
 
 if TYPE_CHECKING:
@@ -49,16 +54,18 @@ def sample_slices(batch: Batch) -> Iterator[slice]:
         yield slice(int(off[i]), int(off[i + 1]))
 
 
-def response_mask(batch: Batch) -> np.ndarray:
-    """bool [T]: True on response tokens (the ones a loss or a log-prob covers)."""
-    off, plen = batch["offsets"], batch["prompt_lens"]
-    mask = np.zeros(int(off[-1]), dtype=bool)
-    for i in range(len(plen)):
-        mask[int(off[i] + plen[i]) : int(off[i + 1])] = True
-    return mask
+def response_positions(batch: Batch, i: int) -> np.ndarray:
+    """int64: the positions within sample ``i`` of the tokens a loss and a log-prob cover: its
+    response tokens, less those a multi-turn rollout appended as observations (``loss_mask`` 0)."""
+    start, end = int(batch["offsets"][i]), int(batch["offsets"][i + 1])
+    plen = int(batch["prompt_lens"][i])
+    resp = np.arange(plen, end - start, dtype=np.int64)
+    if "loss_mask" in batch:
+        resp = resp[np.asarray(batch["loss_mask"][start + plen:end], dtype=bool)]
+    return resp
 
 
-TOKEN_KEYS = ("tokens", "rollout_logprobs", "old_logprobs", "ref_logprobs")
+TOKEN_KEYS = ("tokens", "rollout_logprobs", "old_logprobs", "ref_logprobs", "loss_mask")
 
 
 def select_samples(batch: Batch, index) -> Batch:

@@ -11,7 +11,7 @@ import numpy as np
 from chatlearn.models.base import concat_batches, select_samples
 
 # the per-sample fields an optimizer step reads (Engine.optimize)
-TRAIN_KEYS = ("tokens", "offsets", "prompt_lens", "old_logprobs", "ref_logprobs", "advantages",
+TRAIN_KEYS = ("tokens", "offsets", "prompt_lens", "loss_mask", "old_logprobs", "ref_logprobs", "advantages",
               "sample_weights")
 FILE = "replay.npz"
 

@@ -45,7 +45,7 @@ from chatlearn.algorithms.grpo import LOSS_SUMS, chunked_logprobs_entropy, token
 from chatlearn.checkpoint import sharded
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
-from chatlearn.models.base import Batch, Trainer, step_is_finite
+from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
 from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches
 
 # Files of a model folder that save_pretrained writes itself; save_hf copies the others
@@ -264,7 +264,7 @@ class FSDPTrainer(Trainer):
         logp_t = log softmax(z_{t-1} / temperature)[token_t], computed from the hidden states
         ``logprob_chunk_tokens`` tokens at a time (``_token_logprobs``).
         """
-        off, plen = batch["offsets"], batch["prompt_lens"]
+        off = batch["offsets"]
         lens = [int(off[i + 1] - off[i]) for i in idx]
         packed = bool(self.cfg["packing"]) or len(idx) == 0
         shape = (1, max(sum(lens), 1)) if packed else (len(idx), self._fixed_width(batch) or max(lens))
@@ -279,7 +279,7 @@ class FSDPTrainer(Trainer):
             positions[row, col:col + n] = torch.arange(n)
             if mask is not None:
                 mask[row, :n] = 1
-            resp = np.arange(int(plen[i]), n)
+            resp = response_positions(batch, i)  # the model's tokens (not a multi-turn observation)
             rows.append(np.full(len(resp), row))
             cols.append(col + resp)
             pos.append(int(off[i]) + resp)

@@ -322,6 +322,40 @@ def _correction_part(path, batch) -> dict:
     return res
 
 
+def with_observations(batch: dict) -> dict:
+    """The batch as a multi-turn rollout's: in every response of 3 tokens or more, the middle third
+    is an observation (``loss_mask`` 0, log-probs 0), the rest the model's."""
+    mask = np.zeros(len(batch["tokens"]), np.uint8)
+    off, plen = batch["offsets"], batch["prompt_lens"]
+    for i in range(len(plen)):
+        start, end = int(off[i] + plen[i]), int(off[i + 1])
+        mask[start:end] = 1
+        n = end - start
+        if n >= 3:
+            mask[start + n // 3:start + 2 * n // 3] = 0
+    out = dict(batch, loss_mask=mask)
+    for key in ("old_logprobs", "ref_logprobs"):
+        out[key] = np.where(mask.astype(bool), batch[key], 0).astype(np.float32)
+    return out
+
+
+def _observations_part(path, batch) -> dict:
+    """A multi-turn batch (``with_observations``): log-probs, and the gradients of the plain policy
+    loss (ratio 1, no KL or entropy) with and without the mask."""
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    masked = with_observations(batch)
+    t = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0))
+    logp = t.compute_logprobs(masked)
+    res = {"obs_logp": logp, "obs_metrics": t.compute_grads(dict(masked, old_logprobs=logp))}
+    res["obs_grads"] = t.full_grads()
+    t.zero_grad()
+    unmasked = {k: v for k, v in masked.items() if k != "loss_mask"}
+    t.compute_grads(dict(unmasked, old_logprobs=t.compute_logprobs(unmasked)))
+    res["unmasked_grads"] = t.full_grads()
+    return res
+
+
 def job_two_ranks(rank, world, path, batch, probe, out):
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
@@ -330,6 +364,7 @@ def job_two_ranks(rank, world, path, batch, probe, out):
     res["modes"] = _loss_modes_part(path, batch)
     res.update(_own_old_part(path, batch))
     res.update(_correction_part(path, batch))
+    res.update(_observations_part(path, batch))
     res.update(_residency_part(trainer, batch, probe))
     res.update(_export_part(trainer, probe, out))
     return res
@@ -351,6 +386,7 @@ def job_one_rank(rank, world, path, batch, out):
     res["modes"] = _loss_modes_part(path, batch)
     res.update(_own_old_part(path, batch))
     res.update(_correction_part(path, batch))
+    res.update(_observations_part(path, batch))
     res["plain_modes"] = {}
     for mode in AGG_MODES:  # ratio 1, no KL / entropy: the loss is -agg(advantage)
         t = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0, loss_agg_mode=mode))
@@ -630,3 +666,39 @@ def test_lr_schedule_follows_the_formula_and_survives_resume(one):
     assert one["filtered_step"]["lr"] == 0.0 and one["filtered_step"]["loss"] == 0.0
     assert one["filtered_unchanged"]
     assert one["after_filtered_lr"] == pytest.approx(lr_at(6), rel=1e-12)
+
+
+@pytest.mark.timeout(240)
+def test_observation_tokens_get_no_loss_and_no_gradient(setup, two, one):
+    """A multi-turn batch: the trainer's log-probs are the model's at the model's tokens and 0 at the
+    observations; the gradient is exactly that of the token-mean policy loss over the model's tokens
+    alone (plain transformers, computed here), on 1 and 2 ranks; without the mask it differs."""
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.models.base import loss_token_counts
+
+    batch = with_observations(setup["batch"])
+    mask = batch["loss_mask"].astype(bool)
+    logp, _ = hf_logprobs(setup["path"], batch)
+    (r0, r1), _ = two
+    for res in (one, r0, r1):
+        np.testing.assert_allclose(res["obs_logp"][mask], logp[mask], rtol=0, atol=1e-5)
+        assert np.all(res["obs_logp"][~mask] == 0)
+        assert res["obs_metrics"]["num_tokens"] == mask.sum() == loss_token_counts(batch).sum()
+    model = AutoModelForCausalLM.from_pretrained(setup["path"], dtype=torch.float32)
+    off, plen = batch["offsets"], batch["prompt_lens"]
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(len(plen)):
+        ids = torch.from_numpy(batch["tokens"][off[i]:off[i + 1]])
+        lsm = torch.log_softmax(model(input_ids=ids[None]).logits[0].double(), -1)
+        for p in range(int(plen[i]), len(ids)):
+            if mask[off[i] + p]:
+                total = total - float(batch["advantages"][i]) * lsm[p - 1, ids[p]]
+    (total / mask.sum()).backward()
+    reference = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    differs = False
+    for key, g in one["obs_grads"].items():
+        torch.testing.assert_close(g, reference[key], rtol=0, atol=2e-6, msg=key)
+        torch.testing.assert_close(r0["obs_grads"][key], g, rtol=0, atol=1e-6, msg=key)
+        differs |= not torch.allclose(one["unmasked_grads"][key], g, rtol=0, atol=1e-4)
+    assert differs  # the observation tokens would have changed the gradient

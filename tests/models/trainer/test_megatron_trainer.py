@@ -25,6 +25,7 @@ from test_fsdp_trainer import (
     make_tiny_model,
     run_ranks,
     trainer_cfg,
+    with_observations,
 )
 
 from chatlearn.config import load as config_load
@@ -109,6 +110,17 @@ def _alt_part(trainer, batch, full_grads: bool = True) -> dict:
     return {"metrics": metrics, "grads": grads, "steps": steps, "weights": weights}
 
 
+def _observations_part(trainer, batch) -> dict:
+    """A multi-turn batch (observation tokens with loss_mask 0): log-probs and gradients (the
+    trainer built with kl_coef = entropy_coef = 0)."""
+    masked = with_observations(batch)
+    logp = trainer.compute_logprobs(masked)
+    metrics = trainer.compute_grads(dict(masked, old_logprobs=logp))
+    grads = trainer.full_grads()
+    trainer.zero_grad()
+    return {"obs_logp": logp, "obs_metrics": metrics, "obs_grads": grads}
+
+
 def _residency_part(trainer, batch) -> dict:
     """Offload weights + optimizer + grads, check the storage is gone, onload, compare."""
     def nbytes(tensors):
@@ -182,12 +194,15 @@ def job_reference(rank, world, setup, out):
 
     fsdp = FSDPTrainer(trainer_cfg(path, lr=LR))
     res = {"fsdp": _parity_part(fsdp, batch)}
+    res["fsdp_obs"] = _observations_part(FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0)), batch)
     res["fsdp_alt"] = _alt_part(FSDPTrainer(trainer_cfg(path, lr=LR, **ALT)), batch)
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
         res["tp1"] = _parity_part(MegatronTrainer(megatron_cfg(path)), batch)
         res["tp1"]["alt"] = _alt_part(MegatronTrainer(megatron_cfg(path, **ALT)), batch)
+        res["tp1"]["obs"] = _observations_part(MegatronTrainer(megatron_cfg(path, kl_coef=0.0, entropy_coef=0.0)),
+                                               batch)
         ref = MegatronTrainer(megatron_cfg(path, trainable=False))
         res["ref_logp"] = ref.compute_logprobs(batch, temperature=TEMPERATURE)
         res["ref_requires_grad"] = any(p.requires_grad for p in ref.gpt.parameters())
@@ -242,6 +257,8 @@ def job_pp2(rank, world, setup, out):
         res.update(_resume_part(trainer, lambda: MegatronTrainer(cfg), batch,
                                 os.path.join(out, "checkpoint")))
         res["alt"] = _alt_part(MegatronTrainer(megatron_cfg(path, pp=2, **ALT)), batch)
+        res["obs"] = _observations_part(MegatronTrainer(megatron_cfg(path, pp=2, kl_coef=0.0, entropy_coef=0.0)),
+                                        batch)
         untied = MegatronTrainer(megatron_cfg(setup["untied"], pp=2, trainable=False))
         res["untied"] = _frozen_part(untied, batch)
     return res
@@ -439,6 +456,22 @@ def test_gradients_match_fsdp(reference, tp2, pp2, dp2):
         for key, g in fsdp_grads.items():
             torch.testing.assert_close(grads[key], g, rtol=0, atol=1e-6, msg=f"{name} {key}")
         assert all(r["grads"] == {} for r in ranks[1:]), name
+
+
+@needs_megatron
+@pytest.mark.timeout(400)
+def test_observation_tokens_are_left_out_as_in_fsdp(reference, pp2):
+    """A multi-turn batch (observation tokens, loss_mask 0): Megatron at TP1 and PP2 gives FSDP's
+    log-probs (0 at the observations) and gradients (FSDP's are checked against plain transformers
+    in test_fsdp_trainer)."""
+    fsdp = reference["fsdp_obs"]
+    for name, res in (("tp1", reference["tp1"]["obs"]), *((f"pp2 rank {r}", x["obs"]) for r, x in enumerate(pp2))):
+        np.testing.assert_allclose(res["obs_logp"], fsdp["obs_logp"], rtol=0, atol=1e-5, err_msg=name)
+        assert res["obs_metrics"]["num_tokens"] == fsdp["obs_metrics"]["num_tokens"], name
+        assert res["obs_metrics"]["loss"] == pytest.approx(fsdp["obs_metrics"]["loss"], abs=1e-5), name
+        if res["obs_grads"]:  # rank 0 holds the full gradients
+            for key, g in fsdp["obs_grads"].items():
+                torch.testing.assert_close(res["obs_grads"][key], g, rtol=0, atol=1e-6, msg=f"{name} {key}")
 
 
 @needs_megatron

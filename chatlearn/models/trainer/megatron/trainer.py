@@ -70,7 +70,7 @@ from chatlearn.checkpoint.megatron_mapping import (
 )
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
-from chatlearn.models.base import Batch, Trainer, step_is_finite
+from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
 from chatlearn.models.trainer.fsdp import init_distributed
 from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
 from chatlearn.models.trainer.megatron.model import (
@@ -366,7 +366,7 @@ class MegatronTrainer(Trainer):
         rank's device: the samples right-padded in ``nrows`` rows of ``width``, or with packing
         concatenated in one row, position ids restarting at 0 for each sample (the padding after
         them counts on from 0), with the sample boundaries of :meth:`_packed_attention`."""
-        off, plen = batch["offsets"], batch["prompt_lens"]
+        off = batch["offsets"]
         packing = bool(self.cfg["packing"])
         ids = torch.zeros(nrows, width, dtype=torch.long)
         positions = torch.arange(width).repeat(nrows, 1)
@@ -381,7 +381,7 @@ class MegatronTrainer(Trainer):
                 positions[0, col:col + n] = torch.arange(n)
                 segment[col:col + n] = b
                 start += n
-            resp = np.arange(int(plen[i]), n)
+            resp = response_positions(batch, i)  # the model's tokens (not a multi-turn observation)
             rows.append(np.full(len(resp), row))
             cols.append(col + resp)
             pos.append(int(off[i]) + resp)
