@@ -33,16 +33,18 @@ PENALTIES_OFF = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_
 
 
 def parse_sampling(sampling: dict) -> dict:
-    """Normalise a sampling dict: temperature, max_tokens, and optionally top_p, top_k (-1: off)
-    and seed (see :data:`SAMPLING_FILTERS_OFF`).
+    """Normalise a sampling dict: temperature, max_tokens, and optionally top_p, top_k (-1: off),
+    seed (see :data:`SAMPLING_FILTERS_OFF`) and ``continuation`` (default False: the prompts are a
+    multi-turn rollout's trajectories so far, which may reach into the response budget; see
+    :func:`check_lengths`).
 
     ``greedy`` is True for temperature 0 or top_k == 1; greedy log-probs are reported at
     temperature 1 (``temperature`` is 1.0 in the result then).
     """
-    unknown = set(sampling) - {"temperature", "max_tokens", *SAMPLING_FILTERS_OFF, *PENALTIES_OFF}
+    unknown = set(sampling) - {"temperature", "max_tokens", "continuation", *SAMPLING_FILTERS_OFF, *PENALTIES_OFF}
     if unknown:
         raise ValueError(f"sampling: unknown keys {sorted(unknown)}")
-    full = {**SAMPLING_FILTERS_OFF, **PENALTIES_OFF, **sampling}
+    full = {**SAMPLING_FILTERS_OFF, **PENALTIES_OFF, "continuation": False, **sampling}
     temperature = float(full["temperature"])
     top_k = int(full["top_k"])
     top_k = -1 if top_k <= 0 else top_k
@@ -55,6 +57,7 @@ def parse_sampling(sampling: dict) -> dict:
         "top_k": top_k,
         "max_tokens": int(full["max_tokens"]),
         "seed": None if seed is None else int(seed),
+        "continuation": bool(full["continuation"]),
         **{k: float(full[k]) for k in PENALTIES_OFF},
     }
 
@@ -106,26 +109,35 @@ class PenaltyLogitsProcessor:
         return scores
 
 
+def context_length(max_prompt_len: int, max_response_len: int, seq_length: int | None) -> int:
+    """The engine's tokens per sequence, prompt + response: ``seq_length``, else the longest prompt
+    plus the longest response (vLLM's ``max_model_len``, SGLang's ``context_length``)."""
+    return seq_length or max_prompt_len + max_response_len
+
+
 def check_lengths(prompts: list, max_tokens: int, max_prompt_len: int,
-                  max_response_len: int, seq_length: int | None = None) -> None:
+                  max_response_len: int, seq_length: int | None = None, continuation: bool = False) -> None:
     """Reject prompts and responses longer than the engine was configured for (a prompt must also
-    leave room for one response token within ``seq_length``, when set)."""
+    leave room for one response token within ``seq_length``, when set). With ``continuation`` the
+    prompts are multi-turn trajectories so far (prompt, turns and observations), which may be as
+    long as the context (:func:`context_length`) less one token."""
     if max_tokens < 1 or max_tokens > max_response_len:
         raise ValueError(f"max_tokens={max_tokens} must be in [1, {max_response_len}] "
                          "(max_response_tokens_length)")
-    longest = max_prompt_len if seq_length is None else min(max_prompt_len, seq_length - 1)
+    context = context_length(max_prompt_len, max_response_len, seq_length)
+    longest = context - 1 if continuation else max_prompt_len if seq_length is None \
+        else min(max_prompt_len, seq_length - 1)
     for i, p in enumerate(prompts):
         if len(p) == 0 or len(p) > longest:
             raise ValueError(f"prompt {i} has {len(p)} tokens; expected 1 to {longest} "
-                             "(max_prompt_tokens_length, and below seq_length)")
+                             + ("(the context, less one token)" if continuation
+                                else "(max_prompt_tokens_length, and below seq_length)"))
 
 
-def response_budgets(prompts: list, max_tokens: int, seq_length: int | None) -> list[int]:
-    """New tokens each prompt may get: ``max_tokens``, and with ``seq_length`` (the engine's
-    tokens per sequence, prompt + response) at most ``seq_length - len(prompt)``."""
-    if seq_length is None:
-        return [max_tokens] * len(prompts)
-    return [min(max_tokens, seq_length - len(p)) for p in prompts]
+def response_budgets(prompts: list, max_tokens: int, context: int) -> list[int]:
+    """New tokens each prompt may get: ``max_tokens``, and at most ``context - len(prompt)``
+    (``context``: :func:`context_length`, the engine's tokens per sequence)."""
+    return [min(max_tokens, context - len(p)) for p in prompts]
 
 
 def pack_samples(prompts: list, responses: list, logprobs: list, finished: list) -> Batch:
@@ -271,8 +283,10 @@ class HFRollout(Rollout):
             raise RuntimeError("HFRollout.generate: weights are offloaded; call onload first")
         sp = parse_sampling(sampling)
         prompts = [[int(t) for t in p] for p in prompts]
-        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length)
-        budgets = response_budgets(prompts, sp["max_tokens"], self.seq_length)
+        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length,
+                      sp["continuation"])
+        budgets = response_budgets(prompts, sp["max_tokens"],
+                                   context_length(self.max_prompt_len, self.max_response_len, self.seq_length))
         seed = sp["seed"] if sp["seed"] is not None else int(self._rng.integers(2**31))
 
         responses, logprobs, finished = [], [], []

@@ -4,7 +4,9 @@ Tested only against a fake of the engine API (``tests/support/fake_sglang``); no
 against real SGLang on hardware (``tests/models/rollout/test_rollout_cpu.py`` holds the GPU test).
 
 Engine. ``sglang.Engine(model_path=load, tp_size, mem_fraction_static, dtype,
-context_length = max prompt + max response, max_running_requests = generation_batch_size,
+context_length = max prompt + max response + 1 (SGLang's ``TokenizerManager`` refuses a request whose
+input + ``max_new_tokens`` reaches ``context_length``: ``>=``, not ``>``, in 0.5.x; the extra token lets
+a sequence fill the context as in the other engines), max_running_requests = generation_batch_size,
 disable_cuda_graph = enforce_eager, random_seed = seed, skip_tokenizer_init=True,
 enable_memory_saver=True, enable_weights_cpu_backup=True,
 enable_deterministic_inference = deterministic_inference)``, and with deterministic inference
@@ -60,7 +62,7 @@ from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.rollout import kv_cache
-from chatlearn.models.rollout.hf import (check_lengths, eos_token_ids, pack_samples,
+from chatlearn.models.rollout.hf import (check_lengths, context_length, eos_token_ids, pack_samples,
                                          parse_sampling, release_cuda_cache, response_budgets,
                                          to_torch)
 
@@ -134,10 +136,10 @@ class SGLangRollout(Rollout):
         self.deterministic = bool(cfg["deterministic_inference"])
         extra = ({"attention_backend": deterministic_attention_backend(self._device)}
                  if self.deterministic else {})
-        context_length = self.seq_length or self.max_prompt_len + self.max_response_len
+        context = context_length(self.max_prompt_len, self.max_response_len, self.seq_length)
         self._weight_bytes = kv_cache.checkpoint_bytes(cfg["load"], cfg["dtype"])
         if cfg["kv_cache"] == "fit":  # SGLang keeps the smaller of this and what mem_fraction_static leaves
-            sized = kv_cache.fit(cfg["load"], cfg["dtype"], int(cfg["generation_batch_size"]), context_length,
+            sized = kv_cache.fit(cfg["load"], cfg["dtype"], int(cfg["generation_batch_size"]), context,
                                  int(cfg["tensor_model_parallel_size"]), float(cfg["gpu_memory_utilization"]),
                                  block_size=1, weight_bytes=self._weight_bytes)
             if sized.tokens is not None:
@@ -147,7 +149,7 @@ class SGLangRollout(Rollout):
             trust_remote_code=bool(cfg["trust_remote_code"]),
             skip_tokenizer_init=True,  # token ids in and out
             dtype=cfg["dtype"],
-            context_length=context_length,
+            context_length=context + 1,  # input + max_new_tokens must stay below it (see the module docstring)
             tp_size=int(cfg["tensor_model_parallel_size"]),
             mem_fraction_static=float(cfg["gpu_memory_utilization"]),
             max_running_requests=int(cfg["generation_batch_size"]),
@@ -169,7 +171,8 @@ class SGLangRollout(Rollout):
                                "call onload first")
         sp = parse_sampling(sampling)
         prompts = [[int(t) for t in p] for p in prompts]
-        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length)
+        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length,
+                      sp["continuation"])
         if not prompts:
             return pack_samples([], [], [], [])
         if self._stale_cache:
@@ -185,7 +188,8 @@ class SGLangRollout(Rollout):
             "frequency_penalty": sp["frequency_penalty"],
             "repetition_penalty": sp["repetition_penalty"],
             "stop_token_ids": list(self.eos_ids),
-        } for budget in response_budgets(prompts, sp["max_tokens"], self.seq_length)]
+        } for budget in response_budgets(prompts, sp["max_tokens"],
+                                          context_length(self.max_prompt_len, self.max_response_len, self.seq_length))]
         if self.deterministic:  # one stream per request: reproducible (ignored otherwise)
             for i, p in enumerate(params):
                 p["sampling_seed"] = (base + i) % 2**31

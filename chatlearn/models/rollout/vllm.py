@@ -83,8 +83,8 @@ import torch
 from chatlearn.config.names import Part
 from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.rollout import kv_cache
-from chatlearn.models.rollout.hf import (check_lengths, pack_samples, parse_sampling, response_budgets,
-                                         set_cpu_threads)
+from chatlearn.models.rollout.hf import (check_lengths, context_length, pack_samples, parse_sampling,
+                                         response_budgets, set_cpu_threads)
 
 # The parts this engine holds. vLLM's sleep mode names its tags as we name these parts; the tags go to
 # its API (``wake_up(tags=[...])``) and to the workers' ``collective_rpc`` as plain strings.
@@ -575,7 +575,7 @@ class VLLMRollout(Rollout):
             logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
         tp = int(cfg["tensor_model_parallel_size"])
         max_num_seqs = int(cfg["generation_batch_size"])
-        max_model_len = self.seq_length or self.max_prompt_len + self.max_response_len
+        max_model_len = context_length(self.max_prompt_len, self.max_response_len, self.seq_length)
         batched_tokens = cfg["max_num_batched_tokens"]
         if current_platform.is_cpu():
             # vLLM's CPU sampler cannot rewind a seeded generator ("CPU Generator does not use
@@ -643,8 +643,10 @@ class VLLMRollout(Rollout):
                                "host copy is kept); push weights before generating")
         sp = parse_sampling(sampling)
         prompts = [[int(t) for t in p] for p in prompts]
-        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length)
-        budgets = response_budgets(prompts, sp["max_tokens"], self.seq_length)
+        check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length,
+                      sp["continuation"])
+        budgets = response_budgets(prompts, sp["max_tokens"],
+                                   context_length(self.max_prompt_len, self.max_response_len, self.seq_length))
         truncated = not sp["greedy"] and (sp["top_k"] > 0 or sp["top_p"] < 1.0)
         if not prompts:
             return pack_samples([], [], [], [])

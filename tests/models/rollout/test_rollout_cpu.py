@@ -354,6 +354,21 @@ def test_rejects_out_of_range_lengths(rollout):
 
 
 @pytest.mark.timeout(240)
+def test_a_continuation_may_reach_into_the_response_budget(rollout):
+    """A multi-turn rollout's trajectory so far (``continuation``) may be longer than a prompt, up to the
+    context less one token; its new tokens stop at the context (prompt + response lengths)."""
+    long = [5] * (MAX_PROMPT + 20)
+    with pytest.raises(ValueError):
+        rollout.generate([long], {"temperature": 1.0, "max_tokens": 4})
+    out = rollout.generate([long], {"temperature": 1.0, "max_tokens": MAX_RESPONSE, "continuation": True, "seed": 3})
+    assert out["prompt_lens"].tolist() == [len(long)]
+    assert len(out["tokens"]) - len(long) <= MAX_PROMPT + MAX_RESPONSE - len(long)
+    with pytest.raises(ValueError):
+        rollout.generate([[5] * (MAX_PROMPT + MAX_RESPONSE)], {"temperature": 1.0, "max_tokens": 4,
+                                                             "continuation": True})
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("tags", [("weights",), ("kv_cache",)])
 def test_release_and_resume_one_part_keeps_generations(rollout, model_dirs, tags):
     """Sleep and wake by tag under a fixed seed (the scheduler's order: wake the weights,

@@ -70,13 +70,14 @@ def test_engine_arguments_follow_the_config(model_dirs, monkeypatch):  # noqa: F
     assert seen["model_path"] == cfg["load"] and seen["tp_size"] == 1
     assert seen["max_running_requests"] == 8 and seen["mem_fraction_static"] == 0.4
     assert seen["disable_cuda_graph"] is False and seen["random_seed"] == 99
-    assert seen["context_length"] == cfg["max_prompt_tokens_length"] + cfg["max_response_tokens_length"]
+    # one token more than a sequence takes: SGLang refuses input + max_new_tokens >= context_length
+    assert seen["context_length"] == cfg["max_prompt_tokens_length"] + cfg["max_response_tokens_length"] + 1
     assert seen["dtype"] == "float32" and seen["skip_tokenizer_init"] is True
     assert seen["enable_memory_saver"] and seen["enable_weights_cpu_backup"]
     assert seen["enable_deterministic_inference"] is True and seen["attention_backend"] == "triton"
     # kv_cache fit: the pool holds the 8 running requests at full length (SGLang keeps the smaller of
     # this and what mem_fraction_static leaves); utilization: SGLang's own sizing
-    assert seen["max_total_tokens"] == 8 * seen["context_length"] + 1
+    assert seen["max_total_tokens"] == 8 * (seen["context_length"] - 1) + 1
     seen.clear()
     with fake_sglang():
         import sglang

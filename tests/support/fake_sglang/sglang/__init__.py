@@ -209,7 +209,14 @@ class Engine:
         if len(prompt) >= self.context_length:
             raise ValueError(f"input ({len(prompt)} tokens) is longer than the context length "
                              f"({self.context_length})")
-        max_new = min(sp.max_new_tokens, self.context_length - len(prompt))
+        # TokenizerManager._validate_one_request (0.5.x, without allow_auto_truncate): input + max_new_tokens
+        # must stay below the context length
+        if sp.max_new_tokens + len(prompt) >= self.context_length:
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of "
+                             f"{self.context_length} tokens. You requested a total of {sp.max_new_tokens + len(prompt)} "
+                             f"tokens: {len(prompt)} tokens from the input messages and {sp.max_new_tokens} tokens "
+                             "for the completion.")
+        max_new = sp.max_new_tokens
         key = tuple(prompt)
         if key in self._prefix_cache:
             logits, past = self._prefix_cache[key]
