@@ -42,13 +42,16 @@ MAY_IMPORT: dict[str, set[str]] = {
     "checkpoint": {"config", BASE},
     # console, metric files and sinks, plots, progress
     "logging": {"config", BASE},
+    # multi-turn environments and tools: the interface users implement, the built-in tool
+    # environment, its parser and tools (run on the driver by the runtime's rollout loop)
+    "env": {"config", BASE},
     # the backends a worker builds (trainers, rollout engines, reward functions) and what they
     # share (specs, weight buckets): use the layers above, never the runtime that drives them
     "models": {"algorithms", "data", "checkpoint", "logging", "config", BASE},
     # the driver: Ray start-up and placement, the engine, the scheduler, weight sync, eval
-    "runtime": {"models", "algorithms", "data", "checkpoint", "logging", "config", BASE},
+    "runtime": {"models", "env", "algorithms", "data", "checkpoint", "logging", "config", BASE},
     # the command line
-    "cli": {"runtime", "models", "algorithms", "data", "checkpoint", "logging", "config", BASE},
+    "cli": {"runtime", "models", "env", "algorithms", "data", "checkpoint", "logging", "config", BASE},
 }
 
 

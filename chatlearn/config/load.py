@@ -22,6 +22,7 @@ from chatlearn.config.algorithm_keys import validate_algorithm
 from chatlearn.config.checks import choice as _choice
 from chatlearn.config.checks import positive as _positive
 from chatlearn.config.data_sources import resolve_data_sources
+from chatlearn.config.env_entries import check_multi_turn
 from chatlearn.config.manifest import manifest_problems
 from chatlearn.config.plan import Plan, make_plan
 from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
@@ -171,8 +172,11 @@ def validate(cfg: DictConfig) -> Plan:
     _check_reward(cfg)
     _check_colocation(cfg.runtime_args)
     _check_paths(cfg)
-    # imports each reward function, so a bad path stops the run before anything starts
-    check_functions(OmegaConf.to_container(cfg.models.reward, resolve=True))
+    # imports each reward function, the environment and the tools, so a bad path stops the run before
+    # anything starts
+    check_functions(OmegaConf.to_container(cfg.models.reward, resolve=True),
+                    with_environment=cfg.models.policy.multi_turn.environment is not None)
+    check_multi_turn(cfg)
     plan = make_plan(cfg)  # validates the sizes and the layout
     validate_algorithm(cfg, plan.total_steps)
     return plan
@@ -595,6 +599,14 @@ def _check_context_length(cfg: DictConfig) -> None:
                 f"padded to exactly seq_length. Lower it to at most {limit}, or set it to null.",
                 key=f"models.{name}.seq_length")
     total = p.max_prompt_tokens_length + p.max_response_tokens_length
+    context = p.seq_length or total  # the engine's context (chatlearn.models.rollout.hf.context_length)
+    if cfg.runtime_args.rollout_backend == "sglang" and context + 1 > limit:
+        raise ConfigError(
+            f"is {context} tokens per sequence with the SGLang rollout, which needs one token "
+            f"more than that within the model's context ({limit}, {where}): SGLang refuses a request whose prompt "
+            "plus new tokens reach its context length. Lower models.policy.seq_length (or max_prompt_tokens_length "
+            "+ max_response_tokens_length) by one.",
+            key="models.policy.seq_length" if p.seq_length is not None else "models.policy.max_response_tokens_length")
     if p.seq_length is None and total > limit:
         raise ConfigError(
             f"models.policy.max_prompt_tokens_length ({p.max_prompt_tokens_length}) + "

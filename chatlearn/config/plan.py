@@ -68,6 +68,8 @@ class Plan:
     rollout_correction: str = "none"
     # runtime_args.max_staleness: the rollout runs up to this many episodes ahead of the trainer
     max_staleness: int = 0
+    # models.policy.multi_turn, described in a line (None: single-turn rollouts)
+    multi_turn: str | None = None
 
     def replayed_episodes(self, episode: int) -> int:
         """Earlier episodes whose samples episode ``episode`` (1-based) trains on besides its own."""
@@ -139,6 +141,8 @@ class Plan:
                          "its samples' (models.policy_trainer.old_logprobs)")
         if self.rollout_correction != "none":
             lines.append(f"rollout correction: {self.rollout_correction} (models.policy_trainer.rollout_correction)")
+        if self.multi_turn is not None:
+            lines.append(self.multi_turn)
         if self.max_staleness > 0:
             lines += self._describe_overlap()
         if self.max_replay_episode != 0:
@@ -261,7 +265,18 @@ def make_plan(cfg: DictConfig) -> Plan:
                 old_logprob_pass_from=old_logprob_pass_from(t, rt, gbs, spe),
                 old_from_rollout=t.old_logprobs == "rollout",
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
-                max_staleness=_check_staleness(rt, placements))
+                max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol))
+
+
+def _describe_multi_turn(p) -> str | None:
+    """The plan's line for ``models.policy.multi_turn`` (None without an environment)."""
+    mt = p.multi_turn
+    if mt.environment is None:
+        return None
+    tools = f" (tools: {', '.join(t.name for t in mt.tools)}; parser {mt.tool_parser})" if mt.tools else ""
+    return (f"rollouts: multi-turn, environment {mt.environment}{tools}: up to {mt.max_turns} model turns of at most "
+            f"{mt.max_turn_tokens or p.max_response_tokens_length} tokens, {p.max_response_tokens_length} tokens "
+            "after the prompt in all (observations included, no loss on them); models.policy.multi_turn")
 
 
 def _check_staleness(rt, placements: dict) -> int:

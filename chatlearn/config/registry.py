@@ -123,3 +123,17 @@ def backend_factories() -> dict[str, str]:
 BUILTIN_REWARDS = Registry("built-in reward function", {
     "builtin:math": "chatlearn.models.reward.math_reward:math_reward",
 }, declared_as="BUILTIN_REWARDS")
+
+# --------------------------------------------------------------------------- multi-turn rollouts
+# models.policy.multi_turn.environment values that name a built-in environment, and its class
+BUILTIN_ENVIRONMENTS = Registry("built-in environment", {
+    "builtin:tools": "chatlearn.env.tools:ToolEnvironment",
+}, declared_as="BUILTIN_ENVIRONMENTS")
+# models.policy.multi_turn.tools[i].path values that name a built-in tool, and the function
+BUILTIN_TOOLS = Registry("built-in tool", {
+    "builtin:calculator": "chatlearn.env.calculator:calculator",
+}, declared_as="BUILTIN_TOOLS")
+# models.policy.multi_turn.tool_parser values that name a built-in parser of the model's tool calls
+TOOL_PARSERS = Registry("tool-call parser", {
+    "hermes": "chatlearn.env.tools:parse_hermes",
+}, declared_as="TOOL_PARSERS")

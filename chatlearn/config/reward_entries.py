@@ -27,12 +27,13 @@ SIGNATURE_HINT = ("define it as def f(prompts, responses, ground_truths, data_so
                   "(names as given, keyword arguments)")
 
 
-def resolve_entries(reward) -> list[dict]:
+def resolve_entries(reward, with_environment: bool = False) -> list[dict]:
     """The explicit entries of ``models.reward`` (a config section or dict): ``functions`` as plain dicts, or,
-    when it is empty, the built-in math reward alone with weight 1; ``builtin:math`` gets its kwargs
-    from ``correct_score`` and ``incorrect_score``."""
+    when it is empty, the built-in math reward alone with weight 1 (none ``with_environment``: a multi-turn
+    environment's reward alone); ``builtin:math`` gets its kwargs from ``correct_score`` and ``incorrect_score``."""
+    default = [] if with_environment else [{"name": "math", "path": "builtin:math", "weight": 1.0, "kwargs": {}}]
     entries = [{"name": e["name"], "path": e["path"], "weight": float(e["weight"]), "kwargs": dict(e["kwargs"])}
-               for e in reward["functions"]] or [{"name": "math", "path": "builtin:math", "weight": 1.0, "kwargs": {}}]
+               for e in reward["functions"]] or default
     for e in entries:
         if e["path"] == "builtin:math":
             e["kwargs"] = {"correct_score": float(reward["correct_score"]),
@@ -40,13 +41,13 @@ def resolve_entries(reward) -> list[dict]:
     return entries
 
 
-def _import_file(file: str, path: str, key: str):
+def _import_file(file: str, path: str, key: str, what: str = "reward function", runs_in: str = "the reward workers"):
     if not os.path.isfile(file):
-        raise ConfigError(f"reward function {path!r}: the file {file!r} does not exist (cwd: {os.getcwd()}). "
+        raise ConfigError(f"{what} {path!r}: the file {file!r} does not exist (cwd: {os.getcwd()}). "
                           "Fix the path (relative paths are relative to the directory you run chatlearn from).",
                           key=key)
     digest = hashlib.sha1(os.path.abspath(file).encode()).hexdigest()[:12]
-    mod_name = f"chatlearn_user_reward_{re.sub(r'[^0-9A-Za-z_]', '_', os.path.basename(file)[:-3])}_{digest}"
+    mod_name = f"chatlearn_user_{re.sub(r'[^0-9A-Za-z_]', '_', os.path.basename(file)[:-3])}_{digest}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     spec = importlib.util.spec_from_file_location(mod_name, file)
@@ -56,39 +57,50 @@ def _import_file(file: str, path: str, key: str):
         spec.loader.exec_module(module)
     except BaseException as err:  # the user's module: any error while it runs is theirs
         del sys.modules[mod_name]
-        raise ConfigError(f"reward function {path!r}: importing {file!r} failed with {_describe(err)}. Fix the "
-                          "file so that it imports (its code runs in the reward workers).", key=key) from None
+        raise ConfigError(f"{what} {path!r}: importing {file!r} failed with {_describe(err)}. Fix the "
+                          f"file so that it imports (its code runs in {runs_in}).", key=key) from None
     return module
 
 
 def load_function(path: str, *, key: str = "models.reward.functions", base_dir: str | None = None) -> Callable:
     """The callable named by ``path`` (see the module docstring); a bad path is a ConfigError naming it."""
-    target = BUILTIN_REWARDS.get(path) if path in BUILTIN_REWARDS else path
+    return load_object(path, key=key, base_dir=base_dir)
+
+
+def load_object(path: str, *, key: str, base_dir: str | None = None, what: str = "reward function",
+                builtins=BUILTIN_REWARDS, kind: str = "function", runs_in: str = "the reward workers"):
+    """The object named by ``path``: ``package.module:name``, ``path/to/file.py:name`` or one of
+    ``builtins`` (a :class:`~chatlearn.config.registry.Registry` of ``builtin:...`` names); a bad path is
+    a ConfigError naming ``what`` and ``key``. The object must be callable (a ``kind``: function or class)."""
+    if path.startswith("builtin:") and path not in builtins:
+        raise ConfigError(f"{what} {path!r} is not a built-in one; the built-ins are {', '.join(builtins.names)}. "
+                          f"Fix the name, or give package.module:{kind} or path/to/file.py:{kind}.", key=key)
+    target = builtins.get(path) if path in builtins else path
     mod_part, sep, attr = target.rpartition(":")
     if not sep or not mod_part or not attr.isidentifier():
-        raise ConfigError(f"reward function path {path!r} is not of the form package.module:function, "
-                          "path/to/file.py:function or builtin:math. Fix the path.", key=key)
+        raise ConfigError(f"{what} path {path!r} is not of the form package.module:{kind}, "
+                          f"path/to/file.py:{kind} or one of {', '.join(builtins.names)}. Fix the path.", key=key)
     if mod_part.endswith(".py") or "/" in mod_part or os.sep in mod_part:
         file = mod_part if os.path.isabs(mod_part) or base_dir is None else os.path.join(base_dir, mod_part)
-        module = _import_file(file, path, key)
+        module = _import_file(file, path, key, what, runs_in)
     else:
         if base_dir and base_dir not in sys.path:
             sys.path.append(base_dir)
         try:
             module = importlib.import_module(mod_part)
         except BaseException as err:  # ImportError, or any error raised by the user's module while it runs
-            raise ConfigError(f"reward function {path!r}: cannot import module {mod_part!r}: {_describe(err)}. "
+            raise ConfigError(f"{what} {path!r}: cannot import module {mod_part!r}: {_describe(err)}. "
                               "Install the package or run chatlearn from the directory that holds it, or give "
-                              "the file instead (path/to/file.py:function).", key=key) from None
+                              f"the file instead (path/to/file.py:{kind}).", key=key) from None
     fn = getattr(module, attr, None)
     if fn is None:
         defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                          and getattr(v, "__module__", None) == module.__name__)
-        raise ConfigError(f"reward function {path!r}: {mod_part!r} has no function {attr!r} (it defines: "
+        raise ConfigError(f"{what} {path!r}: {mod_part!r} has no {kind} {attr!r} (it defines: "
                           f"{', '.join(defined) or 'none'}). Fix the name after the colon.", key=key)
     if not callable(fn):
-        raise ConfigError(f"reward function {path!r}: {attr!r} is a {type(fn).__name__}, not a function. Point "
-                          "the path at a function.", key=key)
+        raise ConfigError(f"{what} {path!r}: {attr!r} is a {type(fn).__name__}, not a {kind}. Point "
+                          f"the path at a {kind}.", key=key)
     return fn
 
 
@@ -106,7 +118,7 @@ def check_signature(fn: Callable, path: str, kwargs: dict, key: str) -> None:
                           key=key) from None
 
 
-def check_functions(reward, key: str = "models.reward.functions") -> None:
+def check_functions(reward, key: str = "models.reward.functions", with_environment: bool = False) -> None:
     """Validate ``models.reward.functions`` (names, weights, paths): each function is imported and its
     parameters are checked against the contract."""
     seen = set()
@@ -125,7 +137,7 @@ def check_functions(reward, key: str = "models.reward.functions") -> None:
         if e["path"] == "builtin:math" and len(e["kwargs"]):
             raise ConfigError("builtin:math takes no kwargs: its values are models.reward.correct_score and "
                               "incorrect_score. Remove the kwargs and set those keys.", key=f"{k}.kwargs")
-    for i, e in enumerate(resolve_entries(reward)):
+    for i, e in enumerate(resolve_entries(reward, with_environment)):
         fn = load_function(e["path"], key=f"{key}[{i}].path", base_dir=os.getcwd())
         check_signature(fn, e["path"], e["kwargs"], f"{key}[{i}].path")
 

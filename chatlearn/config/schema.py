@@ -248,6 +248,38 @@ class RefPolicy(TrainerModel):
 
 
 @dataclass
+class ToolEntry:
+    """One entry of ``models.policy.multi_turn.tools`` (contract: chatlearn/env/tools.py)."""
+
+    name: str = MISSING  # what the model calls it (in the tool-call JSON's "name")
+    path: str = MISSING  # builtin:calculator | package.module:function | path/to/file.py:function
+    description: Optional[str] = None  # null: the first paragraph of the function's docstring
+    parameters: Optional[Dict[str, Any]] = None  # JSON schema of the arguments; null: from the signature
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # fixed keyword arguments of the function
+
+
+@dataclass
+class MultiTurn:
+    """``models.policy.multi_turn``: rollouts that alternate model turns and environment steps
+    (chatlearn/env, docs/multiturn.md). ``environment`` null: single-turn (prompt -> response)."""
+
+    environment: Optional[str] = None  # builtin:tools | package.module:Class | path/to/file.py:Class
+    environment_kwargs: Dict[str, Any] = field(default_factory=dict)  # keyword arguments of its constructor
+    tools: List[ToolEntry] = field(default_factory=list)  # the tools of builtin:tools (and its subclasses)
+    tool_parser: str = "hermes"  # hermes (<tool_call> JSON) | package.module:function | path/to/file.py:function
+    max_tool_calls_per_turn: int = 4  # builtin:tools: calls beyond it in one turn get an error result
+    max_turns: int = 4  # model turns per trajectory
+    max_turn_tokens: Optional[int] = None  # new tokens per model turn; null: max_response_tokens_length
+    # the tokens of one observation at most (longer ones are shortened); every token after the prompt,
+    # the model's and the observations', counts against max_response_tokens_length
+    max_observation_tokens: int = 256
+    observation_role: str = "user"  # the role of an observation given as a string
+    step_timeout_s: float = 60.0  # seconds one reset or step may take; past it the trajectory ends
+    num_workers: int = 8  # environment calls running at once (threads on the driver)
+    reward_discount: float = 1.0  # the trajectory's environment reward: sum over turns t of discount^t r_t
+
+
+@dataclass
 class Policy(ModelBase):
     """The rollout engine (vLLM, SGLang or transformers)."""
 
@@ -292,6 +324,7 @@ class Policy(ModelBase):
     kv_cache: str = "fit"  # fit | utilization
     enforce_eager: bool = False
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
+    multi_turn: MultiTurn = field(default_factory=MultiTurn)
 
 
 @dataclass
@@ -311,7 +344,8 @@ class Reward(ModelBase):
     generation_batch_size: int = 256
     correct_score: float = 1.0  # builtin:math: reward of a correct boxed answer
     incorrect_score: float = 0.0  # builtin:math: reward otherwise
-    # rewards combined by weight (sum of weight x score); empty: builtin:math alone
+    # rewards combined by weight (sum of weight x score); empty: builtin:math alone, or with a multi-turn
+    # environment (models.policy.multi_turn.environment) none: the environment's reward alone
     functions: List[RewardFunction] = field(default_factory=list)
     timeout_s: float = 600.0  # seconds a reward worker may take to score its share of a batch (0: no limit)
     # DAPO overlong reward shaping: a penalty ramping from 0 to -overlong_penalty_factor over the last

@@ -128,6 +128,7 @@ class PromptSet:
     data_sources: list[str]
     dropped_too_long: int
     extras: list[dict] = field(default_factory=list)  # the row's other columns (given to reward functions)
+    messages: list[list[dict]] = field(default_factory=list)  # the chat messages of each prompt (multi-turn: reset's row)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -154,14 +155,16 @@ def _ground_truth(row: dict, key: str, where: str):
 def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_thinking: bool,
                  prompt_key: str, ground_truth_key: str | None,
                  what: str = "runtime_args.data_path", name: str | None = None, split: str = "train",
-                 ground_truth_pattern: str | None = None, prompt_instruction: str | None = None) -> PromptSet:
+                 ground_truth_pattern: str | None = None, prompt_instruction: str | None = None,
+                 tools: list | None = None) -> PromptSet:
     """Read every row of ``paths`` (local files or folders, or Hub dataset ids read with config ``name``
     and ``split``), apply the chat template to ``row[prompt_key]`` (a string becomes one user message,
     ``prompt_instruction`` is appended to the last user message; ``enable_thinking`` is passed to the
     template) and drop prompts longer than ``max_prompt_tokens``. The ground truth is the value at
     ``ground_truth_key``, cut down to the first group of ``ground_truth_pattern`` when one is given.
     ``extras`` keeps each row without the prompt, ``data_source`` and ground-truth columns (the first
-    part of ``ground_truth_key``)."""
+    part of ``ground_truth_key``). ``tools``: JSON schemas passed to the chat template (a multi-turn
+    rollout's tools), None: none."""
     messages_all, wheres, truths, sources, extras = [], [], [], [], []
     taken = {prompt_key, "data_source"} | ({ground_truth_key.split(".")[0]} if ground_truth_key else set())
     pattern = re.compile(ground_truth_pattern) if ground_truth_pattern else None
@@ -193,7 +196,7 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
             truths.append(truth)
             sources.append(str(row.get("data_source", default_source)))
             extras.append({k: v for k, v in row.items() if k not in taken})
-    token_ids = tokenize_prompts(messages_all, wheres, tokenizer, enable_thinking=enable_thinking)
+    token_ids = tokenize_prompts(messages_all, wheres, tokenizer, enable_thinking=enable_thinking, tools=tools)
     keep = [i for i, ids in enumerate(token_ids) if len(ids) <= max_prompt_tokens]
     dropped = len(token_ids) - len(keep)
     if not keep:
@@ -201,7 +204,7 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                   f"({max_prompt_tokens}); raise it" if dropped else "the files hold no rows; add data")
         raise UserError(f"{what}: no usable prompts: {reason}.")
     return PromptSet([token_ids[i] for i in keep], [truths[i] for i in keep], [sources[i] for i in keep], dropped,
-                     [extras[i] for i in keep])
+                     [extras[i] for i in keep], [messages_all[i] for i in keep])
 
 
 def _with_instruction(messages: list[dict], instruction: str) -> list[dict]:
@@ -249,16 +252,17 @@ def prompts_cache_dir() -> str:
 
 
 def tokenize_prompts(messages: list[list[dict]], wheres: list[str], tokenizer, *,
-                     enable_thinking: bool) -> list[list[int]]:
+                     enable_thinking: bool, tools: list | None = None) -> list[list[int]]:
     """Token ids of each prompt's chat template, kept in a cache file ``<fingerprint>.npz`` under
-    :func:`prompts_cache_dir`, named by a hash of the prompts, the tokenizer and ``enable_thinking``:
+    :func:`prompts_cache_dir`, named by a hash of the prompts, the tokenizer, ``enable_thinking`` and the
+    ``tools`` given to the template:
     the same prompts with the same tokenizer are read back, not tokenized again. The file is written
     whole or not at all (a temporary file renamed into place)."""
     if not messages:
         return []
     texts = [json.dumps(m, ensure_ascii=False, sort_keys=True) for m in messages]
-    key = json.dumps(["chatlearn-prompts-v2", texts, tokenizer_fingerprint(tokenizer), bool(enable_thinking)],
-                     ensure_ascii=False, default=str)
+    parts = ["chatlearn-prompts-v2", texts, tokenizer_fingerprint(tokenizer), bool(enable_thinking)]
+    key = json.dumps(parts + ([tools] if tools else []), ensure_ascii=False, default=str, sort_keys=True)
     folder = prompts_cache_dir()
     path = os.path.join(folder, hashlib.sha256(key.encode("utf-8")).hexdigest()[:32] + ".npz")
     if os.path.exists(path):
@@ -273,7 +277,7 @@ def tokenize_prompts(messages: list[list[dict]], wheres: list[str], tokenizer, *
     for text, where in zip(texts, wheres):
         try:
             ids = tokenizer.apply_chat_template(json.loads(text), add_generation_prompt=True, tokenize=True,
-                                                enable_thinking=enable_thinking)
+                                                enable_thinking=enable_thinking, **({"tools": tools} if tools else {}))
         except Exception as err:  # the template is user code (jinja): any error is about the data or it
             raise UserError(f"{where}: the tokenizer's chat template fails on this row: "
                             f"{type(err).__name__}: {_brief(err)}. Fix the row, or give the "

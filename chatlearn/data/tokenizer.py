@@ -131,12 +131,14 @@ class FastChatTokenizer:
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = False, **kwargs) -> str:
-        """The chat template's text of ``messages`` (template variables: the special tokens, then ``kwargs``)."""
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = False, tools: list | None = None,
+                    **kwargs) -> str:
+        """The chat template's text of ``messages`` (template variables: the special tokens, then ``kwargs``;
+        ``tools``: JSON schemas of the tools, as transformers passes them)."""
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template")
         return compile_chat_template(self.chat_template).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            messages=messages, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens_map, **kwargs})
 
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = False,

@@ -169,8 +169,9 @@ class RolloutSpec(_Readable):
 
 @dataclass(frozen=True)
 class RewardSpec(_Readable):
-    """``reward``: the reward functions as explicit entries (name, path, weight, kwargs; the built-in
-    math reward alone when ``models.reward.functions`` is empty), the directory relative paths start
+    """``reward``: the reward functions as explicit entries (name, path, weight, kwargs; when
+    ``models.reward.functions`` is empty, the built-in math reward alone, or none with a multi-turn
+    environment), the directory relative paths start
     from, and the time limit of one function call."""
 
     functions: tuple  # of dicts: name, path, weight, kwargs
@@ -180,7 +181,8 @@ class RewardSpec(_Readable):
     @classmethod
     def from_config(cls, cfg) -> "RewardSpec":
         """Relative paths start from the driver's working directory."""
-        entries = resolve_entries(OmegaConf.to_container(cfg.models.reward, resolve=True))
+        entries = resolve_entries(OmegaConf.to_container(cfg.models.reward, resolve=True),
+                                  with_environment=cfg.models.policy.multi_turn.environment is not None)
         return cls(functions=tuple(entries), base_dir=os.getcwd(), timeout_s=float(cfg.models.reward.timeout_s))
 
 

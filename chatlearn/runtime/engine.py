@@ -36,8 +36,8 @@ import numpy as np
 import ray
 from omegaconf import DictConfig
 
-from chatlearn.algorithms.advantages import (ROLLOUT_MISMATCH, episode_advantages, fill_groups, overlong_penalty,
-                                             varied_groups)
+from chatlearn.algorithms.advantages import (ROLLOUT_MISMATCH, episode_advantages, fill_groups, loss_token_counts,
+                                             overlong_penalty, varied_groups)
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.names import MODEL_PARTS, Part, Stage
 from chatlearn.config.plan import Plan
@@ -53,6 +53,7 @@ from chatlearn.logging.sinks import MetricSinks, write_config_yaml
 from chatlearn.models.base import concat_batches, response_mask, select_samples
 from chatlearn.runtime.cluster import Cluster
 from chatlearn.runtime.instrument import EpisodeRun, Instrument
+from chatlearn.runtime.multiturn import MultiTurnRollout, env_metrics, trajectory_fields
 from chatlearn.runtime.overlap import RolloutPipeline, kept_rollouts
 from chatlearn.runtime.output_dir import check_start, move_aside, previous_run, reconcile_logs
 from chatlearn.runtime.output_dir import refusal as output_refusal
@@ -67,8 +68,8 @@ class GRPO(Rollouts):
     """Holds the models and data of a run; ``train()`` runs the episodes."""
 
     def __init__(self, cfg: DictConfig, plan: Plan, cluster: Cluster, tokenizer, train_set: PromptSet,
-                 eval_set: PromptSet | None):
-        self.cfg, self.plan, self.tokenizer = cfg, plan, tokenizer
+                 eval_set: PromptSet | None, multi_turn: MultiTurnRollout | None = None):
+        self.cfg, self.plan, self.tokenizer, self.multi_turn = cfg, plan, tokenizer, multi_turn
         self.train_set, self.eval_set = train_set, eval_set
         rt, m = cfg.runtime_args, cfg.models
         self.out = rt.output_dir
@@ -212,7 +213,8 @@ class GRPO(Rollouts):
             prompts = self.next_prompts()
             seed = self.cfg.models.policy.seed + episode + len(rounds) * DYNAMIC_SAMPLING_SEED_STRIDE
             with run.stage(Stage.GENERATE, "policy"):
-                batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=seed))
+                batch = self.sample(prompts, self.sampling(eval_mode=False, seed=seed),
+                                    f"the rollouts of episode {episode} (dynamic sampling round {len(rounds) + 1})")
         chosen = fill_groups([r[3] for r in rounds], needed)
         parts_b, parts_p, parts_r = [], [], []
         for k, (b, p, sc, _) in enumerate(rounds):
@@ -221,17 +223,15 @@ class GRPO(Rollouts):
                 continue
             idx = [grp * g + j for grp in groups for j in range(g)]
             parts_b.append(select_samples(b, idx))
-            parts_p.append(Prompts(ids=[p.ids[i] for i in idx], truths=[p.truths[i] for i in idx],
-                                   sources=[p.sources[i] for i in idx], extra=[p.extra[i] for i in idx]))
+            parts_p.append(p.select(idx))
             parts_r.append((sc[0][idx], {key: v[idx] for key, v in sc[1].items()}, sc[2][idx]))
         batch = concat_batches(parts_b) if len(parts_b) > 1 else parts_b[0]
-        prompts = Prompts(*(sum((getattr(p, f) for p in parts_p), []) for f in ("ids", "truths", "sources", "extra")))
+        prompts = Prompts.join(parts_p)
         scored = (np.concatenate([r[0] for r in parts_r]),
                   {key: np.concatenate([r[1][key] for r in parts_r]) for key in parts_r[0][1]},
                   np.concatenate([r[2] for r in parts_r]))
         drawn = len(rounds) * needed
-        self.generated_tokens = sum(int(r[0]["offsets"][-1] - r[0]["offsets"][0] - np.sum(r[0]["prompt_lens"]))
-                                    for r in rounds)
+        self.generated_tokens = sum(int(loss_token_counts(r[0]).sum()) for r in rounds)  # the model's tokens
         metrics = {"train/dynamic_sampling_rounds": float(len(rounds)),
                    "train/dynamic_sampling_prompts_drawn": float(drawn),
                    "train/dynamic_sampling_kept_frac": kept / drawn,
@@ -246,7 +246,7 @@ class GRPO(Rollouts):
             prompts = self.next_prompts()
             self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
             seed = self.cfg.models.policy.seed + episode
-            batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=seed))
+            batch = self.sample(prompts, self.sampling(eval_mode=False, seed=seed), f"the rollouts of episode {episode}")
             return prompts, batch, None, {}
         self.pipeline.fill(episode, self.cfg.runtime_args.num_episode)
         self.progress.stage(Stage.GENERATE)
@@ -265,7 +265,8 @@ class GRPO(Rollouts):
         generate call of the on-policy run (its seed), then scoring. Returns ``(batch, scored, seconds)``."""
         start = time.perf_counter()
         self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
-        batch = self.generate(prompts.ids, self.sampling(eval_mode=False, seed=self.cfg.models.policy.seed + episode))
+        batch = self.sample(prompts, self.sampling(eval_mode=False, seed=self.cfg.models.policy.seed + episode),
+                            f"the rollouts of episode {episode}")
         mid = time.perf_counter()
         scored = self.shaped(batch, *self.score(batch, prompts.truths, prompts.sources, prompts.extra, None,
                                                 f"the rollouts of episode {episode}"))
@@ -304,6 +305,7 @@ class GRPO(Rollouts):
         metrics.update(self.rollout_metrics(batch, rewards, prefix="train"))
         metrics.update(self.reward_metrics(reward_parts, prefix="train"))
         metrics.update(self.mismatch_metrics(batch))
+        metrics.update(env_metrics(batch, prefix="train"))
         warn_at = self.cfg.models.policy.logprob_mismatch_warn
         if warn_at > 0 and metrics["train/logprob_diff_rollout_vs_trainer_mean"] > warn_at:
             print(f"[chatlearn] warning: episode {episode}: rollout and trainer log-probs differ by "
@@ -340,15 +342,16 @@ class GRPO(Rollouts):
         n = self.plan.group_size
         groups = len(rewards) // n
         picks = [g * n + j for j in range(n) for g in range(groups)][:k]
-        chosen = select_samples({key: batch[key] for key in ("tokens", "offsets", "prompt_lens", "finish_reasons")},
+        chosen = select_samples({key: batch[key] for key in batch if key in SAMPLE_ROW_KEYS or key.startswith("env/")},
                                 picks)
         lens = np.diff(chosen["offsets"]) - chosen["prompt_lens"]
         return [{"sample": i, "prompt": p, "response": r, "reward": float(rewards[i]),
                  "ground_truth": truths[i] if isinstance(truths[i], (str, int, float, bool)) or truths[i] is None
                  else str(truths[i]),
-                 "data_source": sources[i], "response_tokens": int(n_tok), "finished": bool(done)}
-                for i, p, r, n_tok, done in zip(picks, self.prompts_text(chosen), self.responses_text(chosen), lens,
-                                                chosen["finish_reasons"])]
+                 "data_source": sources[i], "response_tokens": int(n_tok), "finished": bool(done),
+                 **trajectory_fields(self.tokenizer, chosen, j)}
+                for j, (i, p, r, n_tok, done) in enumerate(zip(picks, self.prompts_text(chosen), self.responses_text(chosen),
+                                                               lens, chosen["finish_reasons"]))]
 
     # ------------------------------------------------------------------ stages
     @property
@@ -371,7 +374,7 @@ class GRPO(Rollouts):
         if self.plan.old_logprob_pass:
             self.sched.ensure("policy_trainer", [Part.WEIGHTS])
             old[batch["offsets"][cut]:] = self.logprobs(self.trainer, select_samples(
-                {k: batch[k] for k in ("tokens", "offsets", "prompt_lens")}, range(cut, n)))
+                {k: batch[k] for k in SEQUENCE_KEYS if k in batch}, range(cut, n)))
         return old
 
     def ref_logprobs(self, batch: dict) -> np.ndarray:
@@ -380,7 +383,7 @@ class GRPO(Rollouts):
 
     def logprobs(self, group, batch: dict) -> np.ndarray:
         """Log-probs of the batch's tokens under ``group``'s model, at the sampling temperature."""
-        ref = ray.put({k: batch[k] for k in ("tokens", "offsets", "prompt_lens")})
+        ref = ray.put({k: batch[k] for k in SEQUENCE_KEYS if k in batch})
         outs, _ = group.call("compute_logprobs", ref, self.train_temperature)
         return outs[0]
 
@@ -404,8 +407,7 @@ class GRPO(Rollouts):
         ``optimizer.max_nonfinite_steps`` skipped steps in a row (across episodes) stop the run with a
         UserError, before the episode's checkpoint."""
         plan = self.plan
-        keys = ("tokens", "offsets", "prompt_lens", "old_logprobs", "ref_logprobs", "advantages",
-                "sample_weights")
+        keys = (*SEQUENCE_KEYS, "old_logprobs", "ref_logprobs", "advantages", "sample_weights")
         sums: dict[str, float] = collections.defaultdict(float)
         steps = skipped = 0
         samples = len(batch["prompt_lens"])  # with replay, earlier episodes' samples too
@@ -531,11 +533,12 @@ class GRPO(Rollouts):
         start = time.perf_counter()
         self.progress.stage(Stage.EVAL)
         self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
-        batch = self.generate(prompts.ids, self.sampling(eval_mode=True, seed=p.seed))
+        batch = self.sample(prompts, self.sampling(eval_mode=True, seed=p.seed), "the evaluation set")
         rewards, reward_parts = self.score(batch, prompts.truths, prompts.sources, prompts.extra,
                                            what="the evaluation set")
         metrics = self.rollout_metrics(batch, rewards, prefix="eval")
         metrics.update(self.reward_metrics(reward_parts, prefix="eval"))
+        metrics.update(env_metrics(batch, prefix="eval"))
         for src in sorted(set(prompts.sources)):
             sel = np.array([s == src for s in prompts.sources])
             metrics[f"eval/{src}/reward_mean"] = float(rewards[sel].mean())
@@ -569,6 +572,12 @@ def _closing(pool: ThreadPoolExecutor):
     pool.shutdown(wait=True)
 
 
+# what a log-prob pass reads of a batch: the sequences, and which of their tokens are the model's
+# (loss_mask: only in multi-turn batches)
+SEQUENCE_KEYS = ("tokens", "offsets", "prompt_lens", "loss_mask")
+# what a logged sample row reads of a batch (with the env/ columns of a multi-turn one)
+SAMPLE_ROW_KEYS = ("tokens", "offsets", "prompt_lens", "finish_reasons", "loss_mask")
+
 # dynamic sampling: round k of an episode samples with seed + episode + k * this stride
 DYNAMIC_SAMPLING_SEED_STRIDE = 100_003
 
@@ -591,9 +600,12 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
     started, started_wall = time.monotonic(), time.time()
     check_start(cfg, overwrite)  # before loading anything: refusals come first
     tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
+    # multi-turn: the environment, tools and chat template are set up first; the prompts show the tools
+    multi_turn = MultiTurnRollout(cfg, tokenizer) if p.multi_turn.environment is not None else None
     data = dict(max_prompt_tokens=p.max_prompt_tokens_length, enable_thinking=p.enable_thinking,
                 prompt_key=rt.prompt_key, ground_truth_key=rt.ground_truth_key,
-                ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction)
+                ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction,
+                tools=multi_turn.tool_schemas if multi_turn is not None else None)
     train_set = load_prompts(rt.data_path.split(","), tokenizer, name=rt.data_subset, split=rt.data_split, **data)
     eval_set = None
     if rt.eval_data_path and (rt.eval_episode_interval > 0 or rt.enable_eval_before_training):
@@ -620,7 +632,7 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
         for line in plan.describe():
             print(f"[chatlearn] {line}", flush=True)
         with Cluster(cfg, plan) as cluster:
-            run = GRPO(cfg, plan, cluster, tokenizer, train_set, eval_set)
+            run = GRPO(cfg, plan, cluster, tokenizer, train_set, eval_set, multi_turn)
             try:
                 last = run.train()
             finally:

@@ -22,6 +22,7 @@ from chatlearn.data.dataset import load_prompts, load_tokenizer
 from chatlearn.errors import UserError
 from chatlearn.logging.jsonl import write_text_atomic
 from chatlearn.runtime.cluster import Cluster
+from chatlearn.runtime.multiturn import MultiTurnRollout, env_metrics, trajectory_fields
 from chatlearn.runtime.rollouts import Prompts, Rollouts
 
 
@@ -81,8 +82,8 @@ def resolve_model(path: str) -> str:
 
 
 class Evaluator(Rollouts):
-    def __init__(self, cfg: DictConfig, cluster: Cluster, tokenizer):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg: DictConfig, cluster: Cluster, tokenizer, multi_turn: MultiTurnRollout | None = None):
+        self.cfg, self.tokenizer, self.multi_turn = cfg, tokenizer, multi_turn
         cluster.prestart(["policy", "reward"])
         self.policy = cluster.create("policy")
         self.reward = cluster.create("reward")
@@ -102,7 +103,7 @@ class Evaluator(Rollouts):
         p = self.cfg.models.policy
         prompts = Prompts.of(prompt_set, range(len(prompt_set)), k)
         truths, sources = prompts.truths, prompts.sources
-        batch = self.generate(prompts.ids, self.sampling(eval_mode=True, seed=p.seed))
+        batch = self.sample(prompts, self.sampling(eval_mode=True, seed=p.seed), "the evaluation set")
         texts = self.responses_text(batch)
         rewards, reward_parts = self.score(batch, truths, sources, prompts.extra, texts=texts,
                                            what="the evaluation set")
@@ -113,10 +114,12 @@ class Evaluator(Rollouts):
         samples = [{"prompt": prompt_texts[i // k], "response": texts[i], "reward": float(rewards[i]),
                     "ground_truth": truths[i], "data_source": sources[i], "sample_index": i % k,
                     "response_tokens": int(resp_lens[i]), "truncated": bool(truncated[i]),
-                    "reward_parts": {key: float(v[i]) for key, v in reward_parts.items()}}
+                    "reward_parts": {key: float(v[i]) for key, v in reward_parts.items()},
+                    **trajectory_fields(self.tokenizer, batch, i)}
                    for i in range(len(texts))]
         metrics = aggregate(rewards, correct, resp_lens, truncated, sources, k)
         metrics["all"].update({f"reward/{key}": float(v.mean()) for key, v in reward_parts.items()})
+        metrics["all"].update({k.split("/", 1)[1]: v for k, v in env_metrics(batch, prefix="eval").items()})
         return samples, metrics
 
 
@@ -131,11 +134,13 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
         p = cfg.models.policy
     check_model_folder(p.load, "models.policy.load")
     tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
+    multi_turn = MultiTurnRollout(cfg, tokenizer) if p.multi_turn.environment is not None else None
     prompt_set = load_prompts(eval_data.split(","), tokenizer, max_prompt_tokens=p.max_prompt_tokens_length,
                               enable_thinking=p.enable_thinking, prompt_key=rt.prompt_key,
                               ground_truth_key=rt.ground_truth_key, what="runtime_args.eval_data_path",
                               name=rt.eval_data_subset, split=rt.eval_data_split,
-                              ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction)
+                              ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction,
+                              tools=multi_turn.tool_schemas if multi_turn is not None else None)
     k = p.eval_num_inference_per_prompt
     print(f"[chatlearn] evaluating {p.load} on {len(prompt_set)} prompts x {k} samples", flush=True)
     # only the rollout engine (on its own devices) and the reward workers
@@ -153,7 +158,7 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
                             "reward": ModelPlacement("reward", r.num_cpu // (r.cpu_per_process or 1), -1, [],
                                                      float(r.cpu_per_process or 1))})
     with Cluster(cfg, plan) as cluster:
-        samples, metrics = Evaluator(cfg, cluster, tokenizer).run(prompt_set, k)
+        samples, metrics = Evaluator(cfg, cluster, tokenizer, multi_turn).run(prompt_set, k)
     out_dir = os.path.join(rt.output_dir, "eval")
     os.makedirs(out_dir, exist_ok=True)
     # written whole or not at all: an interrupted eval leaves the previous files as they were

@@ -15,13 +15,14 @@ from chatlearn.runtime.group import CallTimeout
 @dataclass(frozen=True)
 class Prompts:
     """Prompts to sample, one entry per sample (each prompt repeated for its ``k`` samples): token
-    ids, ground truths, data sources and the rows' other columns."""
+    ids, ground truths, data sources, the rows' other columns and their chat messages."""
 
     ids: list
     truths: list
     sources: list
     extra: list
     indices: Optional[list] = None  # the prompt set's rows these came from, once each (None: not from one)
+    messages: Optional[list] = None  # the rows' chat messages (what a multi-turn environment's reset sees)
 
     @classmethod
     def of(cls, prompt_set, indices: Iterable[int], k: int) -> "Prompts":
@@ -31,12 +32,35 @@ class Prompts:
         rows = [i for i in indices for _ in range(k)]
         return cls(ids=[prompt_set.prompt_ids[i] for i in rows], truths=[prompt_set.ground_truths[i] for i in rows],
                    sources=[prompt_set.data_sources[i] for i in rows], extra=[prompt_set.extras[i] for i in rows],
-                   indices=indices)
+                   indices=indices, messages=[prompt_set.messages[i] for i in rows] if prompt_set.messages else None)
+
+    def select(self, idx: list) -> "Prompts":
+        """The entries ``idx``, in that order (no prompt set rows)."""
+        return Prompts(ids=[self.ids[i] for i in idx], truths=[self.truths[i] for i in idx],
+                       sources=[self.sources[i] for i in idx], extra=[self.extra[i] for i in idx],
+                       messages=None if self.messages is None else [self.messages[i] for i in idx])
+
+    @classmethod
+    def join(cls, parts: list) -> "Prompts":
+        """The entries of ``parts``, one after the other (no prompt set rows)."""
+        fields = {f: sum((getattr(p, f) for p in parts), []) for f in ("ids", "truths", "sources", "extra")}
+        messages = None if any(p.messages is None for p in parts) else sum((p.messages for p in parts), [])
+        return cls(**fields, messages=messages)
 
 
 class Rollouts:
-    """Needs ``cfg``, ``tokenizer``, ``policy`` (rollout group), ``reward`` (reward group) and
-    ``reward_spec`` (the :class:`~chatlearn.models.specs.RewardSpec` the reward workers were built from)."""
+    """Needs ``cfg``, ``tokenizer``, ``policy`` (rollout group), ``reward`` (reward group),
+    ``reward_spec`` (the :class:`~chatlearn.models.specs.RewardSpec` the reward workers were built from)
+    and ``multi_turn`` (a :class:`~chatlearn.runtime.multiturn.MultiTurnRollout`, or None: single-turn)."""
+
+    multi_turn = None
+
+    def sample(self, prompts: Prompts, sampling: dict, what: str) -> dict:
+        """The samples of ``prompts``: one response each, or with a multi-turn environment one trajectory
+        each (:class:`~chatlearn.runtime.multiturn.MultiTurnRollout`; ``what`` names them in its warnings)."""
+        if self.multi_turn is None:
+            return self.generate(prompts.ids, sampling)
+        return self.multi_turn.run(self.generate, prompts, sampling, what)
 
     def sampling(self, eval_mode: bool, seed: int) -> dict:
         p = self.cfg.models.policy
@@ -78,8 +102,9 @@ class Rollouts:
 
     def score(self, batch: dict, truths: list, sources: list[str], extra: list[dict], texts: list[str] | None = None,
               what: str = "a batch") -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Rewards of the samples (the weighted sum of the reward functions) and each function's
-        per-sample outputs by ``"<name>/<key>"``; the reward workers take contiguous shares.
+        """Rewards of the samples (the weighted sum of the reward functions, plus a multi-turn
+        trajectory's environment reward ``env/reward``) and each function's per-sample outputs by
+        ``"<name>/<key>"``; the reward workers take contiguous shares.
 
         The functions run one at a time on every worker (``RewardManager.score_one``, summed as
         ``RewardManager.score`` sums them), each within ``models.reward.timeout_s``: a worker that
@@ -103,6 +128,8 @@ class Rollouts:
             for total, out, part in zip(totals, outs, parts):
                 total += part["score"]
                 out["metrics"].update(part["metrics"])
+        if "env/reward" in batch:  # the environment's (discounted) reward of each trajectory
+            totals = [t + np.asarray(batch["env/reward"], np.float64)[s] for t, s in zip(totals, shares)]
         rewards = np.concatenate(totals).astype(np.float32)
         for o in outs[1:]:
             odd = set(o["metrics"]) ^ set(outs[0]["metrics"])

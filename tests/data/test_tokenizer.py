@@ -118,13 +118,20 @@ def test_load_tokenizer_uses_it_and_still_refuses_a_folder_without_a_template(tm
 
 
 def test_the_driver_loads_prompts_without_torch_transformers_or_datasets(tmp_path):
-    """What `chatlearn run` imports before it starts the workers, plus the tokenizer and the prompts."""
+    """What `chatlearn run` imports before it starts the workers, plus the tokenizer, a multi-turn rollout
+    with tools (its environment, tools and chat template) and the prompts."""
     code = ("import sys\n"
             "import chatlearn.cli, chatlearn.runtime.engine, chatlearn.runtime.evaluate\n"
+            "from chatlearn.config.load import load_config\n"
             "from chatlearn.data.dataset import load_prompts, load_tokenizer\n"
+            "from chatlearn.runtime.multiturn import MultiTurnRollout\n"
             f"tok = load_tokenizer({TINY!r}, trust_remote_code=False, key='k')\n"
+            "cfg = load_config('template/grpo_fsdp.yaml', ['models.policy.multi_turn.environment=builtin:tools', "
+            "\"models.policy.multi_turn.tools=[{name: calculator, path: 'builtin:calculator'}]\"])\n"
+            "mt = MultiTurnRollout(cfg, tok)\n"
             f"s = load_prompts([{os.path.join(REPO, 'assets', 'arith', 'train.jsonl')!r}], tok, max_prompt_tokens=256,"
-            " enable_thinking=False, prompt_key='prompt', ground_truth_key='reward_model.ground_truth')\n"
+            " enable_thinking=False, prompt_key='prompt', ground_truth_key='reward_model.ground_truth', "
+            "tools=mt.tool_schemas)\n"
             "print(len(s), sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path)})

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from runs import run_and_kill
 
 from conftest import REPO
 
@@ -64,17 +63,7 @@ def test_stale_rollouts_stay_within_the_bound_and_resume_exactly(tmp_path):
 
     # killed once episode 2 is logged (its checkpoint holds episode 3's rollout), then resumed
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(command(cut), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=ENV, start_new_session=True)
-    deadline = time.time() + 400
-    try:
-        while len([r for r in rows(cut) if r["episode"] >= 2]) < 1:
-            assert proc.poll() is None, "the run ended before it could be interrupted"
-            assert time.time() < deadline
-            time.sleep(0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    run_and_kill(command(cut), lambda: len([r for r in rows(cut) if r["episode"] >= 2]) >= 1, ENV)
     assert len([r for r in rows(cut) if r["episode"] > 0]) < 4
     kept = [d for d in os.listdir(cut / "checkpoints") if (cut / "checkpoints" / d / "rollouts_ahead.npz").exists()]
     assert kept, os.listdir(cut / "checkpoints")  # the rollout generated ahead, as arrays (no pickle)

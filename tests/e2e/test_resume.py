@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
+import runs
 
 from conftest import REPO
 
@@ -31,17 +30,7 @@ def learning_metrics(out):
 
 def run_and_kill(out, when, env=None):
     """Start a run, SIGKILL it once ``when()`` is true, and wait for it to die."""
-    proc = subprocess.Popen(command(out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-    deadline = time.time() + 400
-    try:
-        while not when():
-            assert proc.poll() is None, "the run ended before it could be interrupted"
-            assert time.time() < deadline, "timed out waiting for the moment to interrupt"
-            time.sleep(0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    runs.run_and_kill(command(out), when, env)
 
 
 def rows_written(out):

@@ -65,8 +65,8 @@ def test_a_response_stops_at_seq_length(backend, model_dirs, restore_threads):  
     try:
         if backend == "vllm":
             assert capped_engine.llm.llm_engine.model_config.max_model_len == SEQ_LENGTH
-        if backend == "sglang":
-            assert capped_engine.engine.context_length == SEQ_LENGTH
+        if backend == "sglang":  # one more: SGLang refuses a request whose prompt + new tokens reach it
+            assert capped_engine.engine.context_length == SEQ_LENGTH + 1
         capped = _samples(capped_engine.generate(ps, GREEDY))
         with pytest.raises(ValueError, match="below seq_length"):  # no room left for a response
             capped_engine.generate([[5] * SEQ_LENGTH], GREEDY)
@@ -99,6 +99,24 @@ def test_policy_seq_length_is_checked(paths_overrides, monkeypatch):
     with pytest.raises(ConfigError) as err:  # the tiny model takes 512 tokens
         _load(paths_overrides, "models.policy.seq_length=100000")
     assert err.value.key == "models.policy.seq_length" and "more than the" in str(err.value)
+
+
+def test_sglang_needs_one_token_of_the_context_beyond_the_sequence(paths_overrides, monkeypatch):
+    """SGLang refuses a request whose prompt + new tokens reach its context length, so its engine gets
+    one token more than a sequence takes: that token must be within the model's (512 here)."""
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    sglang = ["runtime_args.rollout_backend=sglang", "models.policy.max_prompt_tokens_length=64"]
+    assert _load(paths_overrides, *sglang, "models.policy.seq_length=511").models.policy.seq_length == 511
+    _load(paths_overrides, "models.policy.seq_length=512")  # vLLM: the whole context
+    _load(paths_overrides, *sglang, "models.policy.max_response_tokens_length=447")
+    with pytest.raises(ConfigError) as err:
+        _load(paths_overrides, *sglang, "models.policy.seq_length=512")
+    assert err.value.key == "models.policy.seq_length" and "one token more" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        _load(paths_overrides, *sglang, "models.policy.max_response_tokens_length=448")
+    assert err.value.key == "models.policy.max_response_tokens_length"
 
 
 def test_trainer_seq_length_must_hold_the_longest_sequence(paths_overrides, monkeypatch):
