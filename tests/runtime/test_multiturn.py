@@ -245,3 +245,54 @@ def test_env_calls_run_at_most_workers_at_once_and_abandon_late_ones():
     assert out[0].timed_out and out[1].value == 0.01
     errors = single.run([lambda: 1 / 0])
     assert isinstance(errors[0].error, ZeroDivisionError)
+
+
+# ------------------------------------------------------------------------------ batch operations
+def scripted_batch(tok) -> dict:
+    script = {"t0": [["o", 0.5, False, {"n": 1}], [None, 1.0, True, {}]], "t1": [[None, 0.0, True, {}]],
+              "t2": ["raise"]}
+    cfg = make_cfg(environment_kwargs={"script": script})
+    return MultiTurnRollout(cfg, tok).run(FakeEngine(tok), prompts_for(tok, ["t0", "t1", "t2"]), SAMPLING, "x")
+
+
+def test_selecting_and_joining_samples_keeps_the_mask_and_the_environment_columns(tok):
+    """Dynamic sampling and replay select and join samples: the loss mask goes with the tokens, the
+    env/ columns with their samples."""
+    from chatlearn.models.base import concat_batches, select_samples
+
+    batch = scripted_batch(tok)
+    picked = select_samples(batch, [2, 0])
+    off, new = batch["offsets"], picked["offsets"]
+    for j, i in enumerate([2, 0]):
+        for key in ("tokens", "loss_mask", "rollout_logprobs"):
+            np.testing.assert_array_equal(picked[key][new[j]:new[j + 1]], batch[key][off[i]:off[i + 1]])
+        for key in ("env/turns", "env/status", "env/info", "env/error", "env/reward"):
+            assert picked[key][j] == batch[key][i]
+    joined = concat_batches([picked, batch])
+    assert len(joined["env/error"]) == 5 and joined["env/error"][0].startswith("step 1: ValueError")
+    np.testing.assert_array_equal(joined["loss_mask"], np.concatenate([picked["loss_mask"], batch["loss_mask"]]))
+    prompts = prompts_for(tok, ["a", "b", "c"])
+    both = Prompts.join([prompts.select([2]), prompts.select([0, 1])])
+    assert both.messages == [prompts.messages[2], prompts.messages[0], prompts.messages[1]]
+
+
+def test_rollouts_generated_ahead_keep_a_multi_turn_batch_in_the_checkpoint(tok, tmp_path):
+    """max_staleness: a checkpoint keeps the rollouts ahead as arrays (no pickle), the env/ text columns too."""
+    from chatlearn.runtime.overlap import RolloutPipeline, kept_rollouts
+
+    batch = scripted_batch(tok)
+    rewards = batch["env/reward"].astype(np.float32)
+
+    def produce(episode, prompts):
+        return dict(batch), (rewards, {"math/score": rewards}, rewards), {}
+
+    pipe = RolloutPipeline(1, lambda e: Prompts(ids=[[1]] * 3, truths=["1"] * 3, sources=["s"] * 3, extra=[{}] * 3,
+                                                indices=[e]), produce, lambda rows: None)
+    pipe.fill(1, 3)
+    pipe.take(1, trainer_version=0)
+    pipe.save(str(tmp_path))
+    pipe.close()
+    (episode, _, _, kept, _), = kept_rollouts(str(tmp_path), 1)
+    assert episode == 2
+    for key, value in batch.items():
+        np.testing.assert_array_equal(kept[key], value)
