@@ -525,7 +525,22 @@ Measured at build time on the eval split ({info["num_eval"]} prompts, at most
 | greedy | {g["accuracy"]:.3f} | {g["eos_rate"]:.3f} |
 | sampled ({settings}; {samples} per prompt) | {s["accuracy"]:.3f} | {s["eos_rate"]:.3f} |
 """
-    path.write_text(text, encoding="utf-8")
+    path.write_text(text + others_sections(path, text), encoding="utf-8")
+
+
+def others_sections(path: Path, ours: str) -> str:
+    """The sections of the README at ``path`` that this script does not write (``## `` headings not
+    in ``ours``, each to the next such heading: e.g. tools/build_multiturn_assets.py's), kept as they are."""
+    if not path.exists():
+        return ""
+    mine = {line for line in ours.splitlines() if line.startswith("## ")}
+    kept, keep = [], False
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        if line.startswith("## "):
+            keep = line.rstrip("\n") not in mine
+        if keep:
+            kept.append(line)
+    return ("\n" + "".join(kept)) if kept else ""
 
 
 # --------------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ PANELS = (
           ("train/is_weight_mean", "train/is_weight_max", "train/is_clip_frac", "train/is_masked_frac")),
     Panel("dynamic_sampling", "Dynamic sampling", "prompts / groups",
           ("train/dynamic_sampling_prompts_drawn", "train/dynamic_sampling_filled_groups")),
+    Panel("environment", "Multi-turn rollouts (models.policy.multi_turn)", "per trajectory",
+          ("train/env/turns_mean", "eval/env/turns_mean", "train/env/done_frac", "train/env/info/<key>")),
     Panel("throughput", "Throughput", "tokens / s", ("perf/generate_tokens_per_s", "perf/train_tokens_per_s")),
     Panel("memory", "Peak memory per model", "MiB", ("memory/<model>_peak_mb",)),
 )
