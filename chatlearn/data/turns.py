@@ -33,7 +33,7 @@ class TurnTemplate:
                  key: str = "models.policy.load", **template_kwargs):
         self.tokenizer, self.tools, self.kwargs, self.key = tokenizer, tools or None, template_kwargs, key
         self.probe = [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ASSISTANT}]
-        self.probe_text = self.render(self.probe, add_generation_prompt=False)
+        self.probe_text = self.render(self.probe, add_generation_prompt=False, what="a user and an assistant message")
         at = self.probe_text.rfind(PROBE_ASSISTANT)
         if at < 0:
             raise UserError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} does not write an "
@@ -44,31 +44,35 @@ class TurnTemplate:
         for role in roles:  # the roles observations will have: a template that cannot append them is refused now
             self.observation_ids([{"role": role, "content": "probe"}], ended_with=None)
 
-    def render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
-        """The template's text of ``messages``."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  tools=self.tools, **self.kwargs)
+    def render(self, messages: list[dict], *, add_generation_prompt: bool, what: str) -> str:
+        """The template's text of ``messages``; a template that fails on them is a UserError naming
+        ``what`` they were."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, tools=self.tools,
+                                                      **self.kwargs)
+        except Exception as err:  # noqa: BLE001 - the template is jinja code: say what it refused
+            raise UserError(f"the chat template of {getattr(self.tokenizer, 'name_or_path', '?')!r} fails on {what}: "
+                            f"{type(err).__name__}: {err}. Give the conversation roles the template accepts "
+                            "(models.policy.multi_turn.observation_role, or the environment's messages).",
+                            key=self.key) from None
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The ids of a conversation the model starts from (with the generation prompt)."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        return self.encode(self.render(messages, add_generation_prompt=True,
+                                       what=f"the conversation {[m['role'] for m in messages]} an environment's reset "
+                                            "returned"))
 
     def observation_ids(self, messages: list[dict], ended_with: int | None) -> list[int]:
         """The ids to append after a model turn whose last token is ``ended_with`` (None: the turn
         ended without the template's end-of-turn text): the rest of the template's end of the
         assistant turn, ``messages`` as the template renders them after it, and the next
         assistant turn's header."""
-        try:
-            full = self.render(self.probe + list(messages), add_generation_prompt=True)
-        except Exception as err:  # noqa: BLE001 - the template is jinja code: say which messages it refused
-            raise UserError(f"the chat template of {getattr(self.tokenizer, 'name_or_path', '?')!r} fails on "
-                            f"{[m['role'] for m in messages]} messages after an assistant turn: "
-                            f"{type(err).__name__}: {err}. Give the observations roles the template accepts "
-                            "(models.policy.multi_turn.observation_role, or the environment's messages).",
-                            key=self.key) from None
+        full = self.render(self.probe + list(messages), add_generation_prompt=True,
+                           what=f"{[m['role'] for m in messages]} messages after an assistant turn")
         if not full.startswith(self.probe_text):
             raise UserError(
                 f"the chat template of {getattr(self.tokenizer, 'name_or_path', '?')!r} renders a conversation "

@@ -26,6 +26,7 @@ rollouts ahead and every batch operation keep them.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import json
 import os
@@ -144,12 +145,13 @@ class MultiTurnRollout:
         self.name = mt.environment
         self.env_cls = load_environment(mt.environment, base_dir)
         self.env_kwargs = OmegaConf.to_container(mt.environment_kwargs, resolve=True)  # plain dicts and lists
+        self.env_extras: dict = {}  # what the built-in tool environment gets besides them (shared, read-only)
         self.tool_schemas = None
         roles = [mt.observation_role]
         if getattr(self.env_cls, "uses_tools", False):
             tools = [Tool(**e) for e in tool_entries(OmegaConf.to_container(mt, resolve=True), base_dir)]
             self.tool_schemas = [t.schema() for t in tools]
-            self.env_kwargs.update(tools=tools, parser=load_parser(mt.tool_parser, base_dir),
+            self.env_extras = dict(tools=tools, parser=load_parser(mt.tool_parser, base_dir),
                                    max_tool_calls_per_turn=mt.max_tool_calls_per_turn)
             roles.append("tool")
         self.role = mt.observation_role
@@ -184,14 +186,15 @@ class MultiTurnRollout:
     def start(self, prompts) -> list[Trajectory]:
         """An environment per sample, reset on its row; the first observation it returns (if any)
         replaces the row's prompt."""
-        try:
-            envs = [self.env_cls(**self.env_kwargs) for _ in prompts.ids]
+        try:  # each instance its own copy of the kwargs: no state shared between trajectories
+            envs = [self.env_cls(**copy.deepcopy(self.env_kwargs), **self.env_extras) for _ in prompts.ids]
         except Exception as err:  # noqa: BLE001 - the user's constructor: stop the run, naming it
             raise UserError(f"environment {self.name!r} (models.policy.multi_turn.environment) could not be built: "
                             f"{describe(err)}. Fix its constructor or models.policy.multi_turn.environment_kwargs."
                             ) from None
+        messages = prompts.messages if prompts.messages is not None else [None] * len(prompts.ids)
         rows = [{"prompt": m, "ground_truth": g, "data_source": s, **e}
-                for m, g, s, e in zip(prompts.messages, prompts.truths, prompts.sources, prompts.extra)]
+                for m, g, s, e in zip(messages, prompts.truths, prompts.sources, prompts.extra)]
         outcomes = self.calls.run([functools.partial(env.reset, row) for env, row in zip(envs, rows)])
         trajectories = []
         for env, ids, out in zip(envs, prompts.ids, outcomes):
@@ -248,8 +251,8 @@ class MultiTurnRollout:
                 t.end(ERROR, f"step {t.turns}: {err}")
                 continue
             t.reward += self.discount ** turn * result.reward
-            for k, v in result.info.items():
-                t.info[k] = t.info.get(k, 0.0) + v
+            for k, v in result.info.items():  # summed over the steps
+                t.info[k] = t.info[k] + v if k in t.info else v
             if result.done:
                 t.end(DONE)
             elif t.turns >= self.max_turns:
@@ -344,7 +347,7 @@ def env_metrics(batch: dict, prefix: str) -> dict:
     out.update({f"{prefix}/env/{name}_frac": float(np.mean(status == k)) for k, name in enumerate(STATUSES)})
     infos = [json.loads(str(s)) for s in batch["env/info"]]
     for key in sorted({k for info in infos for k in info}):
-        out[f"{prefix}/env/info/{key}"] = float(np.mean([info.get(key, 0.0) for info in infos]))
+        out[f"{prefix}/env/info/{key}"] = float(np.mean([info[key] if key in info else 0.0 for info in infos]))
     return out
 
 

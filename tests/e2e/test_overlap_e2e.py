@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from runs import run_and_kill
+from runs import run_and_kill, small_eval_set
 
 from conftest import REPO
 
@@ -24,7 +24,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 def command(out):
     return [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *RUN,
-            f"runtime_args.output_dir={out}"]
+            f"runtime_args.eval_data_path={small_eval_set(os.path.dirname(out))}", f"runtime_args.output_dir={out}"]
 
 
 def rows(out):

@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 import pytest
+from runs import small_eval_set
 
 from conftest import REPO
 from chatlearn.runtime.scheduler import residency_violations
@@ -45,7 +46,8 @@ def read_jsonl(path):
 
 def run(out, *overrides, env=None, timeout=560):
     cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *SHORT,
-           f"runtime_args.output_dir={out}", *overrides]
+           f"runtime_args.eval_data_path={small_eval_set(os.path.dirname(out))}", f"runtime_args.output_dir={out}",
+           *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

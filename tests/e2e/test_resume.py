@@ -1,4 +1,8 @@
-"""Exact resume: SIGKILL during an episode and during a checkpoint save, rerun, same metrics."""
+"""Exact resume: SIGKILL during an episode and during a checkpoint save, rerun, same metrics.
+
+The run is a multi-turn one (an environment from a file answers every model turn, its reward added
+to the math reward) with a KL term: the most state a resumed run must restore exactly. Single-turn
+runs are resumed by the end-to-end tests of reliability, max_staleness, dynamic sampling and Megatron."""
 from __future__ import annotations
 
 import json
@@ -14,12 +18,16 @@ from conftest import REPO
 RUN = ["runtime_args.num_episode=4", "runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_size=16",
        "runtime_args.train_micro_batch_size=8", "models.policy.num_inference_per_prompt=4",
        "runtime_args.eval_episode_interval=2", "models.policy.eval_num_inference_per_prompt=1",
-       "runtime_args.save_episode_interval=1", "runtime_args.rollout_backend=hf", "models.policy_trainer.kl_coef=0.01"]
+       "runtime_args.save_episode_interval=1", "runtime_args.rollout_backend=hf", "models.policy_trainer.kl_coef=0.01",
+       "models.policy.max_response_tokens_length=64",
+       "models.policy.multi_turn.environment=tests/support/multiturn_envs.py:CountdownEnv",
+       "models.policy.multi_turn.environment_kwargs={turns: 2}", "models.policy.multi_turn.max_turn_tokens=12",
+       "models.reward.functions=[{name: math, path: 'builtin:math'}]"]
 
 
 def command(out):
     return [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *RUN,
-            f"runtime_args.output_dir={out}"]
+            f"runtime_args.eval_data_path={runs.small_eval_set(os.path.dirname(out))}", f"runtime_args.output_dir={out}"]
 
 
 def learning_metrics(out):
@@ -51,6 +59,7 @@ def test_sigkill_during_episode_and_during_save_resume_exactly(tmp_path):
     finish(ref)
     expected = learning_metrics(ref)
     assert [r["episode"] for r in expected] == [0, 1, 2, 3, 4]
+    assert all(r["train/env/turns_mean"] > 1 for r in expected[1:])  # really multi-turn
 
     # 1) killed during episode 3 (episodes 0..2 logged, checkpoint 2 complete)
     out = tmp_path / "killed_in_episode"

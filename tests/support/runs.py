@@ -39,3 +39,14 @@ def learning_metrics(out) -> list:
     """Per row, the episode and the ``train/`` and ``eval/`` metrics: what a resumed run must repeat."""
     return [{k: v for k, v in r.items() if k == "episode" or k.startswith(("train/", "eval/"))}
             for r in metric_rows(out)]
+
+
+def small_eval_set(folder, n: int = 16) -> str:
+    """The first ``n`` rows of the default's eval data in ``<folder>/eval.jsonl``: evaluations of a few
+    seconds less each, for the runs that only compare or check their metrics."""
+    path = os.path.join(folder, "eval.jsonl")
+    with open(os.path.join(REPO, "assets", "arith", "eval.jsonl"), encoding="utf-8") as f:
+        rows = f.readlines()[:n]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(rows))
+    return path
