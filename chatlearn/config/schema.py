@@ -96,6 +96,11 @@ class RuntimeArgs:
     # weight sync
     bucket_size_mb_in_memory_manager: int = 1024
     coalesced_buffer_mb: int = 100  # size of one weight-push bucket, in MB
+    # The rollout engine in the trainer's processes (one process per device holds a trainer rank and a
+    # rollout replica; the weight push is a copy within the process). null: where it can be (policy
+    # colocated with policy_trainer, one replica per trainer rank, an engine that runs in the trainer's
+    # process: hf, vLLM's CPU build); true: required; false: separate processes
+    fuse_rollout: Optional[bool] = None
     # Without a GPU (logical devices), colocated models keep every part in memory between turns
     # (host memory is all there is: moving frees nothing); true: they move as on GPUs.
     offload_without_gpu: bool = False

@@ -225,13 +225,27 @@ class Cluster:
         their start-up overlaps, while :meth:`create` still builds the models one after another
         (on shared devices the order matters: the rollout engine sizes its cache from what is left)."""
         for name in names:
+            if name == "policy" and self.plan.fused_rollout:
+                continue  # built in the trainer's processes
             if name not in self._started:
                 args = self._group_args(name)
                 self._started[name] = (args, start_actors(name, args[0], **args[2]))
 
     def create(self, name: str) -> WorkerGroup:
+        if name == "policy" and self.plan.fused_rollout:
+            return self._create_fused_rollout()
         (factory, bcfg, kwargs), actors = self._started.pop(name, None) or (self._group_args(name), None)
         group = create_group(name, factory, bcfg, distributed=name not in ("policy", "reward"),
                              actors=actors, **kwargs)
         self.groups[name], self.specs[name] = group, bcfg
+        return group
+
+    def _create_fused_rollout(self) -> WorkerGroup:
+        """``runtime_args.fuse_rollout``: rollout replica i built in policy trainer rank i's process (the
+        trainer is built first), reached through the trainer's actors as their object ``policy``."""
+        factory, bcfg, _ = self._group_args("policy")
+        actors = self.groups["policy_trainer"].actors
+        ray.get([a.setup.remote(factory, bcfg, None, "policy") for a in actors])
+        group = WorkerGroup("policy", actors, target="policy")
+        self.groups["policy"], self.specs["policy"] = group, bcfg
         return group

@@ -93,18 +93,26 @@ def dead_worker_message(err: BaseException) -> str | None:
 
 
 class WorkerGroup:
-    """N actors of one model. ``call`` runs a method on every actor and returns the results in rank order."""
+    """N actors of one model. ``call`` runs a method on every actor and returns the results in rank order.
+    ``target``: the model is a further object of those actors (a fused rollout replica in the trainer's
+    processes, :meth:`chatlearn.runtime.worker.Worker.call_on`); None: their own object."""
 
-    def __init__(self, name: str, actors: list):
+    def __init__(self, name: str, actors: list, target: str | None = None):
         self.name = name
         self.actors = actors
+        self.target = target
         self.activity: Activity | None = None  # set by the engine to account busy time
 
     def __len__(self) -> int:
         return len(self.actors)
 
+    def _remote(self, actor, method: str, *args, **kwargs):
+        if self.target is None:
+            return actor.call.remote(method, *args, **kwargs)
+        return actor.call_on.remote(self.target, method, *args, **kwargs)
+
     def call_async(self, method: str, *args, **kwargs) -> list:
-        return [a.call.remote(method, *args, **kwargs) for a in self.actors]
+        return [self._remote(a, method, *args, **kwargs) for a in self.actors]
 
     def call(self, method: str, *args, **kwargs) -> tuple[list, float]:
         """Results of every actor, and the longest time any of them took."""
@@ -115,7 +123,7 @@ class WorkerGroup:
                   ) -> tuple[list, float]:
         """Actor i runs ``method(*per_actor_args[i])``. With ``timeout`` (seconds), a :class:`CallTimeout`
         naming the actors still running once it has passed; a call that fails raises at once."""
-        refs = [a.call.remote(method, *args) for a, args in zip(self.actors, per_actor_args)]
+        refs = [self._remote(a, method, *args) for a, args in zip(self.actors, per_actor_args)]
         if timeout:
             pending, deadline = list(refs), time.monotonic() + timeout
             while pending:

@@ -1,7 +1,8 @@
 """The driver's side of the streaming weight push (the protocol and the trainer/rollout sides are in
 :mod:`chatlearn.runtime.weight_sync`): which transport a placement uses, and ``WeightSync``, which
-plans the buckets and drives the trainers' sends and the replicas' loads. No torch here: the driver
-does not import it.
+plans the buckets and drives the trainers' sends and the replicas' loads (or, with a fused rollout,
+``runtime_args.fuse_rollout``, the copy each trainer rank makes into the replica of its own process).
+No torch here: the driver does not import it.
 """
 from __future__ import annotations
 
@@ -76,6 +77,8 @@ class WeightSync:
     def push(self) -> dict:
         """One full push; returns ``{"sync/bytes": bytes per replica, "sync/push_gbps": GB/s}``
         (1 GB = 1e9 bytes; the time covers gather, transport and the engines' loads)."""
+        if self.plan is not None and self.plan.fused_rollout:
+            return self._push_in_process()
         if self.buckets is None:
             self._setup()
         start = time.perf_counter()
@@ -105,4 +108,14 @@ class WeightSync:
             ray.get([a.sync.remote("close_sender") for a in trainers])
         seconds = time.perf_counter() - start
         nbytes = sum(b.nbytes for b in self.buckets)
+        return {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}
+
+    def _push_in_process(self) -> dict:
+        """``runtime_args.fuse_rollout``: each trainer rank loads the replica in its own process
+        (``chatlearn.runtime.weight_sync.local_push``, one call on every rank)."""
+        start = time.perf_counter()
+        bucket_bytes = int(float(self.cfg.runtime_args.coalesced_buffer_mb) * 2 ** 20)
+        outs = ray.get([a.push_weights_local.remote("policy", bucket_bytes) for a in self.trainer.actors])
+        seconds = time.perf_counter() - start
+        nbytes = outs[0][0]
         return {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}

@@ -291,3 +291,32 @@ class Endpoint:
             self.obj.detach_weight_slots()
         self.slots = []
         gc.collect()
+
+
+# ------------------------------------------------------------------ fused rollout (runtime_args.fuse_rollout)
+def local_push(trainer, rollout, bucket_bytes: int) -> int:
+    """The weight push of a rollout replica that lives in its trainer rank's process: every trainer
+    rank runs this at once (a collective). Bucket by bucket, as planned for the streamed push, the
+    ranks gather the full tensors (``export_tensors``: on rank 0); with one rank the replica loads them
+    as they are (no copy beyond its own), with several rank 0 packs the bucket into one buffer and
+    broadcasts it over the trainers' process group, and each rank's replica loads the views. Returns
+    the bytes loaded."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    buckets = plan_buckets(trainer.weight_specs(), bucket_bytes)
+    rollout.begin_weight_update()
+    for index in buckets:
+        if world == 1:
+            rollout.load_weight_bucket([(name, t) for name, t in trainer.export_tensors(index.names)])
+            continue
+        buf = torch.empty(index.nbytes, dtype=torch.uint8, device=torch.device(trainer.device))
+        views = dict(bucket_views(index, buf))
+        for name, tensor in trainer.export_tensors(index.names):
+            if tensor is not None:
+                views[name].copy_(tensor)
+            del tensor
+        dist.broadcast(buf, src=0)
+        rollout.load_weight_bucket(bucket_views(index, buf))
+    rollout.finish_weight_update()
+    return sum(b.nbytes for b in buckets)

@@ -1,4 +1,5 @@
-"""The Ray actor that hosts one backend object: a trainer rank, a rollout replica or a reward worker."""
+"""The Ray actor that hosts a backend object: a trainer rank, a rollout replica or a reward worker, and
+with ``runtime_args.fuse_rollout`` a trainer rank and the rollout replica of its device together."""
 from __future__ import annotations
 
 import importlib
@@ -11,7 +12,9 @@ import time
 
 
 class Worker:
-    """Builds ``module:Class(cfg)`` in its own process and runs its methods on request."""
+    """Builds ``module:Class(cfg)`` in its own process and runs its methods on request. A fused rollout
+    replica is a second object of the process (``setup(..., target="policy")``), reached by
+    :meth:`call_on`; the process's own object stays ``obj``."""
 
     def __init__(self, threads: int, preload: str | None = None, uses_torch: bool = True):
         """``preload``: the backend's module, imported now, while the process waits for its
@@ -31,6 +34,7 @@ class Worker:
             torch.set_num_threads(threads)
             hf_logging.disable_progress_bar()  # per-file loading bars would flood the run's log
         self.obj = None
+        self.objs: dict = {}  # name -> a further object of this process (a fused rollout replica)
         if preload:
             importlib.import_module(preload)
 
@@ -43,7 +47,8 @@ class Worker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, factory: str, cfg: dict, env: dict[str, str] | None = None) -> None:
+    def setup(self, factory: str, cfg: dict, env: dict[str, str] | None = None, target: str | None = None) -> None:
+        """Build the backend; ``target``: as a further object of that name (a fused rollout replica)."""
         os.environ.update(env or {})  # torch.distributed rendezvous (rank, world, address)
         from chatlearn.models.specs import RolloutSpec, TrainerSpec, resolve_for_device
 
@@ -56,7 +61,11 @@ class Worker:
         remove_stale_files()  # of killed runs on this node
         before = temp_files()
         module, name = factory.split(":")
-        self.obj = getattr(importlib.import_module(module), name)(cfg)
+        built = getattr(importlib.import_module(module), name)(cfg)
+        if target is None:
+            self.obj = built
+        else:
+            self.objs[target] = built
         # the rendezvous files its backend created (vLLM's vllm_dist_*): removed when this run ends,
         # or by the next start on this node if this process is killed first
         record_owned(temp_files() - before)
@@ -97,8 +106,26 @@ class Worker:
 
     def call(self, method: str, *args, **kwargs):
         """Run ``method`` and return (result, seconds); generators are drained into a list."""
+        return self._run(self.obj, method, args, kwargs)
+
+    def call_on(self, target: str, method: str, *args, **kwargs):
+        """:meth:`call` on the further object ``target`` (a fused rollout replica)."""
+        return self._run(self.objs[target], method, args, kwargs)
+
+    @staticmethod
+    def _run(obj, method: str, args, kwargs):
         start = time.perf_counter()
-        out = getattr(self.obj, method)(*args, **kwargs)
+        out = getattr(obj, method)(*args, **kwargs)
         if inspect.isgenerator(out):
             out = list(out)
         return out, time.perf_counter() - start
+
+    def push_weights_local(self, target: str, bucket_bytes: int) -> tuple[int, float]:
+        """The weight push of a fused rollout: this trainer rank's weights into the replica ``target``
+        of this process (:func:`chatlearn.runtime.weight_sync.local_push`; a collective of the
+        trainer ranks). Returns (bytes loaded, seconds)."""
+        from chatlearn.runtime.weight_sync import local_push
+
+        start = time.perf_counter()
+        nbytes = local_push(self.obj, self.objs[target], bucket_bytes)
+        return nbytes, time.perf_counter() - start
