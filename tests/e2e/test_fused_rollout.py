@@ -1,6 +1,8 @@
 """runtime_args.fuse_rollout: the rollout replicas in the policy trainer's processes train exactly as
-separate rollout processes do (transformers with two trainer ranks: the in-process push broadcasts
-rank 0's buckets; vLLM's CPU build with one), with one process per device."""
+separate rollout processes do (vLLM's CPU build, two trainer ranks: each process holds a rank and an
+engine, and the in-process push broadcasts rank 0's buckets), with one process per device. (The
+transformers engine, fused by default, is compared with separate processes by
+tests/e2e/test_placement.py: the colocated run against the partial and disaggregated ones.)"""
 from __future__ import annotations
 
 import subprocess
@@ -27,7 +29,7 @@ def run(out, *overrides) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("backend, gpus", [("hf", 2), ("vllm", 1)])
+@pytest.mark.parametrize("backend, gpus", [("vllm", 2)])
 def test_a_fused_rollout_trains_exactly_as_separate_processes(tmp_path, backend, gpus):
     over = [f"runtime_args.rollout_backend={backend}", f"models.policy_trainer.num_gpu={gpus}"]
     fused = run(tmp_path / "fused", *over)

@@ -104,6 +104,8 @@ def test_partial_and_disaggregated_placements_train_like_colocated(tmp_path):
         proc, rows, events = run(tmp_path / name, f"runtime_args.colocation={coloc}",
                                  "runtime_args.rollout_backend=hf", timeout=280)
         runs[name] = (proc, rows, events)
+    # colocated, the transformers engine runs in the trainer's process (runtime_args.fuse_rollout)
+    assert "in the processes of policy_trainer (fused" in runs["colocated"][0].stdout
     assert "device group 1 (device 1): policy" in runs["partial"][0].stdout
     assert "device group 2 (device 2): ref_policy" in runs["disaggregated"][0].stdout
     # the rollout never leaves its own devices when it shares them with nothing

@@ -1,4 +1,5 @@
-"""Exact resume: SIGKILL during an episode and during a checkpoint save, rerun, same metrics.
+"""Exact resume: SIGKILL during a checkpoint save, rerun, same metrics (a kill during an episode:
+tests/reliability/test_reliability_e2e.py::test_kill_after_a_checkpoint_torn_rows_then_resume).
 
 The run is a multi-turn one (an environment from a file answers every model turn, its reward added
 to the math reward) with a KL term: the most state a resumed run must restore exactly. Single-turn
@@ -15,7 +16,8 @@ import runs
 
 from conftest import REPO
 
-RUN = ["runtime_args.num_episode=4", "runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_size=16",
+RUN = ["runtime_args.num_episode=3", "runtime_args.keep_last_checkpoints=2", "runtime_args.sample_per_episode=32",
+       "runtime_args.train_global_batch_size=16",
        "runtime_args.train_micro_batch_size=8", "models.policy.num_inference_per_prompt=4",
        "runtime_args.eval_episode_interval=2", "models.policy.eval_num_inference_per_prompt=1",
        "runtime_args.save_episode_interval=1", "runtime_args.rollout_backend=hf", "models.policy_trainer.kl_coef=0.01",
@@ -41,11 +43,6 @@ def run_and_kill(out, when, env=None):
     runs.run_and_kill(command(out), when, env)
 
 
-def rows_written(out):
-    path = os.path.join(out, "metrics.jsonl")
-    return sum(1 for _ in open(path, encoding="utf-8")) if os.path.exists(path) else 0
-
-
 def finish(out):
     proc = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -54,23 +51,15 @@ def finish(out):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_sigkill_during_episode_and_during_save_resume_exactly(tmp_path):
+def test_sigkill_during_a_save_resumes_exactly(tmp_path):
     ref = tmp_path / "uninterrupted"
     finish(ref)
     expected = learning_metrics(ref)
-    assert [r["episode"] for r in expected] == [0, 1, 2, 3, 4]
+    assert [r["episode"] for r in expected] == [0, 1, 2, 3]
     assert all(r["train/env/turns_mean"] > 1 for r in expected[1:])  # really multi-turn
 
-    # 1) killed during episode 3 (episodes 0..2 logged, checkpoint 2 complete)
-    out = tmp_path / "killed_in_episode"
-    run_and_kill(out, lambda: rows_written(out) >= 3)
-    ckpts = out / "checkpoints"
-    assert (ckpts / "episode_000002" / "COMPLETE").exists()
-    stdout = finish(out)
-    assert "resuming from" in stdout and "episode 2)" in stdout
-    assert learning_metrics(out) == expected
-
-    # 2) killed in the middle of writing checkpoint 2: checkpoint 1 stays usable
+    # killed in the middle of writing checkpoint 2 (episode 2 trained): checkpoint 1 stays usable, and the
+    # rerun trains episodes 2 and 3 again exactly
     out = tmp_path / "killed_in_save"
     tmp_ckpt = out / "checkpoints" / "episode_000002.tmp"
     run_and_kill(out, lambda: (tmp_ckpt / "trainer").exists(), env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "5"})
@@ -83,4 +72,4 @@ def test_sigkill_during_episode_and_during_save_resume_exactly(tmp_path):
     assert learning_metrics(out) == expected
     assert not tmp_ckpt.exists()
     kept = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("episode_"))
-    assert kept == ["episode_000002", "episode_000003", "episode_000004"]  # keep_last_checkpoints=3
+    assert kept == ["episode_000002", "episode_000003"]  # keep_last_checkpoints=2
