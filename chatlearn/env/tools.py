@@ -18,6 +18,8 @@ schema, or a tool that raises are the model's mistakes to learn from, not the ru
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import re
 from dataclasses import dataclass, field
@@ -70,7 +72,8 @@ def parse_hermes(text: str) -> list[ToolCall]:
 @dataclass
 class Tool:
     """A tool the model may call: ``fn(**arguments, **kwargs)`` returns its result (a string, or
-    anything JSON can write); ``parameters`` is the JSON schema its arguments are checked against."""
+    anything JSON can write; ``fn`` may be an ``async def``); ``parameters`` is the JSON schema its
+    arguments are checked against."""
 
     name: str
     fn: Callable
@@ -97,6 +100,8 @@ class Tool:
                     + f": {problems[0].message}")
         try:
             out = self.fn(**arguments, **self.kwargs)
+            if inspect.isawaitable(out):  # an async def tool: run on this thread's own event loop
+                out = asyncio.run(_awaited(out))
         except Exception as err:  # noqa: BLE001 - the tool's failure is the model's answer
             return f"error: {type(err).__name__}: {err}"
         return out if isinstance(out, str) else json.dumps(out, ensure_ascii=False, default=str)
@@ -148,6 +153,10 @@ class ToolEnvironment(Environment):
         """The reward of the final answer ``action`` (a turn without tool calls); 0 here: the
         reward functions (``models.reward.functions``) score the trajectory."""
         return 0.0
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 def _clip(text: str, limit: int = 200) -> str:

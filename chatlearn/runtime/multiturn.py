@@ -25,9 +25,11 @@ rollouts ahead and every batch operation keep them.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import copy
 import functools
+import inspect
 import json
 import os
 import queue
@@ -78,7 +80,10 @@ class EnvCalls:
 
         def work(i: int) -> None:
             try:
-                finished.put((i, Outcome(value=calls[i]())))
+                value = calls[i]()
+                if inspect.isawaitable(value):  # an async def method: run on this thread's own loop
+                    value = asyncio.run(_awaited(value))
+                finished.put((i, Outcome(value=value)))
             except BaseException as err:  # noqa: BLE001 - the environment's error is recorded, the run goes on
                 finished.put((i, Outcome(error=err)))
 
@@ -99,6 +104,10 @@ class EnvCalls:
                     results[i] = Outcome(timed_out=True)
                     self.abandoned += 1
         return results
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 @dataclass

@@ -153,3 +153,18 @@ def test_the_base_class_needs_a_step():
     assert env.reset({}) is None and env.close() is None
     with pytest.raises(NotImplementedError):
         env.step("x")
+
+
+def test_an_async_tool_is_awaited():
+    async def lookup(key: str) -> dict:
+        """Look a key up."""
+        import asyncio
+
+        await asyncio.sleep(0)
+        if key == "bad":
+            raise KeyError(key)
+        return {"key": key, "value": 1}
+
+    tool = Tool("lookup", lookup, *function_schema(lookup))
+    assert json.loads(tool({"key": "x"})) == {"key": "x", "value": 1}
+    assert tool({"key": "bad"}) == "error: KeyError: 'bad'"

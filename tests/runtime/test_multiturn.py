@@ -296,3 +296,11 @@ def test_rollouts_generated_ahead_keep_a_multi_turn_batch_in_the_checkpoint(tok,
     assert episode == 2
     for key, value in batch.items():
         np.testing.assert_array_equal(kept[key], value)
+
+
+def test_async_environments_run_on_the_step_threads(tok):
+    cfg = make_cfg(environment="multiturn_envs:AsyncEnv", environment_kwargs={})
+    batch = MultiTurnRollout(cfg, tok).run(FakeEngine(tok), prompts_for(tok, ["a", "b"]), SAMPLING, "x")
+    assert [STATUSES[s] for s in batch["env/status"]] == ["done", "done"]
+    assert list(batch["env/turns"]) == [2, 2]
+    np.testing.assert_allclose(batch["env/reward"], [0.5 + 0.9, 0.5 + 0.9])

@@ -55,3 +55,20 @@ class CountdownEnv(Environment):
         if self.left <= 0:
             return None, float(bool(action.strip())), True, {"steps": 1}
         return f"Again ({self.left} left).", 0.0, False, {"steps": 1}
+
+
+class AsyncEnv(Environment):
+    """``async def`` reset and step (an environment calling a service): one observation, then done."""
+
+    async def reset(self, row):
+        import asyncio
+
+        await asyncio.sleep(0)
+        return None
+
+    async def step(self, action):
+        import asyncio
+
+        await asyncio.sleep(0.01)
+        self.steps = getattr(self, "steps", 0) + 1
+        return (None, 1.0, True, {"steps": self.steps}) if self.steps > 1 else ("more", 0.5, False, {})
