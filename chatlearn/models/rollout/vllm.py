@@ -226,6 +226,27 @@ class WorkerExtension:
             return True
         return False
 
+    def chatlearn_eager_token_ranks(self) -> bool:
+        """On the CPU: the sampler's count of each sampled token's rank in its distribution
+        (``batched_count_greater_than``, wrapped in ``torch.compile`` with the inductor backend)
+        runs as the plain function it wraps. Compiling it costs about 3 s of the first generate
+        call in every engine process; it only saves the [tokens, vocab] comparison tensor, which
+        matters for GPU memory, not here. The ranks are the same. True when replaced."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return False
+        try:
+            from vllm.v1.sample import sampler as sampler_module
+        except ImportError:
+            return False
+        compiled = getattr(sampler_module, "batched_count_greater_than", None)
+        plain = getattr(compiled, "_torchdynamo_orig_callable", None)
+        if plain is None:
+            return False
+        sampler_module.batched_count_greater_than = plain
+        return True
+
     def chatlearn_weight_path(self) -> str:
         """This worker's way of loading pushed weights (:func:`weight_load_path`), decided on
         the first call from vLLM's platform, the model's quantization and the vLLM installed."""
@@ -621,6 +642,7 @@ class VLLMRollout(Rollout):
         # (tensor parallelism runs each rank in a process of its own).
         self._in_process = tp == 1 and isinstance(self.llm.llm_engine.engine_core, InprocClient)
         self._untruncated = all(self.llm.collective_rpc("chatlearn_untruncated_logprobs"))
+        self.llm.collective_rpc("chatlearn_eager_token_ranks")
         # decided once per worker; an unsupported setup fails here rather than on the first push
         self._weight_path = self.llm.collective_rpc("chatlearn_weight_path")[0]
         sizes = self.llm.collective_rpc("chatlearn_memory_bytes")

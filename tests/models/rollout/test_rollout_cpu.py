@@ -248,6 +248,21 @@ def test_logprobs_match_a_full_forward(rollout, reference, temperature):
 
 
 @pytest.mark.timeout(240)
+def test_vllm_cpu_counts_token_ranks_without_compiling(vllm):
+    """The sampler's token-rank count runs as the plain function torch.compile wrapped (compiling it
+    took about 3 s of every engine's first generate); its counts are the compiled function's."""
+    from vllm.v1.sample import sampler as sampler_module
+    from vllm.v1.sample.ops import logprobs as compiled_module
+
+    plain = sampler_module.batched_count_greater_than
+    assert not hasattr(plain, "_torchdynamo_orig_callable")
+    assert plain is compiled_module.batched_count_greater_than._torchdynamo_orig_callable
+    x = torch.tensor([[0.1, 0.5, 0.3, 0.5], [2.0, -1.0, 0.0, 1.0]])
+    values = torch.tensor([[0.3], [2.0]])
+    assert plain(x, values).tolist() == [3, 1]  # elements >= the token's log-prob, itself included
+
+
+@pytest.mark.timeout(240)
 def test_logprobs_ignore_top_k_top_p_truncation(rollout, reference):
     """top-k/top-p shape what is sampled; the log-probs stay those of the full softmax."""
     batch = rollout.generate(prompts(), {"temperature": 0.7, "top_p": 0.9, "top_k": 5,
