@@ -133,8 +133,7 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
         os.makedirs(tmp)
         write(tmp)
-        # A window in which to interrupt a save, for crash tests only.
-        time.sleep(float(os.environ.get("CHATLEARN_CHECKPOINT_TEST_DELAY", "0")))
+        time.sleep(_test_delay(episode))
         with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
             json.dump({"episode": episode, "run_id": self.run_id, **state}, f, indent=1)
             f.flush()
@@ -206,3 +205,13 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _test_delay(episode: int) -> float:
+    """A window in which to interrupt a save, for crash tests only: ``CHATLEARN_CHECKPOINT_TEST_DELAY``
+    is ``seconds`` (every save) or ``seconds@episode`` (only that episode's save)."""
+    value = os.environ.get("CHATLEARN_CHECKPOINT_TEST_DELAY", "")
+    if not value:
+        return 0.0
+    seconds, _, only = value.partition("@")
+    return float(seconds) if not only or int(only) == episode else 0.0

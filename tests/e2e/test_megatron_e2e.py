@@ -1,5 +1,6 @@
 """End to end: ``chatlearn run template/grpo_megatron.yaml`` for one episode with tensor
-parallelism 2, then a resumed run for a second episode, on a machine without a GPU.
+parallelism 2, then a resumed run for a second episode with sequence packing, on a machine
+without a GPU.
 
 megatron-core calls CUDA directly, so the trainer actors run under the test-only CPU device
 shim: the run's environment puts ``tests/support/megatron_cpu_site`` on ``PYTHONPATH`` and
@@ -41,7 +42,7 @@ def run(out, episodes: int, extra: tuple = ()) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_one_episode_with_megatron_tp2_then_resume(tmp_path):
+def test_one_episode_with_megatron_tp2_then_resume_with_packing(tmp_path):
     out = tmp_path / "out"
     stdout = run(out, episodes=1)
     lines = [ln for ln in stdout.splitlines() if ln.startswith("episode")]
@@ -67,26 +68,16 @@ def test_one_episode_with_megatron_tp2_then_resume(tmp_path):
     AutoModelForCausalLM.from_pretrained(ckpt / "hf")
     AutoTokenizer.from_pretrained(ckpt / "hf")
 
-    # a second run with one more episode resumes from it (load_checkpoint) and trains on
-    stdout = run(out, episodes=2)
+    # a second run with one more episode resumes from it (load_checkpoint) and trains on, with sequence
+    # packing (TP=2, no sequence parallelism: no padding)
+    stdout = run(out, episodes=2, extra=("models.policy_trainer.packing=true",
+                                         "models.policy_trainer.max_token_in_packing=256"))
     assert "resuming from" in stdout and "episode 1)" in stdout, stdout
     with open(out / "metrics.jsonl", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     assert [r["episode"] for r in rows] == [1, 2]
-    assert rows[1]["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, rows[1]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_one_episode_with_megatron_tp2_and_packing(tmp_path):
-    """Sequence packing in the Megatron trainer (TP=2, no sequence parallelism: no padding)."""
-    out = tmp_path / "out"
-    run(out, episodes=1, extra=("models.policy_trainer.packing=true",
-                                "models.policy_trainer.max_token_in_packing=256"))
-    with open(out / "metrics.jsonl", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    assert [r["episode"] for r in rows] == [1]
-    row = rows[0]
+    row = rows[1]
+    assert row["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, row
+    assert rows[0]["train/pad_token_frac"] > 0  # padded
     assert row["train/pad_token_frac"] == 0.0 and row["perf/logprob_pad_token_frac"] == 0.0
     assert row["train/micro_steps"] >= 1 and row["train/grad_norm"] > 0
-    assert row["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, row

@@ -1,5 +1,6 @@
 """Placement end to end: all four models colocated on 2 logical devices (the residency
-invariant over the recorded timeline, and exactly the transitions the schedule needs),
+invariant over the recorded timeline, and exactly the transitions the schedule needs; the rollout
+replicas in the trainer ranks' processes train exactly as in processes of their own),
 partial colocation and full disaggregation (training end to end, learning like the
 colocated run), and joining a cluster started with ``ray start --head``."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 import tempfile
 
 import pytest
-from runs import small_eval_set
+from runs import learning_metrics, small_eval_set
 
 from conftest import REPO
 from chatlearn.runtime.scheduler import residency_violations
@@ -55,12 +56,14 @@ def run(out, *overrides, env=None, timeout=560):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_four_models_colocated_on_two_devices(tmp_path):
-    proc, rows, events = run(
-        tmp_path / "out", "runtime_args.colocation=[policy,policy_trainer,ref_policy,reward]",
-        "models.policy_trainer.num_gpu=2", "runtime_args.rollout_backend=vllm")
+    over = ["runtime_args.colocation=[policy,policy_trainer,ref_policy,reward]", "models.policy_trainer.num_gpu=2",
+            "runtime_args.rollout_backend=vllm"]
+    proc, rows, events = run(tmp_path / "out", *over)
     assert "device group 0 (devices 0..1): policy, policy_trainer, ref_policy, reward" in proc.stdout
+    # vLLM's CPU build, one replica per trainer rank: each rollout replica runs in its trainer rank's process
+    assert "in the processes of policy_trainer (fused" in proc.stdout
     groups = [["policy", "policy_trainer", "ref_policy", "reward"]]
 
     # the invariant holds after every transition and during every stage
@@ -88,6 +91,19 @@ def test_four_models_colocated_on_two_devices(tmp_path):
     for r in rows[1:]:
         assert r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, r
         assert 0 <= r["perf/overhead_share"] < 1
+
+    # runtime_args.fuse_rollout=false: the replicas in processes of their own train exactly alike (the
+    # fused push broadcasts rank 0's buckets over the trainers' group, the separate one streams them)
+    apart, apart_rows, apart_events = run(tmp_path / "apart", *over, "runtime_args.fuse_rollout=false")
+    assert "in the processes of policy_trainer" not in apart.stdout
+    assert learning_metrics(tmp_path / "apart") == learning_metrics(tmp_path / "out")
+    # the same turns (what moves does not depend on which process holds the engine)
+    assert ([(e["model"], e["action"], e["parts"]) for e in apart_events if e["kind"] == "transition"]
+            == [(e["model"], e["action"], e["parts"]) for e in events if e["kind"] == "transition"])
+    # one process holds both: the same peak; apart, the rollout's process has its own
+    assert rows[-1]["memory/policy_peak_mb"] == rows[-1]["memory/policy_trainer_peak_mb"]
+    assert apart_rows[-1]["memory/policy_peak_mb"] != apart_rows[-1]["memory/policy_trainer_peak_mb"]
+    assert rows[-1]["sync/bytes"] == apart_rows[-1]["sync/bytes"] > 0
 
 
 def _learning(rows):

@@ -62,7 +62,7 @@ def test_sigkill_during_a_save_resumes_exactly(tmp_path):
     # rerun trains episodes 2 and 3 again exactly
     out = tmp_path / "killed_in_save"
     tmp_ckpt = out / "checkpoints" / "episode_000002.tmp"
-    run_and_kill(out, lambda: (tmp_ckpt / "trainer").exists(), env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "5"})
+    run_and_kill(out, lambda: (tmp_ckpt / "trainer").exists(), env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "5@2"})
     ckpts = out / "checkpoints"
     assert tmp_ckpt.exists() and not (ckpts / "episode_000002").exists()
     assert (ckpts / "latest").read_text().strip() == "episode_000001"

@@ -60,9 +60,9 @@ def test_kill_after_a_checkpoint_torn_rows_then_resume(tmp_path):
     checkpoint: the next run falls back to the one before it."""
     out = tmp_path / "out"
     metrics, timeline = out / "metrics.jsonl", out / "timeline.jsonl"
-    # a pause inside every save keeps checkpoint 4 incomplete while we kill, as soon as episode 3 is
+    # a pause inside the save of episode 4 keeps its checkpoint incomplete while we kill, as soon as episode 3 is
     # logged (episode 4 trains in about a second, then its save waits 8 s)
-    proc = start(out, env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "8"})
+    proc = start(out, env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "8@4"})
     try:
         wait_for(proc, lambda: metrics.exists() and 3 in episodes(metrics), "episode 3 was logged")
     finally:
