@@ -474,6 +474,8 @@ def markdown(report: dict) -> str:
                  "Ratios: chatlearn / TRL.")
     for name, wl in report["workloads"].items():
         lines += ["", f"## {name}: {wl['description']}", ""]
+        if wl.get("commit"):
+            lines += [f"Measured at commit {wl['commit']}.", ""]
         lines.append("| system | samples/s | gen tokens/s | s per step | peak RSS sum (MB) | peak PSS sum (MB) "
                      "| reward (last 3) | first step done (s) | run (s) | samples/s vs TRL | RSS vs TRL |")
         lines.append("|" + " --- |" * 11)

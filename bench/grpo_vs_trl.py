@@ -259,6 +259,9 @@ def main() -> None:
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "chatlearn_bench"),
                         help="where generated models and run folders go")
     parser.add_argument("--keep-runs", action="store_true", help="keep each run's output folder")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the workloads of the existing results that --workloads leaves out (each "
+                             "records the commit it measured)")
     parser.add_argument("--readme", action="store_true",
                         help="run nothing: summarise the runs in --results again (JSON and markdown) and write "
                              "the README's table from them")
@@ -294,6 +297,15 @@ def main() -> None:
 
     suffix = "_quick" if args.quick else ""
     json_path = os.path.join(args.results, f"grpo_vs_trl{suffix}.json")
+    if args.update and os.path.exists(json_path):
+        with open(json_path, encoding="utf-8") as f:
+            earlier = json.load(f)
+        if (earlier["machine"], earlier["repeats"]) != (report["machine"], report["repeats"]):
+            raise SystemExit(f"--update: {json_path} was measured on {earlier['machine']} with {earlier['repeats']} "
+                             "repetition(s); measure every workload again here (without --update)")
+        report["workloads"] = earlier["workloads"]  # those measured now are replaced, in their place
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or None
     failed = 0
     for w in workloads:
         episodes, warmup = gc.with_episodes(w, args.quick)
@@ -316,7 +328,7 @@ def main() -> None:
         expected = expected_prompts(cfg, model, episodes) if "trl" in systems else []
         runs: dict[str, list[dict]] = {s: [] for s in systems}
         entry = report["workloads"][w.name] = {
-            "description": desc, "episodes": episodes, "warmup": warmup, "model": model,
+            "description": desc, "commit": commit, "episodes": episodes, "warmup": warmup, "model": model,
             "settings": {k: [str(a), str(b)] for k, (a, b) in settings.items()}, "runs": runs}
         for rep, system in gc.run_order(systems, repeats):
             work = tempfile.mkdtemp(prefix=f"{w.name}_{system}_{rep}_", dir=args.cache)
