@@ -57,7 +57,10 @@ def itemsize(dtype: str) -> int:
         return ITEMSIZE[dtype]
     import torch
 
-    return itemsize(dtype)
+    found = getattr(torch, dtype, None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"{dtype!r} is not a torch dtype")
+    return found.itemsize
 
 
 def _align(n: int) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import sys
 
 import numpy as np
 import pytest

@@ -41,6 +41,16 @@ def test_plan_keeps_groups_whole_and_aligns_offsets():
     assert [b.names for b in ws.plan_buckets(big, bucket_bytes=8)] == [["x", "y"]]
 
 
+def test_itemsize_of_dtypes_outside_the_table():
+    import torch
+
+    assert wb.itemsize("bfloat16") == 2
+    for name in ("complex64", "float8_e4m3fnuz", "uint32"):  # not in ITEMSIZE: torch's own size
+        assert wb.itemsize(name) == getattr(torch, name).itemsize
+    with pytest.raises(ValueError, match="'float5' is not a torch dtype"):
+        wb.itemsize("float5")
+
+
 def test_bucket_views_round_trip():
     rng = np.random.default_rng(0)
     tensors = {"w": torch.from_numpy(rng.normal(size=(3, 4)).astype(np.float32)),

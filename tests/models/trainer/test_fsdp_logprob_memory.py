@@ -36,8 +36,6 @@ def job_watch(rank, world, path, batch):
 
 @pytest.mark.timeout(240)
 def test_no_tensor_holds_more_than_one_chunk_of_vocab_rows(tmp_path):
-    import sys
-    from pathlib import Path
 
     from transformers import AutoConfig
 
