@@ -11,9 +11,10 @@ when something goes wrong. By default a run keeps them off the console:
   and error, at the file-descriptor level, go to ``<output_dir>/logs/worker-<pid>.log``
   (:func:`setup_worker`, first thing in the worker), which catches C/C++ warnings, progress bars
   and library prints as well as Python logging. ``<pid>`` is the one in Ray's
-  ``(Worker pid=...)`` prefix. chatlearn's own lines from a worker (:func:`worker_console`) still
-  reach the console through Ray, and a worker's exception reaches the driver as the run's error.
-  When a worker process dies, the driver prints the end of its log (:func:`failure_hint`).
+  ``(Worker pid=...)`` prefix of ``--verbose``. A worker's exception reaches the driver as the run's
+  error; when a worker process dies, the driver prints the end of its log (:func:`failure_hint`).
+  Nothing of the workers' output streams to the driver then, so a run's own Ray head starts without
+  its log monitor (:func:`workers_stream_to_driver`, ``chatlearn.runtime.cluster.lean_local_head``).
 
 ``--verbose`` (``CHATLEARN_VERBOSE=1``) shows everything on the console as well, as it comes.
 The driver tells the workers where to write through ``CHATLEARN_LOG_DIR`` and
@@ -50,9 +51,16 @@ def log_dir(output_dir: str) -> str:
 def ray_init_options() -> dict:
     """Logging arguments of ``ray.init``. ``configure_logging`` keeps the handlers of Ray's ``ray``
     logger (:class:`ThirdPartyLogs` routes it) and sets their level and format; off, Ray 2.x removes
-    them. The workers' output still streams to the driver: what is left of it after
-    :func:`setup_worker` is chatlearn's and the failures'."""
-    return {"logging_level": "WARNING", "configure_logging": True, "log_to_driver": True}
+    them. The workers' output streams to the driver only where it is not written to a run's logs
+    folder (:func:`workers_stream_to_driver`)."""
+    return {"logging_level": "WARNING", "configure_logging": True, "log_to_driver": workers_stream_to_driver()}
+
+
+def workers_stream_to_driver() -> bool:
+    """Whether the workers' standard output reaches the console through Ray: with ``--verbose``, or
+    where nothing sends it to a run's logs folder (``chatlearn eval``, chatlearn used as a library).
+    Otherwise :func:`setup_worker` writes all of it to ``<output_dir>/logs/``."""
+    return verbose() or not os.environ.get(ENV_LOG_DIR)
 
 
 class ThirdPartyLogs:
@@ -169,17 +177,17 @@ def attach_logs(output_dir: str) -> str | None:
     return _active.attach(output_dir) if _active is not None else None
 
 
-_console_stream = None
+_redirected = False
 
 
 def setup_worker() -> None:
     """In a worker process, before anything else is imported: send its standard output and error
     (file descriptors 1 and 2, inherited by the processes it starts) to
-    ``$CHATLEARN_LOG_DIR/worker-<pid>.log``; the original standard output stays available to
-    :func:`worker_console`. Nothing changes with ``--verbose`` or without ``CHATLEARN_LOG_DIR``."""
-    global _console_stream
+    ``$CHATLEARN_LOG_DIR/worker-<pid>.log``. Nothing changes with ``--verbose`` or without
+    ``CHATLEARN_LOG_DIR``."""
+    global _redirected
     folder = os.environ.get(ENV_LOG_DIR)
-    if not folder or verbose() or _console_stream is not None:
+    if not folder or verbose() or _redirected:
         return
     path = os.path.join(folder, f"worker-{os.getpid()}.log")
     try:
@@ -188,7 +196,7 @@ def setup_worker() -> None:
         return  # the console it is
     sys.stdout.flush()
     sys.stderr.flush()
-    _console_stream = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+    _redirected = True
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -197,11 +205,6 @@ def setup_worker() -> None:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(line_buffering=True)
-
-
-def worker_console():
-    """The stream that reaches the console from a worker (its original standard output)."""
-    return _console_stream if _console_stream is not None else sys.stdout
 
 
 _PID = re.compile(r"\bpid[=: ]+(\d+)")

@@ -17,17 +17,16 @@ from chatlearn.logging.metrics import WALL, MetricsWriter, run_summary
 from conftest import REPO
 
 # a worker process: what libraries write (Python print and logging, a C-level write to fd 2, a child
-# process), and a line of chatlearn's own
+# process)
 WORKER = textwrap.dedent("""
     import logging, os, subprocess, sys
-    from chatlearn.logging.console import setup_worker, worker_console
+    from chatlearn.logging.console import setup_worker
 
     setup_worker()
     print("library print on stdout")
     logging.getLogger("vllm.x").warning("library logging warning")
     os.write(2, b"C-level warning on fd 2\\n")
     subprocess.run([sys.executable, "-c", "print('child process line')"], check=True)
-    print("[chatlearn] own line from a worker", file=worker_console(), flush=True)
 """)
 THIRD_PARTY = ("library print on stdout", "library logging warning", "C-level warning on fd 2", "child process line")
 
@@ -43,7 +42,7 @@ def run_worker(tmp_path, **env):
 
 def test_worker_output_goes_to_its_log_file(tmp_path):
     shown, logs = run_worker(tmp_path, CHATLEARN_VERBOSE="")
-    assert shown.strip() == "[chatlearn] own line from a worker"
+    assert shown.strip() == ""
     (name, text), = logs.items()
     assert name.startswith("worker-")
     for line in THIRD_PARTY:
@@ -71,7 +70,7 @@ def test_worker_lines_reach_the_log_before_the_worker_is_killed(tmp_path):
 
 def test_worker_output_on_the_console_with_verbose(tmp_path):
     shown, logs = run_worker(tmp_path, CHATLEARN_VERBOSE="1")
-    for line in (*THIRD_PARTY, "[chatlearn] own line from a worker"):
+    for line in THIRD_PARTY:
         assert line in shown, (line, shown)
     assert not logs
 
@@ -162,3 +161,18 @@ def test_version():
     proc = subprocess.run([sys.executable, "-m", "chatlearn.cli", "--version"], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert proc.returncode == 0 and proc.stdout.strip() == f"chatlearn {version('chatlearn')}"
+
+
+@pytest.mark.parametrize("log_dir, verbose, streams",
+                         [("/x/logs", "", False), ("/x/logs", "1", True), (None, "", True)])
+def test_workers_stream_to_the_driver_only_where_no_log_folder_takes_their_output(monkeypatch, log_dir, verbose,
+                                                                                   streams):
+    """A run writes its workers' output into <output_dir>/logs/: nothing streams through Ray (nor does its
+    head start a log monitor); with --verbose, or for chatlearn eval (no log folder), Ray streams it."""
+    if log_dir is None:
+        monkeypatch.delenv(console.ENV_LOG_DIR, raising=False)
+    else:
+        monkeypatch.setenv(console.ENV_LOG_DIR, log_dir)
+    monkeypatch.setenv(console.ENV_VERBOSE, verbose)
+    assert console.workers_stream_to_driver() is streams
+    assert console.ray_init_options()["log_to_driver"] is streams
