@@ -58,8 +58,8 @@ def ray_init_options() -> dict:
 
 def workers_stream_to_driver() -> bool:
     """Whether the workers' standard output reaches the console through Ray: with ``--verbose``, or
-    where nothing sends it to a run's logs folder (``chatlearn eval``, chatlearn used as a library).
-    Otherwise :func:`setup_worker` writes all of it to ``<output_dir>/logs/``."""
+    where nothing sends it to a logs folder (chatlearn used as a library, not by ``chatlearn run`` or
+    ``chatlearn eval``). Otherwise :func:`setup_worker` writes all of it to the run's logs folder."""
     return verbose() or not os.environ.get(ENV_LOG_DIR)
 
 

@@ -101,7 +101,7 @@ def _no_log_monitor(node):
 # include_dashboard=False, for job submission and the state API, and waits for it) and the autoscaler's
 # monitor (nothing to scale on a cluster of one node); and the log monitor, which streams the workers'
 # standard output to the driver, where they write it into <output_dir>/logs/ instead
-# (chatlearn.logging.console.workers_stream_to_driver: not with --verbose, nor for chatlearn eval)
+# (chatlearn.logging.console.workers_stream_to_driver: not with --verbose, nor without a logs folder)
 HEAD_EXTRAS = {"start_api_server": _no_api_server, "start_monitor": _no_monitor}
 LOG_MONITOR = {"start_log_monitor": _no_log_monitor}
 

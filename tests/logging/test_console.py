@@ -168,7 +168,7 @@ def test_version():
 def test_workers_stream_to_the_driver_only_where_no_log_folder_takes_their_output(monkeypatch, log_dir, verbose,
                                                                                    streams):
     """A run writes its workers' output into <output_dir>/logs/: nothing streams through Ray (nor does its
-    head start a log monitor); with --verbose, or for chatlearn eval (no log folder), Ray streams it."""
+    head start a log monitor); with --verbose, or without a log folder (a library use), Ray streams it."""
     if log_dir is None:
         monkeypatch.delenv(console.ENV_LOG_DIR, raising=False)
     else:
