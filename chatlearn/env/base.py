@@ -34,6 +34,8 @@ and logged as ``train/env/info/<key>`` (their mean over the trajectories).
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -118,3 +120,15 @@ def as_step_result(value, role: str) -> StepResult:
 def _short(value, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def awaited(value):
+    """``value``, or what it resolves to when it is awaitable (an ``async def`` environment method or
+    tool), run to completion on an event loop of the calling thread's own (a step thread)."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait():
+        return await value
+
+    return asyncio.run(wait())

@@ -18,14 +18,12 @@ schema, or a tool that raises are the model's mistakes to learn from, not the ru
 """
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from chatlearn.env.base import Environment
+from chatlearn.env.base import Environment, awaited
 
 
 @dataclass(frozen=True)
@@ -99,9 +97,7 @@ class Tool:
             return (f"error: invalid arguments for {self.name}" + (f" ({where})" if where else "")
                     + f": {problems[0].message}")
         try:
-            out = self.fn(**arguments, **self.kwargs)
-            if inspect.isawaitable(out):  # an async def tool: run on this thread's own event loop
-                out = asyncio.run(_awaited(out))
+            out = awaited(self.fn(**arguments, **self.kwargs))  # an async def tool runs to completion here
         except Exception as err:  # noqa: BLE001 - the tool's failure is the model's answer
             return f"error: {type(err).__name__}: {err}"
         return out if isinstance(out, str) else json.dumps(out, ensure_ascii=False, default=str)
@@ -153,10 +149,6 @@ class ToolEnvironment(Environment):
         """The reward of the final answer ``action`` (a turn without tool calls); 0 here: the
         reward functions (``models.reward.functions``) score the trajectory."""
         return 0.0
-
-
-async def _awaited(awaitable):
-    return await awaitable
 
 
 def _clip(text: str, limit: int = 200) -> str:

@@ -25,11 +25,9 @@ rollouts ahead and every batch operation keep them.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import copy
 import functools
-import inspect
 import json
 import os
 import queue
@@ -45,7 +43,7 @@ from omegaconf import OmegaConf
 from chatlearn.config.env_entries import load_environment, load_parser, tool_entries
 from chatlearn.config.load import policy_sequence_length
 from chatlearn.data.turns import TurnTemplate
-from chatlearn.env.base import BadEnvironmentOutput, as_messages, as_step_result
+from chatlearn.env.base import BadEnvironmentOutput, as_messages, as_step_result, awaited
 from chatlearn.env.tools import Tool
 from chatlearn.errors import UserError
 
@@ -80,10 +78,7 @@ class EnvCalls:
 
         def work(i: int) -> None:
             try:
-                value = calls[i]()
-                if inspect.isawaitable(value):  # an async def method: run on this thread's own loop
-                    value = asyncio.run(_awaited(value))
-                finished.put((i, Outcome(value=value)))
+                finished.put((i, Outcome(value=awaited(calls[i]()))))  # an async def method runs here
             except BaseException as err:  # noqa: BLE001 - the environment's error is recorded, the run goes on
                 finished.put((i, Outcome(error=err)))
 
@@ -104,10 +99,6 @@ class EnvCalls:
                     results[i] = Outcome(timed_out=True)
                     self.abandoned += 1
         return results
-
-
-async def _awaited(awaitable):
-    return await awaitable
 
 
 @dataclass
