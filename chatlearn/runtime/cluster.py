@@ -88,11 +88,7 @@ def _no_api_server(node, **_):
     node._webui_url = None  # what Ray records when its dashboard did not come up
 
 
-def _no_monitor(node):
-    pass
-
-
-def _no_log_monitor(node):
+def _not_started(node):
     pass
 
 
@@ -102,8 +98,8 @@ def _no_log_monitor(node):
 # monitor (nothing to scale on a cluster of one node); and the log monitor, which streams the workers'
 # standard output to the driver, where they write it into <output_dir>/logs/ instead
 # (chatlearn.logging.console.workers_stream_to_driver: not with --verbose, nor without a logs folder)
-HEAD_EXTRAS = {"start_api_server": _no_api_server, "start_monitor": _no_monitor}
-LOG_MONITOR = {"start_log_monitor": _no_log_monitor}
+HEAD_EXTRAS = {"start_api_server": _no_api_server, "start_monitor": _not_started}
+LOG_MONITOR = {"start_log_monitor": _not_started}
 
 
 @contextlib.contextmanager

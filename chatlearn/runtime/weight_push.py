@@ -55,8 +55,7 @@ class WeightSync:
                     self.transport = "broadcast"
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown weight-sync transport {self.transport!r}; use one of {TRANSPORTS}")
-        bucket_bytes = int(float(self.cfg.runtime_args.coalesced_buffer_mb) * 2 ** 20)
-        self.buckets = plan_buckets(info["specs"], bucket_bytes)
+        self.buckets = plan_buckets(info["specs"], self._bucket_bytes())
         addr = None
         if self.transport == "broadcast":
             host, port = ray.get(trainers[0].address.remote())
@@ -106,16 +105,19 @@ class WeightSync:
         if ipc:  # receivers unmap first, then the owners free the slots
             ray.get([r.sync.remote("close_receiver") for r in replicas])
             ray.get([a.sync.remote("close_sender") for a in trainers])
-        seconds = time.perf_counter() - start
-        nbytes = sum(b.nbytes for b in self.buckets)
-        return {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}
+        return _push_metrics(sum(b.nbytes for b in self.buckets), time.perf_counter() - start)
 
     def _push_in_process(self) -> dict:
         """``runtime_args.fuse_rollout``: each trainer rank loads the replica in its own process
         (``chatlearn.runtime.weight_sync.local_push``, one call on every rank)."""
         start = time.perf_counter()
-        bucket_bytes = int(float(self.cfg.runtime_args.coalesced_buffer_mb) * 2 ** 20)
-        outs = ray.get([a.push_weights_local.remote("policy", bucket_bytes) for a in self.trainer.actors])
-        seconds = time.perf_counter() - start
-        nbytes = outs[0][0]
-        return {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}
+        loaded = ray.get([a.push_weights_local.remote("policy", self._bucket_bytes()) for a in self.trainer.actors])
+        return _push_metrics(loaded[0], time.perf_counter() - start)
+
+    def _bucket_bytes(self) -> int:
+        return int(float(self.cfg.runtime_args.coalesced_buffer_mb) * 2 ** 20)
+
+
+def _push_metrics(nbytes: int, seconds: float) -> dict:
+    """``sync/bytes`` (per replica) and ``sync/push_gbps`` (1 GB = 1e9 bytes) of one push."""
+    return {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}

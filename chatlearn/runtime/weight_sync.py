@@ -56,6 +56,7 @@ import os
 import tempfile
 import uuid
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
@@ -151,6 +152,19 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------ actor-side endpoint
 
+def gather_bucket(trainer, index: BucketIndex, buf, held: Callable | None = None) -> None:
+    """Gather bucket ``index`` of ``trainer``'s weights (``export_tensors``: a collective of its ranks)
+    into ``buf`` on rank 0, laid out as :func:`bucket_views` reads it; the other ranks' ``buf`` is left
+    as it is. ``held(tensor)``: told of each full tensor before it is copied and dropped."""
+    views = dict(bucket_views(index, buf)) if trainer.rank == 0 else {}
+    for name, tensor in trainer.export_tensors(index.names):
+        if tensor is not None:
+            if held is not None:
+                held(tensor)
+            views[name].copy_(tensor)
+        del tensor
+
+
 class Endpoint:
     """The sending (trainer rank) or receiving (rollout replica) side, inside a worker actor.
 
@@ -212,14 +226,12 @@ class Endpoint:
         if self.slots:
             s = self.slots[slot]
             buf = (s.tensor if isinstance(s, ShmSlot) else s)[:index.nbytes]
-        views = dict(bucket_views(index, buf)) if self.obj.rank == 0 else {}
         slots_bytes = sum((s.nbytes if isinstance(s, ShmSlot) else s.numel()) for s in self.slots)
-        for name, tensor in self.obj.export_tensors(index.names):
-            if tensor is not None:
-                self.peak_live_bytes = max(self.peak_live_bytes,
-                                           slots_bytes + tensor.numel() * tensor.element_size())
-                views[name].copy_(tensor)
-            del tensor
+
+        def held(tensor) -> None:
+            self.peak_live_bytes = max(self.peak_live_bytes, slots_bytes + tensor.numel() * tensor.element_size())
+
+        gather_bucket(self.obj, index, buf, held)
         if self.transport == "cuda_ipc":
             _share_among_ranks(buf)
             # The copies run asynchronously on this stream: the replicas are let in (this call
@@ -311,11 +323,7 @@ def local_push(trainer, rollout, bucket_bytes: int) -> int:
             rollout.load_weight_bucket([(name, t) for name, t in trainer.export_tensors(index.names)])
             continue
         buf = torch.empty(index.nbytes, dtype=torch.uint8, device=torch.device(trainer.device))
-        views = dict(bucket_views(index, buf))
-        for name, tensor in trainer.export_tensors(index.names):
-            if tensor is not None:
-                views[name].copy_(tensor)
-            del tensor
+        gather_bucket(trainer, index, buf)
         dist.broadcast(buf, src=0)
         rollout.load_weight_bucket(bucket_views(index, buf))
     rollout.finish_weight_update()

@@ -120,12 +120,10 @@ class Worker:
             out = list(out)
         return out, time.perf_counter() - start
 
-    def push_weights_local(self, target: str, bucket_bytes: int) -> tuple[int, float]:
+    def push_weights_local(self, target: str, bucket_bytes: int) -> int:
         """The weight push of a fused rollout: this trainer rank's weights into the replica ``target``
         of this process (:func:`chatlearn.runtime.weight_sync.local_push`; a collective of the
-        trainer ranks). Returns (bytes loaded, seconds)."""
+        trainer ranks). Returns the bytes loaded."""
         from chatlearn.runtime.weight_sync import local_push
 
-        start = time.perf_counter()
-        nbytes = local_push(self.obj, self.objs[target], bucket_bytes)
-        return nbytes, time.perf_counter() - start
+        return local_push(self.obj, self.objs[target], bucket_bytes)

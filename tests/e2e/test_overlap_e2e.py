@@ -4,13 +4,12 @@ resolves to decoupled, and a run killed after a checkpoint resumes to the same m
 uninterrupted one (the checkpoint keeps the rollout generated ahead)."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-from runs import run_and_kill, small_eval_set
+from runs import learning_metrics, metric_rows, run_and_kill, small_eval_set
 
 from conftest import REPO
 
@@ -27,18 +26,6 @@ def command(out):
             f"runtime_args.eval_data_path={small_eval_set(os.path.dirname(out))}", f"runtime_args.output_dir={out}"]
 
 
-def rows(out):
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def learning(out):
-    return [{k: v for k, v in r.items() if k == "episode" or k.startswith(("train/", "eval/"))} for r in rows(out)]
-
-
 def finish(out):
     proc = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=500, env=ENV)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -51,7 +38,7 @@ def test_stale_rollouts_stay_within_the_bound_and_resume_exactly(tmp_path):
     whole = tmp_path / "whole"
     stdout = finish(whole)
     assert "overlap: max_staleness 1" in stdout and "rollout correction: decoupled" in stdout
-    trained = [r for r in rows(whole) if r["episode"] > 0]
+    trained = [r for r in metric_rows(whole) if r["episode"] > 0]
     assert [r["episode"] for r in trained] == [1, 2, 3, 4]
     for r in trained:
         e = r["episode"]
@@ -63,10 +50,10 @@ def test_stale_rollouts_stay_within_the_bound_and_resume_exactly(tmp_path):
 
     # killed once episode 2 is logged (its checkpoint holds episode 3's rollout), then resumed
     cut = tmp_path / "cut"
-    run_and_kill(command(cut), lambda: len([r for r in rows(cut) if r["episode"] >= 2]) >= 1, ENV)
-    assert len([r for r in rows(cut) if r["episode"] > 0]) < 4
+    run_and_kill(command(cut), lambda: len([r for r in metric_rows(cut) if r["episode"] >= 2]) >= 1, ENV)
+    assert len([r for r in metric_rows(cut) if r["episode"] > 0]) < 4
     kept = [d for d in os.listdir(cut / "checkpoints") if (cut / "checkpoints" / d / "rollouts_ahead.npz").exists()]
     assert kept, os.listdir(cut / "checkpoints")  # the rollout generated ahead, as arrays (no pickle)
     stdout = finish(cut)
     assert "resuming from" in stdout
-    assert learning(cut) == learning(whole)
+    assert learning_metrics(cut) == learning_metrics(whole)

@@ -6,7 +6,6 @@ to the math reward) with a KL term: the most state a resumed run must restore ex
 runs are resumed by the end-to-end tests of reliability, max_staleness, dynamic sampling and Megatron."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -32,12 +31,6 @@ def command(out):
             f"runtime_args.eval_data_path={runs.small_eval_set(os.path.dirname(out))}", f"runtime_args.output_dir={out}"]
 
 
-def learning_metrics(out):
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"), encoding="utf-8")]
-    keep = ("train/", "eval/")
-    return [{k: v for k, v in r.items() if k == "episode" or k.startswith(keep)} for r in rows]
-
-
 def run_and_kill(out, when, env=None):
     """Start a run, SIGKILL it once ``when()`` is true, and wait for it to die."""
     runs.run_and_kill(command(out), when, env)
@@ -54,7 +47,7 @@ def finish(out):
 def test_sigkill_during_a_save_resumes_exactly(tmp_path):
     ref = tmp_path / "uninterrupted"
     finish(ref)
-    expected = learning_metrics(ref)
+    expected = runs.learning_metrics(ref)
     assert [r["episode"] for r in expected] == [0, 1, 2, 3]
     assert all(r["train/env/turns_mean"] > 1 for r in expected[1:])  # really multi-turn
 
@@ -69,7 +62,7 @@ def test_sigkill_during_a_save_resumes_exactly(tmp_path):
     assert (ckpts / "episode_000001" / "COMPLETE").exists()
     stdout = finish(out)
     assert "episode 1)" in stdout
-    assert learning_metrics(out) == expected
+    assert runs.learning_metrics(out) == expected
     assert not tmp_ckpt.exists()
     kept = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("episode_"))
     assert kept == ["episode_000002", "episode_000003"]  # keep_last_checkpoints=2
