@@ -121,7 +121,9 @@ def _group_calls() -> list[tuple[str, str | None, str]]:
 
 def _endpoint_uses() -> list[tuple[str, str, str]]:
     """``(attribute, base, where)`` of every ``self.obj.<attribute>`` in the weight push's
-    ``Endpoint``: trainer side before the ``# -- rollout side`` marker, rollout side after it."""
+    ``Endpoint``: trainer side before the ``# -- rollout side`` marker, rollout side after it; and of
+    every ``trainer.<attribute>`` / ``rollout.<attribute>`` in the module's functions that take them
+    (``gather_bucket``, ``local_push``)."""
     path = os.path.join(RUNTIME, "weight_sync.py")
     with open(path, encoding="utf-8") as f:
         text = f.read()
@@ -135,6 +137,14 @@ def _endpoint_uses() -> list[tuple[str, str, str]]:
                 and node.value.value.id == "self"):
             uses.append((node.attr, "Trainer" if node.lineno < marker else "Rollout",
                          f"weight_sync.py:{node.lineno}"))
+    sides = {"trainer": "Trainer", "rollout": "Rollout"}
+    for fn in ast.parse(text).body:
+        if not isinstance(fn, ast.FunctionDef) or not {a.arg for a in fn.args.args} & set(sides):
+            continue
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in sides):
+                uses.append((node.attr, sides[node.value.id], f"weight_sync.py:{node.lineno}"))
     return uses
 
 
