@@ -304,6 +304,13 @@ def _check_trainers(cfg: DictConfig) -> None:
             _positive(t.max_token_in_packing, f"models.{name}.max_token_in_packing")
         if t.seq_length is not None and not t.packing:
             _check_trainer_seq_length(cfg, name, longest)
+        if t.share_prompt is True and cfg.runtime_args.train_backend == "megatron":
+            raise ConfigError("true is for the FSDP backend (train_backend: fsdp); the Megatron trainer computes "
+                              "every sample's prompt. Set it to null or false.", key=f"models.{name}.share_prompt")
+        if t.share_prompt is True and t.seq_length is not None and not t.packing:
+            raise ConfigError(f"true cannot be honoured with seq_length {t.seq_length}: a shared-prompt micro-batch "
+                              "is one row without padding, not a fixed width. Set seq_length to null, or "
+                              "share_prompt to null or false.", key=f"models.{name}.share_prompt")
         _positive(t.logprob_chunk_tokens, f"models.{name}.logprob_chunk_tokens")
 
 

@@ -193,6 +193,10 @@ class TrainerModel(ModelBase):
     fsdp_size: Optional[int] = None  # defaults to num_gpu
     ulysses_sequence_parallel_size: int = 1
     meta_init: bool = False  # FSDP: build on the meta device, rank 0 reads the checkpoint and broadcasts the shards
+    # FSDP: the samples of a micro-batch that start with the same prompt (a GRPO group) compute it once
+    # (same log-probs and gradients). null: on where it can be (FSDP backend, a model whose attention
+    # goes through transformers' AttentionInterface, no sliding window, no fixed seq_length); false: off.
+    share_prompt: Optional[bool] = None
     groupgemm: bool = False
     gradient_checkpointing: bool = True
     save_hf: bool = True
@@ -249,6 +253,7 @@ class RefPolicy(TrainerModel):
     packing: bool = "${models.policy_trainer.packing}"  # type: ignore[assignment]
     max_token_in_packing: int = "${models.policy_trainer.max_token_in_packing}"  # type: ignore[assignment]
     seq_length: Optional[int] = "${models.policy_trainer.seq_length}"  # type: ignore[assignment]
+    share_prompt: Optional[bool] = "${models.policy_trainer.share_prompt}"  # type: ignore[assignment]
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
 
 

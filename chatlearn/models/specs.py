@@ -71,6 +71,7 @@ class TrainerSpec(_Readable):
     max_token_in_packing: int
     seq_length: Optional[int]  # fixed width of unpacked micro-batches (Megatron's seq_length); None: the longest sample
     logprob_chunk_tokens: int  # tokens per chunk of the [tokens, vocab] log-prob/entropy computation
+    share_prompt: Optional[bool]  # FSDP: samples sharing a prompt compute it once; None: where the model allows
     # loss
     pos_clip_ratio: float
     neg_clip_ratio: float
@@ -116,7 +117,8 @@ class TrainerSpec(_Readable):
             lr_warmup_init=opt.lr_warmup_init, train_micro_batch_size=t.train_micro_batch_size,
             logprob_micro_batch_size=t.generation_batch_size, train_global_batch_size=rt.train_global_batch_size,
             packing=t.packing, max_token_in_packing=t.max_token_in_packing, seq_length=t.seq_length,
-            logprob_chunk_tokens=t.logprob_chunk_tokens, pos_clip_ratio=t.pos_clip_ratio,
+            logprob_chunk_tokens=t.logprob_chunk_tokens,
+            share_prompt=False if rt.train_backend == "megatron" else t.share_prompt, pos_clip_ratio=t.pos_clip_ratio,
             neg_clip_ratio=t.neg_clip_ratio, clip_ratio_c=pt.clip_ratio_c,
             use_group_sequence_policy=pt.use_group_sequence_policy, loss_agg_mode=pt.loss_agg_mode,
             max_response_tokens_length=cfg.models.policy.max_response_tokens_length, kl_coef=t.kl_coef,

@@ -46,7 +46,8 @@ from chatlearn.checkpoint import sharded
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
-from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches
+from chatlearn.models.trainer import shared_prompt
+from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches, plan_shared_micro_batches
 
 # Files of a model folder that save_pretrained writes itself; save_hf copies the others
 # (tokenizer, chat template, remote code) from the folder the model was loaded from.
@@ -91,7 +92,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 
 def _token_logprobs(model, input_ids, attention_mask, position_ids, rows, cols,
-                    temperature: float, chunk: int, with_entropy: bool):
+                    temperature: float, chunk: int, with_entropy: bool, prev_cols=None, layout=None):
     """``(logp, entropy or None)`` of the tokens ``input_ids[rows, cols]`` given their prefix.
 
     Bound to the root FSDP module and registered with ``register_fsdp_forward_method``, so
@@ -105,11 +106,18 @@ def _token_logprobs(model, input_ids, attention_mask, position_ids, rows, cols,
     ``[B, L, V]`` logits nor a ``[tokens, V]`` float32 copy is ever made. This is the same
     computation as HF's ``XForCausalLM.forward`` (``logits = lm_head(hidden_states)``,
     transformers 5.x ``modeling_qwen2.py``) followed by ``log_softmax(logits.float() / T)``.
+
+    The hidden state that predicts token ``[rows, cols]`` is at ``[rows, prev_cols]`` (default
+    ``cols - 1``; in a shared-prompt row the first token of a continuation is predicted from its
+    prompt's last token), and ``layout`` (a shared-prompt
+    :class:`~chatlearn.models.trainer.shared_prompt.Layout`) goes to the attention function.
     """
+    extra = {} if layout is None else {shared_prompt.KWARG: layout}
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids, use_cache=False).last_hidden_state
+                                 position_ids=position_ids, use_cache=False, **extra).last_hidden_state
     head = model.get_output_embeddings()
-    return chunked_logprobs_entropy(hidden[rows, cols - 1], head.weight, input_ids[rows, cols],
+    prev = cols - 1 if prev_cols is None else prev_cols
+    return chunked_logprobs_entropy(hidden[rows, prev], head.weight, input_ids[rows, cols],
                                     temperature, chunk, with_entropy, bias=head.bias)
 
 
@@ -125,7 +133,7 @@ class FSDPTrainer(Trainer):
         """cfg: load, trust_remote_code, seed, trainable, lr, weight_decay, adam_beta1, adam_beta2,
         adam_eps (read when trainable), clip_grad, train_micro_batch_size, logprob_micro_batch_size, pos_clip_ratio, neg_clip_ratio,
         kl_coef, entropy_coef, gradient_checkpointing, bf16, packing, max_token_in_packing,
-        logprob_chunk_tokens, meta_init,
+        logprob_chunk_tokens, meta_init, share_prompt,
         clip_ratio_c, use_group_sequence_policy, loss_agg_mode, max_response_tokens_length,
         kl_estimator, kl_in_reward, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters,
         lr_warmup_init (all required; the lr_* iters resolved to optimizer steps)."""
@@ -177,6 +185,10 @@ class FSDPTrainer(Trainer):
                             "the FSDP trainer computes logits as lm_head(hidden states) only. Use "
                             "a model without logit scaling or soft-capping.", key="models.policy_trainer.load")
         model.config.use_cache = False
+        self.share_prompt = self._resolve_share_prompt(model)
+        if self.share_prompt:
+            shared_prompt.register()
+            model.set_attn_implementation(shared_prompt.ATTENTION)
         if self.trainable and cfg["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -194,6 +206,29 @@ class FSDPTrainer(Trainer):
         model.token_logprobs = types.MethodType(_token_logprobs, model)
         register_fsdp_forward_method(model, "token_logprobs")
         return model
+
+    def _resolve_share_prompt(self, model) -> bool:
+        """``share_prompt``: false: off; null: on where it can be (the model's attention goes through
+        transformers' ``AttentionInterface``, no sliding-window layers, no fixed ``seq_length``);
+        true: on, or a UserError naming the key where it cannot be."""
+        setting = self.cfg["share_prompt"]
+        if setting is False:
+            return False
+        why = None
+        layer_types = set(getattr(model.config, "layer_types", None) or ())
+        if not getattr(model, "_supports_attention_backend", False):
+            why = f"{type(model).__name__} does not compute attention through transformers' AttentionInterface"
+        elif layer_types - {"full_attention"} or getattr(model.config, "use_sliding_window", False):
+            why = f"{type(model).__name__} has layers that are not full attention ({sorted(layer_types)})"
+        elif self.cfg["seq_length"] is not None and not self.cfg["packing"]:
+            why = "seq_length pads every micro-batch to a fixed width, which a shared-prompt row does not have"
+        if why is None:
+            return True
+        if setting:
+            role = "policy_trainer" if self.trainable else "ref_policy"
+            raise UserError(f"share_prompt: true cannot be honoured: {why}. Set it to null (on where it can "
+                            "be) or false.", key=f"models.{role}.share_prompt")
+        return False
 
     def _meta_model(self, dtype: torch.dtype):
         """``(model on the meta device built from the config, the checkpoint loaded on the
@@ -264,6 +299,8 @@ class FSDPTrainer(Trainer):
         logp_t = log softmax(z_{t-1} / temperature)[token_t], computed from the hidden states
         ``logprob_chunk_tokens`` tokens at a time (``_token_logprobs``).
         """
+        if self.share_prompt and len(idx):
+            return self._forward_shared(batch, idx, temperature, with_entropy)
         off = batch["offsets"]
         lens = [int(off[i + 1] - off[i]) for i in idx]
         packed = bool(self.cfg["packing"]) or len(idx) == 0
@@ -294,6 +331,51 @@ class FSDPTrainer(Trainer):
             float(temperature), int(self.cfg["logprob_chunk_tokens"]), with_entropy)
         return logp, entropy, np.concatenate(pos)
 
+    def _forward_shared(self, batch: Batch, idx: np.ndarray, temperature: float, with_entropy: bool):
+        """:meth:`_forward` with ``share_prompt``: one row of units (a prompt, then the
+        continuation of every sample of ``idx`` that starts with it; see
+        :mod:`chatlearn.models.trainer.shared_prompt`), each token at the position it has in its
+        own sample. Same return."""
+        off, plen, tokens = batch["offsets"], batch["prompt_lens"], batch["tokens"]
+        units: dict[bytes, list[int]] = {}
+        for i in idx:
+            a = int(off[i])
+            units.setdefault(np.asarray(tokens[a:a + int(plen[i])], dtype=np.int64).tobytes(), []).append(int(i))
+        pieces, positions, cols, prev, pos, layout_units = [], [], [], [], [], []
+        start = 0
+        for members in units.values():
+            p = int(plen[members[0]])
+            a = int(off[members[0]])
+            unit = shared_prompt.Unit(start, p, [])
+            pieces.append(np.asarray(tokens[a:a + p]))
+            positions.append(np.arange(p))
+            start += p
+            for i in members:
+                a, b = int(off[i]), int(off[i + 1])
+                n = b - a - p
+                resp = response_positions(batch, i)  # sample positions (>= p) of the model's tokens
+                col = start + resp - p
+                cols.append(col)
+                prev.append(np.where(resp > p, col - 1, unit.start + p - 1))
+                pos.append(a + resp)
+                if n:
+                    unit.conts.append((start, n))
+                    pieces.append(np.asarray(tokens[a + p:b]))
+                    positions.append(np.arange(p, p + n))
+                start += n
+            layout_units.append(unit)
+        ids = torch.from_numpy(np.concatenate(pieces).astype(np.int64))[None].to(self.device)
+        position_ids = torch.from_numpy(np.concatenate(positions).astype(np.int64))[None].to(self.device)
+        cols_t = torch.from_numpy(np.concatenate(cols)).to(self.device)
+        # a 4-D mask is taken as given (transformers builds none); the layout is the real mask
+        no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        logp, entropy = self.model.token_logprobs(
+            ids, no_mask, position_ids, torch.zeros_like(cols_t), cols_t, float(temperature),
+            int(self.cfg["logprob_chunk_tokens"]), with_entropy,
+            prev_cols=torch.from_numpy(np.concatenate(prev)).to(self.device),
+            layout=shared_prompt.build_layout(layout_units, start, self.device))
+        return logp, entropy, np.concatenate(pos)
+
     def _fixed_width(self, batch: Batch) -> int | None:
         """``seq_length`` (unpacked micro-batches padded to exactly that width) or None; a sample
         longer than it is an error naming the key."""
@@ -319,6 +401,11 @@ class FSDPTrainer(Trainer):
         n = len(batch["offsets"]) - 1
         share = n // self.world
         shares = [np.arange(r * share, (r + 1) * share) for r in range(self.world)]
+        if self.share_prompt:
+            plans, stats = plan_shared_micro_batches(
+                np.diff(batch["offsets"]), np.asarray(batch["prompt_lens"]), shared_prompt.prompt_group_ids(batch),
+                shares, size, bool(self.cfg["packing"]), int(self.cfg["max_token_in_packing"]))
+            return plans[self.rank], stats
         plans, stats = plan_micro_batches(np.diff(batch["offsets"]), shares, size,
                                           bool(self.cfg["packing"]),
                                           int(self.cfg["max_token_in_packing"]), self._fixed_width(batch))

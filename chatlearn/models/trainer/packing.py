@@ -16,6 +16,13 @@ exactly ``sum(lens)`` positions. First-fit decreasing uses at most ``11/9 OPT + 
 (Dosa 2007); the order of the samples does not matter to the results, which are written back
 by position. A sample longer than ``max_token_in_packing`` is an error (as in verl), since
 splitting it would change its attention.
+
+With ``share_prompt`` (:mod:`chatlearn.models.trainer.shared_prompt`) the samples that share a
+prompt run it once: a rank's samples are taken group after group (groups in order of first
+appearance, samples in batch order) into micro-batches of ``size`` samples, or with packing of at
+most ``max_token_in_packing`` computed tokens (a sample whose prompt is already in the micro-batch
+costs only its continuation). Nothing is padded; ``shared_token_frac`` is the share of the
+samples' tokens not computed because their prompt was.
 """
 from __future__ import annotations
 
@@ -30,12 +37,7 @@ def pack_first_fit_decreasing(lens: np.ndarray, max_tokens: int) -> list[np.ndar
     ``max_token_in_packing`` when a single length exceeds ``max_tokens``."""
     lens = np.asarray(lens, dtype=np.int64)
     if len(lens) and int(lens.max()) > max_tokens:
-        raise ConfigError(
-            f"a sample has {int(lens.max())} tokens (prompt + response), more than "
-            f"max_token_in_packing ({max_tokens}): with packing every sample must fit in one "
-            "packed micro-batch. Raise max_token_in_packing to at least max_prompt_tokens_length "
-            "+ max_response_tokens_length, or turn packing off.",
-            key="models.policy_trainer.max_token_in_packing")
+        raise _too_long(int(lens.max()), max_tokens)
     bins: list[list[int]] = []
     room: list[int] = []
     for i in np.argsort(-lens, kind="stable"):
@@ -49,6 +51,51 @@ def pack_first_fit_decreasing(lens: np.ndarray, max_tokens: int) -> list[np.ndar
             bins.append([int(i)])
             room.append(max_tokens - n)
     return [np.sort(np.asarray(b, dtype=np.int64)) for b in bins]
+
+
+def _too_long(longest: int, max_tokens: int) -> ConfigError:
+    return ConfigError(
+        f"a sample has {longest} tokens (prompt + response), more than "
+        f"max_token_in_packing ({max_tokens}): with packing every sample must fit in one "
+        "packed micro-batch. Raise max_token_in_packing to at least max_prompt_tokens_length "
+        "+ max_response_tokens_length, or turn packing off.",
+        key="models.policy_trainer.max_token_in_packing")
+
+
+def plan_shared_micro_batches(lens: np.ndarray, prompt_lens: np.ndarray, groups: np.ndarray,
+                              shares: list[np.ndarray], size: int, packing: bool,
+                              max_tokens: int) -> tuple[list[list[np.ndarray]], dict]:
+    """Micro-batches of every rank with shared prompts: like :func:`plan_micro_batches` (same
+    return), ``groups[i]`` the prompt group of sample ``i`` (equal ids: equal prompt tokens).
+    ``stats`` holds ``pad_token_frac`` (0), ``micro_steps`` and ``shared_token_frac`` = 1 -
+    computed tokens / the samples' tokens, over all ranks."""
+    lens = np.asarray(lens, dtype=np.int64)
+    if packing and len(lens) and int(lens.max()) > max_tokens:
+        raise _too_long(int(lens.max()), max_tokens)
+    plans, computed = [], 0
+    for share in shares:
+        bins: list[list[int]] = []
+        seen: set[int] = set()
+        tokens = 0
+        for i in share[np.argsort(groups[share], kind="stable")]:
+            cost = int(lens[i] - prompt_lens[i]) if int(groups[i]) in seen else int(lens[i])
+            if bins and ((packing and tokens + cost > max_tokens) or (not packing and len(bins[-1]) >= size)):
+                computed += tokens
+                seen, tokens, cost = set(), 0, int(lens[i])
+                bins.append([])
+            if not bins:
+                bins.append([])
+            bins[-1].append(int(i))
+            seen.add(int(groups[i]))
+            tokens += cost
+        computed += tokens
+        plans.append([np.sort(np.asarray(b, dtype=np.int64)) for b in bins])
+    steps = max((len(p) for p in plans), default=0)
+    real = sum(int(lens[share].sum()) for share in shares)
+    stats = {"pad_token_frac": 0.0, "micro_steps": float(steps),
+             "shared_token_frac": 1.0 - computed / real if real else 0.0}
+    empty = np.zeros(0, dtype=np.int64)
+    return [p + [empty] * (steps - len(p)) for p in plans], stats
 
 
 def check_fixed_width(lens: np.ndarray, width: int) -> int:

@@ -47,7 +47,7 @@ def trainer_cfg(path: str, **over) -> dict:
                logprob_micro_batch_size=3, pos_clip_ratio=0.2, neg_clip_ratio=0.2,
                kl_coef=0.1, entropy_coef=0.01, gradient_checkpointing=False, bf16=False,
                packing=False, max_token_in_packing=32768, seq_length=None,
-               logprob_chunk_tokens=5, meta_init=False,  # 5: chunks that do not divide the tokens
+               logprob_chunk_tokens=5, meta_init=False, share_prompt=False,  # 5: chunks that do not divide the tokens
                clip_ratio_c=None, use_group_sequence_policy=False, loss_agg_mode="token-mean",
                max_response_tokens_length=16, kl_estimator="k3", kl_in_reward=False,
                min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=100,

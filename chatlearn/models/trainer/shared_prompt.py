@@ -1,0 +1,151 @@
+"""Shared-prompt forwards: the samples of a micro-batch that start with the same prompt (the
+``num_inference_per_prompt`` responses of a GRPO group, the trajectories of one task) run the
+prompt once.
+
+A micro-batch is one row of *units*: a unit is a prompt followed by the continuations (response,
+or everything after the prompt of a multi-turn trajectory) of the samples that share it,
+``[prompt | cont_1 | cont_2 | ...]``. Position ids restart at the prompt's length for each
+continuation, so every token has the position it has in its own sample. Attention
+(:func:`shared_prompt_attention`, registered with transformers' ``AttentionInterface``) lets a
+prompt token see the earlier tokens of its prompt and a continuation token its prompt and the
+earlier tokens of its own continuation: exactly the keys it has in its own sample, so the hidden
+states, log-probs and gradients are those of the samples run one by one (up to float rounding:
+the prompt's keys and values are computed once and their gradients summed over the continuations
+that read them). A group of ``n`` samples with a prompt of ``P`` tokens computes ``(n - 1) * P``
+tokens fewer: with GRPO's short answers to long prompts, most of the work.
+
+Attention is two ``scaled_dot_product_attention`` calls per layer over gathered copies of the
+queries, keys and values: the prompts ``[units, heads, P_max, d]`` (causal), and the
+continuations ``[samples, heads, L_max, d]`` against their prompt's and their own keys
+``[samples, heads, P_max + L_max, d]``, padding masked; the outputs are put back in row order
+with one gather. The cost is that of the samples' own attention (no ``T x T`` mask over the
+row), so it suits long responses as well as short ones.
+
+Layouts reach the attention function through the decoder's keyword arguments
+(``chatlearn_layout``; transformers passes a model's extra forward kwargs down to its
+attention interface). A forward without one (a model not run through the trainer's batches)
+is plain SDPA with transformers' own mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ATTENTION = "chatlearn_shared_prompt"
+KWARG = "chatlearn_layout"
+
+
+@dataclass
+class Unit:
+    """One prompt and the samples that share it, in row coordinates."""
+    start: int                  # the prompt's first position in the row
+    prompt_len: int
+    conts: list[tuple[int, int]]  # (first position in the row, length) of each continuation
+
+
+@dataclass
+class Layout:
+    """Index tensors of one row of units, built once per forward and read by every layer."""
+    prompt_idx: torch.Tensor    # [U, P_max] row positions of the prompts' tokens (padding: 0)
+    prompt_mask: torch.Tensor   # bool [U, 1, P_max, P_max]
+    cont_idx: torch.Tensor      # [R, L_max] row positions of the continuations' tokens
+    cont_kv_idx: torch.Tensor   # [R, P_max + L_max] row positions of the keys each continuation reads
+    cont_mask: torch.Tensor     # bool [R, 1, L_max, P_max + L_max]
+    inverse: torch.Tensor       # [T] position of row token t in cat(prompt outputs, continuation outputs)
+
+
+def prompt_group_ids(batch) -> np.ndarray:
+    """int64 per sample: equal for samples whose prompt tokens are equal, numbered in order of
+    first appearance."""
+    off, plen = batch["offsets"], batch["prompt_lens"]
+    ids: dict[bytes, int] = {}
+    out = np.zeros(len(plen), np.int64)
+    for i in range(len(plen)):
+        start = int(off[i])
+        key = np.asarray(batch["tokens"][start:start + int(plen[i])], dtype=np.int64).tobytes()
+        out[i] = ids.setdefault(key, len(ids))
+    return out
+
+
+def build_layout(units: list[Unit], total: int, device) -> Layout:
+    """The index tensors of ``units`` (a row of ``total`` tokens)."""
+    p_max = max(u.prompt_len for u in units)
+    conts = [c for u in units for c in u.conts]
+    l_max = max((n for _, n in conts), default=0)
+    n_units, n_conts = len(units), len(conts)
+    prompt_idx = np.zeros((n_units, p_max), np.int64)
+    prompt_valid = np.zeros((n_units, p_max), bool)
+    cont_idx = np.zeros((n_conts, l_max), np.int64)
+    cont_valid = np.zeros((n_conts, l_max), bool)
+    kv_idx = np.zeros((n_conts, p_max + l_max), np.int64)
+    kv_valid = np.zeros((n_conts, p_max + l_max), bool)
+    inverse = np.zeros(total, np.int64)
+    c = 0
+    for u_i, u in enumerate(units):
+        prompt_idx[u_i, :u.prompt_len] = np.arange(u.start, u.start + u.prompt_len)
+        prompt_valid[u_i, :u.prompt_len] = True
+        inverse[u.start:u.start + u.prompt_len] = u_i * p_max + np.arange(u.prompt_len)
+        for start, n in u.conts:
+            cont_idx[c, :n] = np.arange(start, start + n)
+            cont_valid[c, :n] = True
+            kv_idx[c, :u.prompt_len] = prompt_idx[u_i, :u.prompt_len]
+            kv_valid[c, :u.prompt_len] = True
+            kv_idx[c, p_max:p_max + n] = cont_idx[c, :n]
+            kv_valid[c, p_max:p_max + n] = True
+            inverse[start:start + n] = n_units * p_max + c * l_max + np.arange(n)
+            c += 1
+    causal_p = np.tril(np.ones((p_max, p_max), bool))
+    # a padded query row sees key 0 (never NaN); its output is never gathered
+    prompt_mask = (causal_p[None] & prompt_valid[:, None, :]) | ~prompt_valid[:, :, None]
+    causal_c = np.tril(np.ones((l_max, l_max), bool))
+    cont_mask = np.concatenate([np.broadcast_to(kv_valid[:, None, :p_max], (n_conts, l_max, p_max)),
+                                causal_c[None] & kv_valid[:, None, p_max:]], axis=2)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return Layout(t(prompt_idx), t(prompt_mask[:, None]), t(cont_idx), t(kv_idx), t(cont_mask[:, None]),
+                  t(inverse))
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [H, T, d], idx [A, B] -> [A, H, B, d]."""
+    return x[:, idx].transpose(0, 1)
+
+
+def shared_prompt_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, **kwargs):
+    """transformers attention interface: query ``[1, H, T, d]``, key/value ``[1, H_kv, T, d]`` of a
+    row of units (``kwargs[KWARG]``, a :class:`Layout`); returns ``([1, T, H, d], None)``."""
+    layout: Layout | None = kwargs.pop(KWARG, None)
+    if layout is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"shared-prompt attention takes one row of units, got a batch of {query.shape[0]}")
+    rep = query.shape[1] // key.shape[1]
+    q, k, v = query[0], key[0], value[0]
+    if rep > 1:  # grouped-query attention: kv head h // rep serves query head h (transformers' repeat_kv)
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    heads, d = q.shape[0], q.shape[-1]
+    p = layout.prompt_idx
+    out_p = F.scaled_dot_product_attention(_gather(q, p), _gather(k, p), _gather(v, p),
+                                           attn_mask=layout.prompt_mask, dropout_p=dropout, scale=scaling)
+    parts = [out_p.transpose(1, 2).reshape(-1, heads, d)]
+    if layout.cont_idx.numel():
+        kv = layout.cont_kv_idx
+        out_c = F.scaled_dot_product_attention(_gather(q, layout.cont_idx), _gather(k, kv), _gather(v, kv),
+                                               attn_mask=layout.cont_mask, dropout_p=dropout, scale=scaling)
+        parts.append(out_c.transpose(1, 2).reshape(-1, heads, d))
+    return torch.cat(parts)[layout.inverse][None], None
+
+
+def register() -> None:
+    """Make ``ATTENTION`` an attention implementation transformers knows (idempotent); its mask is
+    SDPA's, used only by forwards without a layout."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, shared_prompt_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
