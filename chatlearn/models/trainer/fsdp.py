@@ -147,7 +147,7 @@ class FSDPTrainer(Trainer):
         self.optimizer = (torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"],
                                             weight_decay=cfg["weight_decay"],
                                             betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
-                                            eps=cfg["adam_eps"])
+                                            eps=cfg["adam_eps"], fused=self.device.type in ("cpu", "cuda"))
                           if self.trainable else None)
         self._stashes: dict = {}
 
