@@ -1,6 +1,7 @@
 """Rule-based math reward: the last ``\\boxed{...}`` of a response checked with math-verify."""
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -32,8 +33,6 @@ class MathReward:
         self.incorrect = float(cfg["incorrect_score"])
 
     def is_correct(self, response: str, ground_truth: str) -> bool:
-        from math_verify import parse, verify
-
         answer = last_boxed(response)
         if answer is None:
             return False
@@ -45,14 +44,31 @@ class MathReward:
         if timeout is None:
             for name in ("math_verify.parser", "math_verify.grader"):
                 logging.getLogger(name).setLevel(logging.ERROR)
-        gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=timeout)
-        pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
-        return bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout)
+        return _equivalent(answer, ground_truth, timeout)
 
     def score(self, responses: list[str], ground_truths: list, data_sources: list[str] | None = None
               ) -> np.ndarray:
         return np.array([self.correct if self.is_correct(r, str(g)) else self.incorrect
                          for r, g in zip(responses, ground_truths)], dtype=np.float32)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _equivalent(answer: str, ground_truth: str, timeout: int | None) -> bool:
+    """math-verify's verdict on a boxed answer against the ground truth: a pure function of the two
+    texts, so it is remembered (a group's samples often give the same answer, and every sample of
+    a prompt has the same ground truth; parsing dominates the reward's time)."""
+    from math_verify import parse, verify
+
+    gold = _parsed(ground_truth, timeout)
+    pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=timeout)
+    return bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _parsed(ground_truth: str, timeout: int | None):
+    from math_verify import parse
+
+    return parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=timeout)
 
 
 def math_reward(*, prompts: list[str], responses: list[str], ground_truths: list, data_sources: list[str],

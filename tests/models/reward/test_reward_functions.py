@@ -218,3 +218,28 @@ def test_example_reward_function():
     assert out["has_boxed"] == [1.0, 0.0, 0.0, 1.0]
     np.testing.assert_allclose(out["length_penalty"], [0.0, 0.06, 0.04, 0.49])
     np.testing.assert_allclose(out["score"], [1.0, -0.06, -0.04, 0.51])
+
+
+def test_math_verdicts_are_remembered_and_unchanged():
+    """math-verify runs once per distinct (answer, ground truth): the same verdicts as a fresh
+    parse-and-verify of each sample, the repeats answered from the cache."""
+    from math_verify import parse, verify
+
+    from chatlearn.models.reward import math_reward as mr
+
+    mr._equivalent.cache_clear()
+    mr._parsed.cache_clear()
+    responses = ["so \\boxed{0.5}", "\\boxed{1/2}", "\\boxed{\\frac{1}{2}}", "\\boxed{2}", "\\boxed{1/2}",
+                 "no box", "\\boxed{0.50}", "\\boxed{1/2}"]
+    truths = ["\\frac{1}{2}"] * len(responses)
+    got = MathReward({"correct_score": 1.0, "incorrect_score": 0.0}).score(responses, truths)
+    expected = []
+    for r in responses:
+        answer = mr.last_boxed(r)
+        ok = answer is not None and (answer.strip() == truths[0] or bool(
+            verify(parse(f"\\boxed{{{truths[0]}}}"), parse(f"\\boxed{{{answer}}}"))))
+        expected.append(1.0 if ok else 0.0)
+    assert got.tolist() == expected == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    info = mr._equivalent.cache_info()
+    assert info.misses == 4 and info.hits == 2  # 0.5, 1/2, 2, 0.50 parsed; 1/2 twice from the cache
+    assert mr._parsed.cache_info().misses == 1  # the ground truth parsed once
