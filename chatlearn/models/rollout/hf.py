@@ -303,59 +303,88 @@ class HFRollout(Rollout):
                 finished += f
         return pack_samples(prompts, responses, logprobs, finished)
 
+    @torch.no_grad()
     def _generate_chunk(self, prompts: list[list[int]], sp: dict, budgets: list[int]):
-        """One ``generate`` call; sample i keeps at most ``budgets[i]`` new tokens (the call runs
-        up to the largest budget; a row's tokens do not depend on the rows beside it)."""
-        from transformers import GenerationConfig
+        """One batch of prompts decoded together; sample i keeps at most ``budgets[i]`` new tokens.
+
+        The decoding loop of ``transformers``' ``generate`` (sampling) with one difference: a
+        sequence that has ended (EOS or its budget) leaves the batch at once, its rows dropped from
+        the KV cache (``DynamicCache.batch_select_indices``), so the steps after it compute only
+        the sequences still running, where ``generate`` keeps feeding every ended one padding until
+        the last ends. Per step, as ``generate`` does: the raw logits of the last position, the
+        penalties (:class:`PenaltyLogitsProcessor`), then ``TemperatureLogitsWarper``,
+        ``TopKLogitsWarper``, ``TopPLogitsWarper`` (those the sampling dict turns on), then
+        ``argmax`` (greedy) or ``multinomial(softmax)``. Log-probs are those of the raw logits at
+        ``temperature`` (untouched by top-p or top-k). Prompts are left-padded; position ids count
+        each row's real tokens only.
+        """
+        from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+        from transformers import TopPLogitsWarper
 
         n, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((n, width), dtype=torch.long)
+        steps = max(budgets)
+        dev = self.device
+        seqs = torch.full((n, width + steps), self.pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros((n, width + steps), dtype=torch.long, device=dev)
         for i, p in enumerate(prompts):  # left padding
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention_mask[i, width - len(p):] = 1
+            seqs[i, width - len(p):width] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):width] = 1
+        pad_left = torch.tensor([width - len(p) for p in prompts], dtype=torch.long, device=dev)
+        penalty = (PenaltyLogitsProcessor(width, pad_left.tolist(), sp["presence_penalty"], sp["frequency_penalty"],
+                                          sp["repetition_penalty"]) if penalties_on(sp) else None)
+        warpers = LogitsProcessorList()
+        if not sp["greedy"]:
+            if sp["temperature"] != 1.0:
+                warpers.append(TemperatureLogitsWarper(sp["temperature"]))
+            if sp["top_k"] > 0:
+                warpers.append(TopKLogitsWarper(top_k=sp["top_k"]))
+            if sp["top_p"] < 1.0:
+                warpers.append(TopPLogitsWarper(top_p=sp["top_p"]))
+        eos = torch.tensor(self.eos_ids or [-1], dtype=torch.long, device=dev)
+        budget = torch.tensor(budgets, dtype=torch.long, device=dev)
+        token_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
+        length = torch.zeros(n, dtype=torch.long, device=dev)
+        finished = torch.zeros(n, dtype=torch.bool, device=dev)
 
-        from transformers import LogitsProcessorList
+        rows = torch.arange(n, device=dev)  # the batch's rows still running
+        cache = DynamicCache(config=self.model.config)
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp_(min=0)
+        out = self.model(input_ids=seqs[:, :width], attention_mask=mask[:, :width], position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        next_pos = positions[:, -1:] + 1
+        for step in range(steps):
+            logits = out.logits[:, -1].float()
+            cur = width + step
+            scores = logits
+            if penalty is not None:
+                penalty.pad_left = pad_left[rows]
+                scores = penalty(seqs[rows, :cur], scores)
+            scores = warpers(seqs[rows, :cur], scores)
+            if sp["greedy"]:
+                tokens = scores.argmax(-1)
+            else:
+                tokens = torch.multinomial(torch.softmax(scores, -1), num_samples=1).squeeze(1)
+            token_lp[rows, step] = torch.log_softmax(logits / sp["temperature"], -1).gather(1, tokens[:, None])[:, 0]
+            seqs[rows, cur] = tokens
+            mask[rows, cur] = 1
+            length[rows] = step + 1
+            ended = torch.isin(tokens, eos)
+            finished[rows] = ended
+            stop = ended | (step + 1 >= budget[rows])
+            if bool(stop.all()):
+                break
+            if bool(stop.any()):
+                keep = (~stop).nonzero()[:, 0]
+                cache.batch_select_indices(keep)
+                rows, tokens, next_pos = rows[keep], tokens[keep], next_pos[keep]
+            out = self.model(input_ids=tokens[:, None], attention_mask=mask[rows, :cur + 1], position_ids=next_pos,
+                             past_key_values=cache, use_cache=True)
+            next_pos = next_pos + 1
 
-        processors = LogitsProcessorList()
-        if penalties_on(sp):
-            processors.append(PenaltyLogitsProcessor(
-                width, [width - len(p) for p in prompts], sp["presence_penalty"],
-                sp["frequency_penalty"], sp["repetition_penalty"]))
-        gen_cfg = GenerationConfig(
-            do_sample=not sp["greedy"],
-            temperature=sp["temperature"],
-            top_p=1.0 if sp["greedy"] else sp["top_p"],
-            top_k=0 if sp["greedy"] or sp["top_k"] < 0 else sp["top_k"],
-            max_new_tokens=max(budgets),
-            eos_token_id=self.eos_ids or None,
-            pad_token_id=self.pad_id,
-            use_cache=True,
-            output_logits=True,  # the raw logits: untouched by temperature, top-p or top-k
-            return_dict_in_generate=True,
-        )
-        out = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            generation_config=gen_cfg, logits_processor=processors)
-        new_tokens = out.sequences[:, width:]  # [n, steps]
-        steps = new_tokens.shape[1]
-        token_lp = torch.empty((n, steps), dtype=torch.float32, device=new_tokens.device)
-        for s, logits in enumerate(out.logits):  # one [n, vocab] tensor per step
-            lp = torch.log_softmax(logits.float() / sp["temperature"], dim=-1)
-            token_lp[:, s] = lp.gather(1, new_tokens[:, s:s + 1]).squeeze(1)
-
-        new_tokens, token_lp = new_tokens.cpu().numpy(), token_lp.cpu().numpy()
-        is_eos = np.isin(new_tokens, self.eos_ids) if self.eos_ids else np.zeros_like(new_tokens, bool)
-        responses, logprobs, finished = [], [], []
-        for i in range(n):
-            hits = np.flatnonzero(is_eos[i][:budgets[i]])
-            # Up to and including the first EOS; a sequence without EOS ran all the steps
-            # (generate stops early only once every sequence has ended), cut at its budget.
-            length = int(hits[0]) + 1 if len(hits) else min(steps, budgets[i])
-            responses.append(new_tokens[i, :length])
-            logprobs.append(token_lp[i, :length])
-            finished.append(bool(len(hits)))
-        return responses, logprobs, finished
+        new_tokens, token_lp = seqs[:, width:].cpu().numpy(), token_lp.cpu().numpy()
+        length, finished = length.cpu().numpy(), finished.cpu().numpy()
+        return ([new_tokens[i, :length[i]] for i in range(n)], [token_lp[i, :length[i]] for i in range(n)],
+                [bool(f) for f in finished])
 
     # -- weights ----------------------------------------------------------------------
 

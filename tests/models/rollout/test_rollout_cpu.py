@@ -432,3 +432,45 @@ def test_eval_and_train_sampling_reach_the_engine(rollout, reference):
         for tok, row in zip(batch["tokens"][sl][int(plen):], probs):
             assert int((row > row[tok]).sum()) < 20  # inside the top 20
             assert float(row[row > row[tok]].sum()) <= 0.95 + 1e-4  # inside the 0.95 nucleus
+
+
+def test_hf_ended_sequences_leave_the_batch(hf):
+    """The transformers engine drops a sequence from the batch (and its KV cache rows) when it ends,
+    by budget or by EOS; the others' tokens are those of ``generate`` (greedy), which keeps every
+    row to the end."""
+    from chatlearn.models.rollout.hf import parse_sampling
+
+    ps = prompts(4)
+    budgets = [2, 5, 9, 12]
+    sizes = []
+    hook = hf.model.register_forward_pre_hook(lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
+                                              with_kwargs=True)
+    old_eos = hf.eos_ids
+    try:
+        sp = parse_sampling({"temperature": 0.0, "max_tokens": 12})
+        tokens, logprobs, finished = hf._generate_chunk(ps, sp, budgets)
+        width = max(len(p) for p in ps)
+        ids = torch.full((4, width), hf.pad_id, dtype=torch.long)
+        mask = torch.zeros((4, width), dtype=torch.long)
+        for i, p in enumerate(ps):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        hook.remove()
+        with torch.no_grad():
+            ref = hf.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                                    eos_token_id=None, pad_token_id=hf.pad_id)[:, width:]
+        assert [t.tolist() for t in tokens] == [ref[i, :b].tolist() for i, b in enumerate(budgets)]
+        assert [len(lp) for lp in logprobs] == budgets and finished == [False] * 4
+        # prefill, then one forward per step for the rows still running
+        assert sizes == [4, 4, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1]
+        # an EOS ends a row: row 3's 4th greedy token made the EOS
+        hf.eos_ids = [int(ref[3, 3])]
+        tokens, _, finished = hf._generate_chunk(ps, sp, [12] * 4)
+        for i in range(4):
+            hits = (ref[i] == hf.eos_ids[0]).nonzero()
+            length = int(hits[0]) + 1 if len(hits) else 12
+            assert tokens[i].tolist() == ref[i, :length].tolist() and finished[i] == bool(len(hits))
+        assert finished[3]
+    finally:
+        hf.eos_ids = old_eos
+        hook.remove()
