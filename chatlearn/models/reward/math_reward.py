@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 
 import numpy as np
@@ -25,6 +26,9 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+_INTEGER = re.compile(r"-?[0-9]{1,18}")
+
+
 class MathReward:
     """``score`` returns correct_score when the boxed answer equals the ground truth, else incorrect_score."""
 
@@ -38,6 +42,8 @@ class MathReward:
             return False
         if answer.strip() == ground_truth.strip():
             return True
+        if _INTEGER.fullmatch(answer.strip()) and _INTEGER.fullmatch(ground_truth.strip()):
+            return int(answer) == int(ground_truth)  # math-verify's verdict on two integers, without parsing
         # math-verify's timeouts use signals, which work only in the main thread; elsewhere they are
         # turned off (and its warning about that silenced).
         timeout = 5 if threading.current_thread() is threading.main_thread() else None

@@ -243,3 +243,22 @@ def test_math_verdicts_are_remembered_and_unchanged():
     info = mr._equivalent.cache_info()
     assert info.misses == 4 and info.hits == 2  # 0.5, 1/2, 2, 0.50 parsed; 1/2 twice from the cache
     assert mr._parsed.cache_info().misses == 1  # the ground truth parsed once
+
+
+def test_integers_are_compared_as_math_verify_compares_them():
+    """Two integers are judged without math-verify: the same verdicts as math-verify's on every pair of
+    a set with signs, leading zeros and powers of ten, and math-verify is not called."""
+    import itertools
+
+    from math_verify import parse, verify
+
+    from chatlearn.models.reward import math_reward as mr
+
+    values = ["0", "-0", "1", "10", "100", "50", "5000", "5", "-5", "12", "012", "120", "-120", "99999999"]
+    scorer = MathReward({"correct_score": 1.0, "incorrect_score": 0.0})
+    mr._equivalent.cache_clear()
+    for a, b in itertools.product(values, values):
+        expected = bool(verify(parse(f"\\boxed{{{b}}}"), parse(f"\\boxed{{{a}}}")))
+        assert scorer.is_correct(f"so \\boxed{{ {a} }}", b) is expected, (a, b)
+    assert mr._equivalent.cache_info().currsize == 0
+    assert scorer.is_correct("\\boxed{0.5}", "1/2") and not scorer.is_correct("\\boxed{1.5}", "1")
