@@ -209,7 +209,8 @@ class FSDPTrainer(Trainer):
 
     def _resolve_share_prompt(self, model) -> bool:
         """``share_prompt``: false: off; null: on where it can be (the model's attention goes through
-        transformers' ``AttentionInterface``, no sliding-window layers, no fixed ``seq_length``);
+        transformers' ``AttentionInterface``, plain SDPA attention: no sliding-window layers, no logit
+        soft-capping; no fixed ``seq_length``);
         true: on, or a UserError naming the key where it cannot be."""
         setting = self.cfg["share_prompt"]
         if setting is False:
@@ -220,6 +221,8 @@ class FSDPTrainer(Trainer):
             why = f"{type(model).__name__} does not compute attention through transformers' AttentionInterface"
         elif layer_types - {"full_attention"} or getattr(model.config, "use_sliding_window", False):
             why = f"{type(model).__name__} has layers that are not full attention ({sorted(layer_types)})"
+        elif getattr(model.config, "attn_logit_softcapping", None):
+            why = f"{type(model).__name__} soft-caps its attention logits"
         elif self.cfg["seq_length"] is not None and not self.cfg["packing"]:
             why = "seq_length pads every micro-batch to a fixed width, which a shared-prompt row does not have"
         if why is None:

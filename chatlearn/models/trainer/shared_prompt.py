@@ -14,12 +14,17 @@ the prompt's keys and values are computed once and their gradients summed over t
 that read them). A group of ``n`` samples with a prompt of ``P`` tokens computes ``(n - 1) * P``
 tokens fewer: with GRPO's short answers to long prompts, most of the work.
 
-Attention is two ``scaled_dot_product_attention`` calls per layer over gathered copies of the
-queries, keys and values: the prompts ``[units, heads, P_max, d]`` (causal), and the
-continuations ``[samples, heads, L_max, d]`` against their prompt's and their own keys
-``[samples, heads, P_max + L_max, d]``, padding masked; the outputs are put back in row order
-with one gather. The cost is that of the samples' own attention (no ``T x T`` mask over the
-row), so it suits long responses as well as short ones.
+Attention is ``scaled_dot_product_attention`` over gathered copies of the queries, keys and
+values, at the cost of the samples' own attention (no ``T x T`` mask over the row), in one of two
+forms. Small: two calls per layer for the whole row, the prompts ``[units, heads, P_max, d]``
+(causal) and the continuations ``[samples, heads, L_max, d]`` against their prompt's and their
+own keys ``[samples, heads, P_max + L_max, d]``, under explicit boolean masks. Where those masks
+would pass ``MASK_ELEMENTS`` (long responses), per unit and without a mask tensor: the prompt
+causal (``is_causal``), its continuations right-padded against the prompt's keys followed by their
+own under the causal mask aligned to the bottom right (``torch.nn.attention.bias.
+causal_lower_right``: query ``i`` sees the ``P + i + 1`` first keys, never a padded one), which
+SDPA's memory-efficient CUDA kernel applies without materialising it. The outputs are put back in
+row order with one gather.
 
 Layouts reach the attention function through the decoder's keyword arguments
 (``chatlearn_layout``; transformers passes a model's extra forward kwargs down to its
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 
 ATTENTION = "chatlearn_shared_prompt"
 KWARG = "chatlearn_layout"
+MASK_ELEMENTS = 1 << 22  # above this many mask entries per row, attention runs per unit without masks
 
 
 @dataclass
@@ -47,14 +53,24 @@ class Unit:
 
 
 @dataclass
+class UnitIndex:
+    """Row positions of one unit's tokens, for the gathers of :func:`shared_prompt_attention`."""
+    prompt: torch.Tensor        # [P]
+    conts: torch.Tensor | None  # [n, L_max] each continuation's tokens, right-padded (None: no continuation)
+    keys: torch.Tensor | None   # [n, P + L_max] the keys each continuation reads: its prompt's, then its own
+
+
+@dataclass
 class Layout:
-    """Index tensors of one row of units, built once per forward and read by every layer."""
-    prompt_idx: torch.Tensor    # [U, P_max] row positions of the prompts' tokens (padding: 0)
-    prompt_mask: torch.Tensor   # bool [U, 1, P_max, P_max]
-    cont_idx: torch.Tensor      # [R, L_max] row positions of the continuations' tokens
-    cont_kv_idx: torch.Tensor   # [R, P_max + L_max] row positions of the keys each continuation reads
-    cont_mask: torch.Tensor     # bool [R, 1, L_max, P_max + L_max]
-    inverse: torch.Tensor       # [T] position of row token t in cat(prompt outputs, continuation outputs)
+    """Index tensors of one row of units, built once per forward and read by every layer: the
+    batched form (``prompt_idx`` ... ``cont_mask``) or the per-unit form (``units``)."""
+    inverse: torch.Tensor                     # [T] position of row token t in the concatenated outputs
+    units: list[UnitIndex] | None = None
+    prompt_idx: torch.Tensor | None = None    # [U, P_max] row positions of the prompts' tokens (padding: 0)
+    prompt_mask: torch.Tensor | None = None   # bool [U, 1, P_max, P_max]
+    cont_idx: torch.Tensor | None = None      # [R, L_max] row positions of the continuations' tokens
+    cont_kv_idx: torch.Tensor | None = None   # [R, P_max + L_max] the keys each continuation reads
+    cont_mask: torch.Tensor | None = None     # bool [R, 1, L_max, P_max + L_max]
 
 
 def prompt_group_ids(batch) -> np.ndarray:
@@ -70,8 +86,19 @@ def prompt_group_ids(batch) -> np.ndarray:
     return out
 
 
-def build_layout(units: list[Unit], total: int, device) -> Layout:
-    """The index tensors of ``units`` (a row of ``total`` tokens)."""
+def build_layout(units: list[Unit], total: int, device, mask_elements: int | None = None) -> Layout:
+    """The index tensors of ``units`` (a row of ``total`` tokens): batched with masks when these
+    hold at most ``mask_elements`` (default ``MASK_ELEMENTS``) entries, else per unit."""
+    mask_elements = MASK_ELEMENTS if mask_elements is None else mask_elements
+    p_max = max(u.prompt_len for u in units)
+    lens = [n for u in units for _, n in u.conts]
+    l_max = max(lens, default=0)
+    size = len(units) * p_max * p_max + len(lens) * l_max * (p_max + l_max)
+    return (_batched_layout if size <= mask_elements else _unit_layout)(units, total, device)
+
+
+def _batched_layout(units: list[Unit], total: int, device) -> Layout:
+    """The batched form: every prompt, then every continuation, padded, with boolean masks."""
     p_max = max(u.prompt_len for u in units)
     conts = [c for u in units for c in u.conts]
     l_max = max((n for _, n in conts), default=0)
@@ -104,19 +131,45 @@ def build_layout(units: list[Unit], total: int, device) -> Layout:
     cont_mask = np.concatenate([np.broadcast_to(kv_valid[:, None, :p_max], (n_conts, l_max, p_max)),
                                 causal_c[None] & kv_valid[:, None, p_max:]], axis=2)
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    return Layout(t(prompt_idx), t(prompt_mask[:, None]), t(cont_idx), t(kv_idx), t(cont_mask[:, None]),
-                  t(inverse))
+    return Layout(t(inverse), prompt_idx=t(prompt_idx), prompt_mask=t(prompt_mask[:, None]), cont_idx=t(cont_idx),
+                  cont_kv_idx=t(kv_idx), cont_mask=t(cont_mask[:, None]))
+
+
+def _unit_layout(units: list[Unit], total: int, device) -> Layout:
+    """The per-unit form: index tensors only (the masks are causal, top-left or bottom-right)."""
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
+    index, inverse, done = [], np.zeros(total, np.int64), 0
+    for u in units:
+        prompt = np.arange(u.start, u.start + u.prompt_len)
+        inverse[prompt] = done + np.arange(u.prompt_len)
+        done += u.prompt_len
+        if not u.conts:
+            index.append(UnitIndex(t(prompt), None, None))
+            continue
+        l_max = max(n for _, n in u.conts)
+        conts = np.zeros((len(u.conts), l_max), np.int64)
+        for c, (start, n) in enumerate(u.conts):
+            conts[c, :n] = np.arange(start, start + n)
+            conts[c, n:] = start + n - 1  # padding repeats the last token; its outputs are never read
+            inverse[start:start + n] = done + c * l_max + np.arange(n)
+        done += len(u.conts) * l_max
+        keys = np.concatenate([np.broadcast_to(prompt, (len(u.conts), u.prompt_len)), conts], axis=1)
+        index.append(UnitIndex(t(prompt), t(conts), t(keys)))
+    return Layout(t(inverse), units=index)
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [H, T, d], idx [A, B] -> [A, H, B, d]."""
-    return x[:, idx].transpose(0, 1)
+    """x [H, T, d], idx [B] -> [1, H, B, d]; idx [A, B] -> [A, H, B, d]."""
+    out = x[:, idx]
+    return out[None] if idx.dim() == 1 else out.transpose(0, 1)
 
 
 def shared_prompt_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: float | None = None, **kwargs):
     """transformers attention interface: query ``[1, H, T, d]``, key/value ``[1, H_kv, T, d]`` of a
     row of units (``kwargs[KWARG]``, a :class:`Layout`); returns ``([1, T, H, d], None)``."""
+    from torch.nn.attention.bias import causal_lower_right
+
     layout: Layout | None = kwargs.pop(KWARG, None)
     if layout is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -129,15 +182,29 @@ def shared_prompt_attention(module, query, key, value, attention_mask, dropout: 
     if rep > 1:  # grouped-query attention: kv head h // rep serves query head h (transformers' repeat_kv)
         k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
     heads, d = q.shape[0], q.shape[-1]
-    p = layout.prompt_idx
-    out_p = F.scaled_dot_product_attention(_gather(q, p), _gather(k, p), _gather(v, p),
-                                           attn_mask=layout.prompt_mask, dropout_p=dropout, scale=scaling)
-    parts = [out_p.transpose(1, 2).reshape(-1, heads, d)]
-    if layout.cont_idx.numel():
-        kv = layout.cont_kv_idx
-        out_c = F.scaled_dot_product_attention(_gather(q, layout.cont_idx), _gather(k, kv), _gather(v, kv),
-                                               attn_mask=layout.cont_mask, dropout_p=dropout, scale=scaling)
-        parts.append(out_c.transpose(1, 2).reshape(-1, heads, d))
+    parts = []
+    if layout.units is None:
+        p = layout.prompt_idx
+        out = F.scaled_dot_product_attention(_gather(q, p), _gather(k, p), _gather(v, p),
+                                             attn_mask=layout.prompt_mask, dropout_p=dropout, scale=scaling)
+        parts.append(out.transpose(1, 2).reshape(-1, heads, d))
+        if layout.cont_idx.numel():
+            kv = layout.cont_kv_idx
+            out = F.scaled_dot_product_attention(_gather(q, layout.cont_idx), _gather(k, kv), _gather(v, kv),
+                                                 attn_mask=layout.cont_mask, dropout_p=dropout, scale=scaling)
+            parts.append(out.transpose(1, 2).reshape(-1, heads, d))
+        return torch.cat(parts)[layout.inverse][None], None
+    for u in layout.units:
+        p = u.prompt
+        out = F.scaled_dot_product_attention(_gather(q, p), _gather(k, p), _gather(v, p), is_causal=True,
+                                             dropout_p=dropout, scale=scaling)
+        parts.append(out[0].transpose(0, 1))
+        if u.conts is not None:
+            n, l_max = u.conts.shape
+            out = F.scaled_dot_product_attention(
+                _gather(q, u.conts), _gather(k, u.keys), _gather(v, u.keys),
+                attn_mask=causal_lower_right(l_max, u.keys.shape[1]), dropout_p=dropout, scale=scaling)
+            parts.append(out.transpose(1, 2).reshape(n * l_max, heads, d))
     return torch.cat(parts)[layout.inverse][None], None
 
 

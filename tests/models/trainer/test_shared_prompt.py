@@ -60,8 +60,13 @@ def _job(rank, world, path, batch) -> dict:
     variants = {"plain": dict(share_prompt=False), "shared": dict(share_prompt=True),
                 "shared_packed": dict(share_prompt=True, packing=True, max_token_in_packing=40),
                 "shared_ckpt": dict(share_prompt=None, gradient_checkpointing=True),
+                "shared_units": dict(share_prompt=True),
                 "shared_obs": dict(share_prompt=True), "plain_obs": dict(share_prompt=False)}
+    from chatlearn.models.trainer import shared_prompt as sp
+
+    default = sp.MASK_ELEMENTS
     for name, over in variants.items():
+        sp.MASK_ELEMENTS = 0 if name == "shared_units" else default  # 0: the per-unit form, without masks
         trainer = FSDPTrainer(trainer_cfg(path, train_micro_batch_size=6, logprob_micro_batch_size=5, **over))
         b = with_observations(batch) if name.endswith("_obs") else batch
         logp, ent = trainer.compute_logprobs(b, temperature=TEMPERATURE, with_entropy=True)
@@ -98,7 +103,7 @@ def test_shared_prompt_gives_the_samples_own_values(setup, one, two):
     mask = response_mask(setup["batch"])
     assert not one["plain"]["on"] and one["shared"]["on"] and one["shared_ckpt"]["on"]  # null: on here
     for res in (one, *two):
-        for name in ("shared", "shared_packed", "shared_ckpt"):
+        for name in ("shared", "shared_packed", "shared_ckpt", "shared_units"):
             r = res[name]
             np.testing.assert_allclose(r["logp"][mask], setup["logp"][mask], rtol=0, atol=2e-5)
             np.testing.assert_allclose(r["entropy"][mask], setup["entropy"][mask], rtol=0, atol=2e-5)
@@ -107,7 +112,7 @@ def test_shared_prompt_gives_the_samples_own_values(setup, one, two):
             _close_metrics(r["step"], one["plain"]["step"])
         _close_metrics(res["shared_obs"]["metrics"], one["plain_obs"]["metrics"])
         np.testing.assert_allclose(res["shared_obs"]["logp"], one["plain_obs"]["logp"], rtol=0, atol=2e-5)
-    for name in ("shared", "shared_packed", "shared_ckpt", "shared_obs"):
+    for name in ("shared", "shared_packed", "shared_ckpt", "shared_units", "shared_obs"):
         for res in (one, two[0]):
             plain = one["plain_obs" if name.endswith("_obs") else "plain"]["grads"]
             for key, g in res[name]["grads"].items():
@@ -157,9 +162,11 @@ def test_plan_keeps_groups_together_and_respects_the_limits():
     assert err.value.key == "models.policy_trainer.max_token_in_packing"
 
 
-def test_attention_equals_each_sample_alone_with_grouped_query_heads():
+@pytest.mark.parametrize("mask_elements", [1 << 22, 0], ids=["batched", "per_unit"])
+def test_attention_equals_each_sample_alone_with_grouped_query_heads(mask_elements):
     """Random q/k/v of two units (4 query heads on 2 key/value heads): each token's output equals
-    causal SDPA over its own sample, and so do the gradients of q, k and v."""
+    causal SDPA over its own sample, and so do the gradients of q, k and v; in both forms (batched
+    with masks, per unit without)."""
     torch.manual_seed(0)
 
     class Module:
@@ -179,7 +186,8 @@ def test_attention_equals_each_sample_alone_with_grouped_query_heads():
     q = torch.randn(1, 4, total, 8, requires_grad=True)
     k = torch.randn(1, 2, total, 8, requires_grad=True)
     v = torch.randn(1, 2, total, 8, requires_grad=True)
-    layout = shared_prompt.build_layout(units, total, "cpu")
+    layout = shared_prompt.build_layout(units, total, "cpu", mask_elements)
+    assert (layout.units is None) == (mask_elements > 0)
     out, _ = shared_prompt.shared_prompt_attention(Module(), q, k, v, None, scaling=0.3,
                                                    **{shared_prompt.KWARG: layout})
     weights = torch.randn_like(out)
