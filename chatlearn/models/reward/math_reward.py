@@ -40,10 +40,11 @@ class MathReward:
         answer = last_boxed(response)
         if answer is None:
             return False
-        if answer.strip() == ground_truth.strip():
+        a, g = answer.strip(), ground_truth.strip()
+        if a == g:
             return True
-        if _INTEGER.fullmatch(answer.strip()) and _INTEGER.fullmatch(ground_truth.strip()):
-            return int(answer) == int(ground_truth)  # math-verify's verdict on two integers, without parsing
+        if _INTEGER.fullmatch(a) and _INTEGER.fullmatch(g):
+            return int(a) == int(g)  # math-verify's verdict on two integers, without parsing
         # math-verify's timeouts use signals, which work only in the main thread; elsewhere they are
         # turned off (and its warning about that silenced).
         timeout = 5 if threading.current_thread() is threading.main_thread() else None

@@ -262,3 +262,5 @@ def test_integers_are_compared_as_math_verify_compares_them():
         assert scorer.is_correct(f"so \\boxed{{ {a} }}", b) is expected, (a, b)
     assert mr._equivalent.cache_info().currsize == 0
     assert scorer.is_correct("\\boxed{0.5}", "1/2") and not scorer.is_correct("\\boxed{1.5}", "1")
+    # str.strip() removes characters int() refuses (a model's control characters around the number)
+    assert scorer.is_correct("\\boxed{17\x1f}", "17 ") and not scorer.is_correct("\\boxed{\x1d79\x1f}", "17")
