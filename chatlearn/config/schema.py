@@ -195,7 +195,7 @@ class TrainerModel(ModelBase):
     meta_init: bool = False  # FSDP: build on the meta device, rank 0 reads the checkpoint and broadcasts the shards
     # FSDP: the samples of a micro-batch that start with the same prompt (a GRPO group) compute it once
     # (same log-probs and gradients). null: on where it can be (FSDP backend, a model whose attention
-    # goes through transformers' AttentionInterface, no sliding window, no fixed seq_length); false: off.
+    # goes through transformers' AttentionInterface, plain full attention, no fixed seq_length); false: off.
     share_prompt: Optional[bool] = None
     groupgemm: bool = False
     gradient_checkpointing: bool = True

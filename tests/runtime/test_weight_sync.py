@@ -343,7 +343,7 @@ def trainer_cfg(path: str) -> dict:
                 max_token_in_packing=32768, seq_length=None, train_global_batch_size=8,
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                 sequence_parallel=False, use_distributed_optimizer=False, meta_init=False,
-                logprob_chunk_tokens=1024)
+                logprob_chunk_tokens=1024, share_prompt=None)
 
 
 def rollout_cfg(path: str) -> dict:

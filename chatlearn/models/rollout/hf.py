@@ -109,6 +109,22 @@ class PenaltyLogitsProcessor:
         return scores
 
 
+def sampling_warpers(sp: dict):
+    """The warpers ``generate`` applies after the logits processors for a parsed sampling dict
+    (none when greedy): temperature, top-k, top-p, each only where it changes something."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers = LogitsProcessorList()
+    if not sp["greedy"]:
+        if sp["temperature"] != 1.0:
+            warpers.append(TemperatureLogitsWarper(sp["temperature"]))
+        if sp["top_k"] > 0:
+            warpers.append(TopKLogitsWarper(top_k=sp["top_k"]))
+        if sp["top_p"] < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=sp["top_p"]))
+    return warpers
+
+
 def context_length(max_prompt_len: int, max_response_len: int, seq_length: int | None) -> int:
     """The engine's tokens per sequence, prompt + response: ``seq_length``, else the longest prompt
     plus the longest response (vLLM's ``max_model_len``, SGLang's ``context_length``)."""
@@ -222,10 +238,11 @@ def set_cpu_threads(threads) -> None:
 # ---------------------------------------------------------------------------------------
 
 class HFRollout(Rollout):
-    """Rollout with ``transformers`` ``generate``.
+    """Rollout with a ``transformers`` model: ``generate``'s sampling in a loop of its own in which
+    ended sequences leave the batch (:meth:`_generate_chunk`).
 
     cfg keys: ``load`` (model folder), ``trust_remote_code``, ``seed``,
-    ``generation_batch_size`` (sequences per generate call), ``max_prompt_tokens_length``,
+    ``generation_batch_size`` (sequences decoded together), ``max_prompt_tokens_length``,
     ``max_response_tokens_length``, ``dtype`` ("float32" | "bfloat16" | "float16"),
     ``device`` ("cpu" | "cuda"), ``cpu_threads`` (None or a count: see ``set_cpu_threads``).
     """
@@ -318,8 +335,7 @@ class HFRollout(Rollout):
         ``temperature`` (untouched by top-p or top-k). Prompts are left-padded; position ids count
         each row's real tokens only.
         """
-        from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
-        from transformers import TopPLogitsWarper
+        from transformers import DynamicCache
 
         n, width = len(prompts), max(len(p) for p in prompts)
         steps = max(budgets)
@@ -332,14 +348,7 @@ class HFRollout(Rollout):
         pad_left = torch.tensor([width - len(p) for p in prompts], dtype=torch.long, device=dev)
         penalty = (PenaltyLogitsProcessor(width, pad_left.tolist(), sp["presence_penalty"], sp["frequency_penalty"],
                                           sp["repetition_penalty"]) if penalties_on(sp) else None)
-        warpers = LogitsProcessorList()
-        if not sp["greedy"]:
-            if sp["temperature"] != 1.0:
-                warpers.append(TemperatureLogitsWarper(sp["temperature"]))
-            if sp["top_k"] > 0:
-                warpers.append(TopKLogitsWarper(top_k=sp["top_k"]))
-            if sp["top_p"] < 1.0:
-                warpers.append(TopPLogitsWarper(top_p=sp["top_p"]))
+        warpers = sampling_warpers(sp)
         eos = torch.tensor(self.eos_ids or [-1], dtype=torch.long, device=dev)
         budget = torch.tensor(budgets, dtype=torch.long, device=dev)
         token_lp = torch.zeros((n, steps), dtype=torch.float32, device=dev)
