@@ -65,6 +65,8 @@ def _job(rank, world, path, batch) -> dict:
     from chatlearn.models.trainer import shared_prompt as sp
 
     default = sp.MASK_ELEMENTS
+    if world > 1:  # the ranks' parity on the main forms; the others against one rank's plain trainer
+        variants = {k: v for k, v in variants.items() if k in ("plain", "shared", "shared_packed")}
     for name, over in variants.items():
         sp.MASK_ELEMENTS = 0 if name == "shared_units" else default  # 0: the per-unit form, without masks
         trainer = FSDPTrainer(trainer_cfg(path, train_micro_batch_size=6, logprob_micro_batch_size=5, **over))
@@ -103,17 +105,17 @@ def test_shared_prompt_gives_the_samples_own_values(setup, one, two):
     mask = response_mask(setup["batch"])
     assert not one["plain"]["on"] and one["shared"]["on"] and one["shared_ckpt"]["on"]  # null: on here
     for res in (one, *two):
-        for name in ("shared", "shared_packed", "shared_ckpt", "shared_units"):
+        for name in [n for n in ("shared", "shared_packed", "shared_ckpt", "shared_units") if n in res]:
             r = res[name]
             np.testing.assert_allclose(r["logp"][mask], setup["logp"][mask], rtol=0, atol=2e-5)
             np.testing.assert_allclose(r["entropy"][mask], setup["entropy"][mask], rtol=0, atol=2e-5)
             assert np.all(r["logp"][~mask] == 0)
             _close_metrics(r["metrics"], one["plain"]["metrics"])
             _close_metrics(r["step"], one["plain"]["step"])
-        _close_metrics(res["shared_obs"]["metrics"], one["plain_obs"]["metrics"])
-        np.testing.assert_allclose(res["shared_obs"]["logp"], one["plain_obs"]["logp"], rtol=0, atol=2e-5)
+    _close_metrics(one["shared_obs"]["metrics"], one["plain_obs"]["metrics"])
+    np.testing.assert_allclose(one["shared_obs"]["logp"], one["plain_obs"]["logp"], rtol=0, atol=2e-5)
     for name in ("shared", "shared_packed", "shared_ckpt", "shared_units", "shared_obs"):
-        for res in (one, two[0]):
+        for res in [r for r in (one, two[0]) if name in r]:
             plain = one["plain_obs" if name.endswith("_obs") else "plain"]["grads"]
             for key, g in res[name]["grads"].items():
                 torch.testing.assert_close(g, plain[key], rtol=1e-4, atol=2e-6, msg=f"{name} {key}")
