@@ -340,13 +340,9 @@ class FSDPTrainer(Trainer):
         :mod:`chatlearn.models.trainer.shared_prompt`), each token at the position it has in its
         own sample. Same return."""
         off, plen, tokens = batch["offsets"], batch["prompt_lens"], batch["tokens"]
-        units: dict[bytes, list[int]] = {}
-        for i in idx:
-            a = int(off[i])
-            units.setdefault(np.asarray(tokens[a:a + int(plen[i])], dtype=np.int64).tobytes(), []).append(int(i))
         pieces, positions, cols, prev, pos, layout_units = [], [], [], [], [], []
         start = 0
-        for members in units.values():
+        for members in shared_prompt.group_by_prompt(batch, idx):
             p = int(plen[members[0]])
             a = int(off[members[0]])
             unit = shared_prompt.Unit(start, p, [])

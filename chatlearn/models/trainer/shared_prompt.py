@@ -73,16 +73,24 @@ class Layout:
     cont_mask: torch.Tensor | None = None     # bool [R, 1, L_max, P_max + L_max]
 
 
+def group_by_prompt(batch, idx) -> list[list[int]]:
+    """The samples ``idx`` grouped by identical prompt tokens: groups in order of first appearance,
+    samples in the order given."""
+    off, plen, tokens = batch["offsets"], batch["prompt_lens"], batch["tokens"]
+    groups: dict[bytes, list[int]] = {}
+    for i in idx:
+        start = int(off[i])
+        key = np.asarray(tokens[start:start + int(plen[i])], dtype=np.int64).tobytes()
+        groups.setdefault(key, []).append(int(i))
+    return list(groups.values())
+
+
 def prompt_group_ids(batch) -> np.ndarray:
     """int64 per sample: equal for samples whose prompt tokens are equal, numbered in order of
-    first appearance."""
-    off, plen = batch["offsets"], batch["prompt_lens"]
-    ids: dict[bytes, int] = {}
-    out = np.zeros(len(plen), np.int64)
-    for i in range(len(plen)):
-        start = int(off[i])
-        key = np.asarray(batch["tokens"][start:start + int(plen[i])], dtype=np.int64).tobytes()
-        out[i] = ids.setdefault(key, len(ids))
+    first appearance (:func:`group_by_prompt` over the whole batch)."""
+    out = np.zeros(len(batch["prompt_lens"]), np.int64)
+    for g, members in enumerate(group_by_prompt(batch, range(len(out)))):
+        out[members] = g
     return out
 
 
