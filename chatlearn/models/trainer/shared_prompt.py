@@ -167,9 +167,17 @@ def _unit_layout(units: list[Unit], total: int, device) -> Layout:
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [H, T, d], idx [B] -> [1, H, B, d]; idx [A, B] -> [A, H, B, d]."""
-    out = x[:, idx]
+    """x [H, T, d], idx [B] -> [1, H, B, d]; idx [A, B] -> [A, H, B, d].
+
+    ``index_select`` rather than advanced indexing: its backward is ``index_add_``, not the
+    accumulating ``index_put_`` (three times faster on the CPU for these shapes)."""
+    out = torch.index_select(x, 1, idx.reshape(-1)).view(x.shape[0], *idx.shape, x.shape[-1])
     return out[None] if idx.dim() == 1 else out.transpose(0, 1)
+
+
+def _in_row_order(parts: list[torch.Tensor], layout: Layout) -> torch.Tensor:
+    """The attention outputs ``parts`` (concatenated: ``[N, H, d]``) in row order: ``[1, T, H, d]``."""
+    return torch.index_select(torch.cat(parts), 0, layout.inverse)[None]
 
 
 def shared_prompt_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -201,7 +209,7 @@ def shared_prompt_attention(module, query, key, value, attention_mask, dropout: 
             out = F.scaled_dot_product_attention(_gather(q, layout.cont_idx), _gather(k, kv), _gather(v, kv),
                                                  attn_mask=layout.cont_mask, dropout_p=dropout, scale=scaling)
             parts.append(out.transpose(1, 2).reshape(-1, heads, d))
-        return torch.cat(parts)[layout.inverse][None], None
+        return _in_row_order(parts, layout), None
     for u in layout.units:
         p = u.prompt
         out = F.scaled_dot_product_attention(_gather(q, p), _gather(k, p), _gather(v, p), is_causal=True,
@@ -213,7 +221,7 @@ def shared_prompt_attention(module, query, key, value, attention_mask, dropout: 
                 _gather(q, u.conts), _gather(k, u.keys), _gather(v, u.keys),
                 attn_mask=causal_lower_right(l_max, u.keys.shape[1]), dropout_p=dropout, scale=scaling)
             parts.append(out.transpose(1, 2).reshape(n * l_max, heads, d))
-    return torch.cat(parts)[layout.inverse][None], None
+    return _in_row_order(parts, layout), None
 
 
 def register() -> None:

@@ -172,7 +172,7 @@ def _parity_part(trainer, batch) -> dict:
     trainer.zero_grad()
     step = trainer.train(batch)
     return {"logp": logp, "entropy": ent, "metrics": metrics, "step_metrics": step,
-            "grads": grads if trainer.rank == 0 else None}
+            "grads": grads if trainer.rank == 0 else None, "sharded": trainer.sharded}
 
 
 def _residency_part(trainer, batch, probe) -> dict:
@@ -370,11 +370,16 @@ def job_two_ranks(rank, world, path, batch, probe, out):
     return res
 
 
-def job_one_rank(rank, world, path, batch, out):
+def job_one_rank(rank, world, path, batch, probe, out):
+    from torch.distributed.fsdp import FSDPModule
+
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
     trainer = FSDPTrainer(trainer_cfg(path))
     res = _parity_part(trainer, batch)
+    # one rank: a plain module (no FSDP wrapping); offload / onload work on it all the same
+    res["fsdp_modules"] = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
+    res.update(_residency_part(trainer, batch, probe))
     # gradient checkpointing gives the same gradients
     ckpt = FSDPTrainer(trainer_cfg(path, gradient_checkpointing=True))
     res["ckpt_metrics"] = ckpt.compute_grads(batch)
@@ -436,7 +441,7 @@ def two(setup, tmp_path_factory):
 @pytest.fixture(scope="module")
 def one(setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    return run_ranks(job_one_rank, 1, out, setup["path"], setup["batch"], str(out))[0]
+    return run_ranks(job_one_rank, 1, out, setup["path"], setup["batch"], setup["probe"], str(out))[0]
 
 
 # --------------------------------------------------------------------------- tests
@@ -551,9 +556,10 @@ def test_compute_logprobs_matches_plain_transformers(setup, two, one):
 
 
 @pytest.mark.timeout(240)
-def test_offload_frees_storage_and_onload_restores_bit_for_bit(two):
+def test_offload_frees_storage_and_onload_restores_bit_for_bit(two, one):
     (r0, r1), _ = two
-    for res in (r0, r1):
+    assert one["fsdp_modules"] == 0 and not one["sharded"] and r0["sharded"]
+    for res in (r0, r1, one):
         assert res["offload_bytes"] == res["expected_bytes"] > 0
         assert res["weight_bytes_live"] == 0 and res["state_bytes_live"] == 0
         assert res["fsdp_internal_bytes_live"] == 0
