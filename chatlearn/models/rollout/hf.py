@@ -7,6 +7,7 @@ what is sampled, never the reported log-probs).
 """
 from __future__ import annotations
 
+import functools
 import gc
 import warnings
 from typing import Iterable
@@ -183,6 +184,77 @@ def pack_samples(prompts: list, responses: list, logprobs: list, finished: list)
     }
 
 
+def reserved_kv_cache(config, capacity: int):
+    """A ``DynamicCache`` for ``config`` whose full-attention layers keep their keys and values in
+    buffers reserved for ``capacity`` positions (:func:`_reserved_layer_class`): a decoding step
+    writes its token in place, where ``DynamicLayer`` concatenates, copying the whole cache at
+    every step (quadratic in the response length). Other layer kinds (sliding windows) stay as
+    they are."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    reserved = _reserved_layer_class()
+    if reserved is not None:
+        cache.layers = [reserved(capacity) if type(layer) is reserved.__base__ else layer for layer in cache.layers]
+    return cache
+
+
+@functools.cache
+def _reserved_layer_class():
+    """``DynamicLayer`` with reserved storage (transformers >= 4.56 cache layers), or None."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None
+
+    class ReservedLayer(DynamicLayer):
+        """Keys and values ``[batch, heads, length, dim]`` as views of ``[batch, heads, capacity, dim]``
+        buffers; grows by doubling past the capacity. Supports what the decoding loop uses:
+        ``update``, ``batch_select_indices`` and the length queries."""
+
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity, self.length = int(capacity), 0
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            super().lazy_initialization(key_states, value_states)
+            self._k = self._v = None
+
+        def _reserve(self, like: torch.Tensor, capacity: int, rows=None) -> None:
+            b, h, _, d = like.shape if rows is None else (len(rows), *self._k.shape[1:])
+            k = like.new_empty((b, h, capacity, d))
+            v = like.new_empty((b, h, capacity, d))
+            if self._k is not None and self.length:
+                src = slice(None) if rows is None else rows
+                k[:, :, :self.length] = self._k[src, :, :self.length]
+                v[:, :, :self.length] = self._v[src, :, :self.length]
+            self._k, self._v, self.capacity = k, v, capacity
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if self._k is None or end > self.capacity:
+                self._reserve(key_states, max(end, self.capacity, 2 * self.capacity if self._k is not None else 0))
+            self._k[:, :, self.length:end] = key_states
+            self._v[:, :, self.length:end] = value_states
+            self.length = end
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.length:
+                self._reserve(self._k, self.capacity, rows=indices)
+                self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
+
+        def _unsupported(self, *args, **kwargs):
+            raise NotImplementedError("ReservedLayer supports update and batch_select_indices only")
+
+        crop = batch_repeat_interleave = reset = _unsupported
+
+    return ReservedLayer
+
+
 def to_torch(value) -> torch.Tensor:
     """A CPU tensor viewing ``value`` (numpy array or tensor) without copying when possible.
 
@@ -326,7 +398,7 @@ class HFRollout(Rollout):
 
         The decoding loop of ``transformers``' ``generate`` (sampling) with one difference: a
         sequence that has ended (EOS or its budget) leaves the batch at once, its rows dropped from
-        the KV cache (``DynamicCache.batch_select_indices``), so the steps after it compute only
+        the KV cache (``batch_select_indices``), so the steps after it compute only
         the sequences still running, where ``generate`` keeps feeding every ended one padding until
         the last ends. Per step, as ``generate`` does: the raw logits of the last position, the
         penalties (:class:`PenaltyLogitsProcessor`), then ``TemperatureLogitsWarper``,
@@ -335,8 +407,6 @@ class HFRollout(Rollout):
         ``temperature`` (untouched by top-p or top-k). Prompts are left-padded; position ids count
         each row's real tokens only.
         """
-        from transformers import DynamicCache
-
         n, width = len(prompts), max(len(p) for p in prompts)
         steps = max(budgets)
         dev = self.device
@@ -356,7 +426,7 @@ class HFRollout(Rollout):
         finished = torch.zeros(n, dtype=torch.bool, device=dev)
 
         rows = torch.arange(n, device=dev)  # the batch's rows still running
-        cache = DynamicCache(config=self.model.config)
+        cache = reserved_kv_cache(self.model.config, width + steps)
         positions = (mask[:, :width].cumsum(-1) - 1).clamp_(min=0)
         out = self.model(input_ids=seqs[:, :width], attention_mask=mask[:, :width], position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)

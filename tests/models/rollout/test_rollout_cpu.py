@@ -474,3 +474,36 @@ def test_hf_ended_sequences_leave_the_batch(hf):
     finally:
         hf.eos_ids = old_eos
         hook.remove()
+
+
+def test_hf_reserved_kv_cache_equals_the_dynamic_cache(hf):
+    """The transformers engine's KV cache writes each step into reserved storage; what its layers
+    hold after prefills, steps past the reserved capacity (it grows) and dropped rows is what
+    ``DynamicCache`` holds after the same calls."""
+    from transformers import DynamicCache
+
+    from chatlearn.models.rollout.hf import reserved_kv_cache
+
+    config = hf.model.config
+    ours, ref = reserved_kv_cache(config, capacity=3), DynamicCache(config=config)
+    assert all(type(layer).__name__ == "ReservedLayer" for layer in ours.layers)
+    g = torch.Generator().manual_seed(0)
+    shape = (4, config.num_key_value_heads, 2, config.hidden_size // config.num_attention_heads)
+    steps = [torch.randn(shape, generator=g)] + [torch.randn(shape[:2] + (1,) + shape[3:], generator=g)
+                                                 for _ in range(5)]
+    rows = 4
+    for i, kv in enumerate(steps):
+        kv = kv[:rows]
+        for layer in range(len(ours.layers)):
+            got, want = ours.update(kv, kv * 2, layer), ref.update(kv, kv * 2, layer)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        if i == 2:  # rows 0 and 2 end
+            keep = torch.tensor([1, 3])
+            ours.batch_select_indices(keep)
+            ref.batch_select_indices(keep)
+            rows = 2
+    assert ours.get_seq_length() == ref.get_seq_length() == 7 and ours.layers[0].capacity >= 7
+    for a, b in zip(ours.layers, ref.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    with pytest.raises(NotImplementedError):
+        ours.crop(-1)
