@@ -7,7 +7,8 @@ processes inherit; it catches a process that was re-parented away from the tree 
 saw it). A process once counted stays counted until it exits.
 
 What: every ``interval`` seconds the resident set sizes (RSS) of all those processes are added
-up; the result is the largest such sum. Nothing is subtracted: pages shared between processes
+up (the set of processes is renewed every ``pss_interval`` seconds: walking all of the machine's
+processes costs the run more CPU than the sums); the result is the largest such sum. Nothing is subtracted: pages shared between processes
 (shared libraries, Ray's shared-memory object store) count once per process that maps them, so
 the sum is an upper bound of the memory the run occupies. Every ``pss_interval`` seconds the
 proportional set sizes (PSS: shared pages divided among their users) are summed as well, which
@@ -97,8 +98,10 @@ class RunMemory:
                 self.rejected.add(key)
 
     def poll(self, with_pss: bool) -> None:
-        """One sample: discover the run's processes, add up their RSS (and PSS)."""
-        self._discover()
+        """One sample: discover the run's processes (with every PSS sample, and at the first: a walk
+        over all the machine's processes costs more than the sums), add up their RSS (and PSS)."""
+        if with_pss or not self.samples:
+            self._discover()
         rss = pss = 0
         alive = 0
         for pid, proc in list(self.tracked.items()):
