@@ -7,6 +7,7 @@ what is sampled, never the reported log-probs).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import warnings
@@ -182,6 +183,38 @@ def pack_samples(prompts: list, responses: list, logprobs: list, finished: list)
         "rollout_logprobs": lps,
         "finish_reasons": np.asarray(finished, dtype=np.int8).reshape(n),
     }
+
+
+def onednn_linears_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`onednn_linears` applies: float32 on a CPU whose torch has oneDNN's linear ops."""
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+@contextlib.contextmanager
+def onednn_linears(model: torch.nn.Module, rows: int):
+    """While open, every ``nn.Linear`` of ``model`` computes with a copy of its weight reordered
+    once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the weight
+    prepacking of inductor's CPU freezing) through ``mkldnn._linear_pointwise``. A decoding step
+    multiplies a few rows by every weight matrix; the plain ``linear`` repacks each weight for
+    every such product (38M model, 32 rows: about 12 % of a long generation). The copies exist
+    only while the context is open (one generate call), so weight pushes, offload and onload
+    never see them; the outputs are ``F.linear``'s up to float rounding. ``rows``: the expected
+    rows per product (a hint to oneDNN)."""
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dim() == 2]
+    try:
+        for m in linears:
+            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows)
+            bias = None if m.bias is None else m.bias.detach()
+            m.forward = functools.partial(_onednn_linear, packed, bias)
+        yield
+    finally:
+        for m in linears:
+            m.__dict__.pop("forward", None)
+
+
+def _onednn_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def reserved_kv_cache(config, capacity: int):
@@ -382,7 +415,9 @@ class HFRollout(Rollout):
         devices = [self.device] if self.device.type == "cuda" else []
         # A private RNG stream: same seed + same weights + same prompts => same samples,
         # without touching the caller's global RNG state.
-        with torch.random.fork_rng(devices=devices):
+        packed = (onednn_linears(self.model, min(self.batch_size, len(prompts)))
+                  if onednn_linears_available(self.device, self.dtype) else contextlib.nullcontext())
+        with torch.random.fork_rng(devices=devices), packed:
             torch.manual_seed(seed)
             for start in range(0, len(prompts), self.batch_size):
                 r, lp, f = self._generate_chunk(prompts[start:start + self.batch_size], sp,

@@ -476,6 +476,39 @@ def test_hf_ended_sequences_leave_the_batch(hf):
         hook.remove()
 
 
+def test_hf_onednn_linears_compute_the_same_logits_and_leave_nothing_behind(hf):
+    """On the CPU a generate call runs the model's linear layers on weights reordered once for
+    oneDNN; the logits equal the plain model's, and after the call (or an error inside it) every
+    layer is a plain ``nn.Linear`` again."""
+    from chatlearn.models.rollout.hf import onednn_linears, onednn_linears_available
+
+    if not onednn_linears_available(hf.device, hf.dtype):
+        pytest.skip("torch without oneDNN linear ops")
+    ids = torch.tensor([p[:6] for p in prompts(3)])
+    linears = [m for m in hf.model.modules() if type(m) is torch.nn.Linear]
+    with torch.no_grad():
+        want = hf.model(input_ids=ids).logits
+        with onednn_linears(hf.model, rows=3):
+            assert all("forward" in m.__dict__ for m in linears)
+            got = hf.model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert linears and not any("forward" in m.__dict__ for m in linears)
+    with pytest.raises(RuntimeError, match="inside"):
+        with onednn_linears(hf.model, rows=3):
+            raise RuntimeError("inside")
+    assert not any("forward" in m.__dict__ for m in linears)
+    calls = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+    try:  # generate packs every linear weight once per call
+        import chatlearn.models.rollout.hf as hf_module
+
+        hf_module.torch.ops.mkldnn._reorder_linear_weight = lambda w, rows: calls.append(rows) or real(w, rows)
+        hf.generate(prompts(2), {"temperature": 1.0, "max_tokens": 3, "seed": 1})
+    finally:
+        hf_module.torch.ops.mkldnn._reorder_linear_weight = real
+    assert len(calls) == len(linears) and set(calls) == {2}
+
+
 def test_hf_reserved_kv_cache_equals_the_dynamic_cache(hf):
     """The transformers engine's KV cache writes each step into reserved storage; what its layers
     hold after prefills, steps past the reserved capacity (it grows) and dropped rows is what
