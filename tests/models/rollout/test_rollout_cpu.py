@@ -488,24 +488,30 @@ def test_hf_onednn_linears_compute_the_same_logits_and_leave_nothing_behind(hf):
     linears = [m for m in hf.model.modules() if type(m) is torch.nn.Linear]
     with torch.no_grad():
         want = hf.model(input_ids=ids).logits
-        with onednn_linears(hf.model, rows=3):
+        with onednn_linears(hf.model, rows=3, min_elements=0):
             assert all("forward" in m.__dict__ for m in linears)
             got = hf.model(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert linears and not any("forward" in m.__dict__ for m in linears)
     with pytest.raises(RuntimeError, match="inside"):
-        with onednn_linears(hf.model, rows=3):
+        with onednn_linears(hf.model, rows=3, min_elements=0):
             raise RuntimeError("inside")
     assert not any("forward" in m.__dict__ for m in linears)
+    import chatlearn.models.rollout.hf as hf_module
+
     calls = []
     real = torch.ops.mkldnn._reorder_linear_weight
-    try:  # generate packs every linear weight once per call
-        import chatlearn.models.rollout.hf as hf_module
-
+    limits = hf_module.PACK_MIN_STEPS, hf_module.PACK_MIN_ELEMENTS
+    try:  # a call with budgets of at least PACK_MIN_STEPS reorders every large weight once
         hf_module.torch.ops.mkldnn._reorder_linear_weight = lambda w, rows: calls.append(rows) or real(w, rows)
+        hf_module.PACK_MIN_STEPS = 4
         hf.generate(prompts(2), {"temperature": 1.0, "max_tokens": 3, "seed": 1})
+        assert calls == []  # budgets below the limit
+        hf_module.PACK_MIN_ELEMENTS = 0
+        hf.generate(prompts(2), {"temperature": 1.0, "max_tokens": 4, "seed": 1})
     finally:
         hf_module.torch.ops.mkldnn._reorder_linear_weight = real
+        hf_module.PACK_MIN_STEPS, hf_module.PACK_MIN_ELEMENTS = limits
     assert len(calls) == len(linears) and set(calls) == {2}
 
 
