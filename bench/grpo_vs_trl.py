@@ -51,6 +51,18 @@ sys.path.insert(0, REPO)
 # inputs
 # ---------------------------------------------------------------------------------------
 
+def cpu_model() -> str:
+    """The processor's name (``model name`` of /proc/cpuinfo where there is one), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def model_dir(model, cache: str) -> str:
     """The model folder of a workload: a folder as is, a ``ModelSpec`` built once into ``cache``."""
     if isinstance(model, str):
@@ -292,7 +304,7 @@ def main() -> None:
             versions[mod] = __import__(mod).__version__
         except ImportError:
             pass
-    report = {"machine": f"{platform.processor() or platform.machine()}, {threads} CPU(s)", "threads": threads,
+    report = {"machine": f"{cpu_model()}, {threads} CPU(s)", "threads": threads,
               "repeats": repeats, "quick": args.quick, "versions": versions, "workloads": {}}
 
     suffix = "_quick" if args.quick else ""
