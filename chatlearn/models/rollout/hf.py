@@ -258,9 +258,6 @@ def _reserved_layer_class():
         def __init__(self, capacity: int):
             super().__init__()
             self.capacity, self.length = int(capacity), 0
-
-        def lazy_initialization(self, key_states, value_states) -> None:
-            super().lazy_initialization(key_states, value_states)
             self._k = self._v = None
 
         def _reserve(self, like: torch.Tensor, capacity: int, rows=None) -> None:
@@ -274,8 +271,8 @@ def _reserved_layer_class():
             self._k, self._v, self.capacity = k, v, capacity
 
         def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
+            # the base's lazy initialization is not used (its signature varies across versions)
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
             end = self.length + key_states.shape[-2]
             if self._k is None or end > self.capacity:
                 self._reserve(key_states, max(end, self.capacity, 2 * self.capacity if self._k is not None else 0))
