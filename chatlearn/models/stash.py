@@ -16,6 +16,15 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def own_storage(params) -> None:
+    """Give every tensor of ``params`` whose storage cannot be resized (weights loaded from
+    safetensors sit in the file's memory map) memory of its own, so that offloading can free it."""
+    with torch.no_grad():
+        for p in params:
+            if not p.data.untyped_storage().resizable():
+                p.data = p.data.clone()
+
+
 class Stash:
     """Storages freed on the device (``resize_(0)``) with their bytes kept on the host.
 

@@ -18,6 +18,7 @@ import torch
 
 from chatlearn.config.names import Part
 from chatlearn.models.base import Batch, Rollout
+from chatlearn.models.stash import own_storage
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -393,12 +394,7 @@ class HFRollout(Rollout):
             eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
             bos_token_id=getattr(loaded, "bos_token_id", None))
 
-        # Weights loaded from safetensors may sit in storages that cannot be resized (file
-        # backed); give those their own memory so that offload can really free it.
-        with torch.no_grad():
-            for param in self.model.parameters():
-                if not param.data.untyped_storage().resizable():
-                    param.data = param.data.clone()
+        own_storage(self.model.parameters())  # offload must be able to free the weights
         # Parameters by every name they are known under (a tied lm_head.weight included).
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         # Offloaded storages: (storage, host copy) pairs; empty while the weights are on.

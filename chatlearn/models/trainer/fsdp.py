@@ -46,6 +46,7 @@ from chatlearn.checkpoint import sharded
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
+from chatlearn.models.stash import own_storage
 from chatlearn.models.trainer import shared_prompt
 from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches, plan_shared_micro_batches
 
@@ -208,10 +209,7 @@ class FSDPTrainer(Trainer):
         model.train(False)
         model.token_logprobs = types.MethodType(_token_logprobs, model)
         if not self.sharded:  # one rank, one dtype: nothing to shard, gather or reduce
-            model.to(self.device)
-            for p in model.parameters():  # own storage (not the checkpoint's memory map): offload frees it
-                if not p.untyped_storage().resizable():
-                    p.data = p.data.clone()
+            own_storage(model.to(self.device).parameters())
             return model
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed else MixedPrecisionPolicy())

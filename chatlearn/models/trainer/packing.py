@@ -90,12 +90,11 @@ def plan_shared_micro_batches(lens: np.ndarray, prompt_lens: np.ndarray, groups:
             tokens += cost
         computed += tokens
         plans.append([np.sort(np.asarray(b, dtype=np.int64)) for b in bins])
-    steps = max((len(p) for p in plans), default=0)
+    plans, steps = _same_steps(plans)
     real = sum(int(lens[share].sum()) for share in shares)
     stats = {"pad_token_frac": 0.0, "micro_steps": float(steps),
              "shared_token_frac": 1.0 - computed / real if real else 0.0}
-    empty = np.zeros(0, dtype=np.int64)
-    return [p + [empty] * (steps - len(p)) for p in plans], stats
+    return plans, stats
 
 
 def check_fixed_width(lens: np.ndarray, width: int) -> int:
@@ -129,11 +128,18 @@ def plan_micro_batches(lens: np.ndarray, shares: list[np.ndarray], size: int, pa
         else:
             longest_first = share[np.argsort(-lens[share], kind="stable")]
             plans.append([longest_first[i:i + size] for i in range(0, len(share), size)])
-    steps = max((len(p) for p in plans), default=0)
     computed = sum(int(lens[mb].sum()) if packing else len(mb) * (width or int(lens[mb].max()))
                    for p in plans for mb in p)
     real = sum(int(lens[share].sum()) for share in shares)
+    plans, steps = _same_steps(plans)
     stats = {"pad_token_frac": 1.0 - real / computed if computed else 0.0,
              "micro_steps": float(steps)}
+    return plans, stats
+
+
+def _same_steps(plans: list[list[np.ndarray]]) -> tuple[list[list[np.ndarray]], int]:
+    """Every rank's plan padded with empty arrays (dummy micro-steps) to the longest one's
+    number of micro-steps, and that number."""
+    steps = max((len(p) for p in plans), default=0)
     empty = np.zeros(0, dtype=np.int64)
-    return [p + [empty] * (steps - len(p)) for p in plans], stats
+    return [p + [empty] * (steps - len(p)) for p in plans], steps
