@@ -10,6 +10,7 @@ import textwrap
 import traceback
 
 from chatlearn.errors import UserError
+from chatlearn.logging.console import info
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("CHATLEARN_DEBUG") == "1"
     if getattr(args, "verbose", False):
         os.environ["CHATLEARN_VERBOSE"] = "1"  # read by chatlearn.logging.console, here and in the workers
-    from chatlearn.runtime.signals import exit_code, stop_on_sigterm
+    from chatlearn.runtime.cluster.signals import exit_code, stop_on_sigterm
 
     stop_on_sigterm()  # SIGTERM (Slurm, Kubernetes) stops like Ctrl-C, exit 143
     try:
@@ -104,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         err = getattr(err, "cause", None) or err
         if debug:
             traceback.print_exc()
-        print(_paragraph(f"error: {err.message}"), file=sys.stderr)
+        info(_paragraph(f"error: {err.message}"), stderr=True, bare=True)
         return err.exit_code
     except KeyboardInterrupt:
         code = exit_code()
-        print("terminated (SIGTERM)" if code != 130 else "interrupted", file=sys.stderr)
+        info("terminated (SIGTERM)" if code != 130 else "interrupted", stderr=True, bare=True)
         return code
     return 0
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 def _eval(args) -> int:
     from chatlearn.config.load import load_config
     from chatlearn.logging.console import ThirdPartyLogs
-    from chatlearn.runtime.evaluate import evaluate_only
+    from chatlearn.runtime.driver.evaluate import evaluate_only
 
     with ThirdPartyLogs() as logs:
         cfg = load_config(args.config, args.overrides)
@@ -130,8 +131,8 @@ def _run(args) -> int:
     from omegaconf import OmegaConf
 
     from chatlearn.logging.sinks import changed_config, config_yaml
-    from chatlearn.runtime.output_dir import check_start, previous_run
-    from chatlearn.runtime.run_lock import RunLock, describe
+    from chatlearn.runtime.rundir.output_dir import check_start, previous_run
+    from chatlearn.runtime.rundir.lock import RunLock, describe
 
     if args.all and not args.dry_run:
         raise UserError("--all only changes what --dry-run prints: add --dry-run, or leave --all out.")
@@ -142,29 +143,31 @@ def _run(args) -> int:
 
     ignored = compat_warning(cfg)
     if ignored:
-        print(_paragraph(f"warning: {ignored}"), file=sys.stderr, flush=True)
+        info(_paragraph(f"warning: {ignored}"), stderr=True, bare=True)
     # a dry run only reads: a run in progress in output_dir is noted, not an error
     check_start(cfg, overwrite=args.overwrite, check_lock=not args.dry_run)
     if args.dry_run:
         out = cfg.runtime_args.output_dir
+        # the dry run's output: the settings and the plan, as they are
         if args.all:
-            print("# resolved config, every setting (secrets shown as ***)")
-            print(config_yaml(cfg).rstrip())
+            info("# resolved config, every setting (secrets shown as ***)", bare=True)
+            info(config_yaml(cfg).rstrip(), bare=True)
         else:
             changed = changed_config(cfg)
-            print("# settings that differ from the defaults (--all: every setting; secrets shown as ***)")
-            print(OmegaConf.to_yaml(changed).rstrip() if changed else "# (none)")
-        print("\n# plan")
+            info("# settings that differ from the defaults (--all: every setting; secrets shown as ***)",
+                 bare=True)
+            info(OmegaConf.to_yaml(changed).rstrip() if changed else "# (none)", bare=True)
+        info("\n# plan", bare=True)
         for line in plan.describe():
-            print(line)
+            info(line, bare=True)
         holder = RunLock(out).live_holder()
         if holder is not None:
-            print(f"# note: {out} is in use by {describe(holder)}; a run now would be refused")
+            info(f"# note: {out} is in use by {describe(holder)}; a run now would be refused", bare=True)
         if args.overwrite and previous_run(out):
-            print(f"# --overwrite: the run in {out} would be moved to {out}.old-<time>")
+            info(f"# --overwrite: the run in {out} would be moved to {out}.old-<time>", bare=True)
         return 0
     from chatlearn.logging.console import ThirdPartyLogs, failure_hint
-    from chatlearn.runtime.engine import train
+    from chatlearn.runtime.driver.run import train
 
     with ThirdPartyLogs() as logs:
         try:
@@ -172,22 +175,22 @@ def _run(args) -> int:
         except (UserError, KeyboardInterrupt):
             raise
         except Exception as err:
-            from chatlearn.runtime.group import dead_worker_message
+            from chatlearn.runtime.cluster.group import dead_worker_message
 
             hint = failure_hint(err, cfg.runtime_args.output_dir) if logs.path else ""
             dead = dead_worker_message(err)
             if dead:  # a worker died: which model and rank, not a traceback of the driver
                 if args.debug:
                     traceback.print_exc()
-                print(_paragraph(f"error: {dead}"), file=sys.stderr, flush=True)
+                info(_paragraph(f"error: {dead}"), stderr=True, bare=True)
                 if hint:
-                    print(hint, file=sys.stderr, flush=True)
+                    info(hint, stderr=True, bare=True)
                 return 1
             if not hint:
                 raise
             # a worker's own last words (a crash) are in its log, not on the console: shown last
             traceback.print_exc()
-            print(hint, file=sys.stderr, flush=True)
+            info(hint, stderr=True, bare=True)
             return 1
     return 0
 
@@ -197,9 +200,9 @@ def _merge(args) -> int:
 
     out = merge_checkpoint(args.ckpt_dir, args.out_dir, hf_config=args.hf_config, dtype=args.dtype,
                            max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
-                           log=lambda msg: print(msg, flush=True))
-    print(f"wrote {out['out_dir']}: {out['num_tensors']} tensors, {out['total_bytes'] / 1e6:.1f} MB "
-          f"({out['dtype']}) in {len(out['shards'])} shard(s), in {out['seconds']:.1f}s")
+                           log=lambda msg: info(msg, bare=True))
+    info(f"wrote {out['out_dir']}: {out['num_tensors']} tensors, {out['total_bytes'] / 1e6:.1f} MB "
+         f"({out['dtype']}) in {len(out['shards'])} shard(s), in {out['seconds']:.1f}s", bare=True)
     return 0
 
 
@@ -212,7 +215,7 @@ def _plot(args) -> int:
                         "`chatlearn plot " + " ".join(runs) + " --out compare/` (a run's own plots/ folder is "
                         "kept for its own plots).")
     for path in plot_runs(runs, args.out or os.path.join(runs[0], "plots")):
-        print(path)
+        info(path, bare=True)  # the command's output: one written file a line
     return 0
 
 

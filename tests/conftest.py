@@ -9,8 +9,9 @@ import pytest
 
 # The test tree mirrors the package (tests/<package>/...; e2e/, reliability/ and bench/ hold whole-run
 # tests). Shared test code is importable by module name from every test: tests/ (this file),
-# tests/support/ (the tiny model and Hub-cache builders, the strict fakes of vLLM and SGLang, the
-# Megatron CPU shim, the metrics-doc reader), and the test modules whose helpers other tests reuse.
+# tests/support/ (the tiny model and Hub-cache builders, the specs tests build backends from, the strict
+# fakes of vLLM and SGLang, the Megatron CPU shim, the metrics-doc reader), and the test modules whose
+# helpers other tests reuse.
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = ("support", os.path.join("models", "trainer"), os.path.join("models", "rollout"), "algorithms")
 for _folder in (HERE, *(os.path.join(HERE, f) for f in SHARED)):

@@ -24,20 +24,51 @@ def test_no_function_is_longer_than_a_screen_and_a_half():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
 
 
+def _method(path: pathlib.Path, cls: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _stages_named(node: ast.AST) -> list[str]:
+    return [n.attr for n in sorted((n for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                                    and isinstance(n.value, ast.Name) and n.value.id == "Stage"),
+                                   key=lambda n: (n.lineno, n.col_offset))]
+
+
 def test_the_episode_is_one_short_function_with_a_call_per_stage():
-    engine = PACKAGE / "runtime" / "engine.py"
-    tree = ast.parse(engine.read_text(encoding="utf-8"))
-    grpo = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GRPO")
-    episode = next(n for n in grpo.body if isinstance(n, ast.FunctionDef) and n.name == "episode")
+    """The engine's episode names every stage it runs itself, in order; the forward passes between
+    reward and train are the algorithm's (GRPO's: the reference, then the old log-probs)."""
+    episode = _method(PACKAGE / "runtime" / "driver" / "engine.py", "Engine", "episode")
     assert episode.end_lineno - episode.lineno + 1 <= MAX_EPISODE_LINES
-    # every stage of chatlearn.config.names.Stage but evaluation is named in it, in the order it runs
+    assert [s for s in _stages_named(episode) if s != "EVAL"] == ["GENERATE", "REWARD", "TRAIN", "CHECKPOINT",
+                                                                  "WEIGHT_PUSH"]
+    passes = _method(PACKAGE / "runtime" / "driver" / "algorithm.py", "GRPO", "passes")
+    assert _stages_named(passes) == ["REF_LOGPROBS", "OLD_LOGPROBS"]
     from chatlearn.config.names import Stage
 
-    named = [n.attr for n in sorted((n for n in ast.walk(episode) if isinstance(n, ast.Attribute)
-                                     and isinstance(n.value, ast.Name) and n.value.id == "Stage"),
-                                    key=lambda n: (n.lineno, n.col_offset))]
-    order = [s.name for s in Stage if s is not Stage.EVAL]
-    assert [s for s in named if s in order] == [s for s in order if s != "REF_LOGPROBS"], named
+    covered = {"GENERATE", "REWARD", "TRAIN", "CHECKPOINT", "WEIGHT_PUSH", "REF_LOGPROBS", "OLD_LOGPROBS", "EVAL"}
+    assert {s.name for s in Stage} == covered
+
+
+def test_the_engine_names_no_algorithm():
+    """The engine runs whatever algorithm chatlearn.runtime.driver.algorithm makes: no algorithm's
+    name, loss option or estimator appears in its code (names, attributes or strings)."""
+    engine = PACKAGE / "runtime" / "driver" / "engine.py"
+    tree = ast.parse(engine.read_text(encoding="utf-8"))
+    words = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            words.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            words.add(n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and not n.value.count(" "):
+            words.add(n.value)
+        elif isinstance(n, ast.ImportFrom):
+            words.update(a.name for a in n.names)
+    forbidden = {"GRPO", "grpo", "PPO", "ppo", "advantage_estimator", "kl_coef", "old_logprobs", "ref_logprobs",
+                 "sample_weights", "old_logprob_pass", "uses_ref"}
+    assert not words & forbidden, sorted(words & forbidden)
 
 
 # folders of whole-run tests and shared test code: not tied to one package

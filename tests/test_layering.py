@@ -62,7 +62,7 @@ def module_name(path: str) -> str:
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in ("errors", "hub"):
+    if len(parts) == 1 or parts[1] in ("errors", "hub", "batch"):
         return BASE
     if parts[1] == "cli":
         return "cli"

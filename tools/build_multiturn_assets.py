@@ -37,7 +37,7 @@ train on is exact for a share ``--target-copy-accuracy`` of them, then decays it
 way to reward, and the model calls it only some of the time.
 
 At the end the folder is evaluated with the real rollout: ChatLearn's
-:class:`~chatlearn.runtime.multiturn.MultiTurnRollout` over the transformers engine
+:class:`~chatlearn.runtime.driver.multiturn.MultiTurnLoop` over the transformers engine
 (:class:`~chatlearn.models.rollout.hf.HFRollout`), the eval prompts at the config's eval
 settings, scored with the math reward.
 
@@ -483,7 +483,7 @@ def rollout_spec(cfg, threads: int):
 
 
 def sampling_settings(cfg, eval_mode: bool) -> dict:
-    """The sampling settings of the run's rollouts (eval or training), as ``Rollouts.sampling``
+    """The sampling settings of the run's rollouts (eval or training), as ``Sampling.params``
     gives them, seeded with the policy's seed as the run's evaluation is."""
     p = cfg.models.policy
     pre = "eval_" if eval_mode else ""
@@ -499,8 +499,8 @@ def rollout_evaluate(cfg, mt, tokenizer, engine, samples: int, eval_mode: bool) 
     import numpy as np
     from chatlearn.data.dataset import load_prompts
     from chatlearn.models.reward.math_reward import math_reward
-    from chatlearn.runtime.multiturn import STATUSES
-    from chatlearn.runtime.rollouts import Prompts
+    from chatlearn.runtime.driver.multiturn import STATUSES
+    from chatlearn.runtime.driver.sampling import Prompts
 
     rt, p = cfg.runtime_args, cfg.models.policy
     prompt_set = load_prompts(rt.eval_data_path.split(","), tokenizer, max_prompt_tokens=p.max_prompt_tokens_length,
@@ -511,7 +511,7 @@ def rollout_evaluate(cfg, mt, tokenizer, engine, samples: int, eval_mode: bool) 
     prompts = Prompts.of(prompt_set, range(len(prompt_set)), samples)
     sampling = sampling_settings(cfg, eval_mode)
 
-    def generate(ids, sp):  # one rollout replica: its seed as Rollouts.generate derives it
+    def generate(ids, sp):  # one rollout replica: its seed as Sampling.generate derives it
         return engine.generate(ids, {**sp, "seed": sp["seed"] * 1000})
 
     start = time.perf_counter()
@@ -695,7 +695,7 @@ def main(argv=None) -> int:
     model_dir, data_dir = out / "tiny_qwen2_tools", out / "calc"
     t0 = time.perf_counter()
     from chatlearn.data.dataset import load_tokenizer
-    from chatlearn.runtime.multiturn import MultiTurnRollout
+    from chatlearn.runtime.driver.multiturn import MultiTurnLoop
 
     sft = None
     if not args.check_only:
@@ -723,7 +723,7 @@ def main(argv=None) -> int:
         cfg = load_run_config(out, model_dir)
         tok = load_tokenizer(str(model_dir), trust_remote_code=False, key="models.policy.load")
         check_tokenizer(model_dir, tok)
-        mt = MultiTurnRollout(cfg, tok)
+        mt = MultiTurnLoop(cfg, tok)
         assert mt.tool_schemas == [tool_schema()], mt.tool_schemas
 
         traj = Trajectories(mt, tok)
@@ -746,7 +746,7 @@ def main(argv=None) -> int:
         cfg = load_run_config(out, model_dir)
         tok = load_tokenizer(str(model_dir), trust_remote_code=False, key="models.policy.load")
         check_tokenizer(model_dir, tok)
-        mt = MultiTurnRollout(cfg, tok)
+        mt = MultiTurnLoop(cfg, tok)
 
     # Everything below reads the folder back, as a run does.
     from chatlearn.models.rollout.hf import HFRollout

@@ -1,6 +1,8 @@
 """GRPO's episode-level math, numpy only: the advantage estimators, the KL-in-reward penalty and
 the sample weights of an episode. The driver computes these; it imports neither torch nor this
-package's loss module (:mod:`chatlearn.algorithms.grpo`, which re-exports these names).
+package's loss module (:mod:`chatlearn.algorithms.grpo`, which imports this one). Only the KL-in-reward
+penalty needs torch: :func:`sequence_kl` imports it, and the KL estimators of
+:mod:`chatlearn.algorithms.kl`, when it is called.
 """
 from __future__ import annotations
 
@@ -139,7 +141,7 @@ def sequence_kl(old_logprobs: np.ndarray, ref_logprobs: np.ndarray, offsets: np.
     ``use_kl_in_reward``)."""
     import torch  # only with the KL in the reward: the driver otherwise runs without torch
 
-    from chatlearn.algorithms.grpo import kl_penalty
+    from chatlearn.algorithms.kl import kl_penalty
 
     kl = kl_penalty(torch.from_numpy(np.asarray(old_logprobs, np.float64)),
                     torch.from_numpy(np.asarray(ref_logprobs, np.float64)), estimator).numpy()

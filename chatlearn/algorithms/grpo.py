@@ -1,5 +1,6 @@
-"""GRPO as pure functions: policy losses, KL estimators, loss aggregation (the advantage
-estimators, numpy only, are in :mod:`chatlearn.algorithms.advantages` and re-exported here).
+"""GRPO as pure functions: policy losses, loss aggregation, the trainers' loss (the advantage
+estimators, numpy only, are in :mod:`chatlearn.algorithms.advantages`; the KL estimators in
+:mod:`chatlearn.algorithms.kl`).
 
 Nothing here knows about models, ranks or devices. Per-token functions take 1-D tensors of
 the *response* tokens of some samples (flat, sample after sample, no padding) and return
@@ -15,19 +16,15 @@ import math
 import numpy as np
 import torch
 
-from chatlearn.algorithms.advantages import (  # noqa: F401  (re-exported)
-    ADVANTAGE_ESTIMATORS, ROLLOUT_MISMATCH, WHITEN_EPS, compute_advantages, episode_advantages, equal_groups,
-    group_advantages, loss_token_counts, sequence_kl)
+from chatlearn.algorithms.advantages import loss_token_counts
+from chatlearn.algorithms.kl import kl_penalty
 from chatlearn.config import registry
 
-KL_LOG_RATIO_CLAMP = 20.0
-LOW_VAR_KL_CLAMP = 10.0
 GSPO_LOG_RATIO_MAX = 10.0
 
 # the names are declared in chatlearn.config.registry (what the config accepts); the functions
 # registered below implement them
 LOSS_AGG_MODES = registry.LOSS_AGG_MODES.names
-KL_ESTIMATORS = registry.KL_ESTIMATORS.names
 
 
 # ---------------------------------------------------------------------------- policy losses
@@ -150,44 +147,6 @@ def rollout_is_weights(log_rho: torch.Tensor, mode: str, upper: float, lower: fl
     return w, none, ~keep
 
 
-# ---------------------------------------------------------------------------- KL
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens (Schulman, "Approximating
-    KL divergence"; names as verl ``kl_penalty``), with d = logp - ref_logp:
-
-        k1 = d                        k2 = d^2 / 2
-        k3 = exp(-d) + d - 1          (d clamped to [-20, 20]; always >= 0)
-        low_var_kl = clamp(k3, -10, 10)
-    """
-    return registry.KL_ESTIMATORS.get(estimator)(logp, ref_logp)
-
-
-@registry.KL_ESTIMATORS.register("k1")
-def _kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    return logp - ref_logp
-
-
-@registry.KL_ESTIMATORS.register("k2")
-def _kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (logp - ref_logp) ** 2
-
-
-@registry.KL_ESTIMATORS.register("low_var_kl")
-def _kl_low_var(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(kl_k3(logp, ref_logp), -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
-
-
-@registry.KL_ESTIMATORS.register("k3")
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(pi || pi_ref) per token (Schulman), always >= 0.
-
-        d  = clamp(ref_logp - logp, -20, 20)
-        k3 = exp(d) - d - 1
-    """
-    d = torch.clamp(ref_logp - logp, -KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
-    return torch.exp(d) - d - 1.0
-
-
 # ---------------------------------------------------------------------------- aggregation
 def sample_loss_coefficients(mode: str, response_lens: np.ndarray, sample_weights: np.ndarray,
                              max_response_len: int) -> np.ndarray:
@@ -232,13 +191,13 @@ def _seq_mean_token_sum_norm(w, n, tokens, seqs, max_response_len):
     return w / (float(max_response_len) * seqs)
 
 
-def grpo_token_losses(cfg: dict, logp: torch.Tensor, old_logp: torch.Tensor,
+def grpo_token_losses(spec, logp: torch.Tensor, old_logp: torch.Tensor,
                       advantages: torch.Tensor, seq: torch.Tensor,
                       ref_logp: torch.Tensor | None, entropy: torch.Tensor | None,
                       is_weight: torch.Tensor | None = None) -> dict:
-    """The per-token terms of the trainers' loss, from the trainer config keys
-    pos_clip_ratio, neg_clip_ratio, clip_ratio_c, use_group_sequence_policy, kl_coef,
-    kl_estimator, kl_in_reward, entropy_coef:
+    """The per-token terms of the trainers' loss, from the fields pos_clip_ratio, neg_clip_ratio,
+    clip_ratio_c, use_group_sequence_policy, kl_coef, kl_estimator, kl_in_reward and entropy_coef of
+    ``spec`` (the trainer's :class:`chatlearn.models.specs.TrainerSpec`, read as attributes):
 
         loss_t = w_t * pg_t + kl_coef * kl_t * [not kl_in_reward] - entropy_coef * H_t
 
@@ -248,24 +207,25 @@ def grpo_token_losses(cfg: dict, logp: torch.Tensor, old_logp: torch.Tensor,
     (the importance ratio the loss clips, detached: for the ``ratio_mean`` metric).
     """
     pg, clipped, clipped_lower = policy_loss(
-        logp, old_logp, advantages, cfg["pos_clip_ratio"], cfg["neg_clip_ratio"],
-        cfg["clip_ratio_c"], seq if cfg["use_group_sequence_policy"] else None)
+        logp, old_logp, advantages, spec.pos_clip_ratio, spec.neg_clip_ratio,
+        spec.clip_ratio_c, seq if spec.use_group_sequence_policy else None)
     if is_weight is not None:
         pg = pg * is_weight.detach()
     loss = pg
-    kl = kl_penalty(logp, ref_logp, cfg["kl_estimator"]) if ref_logp is not None else None
-    if cfg["kl_coef"] > 0 and not cfg["kl_in_reward"]:
-        loss = loss + cfg["kl_coef"] * kl
-    if cfg["entropy_coef"] > 0:
-        loss = loss - cfg["entropy_coef"] * entropy
+    kl = kl_penalty(logp, ref_logp, spec.kl_estimator) if ref_logp is not None else None
+    if spec.kl_coef > 0 and not spec.kl_in_reward:
+        loss = loss + spec.kl_coef * kl
+    if spec.entropy_coef > 0:
+        loss = loss - spec.entropy_coef * entropy
     with torch.no_grad():
-        ratio = importance_ratio(logp, old_logp, seq if cfg["use_group_sequence_policy"] else None)
+        ratio = importance_ratio(logp, old_logp, seq if spec.use_group_sequence_policy else None)
     return {"loss": loss, "pg": pg, "kl": kl, "clipped": clipped, "clipped_lower": clipped_lower, "ratio": ratio}
 
 
-def needs_ref_logprobs(cfg: dict) -> bool:
-    """Whether the trainer's loss needs ``ref_logprobs`` (a KL loss term)."""
-    return cfg["kl_coef"] > 0 and not cfg["kl_in_reward"]
+def needs_ref_logprobs(spec) -> bool:
+    """Whether the trainer's loss needs ``ref_logprobs`` (a KL loss term; ``spec``: its
+    :class:`~chatlearn.models.specs.TrainerSpec`)."""
+    return spec.kl_coef > 0 and not spec.kl_in_reward
 
 
 # ---------------------------------------------------------------------------- misc
@@ -430,19 +390,20 @@ class GRPOLoss:
     that of the log-probs), and with ``rollout_logprobs`` in the batch the loss also reports
     how far they are from the rollout engine's (``ROLLOUT_MISMATCH``).
 
-    ``old_logprobs: rollout`` (cfg): the batch's ``rollout_logprobs`` are the old log-probs of every
+    ``old_logprobs: rollout`` (spec): the batch's ``rollout_logprobs`` are the old log-probs of every
     step (no pass; verl's bypass mode), and every step reports the mismatch of its own forward
     against them (the engine keeps the first step's).
 
-    ``rollout_correction`` (cfg, resolved: none | tis | mis | decoupled) weights the policy loss by
+    ``rollout_correction`` (spec, resolved: none | tis | mis | decoupled) weights the policy loss by
     :func:`rollout_is_weights` of rho = proximal / behaviour probability at
     ``rollout_correction_level``: the behaviour log-probs are ``rollout_logprobs`` (which the batch
     must then hold), the proximal ones the old log-probs of the pass, or the forward's own, detached,
     where no pass gave them (the first step of ``old_logprobs: auto``, every step of ``rollout``).
     """
 
-    def __init__(self, cfg: dict, batch: dict, device: torch.device):
-        self.cfg, self.batch, self.device = cfg, batch, device
+    def __init__(self, spec, batch: dict, device: torch.device):
+        """``spec``: the trainer's :class:`~chatlearn.models.specs.TrainerSpec` (its loss fields)."""
+        self.spec, self.batch, self.device = spec, batch, device
         self.offsets = np.asarray(batch["offsets"])
         lens = loss_token_counts(batch)  # the model's response tokens (not a multi-turn observation)
         self.weights = self.sample_weights(batch)
@@ -451,19 +412,19 @@ class GRPOLoss:
         if self.num_tokens == 0:
             raise ValueError("the batch has no response tokens")
         self.has_ref = "ref_logprobs" in batch
-        if needs_ref_logprobs(cfg) and not self.has_ref:
+        if needs_ref_logprobs(spec) and not self.has_ref:
             raise ValueError("kl_coef > 0 (KL loss term) needs ref_logprobs in the batch")
-        self.with_entropy = cfg["entropy_coef"] > 0
-        self.coef = sample_loss_coefficients(cfg["loss_agg_mode"], lens, self.weights,
-                                             cfg["max_response_tokens_length"])
+        self.with_entropy = spec.entropy_coef > 0
+        self.coef = sample_loss_coefficients(spec.loss_agg_mode, lens, self.weights,
+                                             spec.max_response_tokens_length)
         self.advantages = np.asarray(batch["advantages"], np.float32)
-        self.rollout_old = cfg["old_logprobs"] == "rollout"
+        self.rollout_old = spec.old_logprobs == "rollout"
         self.own_old = "old_logprobs" not in batch and not self.rollout_old
         self.tracks_rollout = (self.own_old or self.rollout_old) and "rollout_logprobs" in batch
         if self.rollout_old and "rollout_logprobs" not in batch:
             raise ValueError("old_logprobs: rollout needs rollout_logprobs in the batch")
         self.rollout_diff_max = torch.zeros((), dtype=torch.float64, device=device)
-        self.correction = cfg["rollout_correction"]
+        self.correction = spec.rollout_correction
         if self.correction != "none" and "rollout_logprobs" not in batch:
             raise ValueError(f"rollout_correction {self.correction!r} needs rollout_logprobs in the batch")
         self.is_weight_max = torch.zeros((), dtype=torch.float64, device=device)
@@ -493,17 +454,17 @@ class GRPOLoss:
         correction = None
         if self.correction != "none":
             prox = logp.detach() if (self.own_old or self.rollout_old) else old
-            log_rho = correction_log_ratio(prox, behav, seq, self.cfg["rollout_correction_level"])
-            lower = self.cfg["rollout_is_threshold_lower"]
+            log_rho = correction_log_ratio(prox, behav, seq, self.spec.rollout_correction_level)
+            lower = self.spec.rollout_is_threshold_lower
             w, clipped, masked = rollout_is_weights(
-                log_rho, self.correction, self.cfg["rollout_is_threshold"],
-                1.0 / self.cfg["rollout_is_threshold"] if lower is None else lower, self.rollout_old)
+                log_rho, self.correction, self.spec.rollout_is_threshold,
+                1.0 / self.spec.rollout_is_threshold if lower is None else lower, self.rollout_old)
             correction = {"is_weight": w, "is_clipped": clipped, "is_masked": masked,
                           "is_d": (prox - behav).detach()}
             kept = w[weights > 0]
             if kept.numel():
                 self.is_weight_max = torch.maximum(self.is_weight_max, kept.max().double())
-        terms = grpo_token_losses(self.cfg, logp, old, self._tensor(self.advantages[sample]), seq, ref, entropy,
+        terms = grpo_token_losses(self.spec, logp, old, self._tensor(self.advantages[sample]), seq, ref, entropy,
                                   correction["is_weight"] if correction else None)
         if correction:
             terms.update(correction)
@@ -519,6 +480,6 @@ class GRPOLoss:
         """:func:`loss_metrics` of the all-reduced :func:`token_sums` (and of the max-reduced
         ``rollout_diff_max`` when :attr:`tracks_rollout`, ``is_weight_max`` with a correction)."""
         return loss_metrics(sums, self.num_tokens, self.kept_tokens, self.has_ref,
-                            self.with_entropy, self.cfg["clip_ratio_c"] is not None,
+                            self.with_entropy, self.spec.clip_ratio_c is not None,
                             rollout_diff_max if self.tracks_rollout else None,
                             self.correction, is_weight_max)

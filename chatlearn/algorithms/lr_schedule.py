@@ -52,10 +52,11 @@ def _cosine(step, lr, min_lr, warmup_iters, decay_iters) -> float:
                     decay_iters)
 
 
-def trainer_learning_rate(cfg: dict, step: int) -> float:
-    """:func:`learning_rate` from the trainer config keys lr, min_lr, lr_decay_style,
-    lr_warmup_iters, lr_decay_iters, lr_warmup_init (already resolved to steps)."""
-    return learning_rate(step, lr=float(cfg["lr"]), min_lr=float(cfg["min_lr"]),
-                         decay_style=cfg["lr_decay_style"], warmup_iters=int(cfg["lr_warmup_iters"]),
-                         decay_iters=int(cfg["lr_decay_iters"]),
-                         warmup_init=float(cfg["lr_warmup_init"]))
+def trainer_learning_rate(spec, step: int) -> float:
+    """:func:`learning_rate` from the fields lr, min_lr, lr_decay_style, lr_warmup_iters,
+    lr_decay_iters and lr_warmup_init (already resolved to steps) of ``spec``, the trainer's
+    :class:`~chatlearn.models.specs.TrainerSpec`."""
+    return learning_rate(step, lr=float(spec.lr), min_lr=float(spec.min_lr),
+                         decay_style=spec.lr_decay_style, warmup_iters=int(spec.lr_warmup_iters),
+                         decay_iters=int(spec.lr_decay_iters),
+                         warmup_init=float(spec.lr_warmup_init))

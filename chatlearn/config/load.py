@@ -606,7 +606,7 @@ def _check_context_length(cfg: DictConfig) -> None:
                 f"padded to exactly seq_length. Lower it to at most {limit}, or set it to null.",
                 key=f"models.{name}.seq_length")
     total = p.max_prompt_tokens_length + p.max_response_tokens_length
-    context = p.seq_length or total  # the engine's context (chatlearn.models.rollout.hf.context_length)
+    context = p.seq_length or total  # the engine's context (chatlearn.models.rollout.common.context_length)
     if cfg.runtime_args.rollout_backend == "sglang" and context + 1 > limit:
         raise ConfigError(
             f"is {context} tokens per sequence with the SGLang rollout, which needs one token "

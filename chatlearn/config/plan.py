@@ -38,6 +38,13 @@ def rollout_placement(policy, device_group: int) -> ModelPlacement:
                           devices_per_actor=tp)
 
 
+def reward_cpu_placement(reward) -> ModelPlacement:
+    """The reward workers' placement when they run on CPUs (``models.reward.num_gpu`` 0): ``num_cpu /
+    cpu_per_process`` actors of ``cpu_per_process`` CPUs each (1 when unset)."""
+    per = reward.cpu_per_process or 1
+    return ModelPlacement("reward", reward.num_cpu // per, -1, [], float(per))
+
+
 @dataclass
 class Plan:
     group_size: int  # samples per prompt (num_inference_per_prompt)
@@ -258,9 +265,7 @@ def make_plan(cfg: DictConfig) -> Plan:
             placements[name] = (rollout_placement(pol, g) if name == "policy"
                                  else ModelPlacement(name, num, g, list(range(num))))
     if "reward" not in placements:
-        r = m.reward
-        per = r.cpu_per_process or 1
-        placements["reward"] = ModelPlacement("reward", r.num_cpu // per, -1, [], float(per))
+        placements["reward"] = reward_cpu_placement(m.reward)
     return Plan(group_size=n, prompts_per_episode=spe // n, samples_per_episode=spe, trainer_dp=dp,
                 samples_per_step=gbs, samples_per_rank_per_step=per_rank, micro_batches_per_step=per_rank // micro,
                 steps_per_episode=spe // gbs * rt.num_training_epoch, rollout_replicas=replicas,
@@ -271,6 +276,21 @@ def make_plan(cfg: DictConfig) -> Plan:
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
                 max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol),
                 fused_rollout=_fused_rollout(cfg, groups, replicas))
+
+
+def make_eval_plan(cfg: DictConfig, num_prompts: int, samples_per_prompt: int) -> Plan:
+    """The plan of an evaluation-only run (``chatlearn eval``): the rollout engine alone on its devices
+    (one device group, placed and checked as :func:`make_plan` places and checks it) and the reward
+    workers on CPUs; ``num_prompts`` prompts x ``samples_per_prompt`` samples, no trainer (no
+    optimizer step)."""
+    pol = cfg.models.policy
+    _check_rollout_parallel(pol, cfg.runtime_args.rollout_backend)
+    rollout = rollout_placement(pol, 0)
+    return Plan(group_size=samples_per_prompt, prompts_per_episode=num_prompts,
+                samples_per_episode=num_prompts * samples_per_prompt, trainer_dp=1, samples_per_step=1,
+                samples_per_rank_per_step=1, micro_batches_per_step=1, steps_per_episode=0,
+                rollout_replicas=rollout.num_actors, device_groups=[["policy"]], devices_per_group=[pol.num_gpu],
+                placements={"policy": rollout, "reward": reward_cpu_placement(cfg.models.reward)})
 
 
 def fusable_rollout(backend: str) -> str | None:

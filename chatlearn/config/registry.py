@@ -1,7 +1,7 @@
 """The names the config accepts, declared once, at the bottom of the layers.
 
 Validation (``chatlearn.config``) asks these registries which values a key takes; the layers
-above attach the implementations: ``chatlearn.algorithms.advantages``, ``.grpo`` and ``.lr_schedule`` register
+above attach the implementations: ``chatlearn.algorithms.advantages``, ``.kl``, ``.grpo`` and ``.lr_schedule`` register
 their functions with :meth:`Registry.register`, and the backends and the built-in reward
 functions are declared here with their ``"module:attribute"`` factory strings (imported only by
 whoever builds them: the runtime, a reward worker). Registering a name that is not declared
@@ -84,9 +84,9 @@ class Registry:
 # models.policy_trainer.advantage_estimator (chatlearn.algorithms.advantages.compute_advantages)
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus"),
                                 declared_as="ADVANTAGE_ESTIMATORS", implemented_in="chatlearn.algorithms.advantages")
-# models.policy_trainer.kl_estimator (chatlearn.algorithms.grpo.kl_penalty)
+# models.policy_trainer.kl_estimator (chatlearn.algorithms.kl.kl_penalty)
 KL_ESTIMATORS = Registry("KL estimator", ("k1", "k2", "k3", "low_var_kl"),
-                         declared_as="KL_ESTIMATORS", implemented_in="chatlearn.algorithms.grpo")
+                         declared_as="KL_ESTIMATORS", implemented_in="chatlearn.algorithms.kl")
 # models.policy_trainer.loss_agg_mode (chatlearn.algorithms.grpo.sample_loss_coefficients)
 LOSS_AGG_MODES = Registry("loss_agg_mode", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                             "seq-mean-token-sum-norm"),

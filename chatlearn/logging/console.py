@@ -14,11 +14,11 @@ when something goes wrong. By default a run keeps them off the console:
   ``(Worker pid=...)`` prefix of ``--verbose``. A worker's exception reaches the driver as the run's
   error; when a worker process dies, the driver prints the end of its log (:func:`failure_hint`).
   Nothing of the workers' output streams to the driver then, so a run's own Ray head starts without
-  its log monitor (:func:`workers_stream_to_driver`, ``chatlearn.runtime.cluster.lean_local_head``).
+  its log monitor (:func:`workers_stream_to_driver`, ``chatlearn.runtime.cluster.cluster.lean_local_head``).
 
 ``--verbose`` (``CHATLEARN_VERBOSE=1``) shows everything on the console as well, as it comes.
 The driver tells the workers where to write through ``CHATLEARN_LOG_DIR`` and
-``CHATLEARN_VERBOSE`` (passed by :func:`chatlearn.runtime.env.worker_env`).
+``CHATLEARN_VERBOSE`` (passed by :func:`chatlearn.runtime.cluster.worker_env.worker_env`).
 """
 from __future__ import annotations
 
@@ -37,6 +37,44 @@ THIRD_PARTY_LOGGERS = ("ray", "vllm", "transformers", "torch", "datasets", "hugg
                        "sglang", "megatron", "urllib3", "filelock", "fsspec", "asyncio", "wandb", "tensorboard",
                        "math_verify", "latex2sympy2_extended", "py.warnings")
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class ChatlearnLines(logging.Handler):
+    """chatlearn's own lines on the console: ``[chatlearn] <message>`` (``[chatlearn] warning:
+    <message>`` from a warning; a record with ``bare`` set prints its message alone), on standard
+    output, or standard error for a record with ``stderr`` set: the stream as it is when the line
+    is written (a test's captured stream, a redirected one)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr if getattr(record, "stderr", False) else sys.stdout
+            if getattr(record, "bare", False):
+                prefix = ""
+            else:
+                prefix = "[chatlearn] warning: " if record.levelno >= logging.WARNING else "[chatlearn] "
+            stream.write(f"{prefix}{record.getMessage()}\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001  (logging's own contract: a handler never raises)
+            self.handleError(record)
+
+
+# chatlearn's logger: its lines go to the console through ChatlearnLines only, never into the
+# third-party log file (ThirdPartyLogs routes the libraries' loggers, not this one)
+LOG = logging.getLogger("chatlearn")
+LOG.propagate = False
+LOG.setLevel(logging.INFO)
+if not any(isinstance(h, ChatlearnLines) for h in LOG.handlers):
+    LOG.addHandler(ChatlearnLines())
+
+
+def info(message: str, stderr: bool = False, bare: bool = False) -> None:
+    """A line of chatlearn's on the console (see :class:`ChatlearnLines`)."""
+    LOG.info(message, extra={"stderr": stderr, "bare": bare})
+
+
+def warn(message: str, stderr: bool = False) -> None:
+    """A warning line of chatlearn's on the console (see :class:`ChatlearnLines`)."""
+    LOG.warning(message, extra={"stderr": stderr})
 
 
 def verbose() -> bool:

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
-
-def _warn(message: str) -> None:
-    print(f"[chatlearn] warning: {message}", file=sys.stderr, flush=True)
+from chatlearn.logging.console import warn
 
 
 def fsync_dir(path: str) -> None:
@@ -82,7 +79,7 @@ def drop_torn_tail(path: str) -> int:
         f.truncate(keep)
         f.flush()
         os.fsync(f.fileno())
-    _warn(f"{path}: dropped a last line cut short by an earlier crash ({size - keep} bytes)")
+    warn(f"{path}: dropped a last line cut short by an earlier crash ({size - keep} bytes)", stderr=True)
     return size - keep
 
 
@@ -139,5 +136,6 @@ def truncate_after(path: str, episode: int) -> int:
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
     if damaged:
-        _warn(f"{path}: dropped {damaged} line(s) that are not complete JSON rows (cut short by a crash)")
+        warn(f"{path}: dropped {damaged} line(s) that are not complete JSON rows (cut short by a crash)",
+             stderr=True)
     return dropped

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from chatlearn.config.names import Stage
 from chatlearn.errors import UserError
+from chatlearn.logging.console import info
 
 # stage times of an episode, stacked bottom to top in the order the episode runs them
 STAGES = tuple(s.value for s in Stage)
@@ -287,7 +288,6 @@ def plot_after_run(output_dir: str) -> None:
     try:
         files = write_plots(output_dir)
     except Exception as err:  # noqa: BLE001 (the training itself has succeeded)
-        print(f"[chatlearn] plots not written: {' '.join(str(err).split())} (retry with `chatlearn plot "
-              f"{output_dir}`)", flush=True)
+        info(f"plots not written: {' '.join(str(err).split())} (retry with `chatlearn plot {output_dir}`)")
         return
-    print(f"[chatlearn] plots: {len(files)} PNG files in {os.path.join(output_dir, 'plots')}", flush=True)
+    info(f"plots: {len(files)} PNG files in {os.path.join(output_dir, 'plots')}")

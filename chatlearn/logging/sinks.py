@@ -18,12 +18,12 @@ from __future__ import annotations
 import netrc
 import os
 import re
-import sys
 from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
 from chatlearn.errors import UserError
+from chatlearn.logging.console import info
 from chatlearn.logging.metrics import MetricsWriter, SamplesWriter
 
 REDACTED = "***"
@@ -134,8 +134,7 @@ class MetricSinks:
     training is reported once and that sink is switched off, instead of ending the run.
     """
 
-    def __init__(self, cfg: DictConfig, *, out=None):
-        self._out = out  # None: sys.stdout at the time of printing (the live progress may redirect it)
+    def __init__(self, cfg: DictConfig):
         self.jsonl = MetricsWriter(cfg.runtime_args.output_dir)
         self.samples = SamplesWriter(cfg.runtime_args.output_dir)
         self.path = self.jsonl.path
@@ -147,7 +146,7 @@ class MetricSinks:
             if la.enable_tensorboard:
                 self._sinks.append(TensorBoardSink(tb_dir, cfg))
             if la.enable_wandb:
-                self._sinks.append(WandbSink(wandb_dir, cfg, out=self._out))
+                self._sinks.append(WandbSink(wandb_dir, cfg))
         except BaseException:
             self.close()
             raise
@@ -169,8 +168,7 @@ class MetricSinks:
                 getattr(sink, method)(*args)
             except Exception as err:  # noqa: BLE001 (a monitoring failure must not end training)
                 self._sinks.remove(sink)
-                print(f"[chatlearn] {sink.name} logging stopped after an error: {err}", file=self._out or sys.stdout,
-                      flush=True)
+                info(f"{sink.name} logging stopped after an error: {err}")
                 _close_quietly(sink)
 
     def truncate_after(self, episode: int) -> None:
@@ -232,7 +230,7 @@ class TensorBoardSink:
 class WandbSink:
     name = "W&B"
 
-    def __init__(self, root: str, cfg: DictConfig, *, out=None):
+    def __init__(self, root: str, cfg: DictConfig):
         try:
             import wandb
         except ImportError as err:
@@ -242,9 +240,8 @@ class WandbSink:
         mode = None  # wandb reads WANDB_MODE itself
         if not os.environ.get("WANDB_MODE") and not wandb_credentials_configured():
             mode = "offline"
-            print(f"[chatlearn] wandb: no API key configured (WANDB_API_KEY or `wandb login`); recording the run "
-                  f"offline under {os.path.join(root, 'wandb')} (upload it later with `wandb sync`)",
-                  file=out or sys.stdout, flush=True)
+            info(f"wandb: no API key configured (WANDB_API_KEY or `wandb login`); recording the run offline "
+                 f"under {os.path.join(root, 'wandb')} (upload it later with `wandb sync`)")
         os.makedirs(root, exist_ok=True)
         try:
             self.run = wandb.init(project=la.wandb_project or rt.exp_name, name=la.wandb_name, id=la.wandb_id,

@@ -1,23 +1,9 @@
 """The one interface every backend implements.
 
 A *batch* travels between stages as a plain ``dict[str, np.ndarray]`` (columnar, ragged
-sequences packed with offsets, never padded), so that Ray moves it zero-copy:
-
-    tokens        int64   [T]    prompt + response tokens of every sample, concatenated
-    offsets       int64   [N+1]  sample i is tokens[offsets[i]:offsets[i+1]]
-    prompt_lens   int64   [N]    the first prompt_lens[i] tokens of sample i are its prompt
-
-Per-token values are aligned with ``tokens`` (length T): position j holds the value for
-token j given the tokens before it; positions inside a prompt hold 0 and are masked out.
-
-    rollout_logprobs  float32 [T]  from the rollout engine (sampled tokens)
-    loss_mask         uint8   [T]  optional (multi-turn rollouts): 1 on the tokens the model
-                                   generated, 0 on the prompt and on the observations an
-                                   environment or tool appended; absent means every response
-                                   token is the model's
-    old_logprobs      float32 [T]  from policy_trainer before the update
-    ref_logprobs      float32 [T]  from ref_policy (present when the KL term is used)
-    advantages        float32 [N]  one per sample (GRPO: group-relative)
+sequences packed with offsets, never padded), so that Ray moves it zero-copy; every column it may
+hold (per sample or per token, its dtype and the stage that writes it) is declared in
+:mod:`chatlearn.batch`.
 
 Parts that a model can hold on its devices (:class:`chatlearn.config.names.Part`): ``weights``,
 ``optimizer``, ``grads``, ``kv_cache``. ``offload(parts)`` frees their storage on the device for
@@ -26,7 +12,7 @@ real (the data is kept on the host), ``onload(parts)`` restores it bit for bit.
 The backends: :class:`Trainer` (FSDP2, Megatron), :class:`Rollout` (vLLM, SGLang, transformers)
 and :class:`Reward` (the reward workers). Each base class declares every method the runtime calls
 on its backends (the engine, the scheduler's offload/onload, the weight push's
-``chatlearn.runtime.weight_sync.Endpoint``), abstract where a backend must implement it, so that
+``chatlearn.runtime.weight_push.stream.Endpoint``), abstract where a backend must implement it, so that
 a backend that misses one fails when it is built (``TypeError``), not in the middle of a run.
 """
 from __future__ import annotations
@@ -38,12 +24,14 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import numpy as np
 
 from chatlearn.algorithms.advantages import loss_token_counts, response_mask  # noqa: F401  (re-exported)
+from chatlearn.batch import Batch
 from chatlearn.config.names import Part
 
 if TYPE_CHECKING:
     import torch
 
-Batch = dict  # dict[str, np.ndarray]; see the module docstring
+    from chatlearn.models.specs import TrainerSpec
+
 Bucket = list  # list[tuple[str, np.ndarray]] in Hugging Face parameter names
 
 
@@ -63,35 +51,6 @@ def response_positions(batch: Batch, i: int) -> np.ndarray:
     if "loss_mask" in batch:
         resp = resp[np.asarray(batch["loss_mask"][start + plen:end], dtype=bool)]
     return resp
-
-
-TOKEN_KEYS = ("tokens", "rollout_logprobs", "old_logprobs", "ref_logprobs", "loss_mask")
-
-
-def select_samples(batch: Batch, index) -> Batch:
-    """A new batch holding the given samples, in the given order.
-
-    Keys in ``TOKEN_KEYS`` are per-token; ``offsets`` is rebuilt; every other array or
-    list is per-sample.
-    """
-    index = np.asarray(index, dtype=np.int64)
-    off = batch["offsets"]
-    lens = off[1:] - off[:-1]
-    new_off = np.zeros(len(index) + 1, dtype=np.int64)
-    np.cumsum(lens[index], out=new_off[1:])
-    token_idx = (np.concatenate([np.arange(off[i], off[i + 1]) for i in index])
-                 if len(index) else np.zeros(0, np.int64))
-    out: Batch = {"offsets": new_off}
-    for key, val in batch.items():
-        if key == "offsets":
-            continue
-        if key in TOKEN_KEYS:
-            out[key] = val[token_idx]
-        elif isinstance(val, np.ndarray):
-            out[key] = val[index]
-        else:
-            out[key] = [val[i] for i in index]
-    return out
 
 
 class Model(abc.ABC):
@@ -135,10 +94,10 @@ class Trainer(Model):
     (:meth:`_optimizer_steps`, :meth:`_set_lr`, :meth:`_clip_and_step`, :meth:`zero_grad`).
 
     The attributes annotated below are set by a backend's constructor; the weight push reads
-    ``rank`` and ``device`` (``chatlearn.runtime.weight_sync.Endpoint``).
+    ``rank`` and ``device`` (``chatlearn.runtime.weight_push.stream.Endpoint``).
     """
 
-    cfg: dict  # the trainer config (keys: see the backends' constructors)
+    spec: TrainerSpec  # the trainer's settings, read as attributes (the fields each backend reads: its constructor)
     rank: int  # global rank in the trainer's process group (rank 0 writes files, gets full tensors)
     device: torch.device  # this rank's device (``cuda:i`` or ``cpu``)
     trainable: bool  # policy_trainer (an optimizer) or ref_policy (frozen, forward only)
@@ -159,7 +118,7 @@ class Trainer(Model):
         with torch.no_grad():
             self._require_weights()
             self.model.train(False)
-            micro, self._logprob_stats = self._micro_batches(batch, self.cfg["logprob_micro_batch_size"])
+            micro, self._logprob_stats = self._micro_batches(batch, self.spec.logprob_micro_batch_size)
             return self._logprob_pass(batch, micro, temperature, with_entropy)
 
     def logprob_stats(self) -> dict:
@@ -185,7 +144,7 @@ class Trainer(Model):
         if Part.OPTIMIZER in self._stashes:
             raise RuntimeError(f"{name}: optimizer state is offloaded; call onload(['optimizer'])")
         try:
-            objective = GRPOLoss(self.cfg, batch, self.device)
+            objective = GRPOLoss(self.spec, batch, self.device)
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
         self.model.train(True)
@@ -220,7 +179,7 @@ class Trainer(Model):
         from chatlearn.algorithms.lr_schedule import trainer_learning_rate
 
         metrics = self.compute_grads(batch, temperature)
-        lr = (trainer_learning_rate(self.cfg, self._optimizer_steps())
+        lr = (trainer_learning_rate(self.spec, self._optimizer_steps())
               if GRPOLoss.sample_weights(batch).any() else 0.0)
         self._set_lr(lr)
         stepped, grad_norm = self._clip_and_step(metrics["loss"])
@@ -245,7 +204,7 @@ class Trainer(Model):
         """All weights as ``[(hf_name, np.ndarray), ...]`` buckets of about ``bucket_mb`` MiB,
         planned as the weight push plans them (``chatlearn.models.weight_buckets.plan_buckets``).
         A collective: every rank iterates to the end; rank 0's buckets hold the arrays, the
-        other ranks' are empty lists. For tests and tools; runs push with ``WeightSync``."""
+        other ranks' are empty lists. For tests and tools; runs push with ``WeightPush``."""
         from chatlearn.models.weight_buckets import plan_buckets
 
         for index in plan_buckets(self.weight_specs(), bucket_mb * 2 ** 20):
@@ -403,7 +362,7 @@ class Trainer(Model):
 class Rollout(Model):
     """The policy: vLLM, SGLang or transformers.
 
-    A weight push (``chatlearn.runtime.weight_sync``) reaches a rollout as one update: one
+    A weight push (``chatlearn.runtime.weight_push.stream``) reaches a rollout as one update: one
     :meth:`begin_weight_update`, the buckets, one :meth:`finish_weight_update`. A bucket comes
     either as tensors (:meth:`load_weight_bucket`: every transport) or, with the ``cuda_ipc``
     transport to an engine whose workers run in processes of their own (vLLM), as a slot of
@@ -471,7 +430,7 @@ class Rollout(Model):
 
 class Reward(abc.ABC):
     """A reward worker: scores the responses of a share of the samples (on CPUs; it holds no
-    parts). ``chatlearn.runtime.rollouts.Rollouts.score`` calls :meth:`score_one` for each
+    parts). ``chatlearn.runtime.driver.sampling.Sampling.score`` calls :meth:`score_one` for each
     reward function in turn (each within its time limit) and sums them as :meth:`score` does.
 
     A batch here is a dict of lists, one entry per sample: ``prompts``, ``responses`` (decoded
@@ -488,17 +447,3 @@ class Reward(abc.ABC):
               data_sources: list[str], extra: list[dict]) -> dict:
         """Every reward function on the samples: ``{"score": the weighted sum (float32 [N]),
         "metrics": {"<name>/<key>": per-sample values}}``."""
-
-
-def concat_batches(batches: list[Batch]) -> Batch:
-    """One batch holding the samples of ``batches`` in order."""
-    out: Batch = {}
-    lens = np.concatenate([b["offsets"][1:] - b["offsets"][:-1] for b in batches])
-    out["offsets"] = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=out["offsets"][1:])
-    for key in batches[0]:
-        if key == "offsets":
-            continue
-        vals = [b[key] for b in batches]
-        out[key] = np.concatenate(vals) if isinstance(vals[0], np.ndarray) else [x for v in vals for x in v]
-    return out

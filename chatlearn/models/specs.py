@@ -1,15 +1,17 @@
 """What each backend receives: one typed, frozen spec, built once from the validated config.
 
 The schema (``chatlearn/config/schema.py``) is the only place a default lives. Each spec is built by
-its ``from_config`` from the validated config, once per model (``chatlearn.runtime.cluster``), with
+its ``from_config`` from the validated config, once per model (``chatlearn.runtime.cluster.cluster``), with
 every field set; the spec has no defaults of its own, so a missing setting fails where the spec
 is built, not in the middle of a run. Settings that depend on the device the backend lands on
 (``device``, ``dtype: auto``, ``bf16: null``, ``deterministic_inference: null``) are resolved by
 :func:`resolve_for_device` inside the worker process, where the device is known.
 
-A spec can also be read like a read-only mapping (``spec["lr"]``): the loss functions of
-``chatlearn.algorithms`` take their options that way. It has no ``get``: there is no default to fall
-back on.
+The backends keep their spec (``self.spec``) and read its fields as attributes (``spec.lr``), and
+so do the loss functions of ``chatlearn.algorithms`` they hand it to. A spec is no mapping: a
+setting is never looked up by a string, so a misspelt name fails where it is read (and a linter
+or type checker sees it), and there is no default to fall back on. A changed copy is
+``spec.replace(name=value)``.
 """
 from __future__ import annotations
 
@@ -27,23 +29,16 @@ from chatlearn.config.reward_entries import resolve_entries
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class _Readable:
-    """``spec["name"]`` and ``dict(spec)`` for a dataclass; unknown names raise ``KeyError``."""
-
-    def __getitem__(self, name: str):
-        if name not in self.keys():
-            raise KeyError(f"{type(self).__name__} has no setting {name!r}")
-        return getattr(self, name)
-
-    def keys(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self)]
+class _Spec:
+    """What every spec has besides its fields: :meth:`replace`."""
 
     def replace(self, **changes):
+        """A copy with the given fields changed (``dataclasses.replace``: unknown names raise)."""
         return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
-class TrainerSpec(_Readable):
+class TrainerSpec(_Spec):
     """``policy_trainer`` / ``ref_policy`` on the FSDP2 or Megatron backend."""
 
     load: str
@@ -133,7 +128,7 @@ class TrainerSpec(_Readable):
 
 
 @dataclass(frozen=True)
-class RolloutSpec(_Readable):
+class RolloutSpec(_Spec):
     """``policy`` on the vLLM, SGLang or transformers backend."""
 
     load: str
@@ -170,7 +165,7 @@ class RolloutSpec(_Readable):
 
 
 @dataclass(frozen=True)
-class RewardSpec(_Readable):
+class RewardSpec(_Spec):
     """``reward``: the reward functions as explicit entries (name, path, weight, kwargs; when
     ``models.reward.functions`` is empty, the built-in math reward alone, or none with a multi-turn
     environment), the directory relative paths start

@@ -3,7 +3,7 @@ the CUDA IPC handles of the slot buffers that hold them.
 
 A bucket is one contiguous byte buffer plus a small index of ``(name, dtype, shape, offset)``
 entries (:class:`BucketIndex`, offsets aligned to ``ALIGN`` bytes), planned once from a trainer's
-``weight_specs()`` (:func:`plan_buckets`). The sender (``chatlearn.runtime.weight_sync``) fills
+``weight_specs()`` (:func:`plan_buckets`). The sender (``chatlearn.runtime.weight_push.stream``) fills
 buckets; a rollout engine reads them as ``(name, tensor)`` views (:func:`bucket_views`,
 :func:`entry_views`), in the rollout actor or inside an engine's own worker processes, which map
 the slots of their own GPU (:func:`slots_for_device`, :func:`ipc_rebuild`). Pure helpers on

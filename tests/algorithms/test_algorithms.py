@@ -6,19 +6,18 @@ import os
 import numpy as np
 import pytest
 import torch
+from backend_specs import trainer_spec
 
+from chatlearn.algorithms.advantages import compute_advantages, episode_advantages, sequence_kl
 from chatlearn.algorithms.grpo import (
     LOSS_AGG_MODES,
     LOSS_SUMS,
     GRPOLoss,
-    compute_advantages,
-    episode_advantages,
-    kl_penalty,
     policy_loss,
     sample_loss_coefficients,
-    sequence_kl,
     token_sums,
 )
+from chatlearn.algorithms.kl import kl_penalty
 from chatlearn.algorithms.lr_schedule import learning_rate, resolve_schedule
 from chatlearn.config import load as config_load
 from chatlearn.errors import ConfigError
@@ -187,14 +186,14 @@ def test_loss_aggregation_matches_padded_reference(mode):
     assert np.all(sample_loss_coefficients(mode, lens, np.zeros(10), 12) == 0)
 
 
-def _grpo_cfg(**over):
-    cfg = dict(pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=3.0,
-               use_group_sequence_policy=False, kl_coef=0.1, kl_estimator="k3",
-               kl_in_reward=False, entropy_coef=0.01, loss_agg_mode="token-mean",
-               max_response_tokens_length=10, old_logprobs="auto", rollout_correction="none",
-               rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None)
-    cfg.update(over)
-    return cfg
+def _grpo_spec(**over):
+    """A trainer spec for the loss alone (its loss fields set here)."""
+    return trainer_spec(**{**dict(pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=3.0,
+                                  use_group_sequence_policy=False, kl_coef=0.1, kl_estimator="k3",
+                                  kl_in_reward=False, entropy_coef=0.01, loss_agg_mode="token-mean",
+                                  max_response_tokens_length=10, old_logprobs="auto", rollout_correction="none",
+                                  rollout_correction_level="token", rollout_is_threshold=2.0,
+                                  rollout_is_threshold_lower=None), **over})
 
 
 @pytest.mark.parametrize("gspo", [False, True])
@@ -211,9 +210,9 @@ def test_without_old_logprobs_the_forward_stands_for_them(gspo):
     batch = {"offsets": offsets, "prompt_lens": plen, "ref_logprobs": rng.normal(-1, 0.3, T).astype(np.float32),
              "advantages": rng.normal(size=8).astype(np.float32),
              "sample_weights": np.array([1, 0, 1, 1, 1, 1, 0, 1], np.float32)}
-    cfg = _grpo_cfg(use_group_sequence_policy=gspo, entropy_coef=0.0)
-    own = GRPOLoss(cfg, dict(batch, rollout_logprobs=rollout), torch.device("cpu"))
-    given = GRPOLoss(cfg, dict(batch, old_logprobs=logp_np), torch.device("cpu"))
+    spec = _grpo_spec(use_group_sequence_policy=gspo, entropy_coef=0.0)
+    own = GRPOLoss(spec, dict(batch, rollout_logprobs=rollout), torch.device("cpu"))
+    given = GRPOLoss(spec, dict(batch, old_logprobs=logp_np), torch.device("cpu"))
     assert own.tracks_rollout and not given.tracks_rollout
     pos = np.where(_mask(batch))[0]
     results = []
@@ -237,7 +236,7 @@ def test_without_old_logprobs_the_forward_stands_for_them(gspo):
     assert metrics["rollout_tokens"] == len(pos) and metrics["ratio_mean"] == 1.0
     assert "rollout_diff_sum" not in given.metrics(results[1][2].tolist(), 0.5)
     # micro-batches in any order add up to the same sums
-    again = GRPOLoss(cfg, dict(batch, rollout_logprobs=rollout), torch.device("cpu"))
+    again = GRPOLoss(spec, dict(batch, rollout_logprobs=rollout), torch.device("cpu"))
     parts = []
     for mb in ([2, 0], [3, 1], [7, 5], [4, 6]):
         p = np.concatenate([np.arange(offsets[i] + plen[i], offsets[i + 1]) for i in mb])
@@ -260,8 +259,8 @@ def test_rank_and_micro_batch_partial_sums_add_up_to_the_global_loss(mode, gspo)
              "ref_logprobs": rng.normal(-1, 0.3, T).astype(np.float32),
              "advantages": rng.normal(size=8).astype(np.float32),
              "sample_weights": np.array([1, 0, 1, 1, 1, 1, 0, 1], np.float32)}
-    cfg = _grpo_cfg(loss_agg_mode=mode, use_group_sequence_policy=gspo)
-    objective = GRPOLoss(cfg, batch, torch.device("cpu"))
+    spec = _grpo_spec(loss_agg_mode=mode, use_group_sequence_policy=gspo)
+    objective = GRPOLoss(spec, batch, torch.device("cpu"))
     logp_all = torch.tensor(rng.normal(-1, 0.3, T), dtype=torch.float32, requires_grad=True)
     ent_all = torch.tensor(rng.uniform(0, 2, T), dtype=torch.float32)
 
@@ -318,14 +317,14 @@ def test_kl_in_reward_drops_the_kl_loss_term():
              "ref_logprobs": rng.normal(-1, 0.3, T).astype(np.float32)}
     pos = np.where(_mask(batch))[0]
     logp = torch.tensor(batch["old_logprobs"][pos])
-    on = GRPOLoss(_grpo_cfg(entropy_coef=0.0), batch, torch.device("cpu")).terms(logp, None, pos)[0]
-    off = GRPOLoss(_grpo_cfg(entropy_coef=0.0, kl_in_reward=True), batch,
+    on = GRPOLoss(_grpo_spec(entropy_coef=0.0), batch, torch.device("cpu")).terms(logp, None, pos)[0]
+    off = GRPOLoss(_grpo_spec(entropy_coef=0.0, kl_in_reward=True), batch,
                    torch.device("cpu")).terms(logp, None, pos)[0]
     torch.testing.assert_close(off["loss"], off["pg"])
     torch.testing.assert_close(on["loss"], on["pg"] + 0.1 * on["kl"])
     assert on["kl"].abs().sum() > 0
     with pytest.raises(ValueError, match="ref_logprobs"):
-        GRPOLoss(_grpo_cfg(), {k: v for k, v in batch.items() if k != "ref_logprobs"},
+        GRPOLoss(_grpo_spec(), {k: v for k, v in batch.items() if k != "ref_logprobs"},
                  torch.device("cpu"))
 
 
@@ -482,12 +481,13 @@ def test_warmup_must_end_before_the_decay_and_the_trainer_gets_resolved_steps(pa
 
 
 def test_engine_sets_advantages_and_sample_weights_from_the_config():
-    """GRPO.advantages (the episode's advantage step) with a stand-in for the run."""
+    """GRPO.advantages (the episode's advantage step) with a stand-in for the run's plan."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
 
-    from chatlearn.runtime.engine import GRPO
+    from chatlearn.runtime.driver.algorithm import GRPO
+    from chatlearn.runtime.driver.sampling import Scored
 
     offsets, plen, _ = ragged(9, n=8)
     rng = np.random.default_rng(9)
@@ -498,9 +498,9 @@ def test_engine_sets_advantages_and_sample_weights_from_the_config():
     rewards = np.array([0, 0, 0, 0, 1, 0, 1, 1], np.float64)
     trainer = dict(advantage_estimator="rloo", filter_equal_groups=True, kl_in_reward=True,
                    kl_coef=0.2, kl_estimator="k1")
-    run = SimpleNamespace(cfg=OmegaConf.create({"models": {"policy_trainer": trainer}}),
-                          plan=SimpleNamespace(group_size=4))
-    metrics = GRPO.advantages(run, batch, rewards)
+    cfg = OmegaConf.create({"models": {"policy_trainer": trainer, "reward": {"overlong_buffer_len": 0}}})
+    plan = SimpleNamespace(group_size=4, old_from_rollout=False, rollout_correction="none", old_logprob_pass_from=0)
+    metrics = GRPO(cfg, plan, calls=None, steps=None).advantages(batch, Scored(rewards, {}, rewards))
     assert set(metrics) == {"train/kl_in_reward_penalty", "train/filtered_group_frac"}
     assert metrics["train/filtered_group_frac"] == 0.5
     np.testing.assert_array_equal(batch["sample_weights"], [0, 0, 0, 0, 1, 1, 1, 1])

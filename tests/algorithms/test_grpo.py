@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 import torch
 
+from chatlearn.algorithms.advantages import group_advantages
 from chatlearn.algorithms.grpo import (
     entropy_from_logits,
-    group_advantages,
-    kl_k3,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
     policy_loss,
 )
+from chatlearn.algorithms.kl import kl_k3
 
 
 def ref_group_advantages(rewards, group_size, eps=1e-6):

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from backend_specs import trainer_spec
 
 from chatlearn.algorithms.advantages import fill_groups, overlong_penalty, varied_groups
 from chatlearn.algorithms.grpo import (LOSS_SUMS, GRPOLoss, correction_log_ratio, rollout_is_weights,
@@ -117,13 +118,13 @@ def _padded(values, offsets, plen):
     return out, mask
 
 
-def _cfg(**over):
-    cfg = dict(pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=None, use_group_sequence_policy=False,
-               kl_coef=0.0, kl_estimator="k3", kl_in_reward=False, entropy_coef=0.0, loss_agg_mode="token-mean",
-               max_response_tokens_length=10, old_logprobs="auto", rollout_correction="none",
-               rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None)
-    cfg.update(over)
-    return cfg
+def _spec(**over):
+    """A trainer spec for the loss alone (its loss fields set here)."""
+    return trainer_spec(**{**dict(pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=None,
+                                  use_group_sequence_policy=False, kl_coef=0.0, kl_estimator="k3", kl_in_reward=False,
+                                  entropy_coef=0.0, loss_agg_mode="token-mean", max_response_tokens_length=10,
+                                  old_logprobs="auto", rollout_correction="none", rollout_correction_level="token",
+                                  rollout_is_threshold=2.0, rollout_is_threshold_lower=None), **over})
 
 
 def _batch(seed=3, n=6, spread=0.6):
@@ -143,8 +144,8 @@ def _batch(seed=3, n=6, spread=0.6):
     return batch, logp
 
 
-def _run(cfg, batch, logp_all, pieces=None):
-    objective = GRPOLoss(cfg, batch, torch.device("cpu"))
+def _run(spec, batch, logp_all, pieces=None):
+    objective = GRPOLoss(spec, batch, torch.device("cpu"))
     off, plen = batch["offsets"], batch["prompt_lens"]
     n = len(plen)
     pieces = pieces or [list(range(n))]
@@ -165,8 +166,8 @@ def _run(cfg, batch, logp_all, pieces=None):
 def test_loss_and_metrics_match_the_padded_reference(mode, level):
     batch, logp = _batch()
     lower = 0.7 if mode == "mis" else None
-    cfg = _cfg(rollout_correction=mode, rollout_correction_level=level, rollout_is_threshold_lower=lower,
-               rollout_is_threshold=1.5)
+    spec = _spec(rollout_correction=mode, rollout_correction_level=level, rollout_is_threshold_lower=lower,
+                 rollout_is_threshold=1.5)
     off, plen = batch["offsets"], batch["prompt_lens"]
     P, mask = _padded(logp.astype(np.float64), off, plen)
     O, _ = _padded(batch["old_logprobs"].astype(np.float64), off, plen)
@@ -174,7 +175,7 @@ def test_loss_and_metrics_match_the_padded_reference(mode, level):
     w = ref_is_weights(O, B, mask, mode, level, 1.5, 0.7)
     expected = ref_loss(P, O, batch["advantages"].astype(np.float64), mask, w, batch["sample_weights"])
     # micro-batches in any order add up to the whole (every sample whole within one)
-    total, _, metrics = _run(cfg, batch, logp, pieces=[[3, 0], [5, 1, 2], [4]])
+    total, _, metrics = _run(spec, batch, logp, pieces=[[3, 0], [5, 1, 2], [4]])
     assert total == pytest.approx(expected, rel=1e-5)
     kept = mask * (batch["sample_weights"][:, None] > 0)
     assert metrics["is_weight_mean"] == pytest.approx((w * kept).sum() / kept.sum(), rel=1e-5)
@@ -195,8 +196,8 @@ def test_loss_and_metrics_match_the_padded_reference(mode, level):
 
 def test_without_a_correction_the_loss_and_metrics_are_unchanged():
     batch, logp = _batch()
-    plain, grad_plain, m_plain = _run(_cfg(), {k: v for k, v in batch.items() if k != "rollout_logprobs"}, logp)
-    same, grad_same, m_same = _run(_cfg(), batch, logp)
+    plain, grad_plain, m_plain = _run(_spec(), {k: v for k, v in batch.items() if k != "rollout_logprobs"}, logp)
+    same, grad_same, m_same = _run(_spec(), batch, logp)
     assert plain == same and np.array_equal(grad_plain, grad_same) and m_plain == m_same
     assert not any(k.startswith("is_") for k in m_plain)
 
@@ -206,8 +207,8 @@ def test_first_step_without_old_logprobs_weights_by_its_own_forward():
     ratio is 1 and the gradient of each kept token is -c_i * w_t * A_i (token-mean: c_i = 1 / T)."""
     batch, logp = _batch()
     own = {k: v for k, v in batch.items() if k != "old_logprobs"}
-    cfg = _cfg(rollout_correction="tis", rollout_is_threshold=1.5)
-    _, grad, metrics = _run(cfg, own, logp)
+    spec = _spec(rollout_correction="tis", rollout_is_threshold=1.5)
+    _, grad, metrics = _run(spec, own, logp)
     off, plen = batch["offsets"], batch["prompt_lens"]
     P, mask = _padded(logp.astype(np.float64), off, plen)
     B, _ = _padded(batch["rollout_logprobs"].astype(np.float64), off, plen)
@@ -226,9 +227,9 @@ def test_rollout_logprobs_as_old_logprobs(mode):
     gradient of an unclipped token is then -c * w(rho) * A, as with a separate proximal policy."""
     batch, logp = _batch(spread=0.1)
     rollout = {k: v for k, v in batch.items() if k != "old_logprobs"}
-    cfg = _cfg(old_logprobs="rollout", rollout_correction=mode, rollout_is_threshold=1.1,
-               rollout_is_threshold_lower=0.9 if mode == "mis" else None)
-    total, grad, metrics = _run(cfg, rollout, logp)
+    spec = _spec(old_logprobs="rollout", rollout_correction=mode, rollout_is_threshold=1.1,
+                 rollout_is_threshold_lower=0.9 if mode == "mis" else None)
+    total, grad, metrics = _run(spec, rollout, logp)
     off, plen = batch["offsets"], batch["prompt_lens"]
     P, mask = _padded(logp.astype(np.float64), off, plen)
     B, _ = _padded(batch["rollout_logprobs"].astype(np.float64), off, plen)
@@ -244,7 +245,7 @@ def test_rollout_logprobs_as_old_logprobs(mode):
     np.testing.assert_allclose(G, expected, rtol=1e-4, atol=1e-9)
     assert metrics["rollout_tokens"] == mask.sum()  # every step reports its forward's mismatch
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        GRPOLoss(cfg, {k: v for k, v in rollout.items() if k != "rollout_logprobs"}, torch.device("cpu"))
+        GRPOLoss(spec, {k: v for k, v in rollout.items() if k != "rollout_logprobs"}, torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- DAPO
@@ -313,16 +314,16 @@ def test_plan_and_spec_carry_the_correction_and_the_old_logprob_source(paths_ove
     from chatlearn.config.plan import make_plan, resolve_rollout_correction
     from chatlearn.models.specs import TrainerSpec
 
-    cfg = config_load.load_config(TEMPLATE, paths_overrides)
-    plan = make_plan(cfg)
+    spec = config_load.load_config(TEMPLATE, paths_overrides)
+    plan = make_plan(spec)
     assert plan.rollout_correction == "none" and not plan.old_from_rollout  # auto, synchronous: none
-    assert resolve_rollout_correction(cfg.models.policy_trainer, stale_rollouts=True) == "decoupled"
-    cfg = config_load.load_config(TEMPLATE, paths_overrides + [
+    assert resolve_rollout_correction(spec.models.policy_trainer, stale_rollouts=True) == "decoupled"
+    spec = config_load.load_config(TEMPLATE, paths_overrides + [
         "models.policy_trainer.old_logprobs=rollout", "models.policy_trainer.rollout_correction=mis",
         "models.policy_trainer.rollout_correction_level=geometric"])
-    plan = make_plan(cfg)
+    plan = make_plan(spec)
     assert plan.old_from_rollout and not plan.old_logprob_pass and plan.rollout_correction == "mis"
     assert any("the rollout engine's, for every optimizer step" in line for line in plan.describe())
-    spec = TrainerSpec.from_config(cfg, "policy_trainer", plan)
+    spec = TrainerSpec.from_config(spec, "policy_trainer", plan)
     assert (spec.old_logprobs, spec.rollout_correction, spec.rollout_correction_level,
             spec.rollout_is_threshold, spec.rollout_is_threshold_lower) == ("rollout", "mis", "geometric", 2.0, None)

@@ -30,7 +30,7 @@ from test_fsdp_trainer import (  # noqa: E402
     make_tiny_model,
     probe_logits,
     run_ranks,
-    trainer_cfg,
+    trainer_spec,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,13 +52,13 @@ def job_save_two(rank, world, path, batches, probe, out, wide):
     """2 ranks: a step, save, go on; then a fresh trainer resumes (2 -> 2)."""
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    trainer = FSDPTrainer(trainer_cfg(path))
+    trainer = FSDPTrainer(trainer_spec(path))
     trainer.train(batches[0])
     t0 = time.monotonic()
     trainer.save_checkpoint(os.path.join(out, "ck2"))
     res = {"save_s": time.monotonic() - t0,
            "uninterrupted": _continuation(trainer, batches, probe)}
-    restored = FSDPTrainer(trainer_cfg(path, seed=1))
+    restored = FSDPTrainer(trainer_spec(path, seed=1))
     t0 = time.monotonic()
     restored.load_checkpoint(os.path.join(out, "ck2"))
     res["load_s"] = time.monotonic() - t0
@@ -73,11 +73,11 @@ def job_one_rank(rank, world, path, batches, probe, out, wide):
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
     res = {}
-    restored = FSDPTrainer(trainer_cfg(path, seed=1))
+    restored = FSDPTrainer(trainer_spec(path, seed=1))
     restored.load_checkpoint(os.path.join(out, "ck2"))
     res["from_two"] = _continuation(restored, batches, probe)
 
-    trainer = FSDPTrainer(trainer_cfg(path))
+    trainer = FSDPTrainer(trainer_spec(path))
     trainer.train(batches[0])
     trainer.save_checkpoint(os.path.join(out, "ck1"))
     res["uninterrupted"] = _continuation(trainer, batches, probe)
@@ -96,18 +96,18 @@ def job_one_rank(rank, world, path, batches, probe, out, wide):
 
     # saved before the first step: saving must not change that step, and a trainer that
     # has stepped since goes back to "no optimizer state" on load
-    fresh = FSDPTrainer(trainer_cfg(path))
+    fresh = FSDPTrainer(trainer_spec(path))
     fresh.save_checkpoint(os.path.join(out, "ck_fresh"))
     res["fresh_step"] = (fresh.train(batches[0]), probe_logits(fresh, probe))
-    plain = FSDPTrainer(trainer_cfg(path))
+    plain = FSDPTrainer(trainer_spec(path))
     res["plain_step"] = (plain.train(batches[0]), probe_logits(plain, probe))
     plain.load_checkpoint(os.path.join(out, "ck_fresh"))
     res["fresh_loaded_step"] = (plain.train(batches[0]), probe_logits(plain, probe))
 
-    ref = FSDPTrainer(trainer_cfg(path, trainable=False))
+    ref = FSDPTrainer(trainer_spec(path, trainable=False))
     ref.save_checkpoint(os.path.join(out, "ck_ref"))
     ref_logits = probe_logits(ref, probe)
-    ref2 = FSDPTrainer(trainer_cfg(path, trainable=False))
+    ref2 = FSDPTrainer(trainer_spec(path, trainable=False))
     ref2.load_checkpoint(os.path.join(out, "ck2"))  # a policy's checkpoint: weights only
     res["ref_from_policy_logits"] = probe_logits(ref2, probe)
     ref2.load_checkpoint(os.path.join(out, "ck_ref"))
@@ -118,7 +118,7 @@ def job_one_rank(rank, world, path, batches, probe, out, wide):
     except UserError as err:
         res["ref_into_policy"] = str(err)
     try:  # a model of another shape
-        FSDPTrainer(trainer_cfg(wide)).load_checkpoint(os.path.join(out, "ck2"))
+        FSDPTrainer(trainer_spec(wide)).load_checkpoint(os.path.join(out, "ck2"))
         res["other_model"] = None
     except UserError as err:
         res["other_model"] = str(err)
@@ -129,7 +129,7 @@ def job_load_one(rank, world, path, batches, probe, out, wide):
     """2 ranks resume from the 1-rank checkpoint (1 -> 2)."""
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    restored = FSDPTrainer(trainer_cfg(path, seed=1))
+    restored = FSDPTrainer(trainer_spec(path, seed=1))
     restored.load_checkpoint(os.path.join(out, "ck1"))
     return _continuation(restored, batches, probe)
 
@@ -541,7 +541,7 @@ def test_merge_and_eval_refuse_a_checkpoint_that_does_not_match_its_manifest(ckp
     ``chatlearn merge`` exits 2 naming the file, and so does ``chatlearn eval``'s resolution
     of --checkpoint; a damaged hf/ does not stop a merge of the intact trainer/."""
     from chatlearn.checkpoint.manager import write_manifest
-    from chatlearn.runtime.evaluate import resolve_model
+    from chatlearn.runtime.driver.evaluate import resolve_model
     from chatlearn.errors import UserError
 
     run = tmp_path / "episode_000002"

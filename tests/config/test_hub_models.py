@@ -116,7 +116,7 @@ def test_a_path_that_is_not_an_id_says_the_folder_does_not_exist(hub, base, caps
 
 def test_eval_checkpoint_and_merge_base_take_hub_ids(hub, tiny_model_dir):
     from chatlearn.checkpoint.merge import _source_folder
-    from chatlearn.runtime.evaluate import resolve_model
+    from chatlearn.runtime.driver.evaluate import resolve_model
 
     snap = add_model(hub, "acme/tiny-chat", tiny_model_dir)
     assert resolve_model("acme/tiny-chat") == snap

@@ -42,7 +42,8 @@ def test_declared_with_implementations():
 
 
 def test_every_declared_algorithm_name_is_implemented_after_importing_the_trainer_modules():
-    # in a fresh interpreter: the loss module (it imports the advantages) and the schedule register everything
+    # in a fresh interpreter: the loss module (it imports the advantages and the KL estimators) and the schedule
+    # register everything
     code = ("import chatlearn.algorithms.grpo, chatlearn.algorithms.lr_schedule\n"
             "from chatlearn.config import registry\n"
             "for reg in registry.ALGORITHMS:\n"
@@ -57,10 +58,10 @@ def test_every_declared_algorithm_name_is_implemented_after_importing_the_traine
 
 
 def test_the_algorithm_modules_keep_their_name_tuples():
-    from chatlearn.algorithms import grpo, lr_schedule
+    from chatlearn.algorithms import advantages, grpo, kl, lr_schedule
 
-    assert grpo.ADVANTAGE_ESTIMATORS == ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
-    assert grpo.KL_ESTIMATORS == ("k1", "k2", "k3", "low_var_kl")
+    assert advantages.ADVANTAGE_ESTIMATORS == ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
+    assert kl.KL_ESTIMATORS == ("k1", "k2", "k3", "low_var_kl")
     assert grpo.LOSS_AGG_MODES == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                    "seq-mean-token-sum-norm")
     assert lr_schedule.LR_DECAY_STYLES == ("constant", "linear", "cosine")

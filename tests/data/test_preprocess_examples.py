@@ -127,6 +127,7 @@ def test_outputs_load_and_example_configs_accept_them(tmp_path, tiny_model_dir, 
 
     from chatlearn.config.load import load_config
     from chatlearn.models.reward.functions import RewardManager, resolve_entries
+    from chatlearn.models.specs import RewardSpec
 
     write_jsonl(str(tmp_path / "g" / "train.jsonl"), GSM8K)
     write_jsonl(str(tmp_path / "m" / "test.jsonl"), MATH_TEST)
@@ -138,8 +139,9 @@ def test_outputs_load_and_example_configs_accept_them(tmp_path, tiny_model_dir, 
                       max_prompt_tokens=512, enable_thinking=False, **keys)
     assert ps.ground_truths == ["7", "2400", "\\frac{1}{2}"]
     assert ps.extras[0]["ability"] == "math" and ps.extras[0]["extra_info"]["index"] == 0
-    rm = RewardManager({"functions": resolve_entries({"functions": [], "correct_score": 1.0,
-                                                      "incorrect_score": 0.0}), "base_dir": None})
+    rm = RewardManager(RewardSpec(functions=tuple(resolve_entries({"functions": [], "correct_score": 1.0,
+                                                                   "incorrect_score": 0.0})),
+                                  base_dir=None, timeout_s=0.0))
     gold = ["so \\boxed{7}", "\\boxed{2,400}", "\\boxed{0.5}"]
     assert rm.score([""] * 3, gold, ps.ground_truths, ps.data_sources, ps.extras)["score"].tolist() == [1, 1, 1]
 

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from chatlearn.runtime.evaluate import pass_at_k
+from chatlearn.runtime.driver.evaluate import pass_at_k
 from conftest import REPO
 
 

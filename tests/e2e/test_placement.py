@@ -16,7 +16,7 @@ import pytest
 from runs import learning_metrics, small_eval_set
 
 from conftest import REPO
-from chatlearn.runtime.scheduler import residency_violations
+from chatlearn.runtime.driver.scheduler import residency_violations
 
 SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=32",
          "runtime_args.train_global_batch_size=16", "runtime_args.train_micro_batch_size=8",

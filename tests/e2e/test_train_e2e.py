@@ -57,7 +57,7 @@ def read_jsonl(path):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
 def test_short_run(backend, tmp_path):
-    from chatlearn.runtime.leftovers import temp_files
+    from chatlearn.runtime.cluster.leftovers import temp_files
 
     out = tmp_path / "out"
     before = temp_files()

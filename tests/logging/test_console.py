@@ -2,6 +2,7 @@
 chatlearn's own lines and failures stay visible; the end-of-run summary; ``chatlearn --version``."""
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
@@ -76,7 +77,7 @@ def test_worker_output_on_the_console_with_verbose(tmp_path):
 
 
 def test_worker_env_carries_the_log_settings(monkeypatch):
-    from chatlearn.runtime.env import worker_env
+    from chatlearn.runtime.cluster.worker_env import worker_env
 
     monkeypatch.setenv("CHATLEARN_LOG_DIR", "/runs/x/logs")
     monkeypatch.setenv("CHATLEARN_VERBOSE", "1")
@@ -176,3 +177,97 @@ def test_workers_stream_to_the_driver_only_where_no_log_folder_takes_their_outpu
     monkeypatch.setenv(console.ENV_VERBOSE, verbose)
     assert console.workers_stream_to_driver() is streams
     assert console.ray_init_options()["log_to_driver"] is streams
+
+
+# --------------------------------------------------------------------------- chatlearn's own lines
+def test_info_and_warn_lines_go_to_the_stream_of_the_moment(capsys):
+    console.info("resuming from /o/checkpoints/episode_2 (episode 2)")
+    console.warn("rollout and trainer log-probs differ")
+    console.info("eval all: reward 0.500 | pass@1 0.250", bare=True)
+    console.info("a 100% literal line: %s %d", bare=True)  # no %-formatting of the message
+    out = capsys.readouterr()
+    assert out.out == ("[chatlearn] resuming from /o/checkpoints/episode_2 (episode 2)\n"
+                       "[chatlearn] warning: rollout and trainer log-probs differ\n"
+                       "eval all: reward 0.500 | pass@1 0.250\n"
+                       "a 100% literal line: %s %d\n")
+    assert out.err == ""
+    console.warn("the lock /o/run.lock is no longer this run's; leaving it", stderr=True)
+    console.info("error: models.policy.num_gpu: ...\nsecond line of the paragraph", stderr=True, bare=True)
+    console.info("\n# plan", bare=True)
+    out = capsys.readouterr()
+    assert out.err == ("[chatlearn] warning: the lock /o/run.lock is no longer this run's; leaving it\n"
+                       "error: models.policy.num_gpu: ...\nsecond line of the paragraph\n")
+    assert out.out == "\n# plan\n"
+
+
+def test_each_line_is_flushed_as_it_is_written(monkeypatch):
+    """A line reaches a pipe or a file at once (as print(..., flush=True) did), not when a buffer fills."""
+    class Stream:
+        def __init__(self):
+            self.parts = []
+
+        def write(self, text):
+            self.parts.append(text)
+
+        def flush(self):
+            self.parts.append("<flush>")
+
+    out, err = Stream(), Stream()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    console.info("one")
+    console.warn("two", stderr=True)
+    assert out.parts == ["[chatlearn] one\n", "<flush>"]
+    assert err.parts == ["[chatlearn] warning: two\n", "<flush>"]
+
+
+def test_chatlearn_lines_stay_off_the_third_party_log(tmp_path, capsys, monkeypatch):
+    """Under ``ThirdPartyLogs`` (``chatlearn run``) chatlearn's lines still reach the console, and only it."""
+    monkeypatch.delenv("CHATLEARN_LOG_DIR", raising=False)
+    monkeypatch.setenv("CHATLEARN_VERBOSE", "0")
+    with console.ThirdPartyLogs() as logs:
+        logs.attach(str(tmp_path))
+        console.info("a line of chatlearn's")
+    assert capsys.readouterr().out == "[chatlearn] a line of chatlearn's\n"
+    assert "a line of chatlearn's" not in (tmp_path / "logs" / "driver.log").read_text()
+
+
+def _binds_print(tree: ast.AST) -> bool:
+    """Whether a module defines a name ``print`` of its own (then ``print`` there is not the builtin)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == "print":
+            return True
+        if isinstance(node, ast.Name) and node.id == "print" and isinstance(node.ctx, (ast.Store, ast.Del)):
+            return True
+        if isinstance(node, ast.arg) and node.arg == "print":
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) == "print"
+                                                                  for a in node.names):
+            return True
+    return False
+
+
+def test_no_module_of_chatlearn_uses_the_builtin_print():
+    """chatlearn's console lines go through chatlearn.logging.console (``info``, ``warn``): one stream
+    rule, one prefix, flushed, routed under a live progress display. Neither a call to the builtin
+    ``print`` nor ``print`` handed on as a callable (``log=print``) is allowed in any module."""
+    found = []
+    package = os.path.join(REPO, "chatlearn")
+    for root, dirs, files in os.walk(package):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, REPO).replace(os.sep, "/")
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), filename=path)
+            if _binds_print(tree):
+                continue
+            found += [f"{rel}:{node.lineno}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Name) and node.id == "print" and isinstance(node.ctx, ast.Load)]
+            found += [f"{rel}:{node.lineno}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and node.attr == "print"
+                      and isinstance(node.value, ast.Name) and node.value.id == "builtins"]
+    assert not found, ("the builtin print is used here; write through chatlearn.logging.console.info / warn "
+                       "instead: " + ", ".join(found))

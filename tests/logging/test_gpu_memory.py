@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from chatlearn.logging import gpu_memory
-from chatlearn.runtime.scheduler import Scheduler, Timeline
+from chatlearn.runtime.driver.scheduler import Scheduler, Timeline
 
 MIB = 2 ** 20
 

@@ -5,7 +5,7 @@ import numpy as np
 
 from chatlearn.logging.perf import throughput
 from chatlearn.logging.plots import PANELS, STAGES
-from chatlearn.runtime.engine import GRPO
+from chatlearn.runtime.driver.observe import rollout_metrics
 from metrics_doc import documented_patterns, undocumented
 
 # what the trainers return from one optimizer step (FSDPTrainer.train; the Megatron trainer matches)
@@ -25,8 +25,8 @@ def test_docs_have_a_table_row_per_metric_family():
 
 def test_engine_metrics_are_documented():
     keys = [f"train/{k}" for k in TRAINER_KEYS]
-    keys += list(GRPO.rollout_metrics(fake_batch(), np.array([1.0, 0.0]), prefix="train"))
-    keys += list(GRPO.rollout_metrics(fake_batch(), np.array([1.0, 0.0]), prefix="eval"))
+    keys += list(rollout_metrics(fake_batch(), np.array([1.0, 0.0]), prefix="train"))
+    keys += list(rollout_metrics(fake_batch(), np.array([1.0, 0.0]), prefix="eval"))
     keys += ["eval/gsm8k/reward_mean", "eval/math-500/reward_mean",
              "train/logprob_diff_rollout_vs_trainer_mean", "train/logprob_diff_rollout_vs_trainer_max"]
     keys += [f"time/{s}" for s in STAGES] + ["time/transitions", "time/episode", "sched/transitions",

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from chatlearn.logging.perf import throughput
-from chatlearn.runtime.worker import Worker
+from chatlearn.runtime.cluster.worker import Worker
 
 
 def test_throughput():

@@ -67,7 +67,8 @@ def rng_states():
 def test_rows_spread_over_the_groups_decoded_and_no_random_number_drawn(tokenizer):
     import torch
 
-    from chatlearn.runtime.engine import GRPO
+    from chatlearn.runtime.driver.observe import EpisodeReport
+    from chatlearn.runtime.driver.sampling import Sampling
 
     n, groups = 3, 4  # 4 prompts, 3 responses each
     prompts = [f"What is {g} + {g}?" for g in range(groups) for _ in range(n)]
@@ -77,8 +78,8 @@ def test_rows_spread_over_the_groups_decoded_and_no_random_number_drawn(tokenize
     truths = [str(2 * g) for g in range(groups) for _ in range(n)]
     truths[3] = {"answer": 2}  # a structured ground truth becomes its text
     sources = ["arith"] * (n * groups)
-    run = GRPO.__new__(GRPO)  # only what sample_rows reads: the group size and the tokenizer
-    run.plan, run.tokenizer = SimpleNamespace(group_size=n), tokenizer
+    # only what sample_rows reads: the group size and the tokenizer
+    run = EpisodeReport(None, SimpleNamespace(group_size=n), Sampling(None, tokenizer, None, None, None), None, None)
     before = {k: v.copy() for k, v in batch.items()}
     states = rng_states()
 
@@ -152,7 +153,7 @@ def test_resume_drops_rows_past_the_checkpoint_and_a_torn_row(tmp_path, capsys):
 
 def test_reconcile_logs_truncates_samples_like_metrics(tmp_path):
     from chatlearn.checkpoint.manager import CheckpointManager
-    from chatlearn.runtime.output_dir import reconcile_logs
+    from chatlearn.runtime.rundir.output_dir import reconcile_logs
 
     out = tmp_path / "out"
     sinks = MetricSinks(sinks_cfg(out))
@@ -246,7 +247,7 @@ def test_tensorboard_gets_a_markdown_table_at_the_episode(tmp_path):
 
 # ---------------------------------------------------------------- the run summary
 def test_run_summary_lists_samples_only_when_the_file_exists(tmp_path, capsys):
-    from chatlearn.runtime.engine import print_run_summary
+    from chatlearn.runtime.driver.run import print_run_summary
 
     MetricSinks(sinks_cfg(tmp_path)).close()
     print_run_summary(str(tmp_path), 1.0, 0.0)

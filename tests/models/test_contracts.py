@@ -2,7 +2,7 @@
 runtime calls on its backends, a backend that misses an abstract one fails when it is built, and
 every backend the runtime can start implements them all.
 
-The runtime's calls are found in its source (``chatlearn/runtime/*.py``), not listed here: method
+The runtime's calls are found in its source (``chatlearn/runtime/**/*.py``), not listed here: method
 names passed as strings to a worker group's ``call`` / ``call_each`` / ``call_async``, the
 scheduler's ``offload`` / ``onload`` moves, and the weight push endpoint's ``self.obj.<name>``.
 """
@@ -80,12 +80,17 @@ def test_slot_methods_are_declared_and_refuse_unless_the_backend_maps_slots():
 
 # ------------------------------------------------------------------ (b) what the runtime calls
 
+def _runtime_files() -> list[str]:
+    """Every module of ``chatlearn/runtime/`` (its rooms' folders too), relative to it."""
+    return sorted(os.path.relpath(os.path.join(root, name), RUNTIME)
+                  for root, _, names in os.walk(RUNTIME) for name in names if name.endswith(".py"))
+
+
 def _sources() -> dict[str, ast.Module]:
     out = {}
-    for name in sorted(os.listdir(RUNTIME)):
-        if name.endswith(".py"):
-            with open(os.path.join(RUNTIME, name), encoding="utf-8") as f:
-                out[name] = ast.parse(f.read())
+    for name in _runtime_files():
+        with open(os.path.join(RUNTIME, name), encoding="utf-8") as f:
+            out[name] = ast.parse(f.read())
     return out
 
 
@@ -124,7 +129,7 @@ def _endpoint_uses() -> list[tuple[str, str, str]]:
     ``Endpoint``: trainer side before the ``# -- rollout side`` marker, rollout side after it; and of
     every ``trainer.<attribute>`` / ``rollout.<attribute>`` in the module's functions that take them
     (``gather_bucket``, ``local_push``)."""
-    path = os.path.join(RUNTIME, "weight_sync.py")
+    path = os.path.join(RUNTIME, "weight_push", "stream.py")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     lines = text.splitlines()
@@ -136,7 +141,7 @@ def _endpoint_uses() -> list[tuple[str, str, str]]:
                 and node.value.attr == "obj" and isinstance(node.value.value, ast.Name)
                 and node.value.value.id == "self"):
             uses.append((node.attr, "Trainer" if node.lineno < marker else "Rollout",
-                         f"weight_sync.py:{node.lineno}"))
+                         f"weight_push/stream.py:{node.lineno}"))
     sides = {"trainer": "Trainer", "rollout": "Rollout"}
     for fn in ast.parse(text).body:
         if not isinstance(fn, ast.FunctionDef) or not {a.arg for a in fn.args.args} & set(sides):
@@ -144,7 +149,7 @@ def _endpoint_uses() -> list[tuple[str, str, str]]:
         for node in ast.walk(fn):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                     and node.value.id in sides):
-                uses.append((node.attr, sides[node.value.id], f"weight_sync.py:{node.lineno}"))
+                uses.append((node.attr, sides[node.value.id], f"weight_push/stream.py:{node.lineno}"))
     return uses
 
 
@@ -174,11 +179,11 @@ def _all_backends() -> list[str]:
     """The explicit list, plus every ``chatlearn.models...:Class`` factory the runtime or the
     config names."""
     found = set(BACKENDS)
-    for folder in (RUNTIME, CONFIG):
-        for name in os.listdir(folder):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    found |= set(re.findall(r"chatlearn\.models\.[\w.]+:[A-Z]\w*", f.read()))
+    files = [os.path.join(RUNTIME, name) for name in _runtime_files()]
+    files += [os.path.join(CONFIG, name) for name in os.listdir(CONFIG) if name.endswith(".py")]
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            found |= set(re.findall(r"chatlearn\.models\.[\w.]+:[A-Z]\w*", f.read()))
     return sorted(found)
 
 

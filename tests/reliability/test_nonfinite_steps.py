@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from test_fsdp_trainer import (add_logprobs, hf_logprobs, make_batch, make_tiny_model,  # noqa: E402
-                               run_ranks, trainer_cfg)
+                               run_ranks, trainer_spec)
 
 
 def _weights(trainer) -> dict:
@@ -74,12 +74,12 @@ def _skip_part(trainer, batch, bad_batch, state, grads_dropped, poison, out) -> 
 def job_megatron(rank, world, path, batch, bad_batch, out):
     """Megatron, 2 data-parallel replicas with the distributed optimizer (under the CPU shim)."""
     from megatron_shim import cpu_device_shim
-    from test_megatron_trainer import megatron_cfg
+    from test_megatron_trainer import megatron_spec
 
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
-        trainer = MegatronTrainer(megatron_cfg(path, use_distributed_optimizer=True))
+        trainer = MegatronTrainer(megatron_spec(path, use_distributed_optimizer=True))
         return _skip_part(trainer, batch, bad_batch, lambda: _megatron_state(trainer),
                           lambda: all(not b.any() for b in trainer._grad_buffers()),
                           lambda: next(trainer.gpt.parameters()).fill_(float("nan")), out)
@@ -89,7 +89,7 @@ def job(rank, world, path, batch, bad_batch, out):
     from chatlearn.errors import UserError
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    trainer = FSDPTrainer(trainer_cfg(path))
+    trainer = FSDPTrainer(trainer_spec(path))
     res = {"first": trainer.train(batch)}
     weights, adam, steps = _weights(trainer), _adam(trainer), trainer._optimizer_steps()
     res["bad"] = trainer.train(bad_batch)
@@ -146,20 +146,21 @@ def test_engine_counts_skipped_steps_in_a_row(capsys):
     import types
 
     from chatlearn.errors import UserError
-    from chatlearn.runtime.engine import GRPO
+    from chatlearn.runtime.driver.algorithm import StepLoop
 
-    run = GRPO.__new__(GRPO)  # only what nonfinite_step reads
-    run.cfg = types.SimpleNamespace(models=types.SimpleNamespace(policy_trainer=types.SimpleNamespace(
-        optimizer=types.SimpleNamespace(max_nonfinite_steps=2))))
-    run.plan, run.out, run.nonfinite_in_a_row = types.SimpleNamespace(steps_per_episode=4), "OUT", 0
+    cfg = types.SimpleNamespace(
+        models=types.SimpleNamespace(policy_trainer=types.SimpleNamespace(
+            optimizer=types.SimpleNamespace(max_nonfinite_steps=2))),
+        runtime_args=types.SimpleNamespace(output_dir="OUT"))
+    loop = StepLoop(cfg, types.SimpleNamespace(steps_per_episode=4), calls=None, progress=None)
     good = {"skipped_steps": 0.0, "loss": 0.1, "grad_norm": 1.0}
     bad = {"skipped_steps": 1.0, "loss": float("nan"), "grad_norm": float("inf")}
-    assert run.nonfinite_step(bad, 3, 1) is True
+    assert loop.nonfinite("policy_trainer", bad, 3, 1) is True
     assert "episode 3, optimizer step 1/4: loss nan, gradient norm inf: not finite" in capsys.readouterr().out
-    assert run.nonfinite_step(good, 3, 2) is False and run.nonfinite_in_a_row == 0
-    assert run.nonfinite_step(bad, 3, 3) is True
+    assert loop.nonfinite("policy_trainer", good, 3, 2) is False and loop.nonfinite_in_a_row["policy_trainer"] == 0
+    assert loop.nonfinite("policy_trainer", bad, 3, 3) is True
     with pytest.raises(UserError) as err:
-        run.nonfinite_step(bad, 3, 4)
+        loop.nonfinite("policy_trainer", bad, 3, 4)
     message = " ".join(err.value.message.split())
     for word in ("training diverged", "not finite in 2 optimizer steps in a row", "episode 3, optimizer step 4/4",
                  "max_nonfinite_steps: 2", "OUT/checkpoints", "models.policy_trainer.optimizer.lr"):

@@ -307,7 +307,7 @@ def test_a_ray_address_that_does_not_answer_is_given_up_after_the_timeout():
     """A port whose listen queue is full drops new connections unanswered (as a firewalled host does):
     runtime_args.ray_connect_timeout_s bounds the wait."""
     from chatlearn.errors import UserError
-    from chatlearn.runtime.cluster import check_ray_address
+    from chatlearn.runtime.cluster.cluster import check_ray_address
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -347,7 +347,7 @@ def test_merge_runs_the_models_code_only_with_the_flag(ctx, capsys):
 
 def test_stale_lock_of_a_dead_process_is_taken_over(ctx, capsys):
     """A lock left by a process that no longer exists on this host: taken over with a warning."""
-    from chatlearn.runtime.run_lock import RunLock
+    from chatlearn.runtime.rundir.lock import RunLock
 
     pid = dead_pid()
     lock(ctx, pid)
@@ -361,7 +361,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(ctx, capsys):
 
 
 def test_lock_is_released_on_errors_and_ctrl_c(ctx):
-    from chatlearn.runtime.run_lock import RunLock
+    from chatlearn.runtime.rundir.lock import RunLock
 
     path = os.path.join(ctx.out, "run.lock")
     for exc in (RuntimeError("boom"), KeyboardInterrupt()):
@@ -374,7 +374,7 @@ def test_lock_is_released_on_errors_and_ctrl_c(ctx):
 
 def test_a_lock_being_written_is_not_taken_over(ctx):
     """An empty lock file younger than a few seconds belongs to a run that is creating it."""
-    from chatlearn.runtime.run_lock import RunLock
+    from chatlearn.runtime.rundir.lock import RunLock
 
     ctx.file("out/run.lock", "")
     assert RunLock(ctx.out).live_holder() is not None

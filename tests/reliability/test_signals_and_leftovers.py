@@ -12,8 +12,8 @@ import time
 import pytest
 import ray
 
-from chatlearn.runtime import group, leftovers, signals
-from chatlearn.runtime.signals import SIGTERM_EXIT, Terminated, exit_code, stop_on_sigterm
+from chatlearn.runtime.cluster import group, leftovers, signals
+from chatlearn.runtime.cluster.signals import SIGTERM_EXIT, Terminated, exit_code, stop_on_sigterm
 
 
 def test_sigterm_raises_terminated_with_its_exit_code():
@@ -33,7 +33,7 @@ def test_sigterm_raises_terminated_with_its_exit_code():
 
 SIGTERM_IN_RAY_GET = """
 import os, signal, threading, time, ray
-from chatlearn.runtime.signals import exit_code, stop_on_sigterm
+from chatlearn.runtime.cluster.signals import exit_code, stop_on_sigterm
 ray.init(num_cpus=1, include_dashboard=False)
 stop_on_sigterm()
 @ray.remote
@@ -109,7 +109,7 @@ def test_temp_files_of_dead_processes_are_removed_and_nothing_else(tmp_path):
     for path in (mine, theirs, stranger):
         open(path, "w").close()
     # a process that recorded a file and was killed
-    code = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from chatlearn.runtime import leftovers; "
+    code = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from chatlearn.runtime.cluster import leftovers; "
             f"leftovers.record_owned([{theirs!r}], {tmp!r})")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert json.load(open(next(tmp_path.glob("chatlearn-owned-*.json"))))["files"] == [theirs]

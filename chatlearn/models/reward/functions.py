@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import numbers
 import traceback
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -46,6 +46,10 @@ from chatlearn.config.reward_entries import (  # noqa: F401
 )
 from chatlearn.errors import UserError
 from chatlearn.models.base import Reward
+
+if TYPE_CHECKING:
+    from chatlearn.models.specs import RewardSpec
+
 
 def _user_frames(err: BaseException, n: int = 3) -> str:
     """The last ``n`` frames of the traceback outside this module, as ``file:line in function``."""
@@ -74,15 +78,15 @@ def _numbers(value, n: int, what: str, path: str) -> np.ndarray:
 
 
 class RewardManager(Reward):
-    """The reward backend (:class:`chatlearn.models.base.Reward`): one reward worker.
-    ``cfg["functions"]`` is the full, explicit list of entries (name, path, weight, kwargs);
-    ``cfg["base_dir"]`` is the directory relative paths start from."""
+    """The reward backend (:class:`chatlearn.models.base.Reward`): one reward worker, built from a
+    :class:`~chatlearn.models.specs.RewardSpec`: its ``functions`` are the full, explicit list of
+    entries (name, path, weight, kwargs); its ``base_dir`` is the directory relative paths start from."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, spec: RewardSpec):
         self.entries = []
-        for i, e in enumerate(cfg["functions"]):
+        for i, e in enumerate(spec.functions):
             key = f"models.reward.functions[{i}].path"
-            fn = load_function(e["path"], key=key, base_dir=cfg["base_dir"])
+            fn = load_function(e["path"], key=key, base_dir=spec.base_dir)
             check_signature(fn, e["path"], dict(e["kwargs"]), key)
             self.entries.append((e["name"], e["path"], float(e["weight"]), dict(e["kwargs"]), fn))
 

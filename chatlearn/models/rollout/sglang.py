@@ -31,7 +31,7 @@ pytorch sampling backend, which costs throughput, so it follows the rollout's
 ``deterministic_inference`` setting: when on, request i of a call gets ``sampling_seed =
 seed + i`` and a seed reproduces the samples (as for vLLM); when off, no seed is sent.
 
-Weights. Each bucket of a push (``chatlearn.runtime.weight_sync``: ``begin_weight_update``,
+Weights. Each bucket of a push (``chatlearn.runtime.weight_push.stream``: ``begin_weight_update``,
 then ``load_weight_bucket`` per bucket, then ``finish_weight_update``) goes to
 ``update_weights_from_tensor(named_tensors=[(hf_name, tensor)], flush_cache=False)``, which
 SGLang serialises to every TP rank and loads with the model's own loader (HF names; q/k/v and
@@ -53,7 +53,7 @@ engine's dtype); SGLang does not report the KV cache's size, which counts as 0.
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 import torch
@@ -62,9 +62,11 @@ from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.rollout import kv_cache
-from chatlearn.models.rollout.hf import (check_lengths, context_length, eos_token_ids, pack_samples,
-                                         parse_sampling, release_cuda_cache, response_budgets,
-                                         to_torch)
+from chatlearn.models.rollout.common import (check_lengths, context_length, eos_token_ids, pack_samples,
+                                             parse_sampling, release_cuda_cache, response_budgets, to_torch)
+
+if TYPE_CHECKING:
+    from chatlearn.models.specs import RolloutSpec
 
 # The parts this engine holds. SGLang's memory saver names its tags as we name these parts; the
 # tags go to its API as the plain strings (str(part)).
@@ -108,53 +110,54 @@ def deterministic_attention_backend(device: torch.device) -> str:
 class SGLangRollout(Rollout):
     """Rollout with ``sglang.Engine`` (see the module docstring).
 
-    cfg keys (from ``chatlearn.runtime.cluster.rollout_cfg``): ``load``,
-    ``trust_remote_code``, ``seed``, ``generation_batch_size``, ``max_prompt_tokens_length``,
-    ``max_response_tokens_length``, ``dtype``, ``gpu_memory_utilization``,
-    ``enforce_eager``, ``tensor_model_parallel_size``, ``deterministic_inference``, ``device``.
+    ``spec``: a :class:`~chatlearn.models.specs.RolloutSpec` resolved for its device, kept as
+    ``self.spec``; the fields read: ``load``, ``trust_remote_code``, ``seed``,
+    ``generation_batch_size``, ``max_prompt_tokens_length``, ``max_response_tokens_length``,
+    ``seq_length``, ``dtype``, ``gpu_memory_utilization``, ``kv_cache``, ``enforce_eager``,
+    ``tensor_model_parallel_size``, ``deterministic_inference``, ``device``.
     """
 
-    def __init__(self, cfg: dict):
+    def __init__(self, spec: RolloutSpec):
         sglang = import_sglang()
         from transformers import AutoConfig, GenerationConfig
 
-        self.cfg = dict(cfg)
-        self.max_prompt_len = int(cfg["max_prompt_tokens_length"])
-        self.max_response_len = int(cfg["max_response_tokens_length"])
-        self.seq_length = None if cfg["seq_length"] is None else int(cfg["seq_length"])
-        self._rng = np.random.default_rng(int(cfg["seed"]))
-        config = AutoConfig.from_pretrained(cfg["load"], trust_remote_code=bool(cfg["trust_remote_code"]))
+        self.spec = spec
+        self.max_prompt_len = int(spec.max_prompt_tokens_length)
+        self.max_response_len = int(spec.max_response_tokens_length)
+        self.seq_length = None if spec.seq_length is None else int(spec.seq_length)
+        self._rng = np.random.default_rng(int(spec.seed))
+        config = AutoConfig.from_pretrained(spec.load, trust_remote_code=bool(spec.trust_remote_code))
         try:
-            generation_config = GenerationConfig.from_pretrained(cfg["load"])
+            generation_config = GenerationConfig.from_pretrained(spec.load)
         except OSError:  # no generation_config.json
             generation_config = None
         self.eos_ids = eos_token_ids(generation_config, config)
         self._tied = bool(getattr(config, "tie_word_embeddings", False))
-        self._device = torch.device(cfg["device"])
+        self._device = torch.device(spec.device)
         if self._device.type == "cuda":
             self._device = torch.device("cuda", torch.cuda.current_device())
-        self.deterministic = bool(cfg["deterministic_inference"])
+        self.deterministic = bool(spec.deterministic_inference)
         extra = ({"attention_backend": deterministic_attention_backend(self._device)}
                  if self.deterministic else {})
         context = context_length(self.max_prompt_len, self.max_response_len, self.seq_length)
-        self._weight_bytes = kv_cache.checkpoint_bytes(cfg["load"], cfg["dtype"])
-        if cfg["kv_cache"] == "fit":  # SGLang keeps the smaller of this and what mem_fraction_static leaves
-            sized = kv_cache.fit(cfg["load"], cfg["dtype"], int(cfg["generation_batch_size"]), context,
-                                 int(cfg["tensor_model_parallel_size"]), float(cfg["gpu_memory_utilization"]),
+        self._weight_bytes = kv_cache.checkpoint_bytes(spec.load, spec.dtype)
+        if spec.kv_cache == "fit":  # SGLang keeps the smaller of this and what mem_fraction_static leaves
+            sized = kv_cache.fit(spec.load, spec.dtype, int(spec.generation_batch_size), context,
+                                 int(spec.tensor_model_parallel_size), float(spec.gpu_memory_utilization),
                                  block_size=1, weight_bytes=self._weight_bytes)
             if sized.tokens is not None:
                 extra["max_total_tokens"] = sized.tokens
         self.engine = sglang.Engine(
-            model_path=cfg["load"],
-            trust_remote_code=bool(cfg["trust_remote_code"]),
+            model_path=spec.load,
+            trust_remote_code=bool(spec.trust_remote_code),
             skip_tokenizer_init=True,  # token ids in and out
-            dtype=cfg["dtype"],
+            dtype=spec.dtype,
             context_length=context + 1,  # input + max_new_tokens must stay below it (see the module docstring)
-            tp_size=int(cfg["tensor_model_parallel_size"]),
-            mem_fraction_static=float(cfg["gpu_memory_utilization"]),
-            max_running_requests=int(cfg["generation_batch_size"]),
-            disable_cuda_graph=bool(cfg["enforce_eager"]),
-            random_seed=int(cfg["seed"]),
+            tp_size=int(spec.tensor_model_parallel_size),
+            mem_fraction_static=float(spec.gpu_memory_utilization),
+            max_running_requests=int(spec.generation_batch_size),
+            disable_cuda_graph=bool(spec.enforce_eager),
+            random_seed=int(spec.seed),
             enable_memory_saver=True,
             enable_weights_cpu_backup=True,
             enable_deterministic_inference=self.deterministic,
@@ -214,7 +217,7 @@ class SGLangRollout(Rollout):
     # -- weights ----------------------------------------------------------------------
 
     def begin_weight_update(self) -> None:
-        """Start a streamed update (``chatlearn.runtime.weight_sync``); the weights must be on."""
+        """Start a streamed update (``chatlearn.runtime.weight_push.stream``); the weights must be on."""
         if Part.WEIGHTS in self._released:
             raise RuntimeError("SGLangRollout: weights are offloaded; onload them before a push")
 

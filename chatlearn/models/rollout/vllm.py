@@ -20,7 +20,7 @@ log-probs of the temperature-scaled distribution *before* truncation; sampling i
 unchanged. Where that hook cannot be installed, truncated sampling is refused rather
 than returning log-probs of a different distribution.
 
-Weights. A push (``chatlearn.runtime.weight_sync``) feeds one update bucket by bucket
+Weights. A push (``chatlearn.runtime.weight_push.stream``) feeds one update bucket by bucket
 (``begin_weight_update`` / ``load_weight_bucket`` or ``load_weight_slot`` /
 ``finish_weight_update``), straight into every worker. The prefix cache is reset after every
 update so that no KV block computed with old weights is reused. How a worker loads
@@ -75,16 +75,20 @@ import importlib.util
 import logging
 import os
 import pickle
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 import torch
 
 from chatlearn.config.names import Part
+from chatlearn.logging.console import info
 from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.rollout import kv_cache
-from chatlearn.models.rollout.hf import (check_lengths, context_length, pack_samples, parse_sampling,
-                                         response_budgets, set_cpu_threads)
+from chatlearn.models.rollout.common import (check_lengths, context_length, pack_samples, parse_sampling,
+                                             response_budgets, set_cpu_threads)
+
+if TYPE_CHECKING:
+    from chatlearn.models.specs import RolloutSpec
 
 # The parts this engine holds. vLLM's sleep mode names its tags as we name these parts; the tags go to
 # its API (``wake_up(tags=[...])``) and to the workers' ``collective_rpc`` as plain strings.
@@ -273,7 +277,7 @@ class WorkerExtension:
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
 
-    # -- streamed update: fed bucket by bucket (chatlearn.runtime.weight_sync) ---------------
+    # -- streamed update: fed bucket by bucket (chatlearn.runtime.weight_push.stream) ---------------
 
     def chatlearn_begin_reload(self) -> None:
         """Open a streamed update. ``layerwise``: vLLM's ``reload_weights`` split into its
@@ -539,7 +543,7 @@ def executor_backend(tp: int) -> str | None:
 
     One rank: ``None``, vLLM's choice (``uni``: the worker runs in the engine-core process).
     Several: ``"mp"``, vLLM's multiprocess executor, which runs rank r in a process of its own on
-    device ``r`` of those this process sees (``CUDA_VISIBLE_DEVICES``: ``chatlearn.runtime.group``
+    device ``r`` of those this process sees (``CUDA_VISIBLE_DEVICES``: ``chatlearn.runtime.cluster.group``
     shows a replica's actor the devices of its placement-group bundles, first one first); inside
     a Ray actor it starts them with ``spawn`` (``vllm/utils/system_utils.py``).
 
@@ -559,12 +563,12 @@ def executor_backend(tp: int) -> str | None:
 class VLLMRollout(Rollout):
     """Rollout with ``vllm.LLM``.
 
-    cfg: a :class:`~chatlearn.models.specs.RolloutSpec` (or a mapping with the same keys; the
-    schema holds every default): ``load``, ``trust_remote_code``, ``seed``,
+    spec: a :class:`~chatlearn.models.specs.RolloutSpec` resolved for its device, kept as
+    ``self.spec``; the fields read: ``load``, ``trust_remote_code``, ``seed``,
     ``generation_batch_size`` (-> ``max_num_seqs``), ``max_prompt_tokens_length``,
-    ``max_response_tokens_length`` (their sum -> ``max_model_len``), ``max_num_batched_tokens``,
-    ``dtype`` (resolved: "float32" | "bfloat16" | "float16"), ``gpu_memory_utilization``,
-    ``enforce_eager``,
+    ``max_response_tokens_length`` (their sum, or ``seq_length`` when set -> ``max_model_len``),
+    ``max_num_batched_tokens``, ``dtype`` (resolved: "float32" | "bfloat16" | "float16"),
+    ``gpu_memory_utilization``, ``kv_cache``, ``enforce_eager``,
     ``tensor_model_parallel_size`` (tensor-parallel ranks of the engine, see
     :func:`executor_backend`), ``deterministic_inference`` (request i of a ``generate`` call
     gets seed ``sampling["seed"] + i``, or a draw from an RNG seeded with ``seed``; off: no
@@ -577,27 +581,27 @@ class VLLMRollout(Rollout):
 
     maps_weight_slots = True  # cuda_ipc: the engine's workers map the trainer's slots (see attach_weight_slots)
 
-    def __init__(self, cfg: dict):
+    def __init__(self, spec: RolloutSpec):
         set_cpu_env_defaults()
         if not torch.cuda.is_available():
-            set_cpu_threads(cfg["cpu_threads"])
+            set_cpu_threads(spec.cpu_threads)
         import vllm
         from vllm.platforms import current_platform
 
-        self.cfg = dict(cfg)
-        self.max_prompt_len = int(cfg["max_prompt_tokens_length"])
-        self.max_response_len = int(cfg["max_response_tokens_length"])
-        self.seq_length = None if cfg["seq_length"] is None else int(cfg["seq_length"])
-        self._rng = np.random.default_rng(int(cfg["seed"]))
+        self.spec = spec
+        self.max_prompt_len = int(spec.max_prompt_tokens_length)
+        self.max_response_len = int(spec.max_response_tokens_length)
+        self.seq_length = None if spec.seq_length is None else int(spec.seq_length)
+        self._rng = np.random.default_rng(int(spec.seed))
         self._sleep_mode = bool(current_platform.is_sleep_mode_available())
         if not self._sleep_mode:
             # Every offload/onload would log "sleep mode is not supported on CPU" (twice per
             # episode): the engine only pauses there, which is what we want.
             logging.getLogger("vllm.v1.worker.cpu_worker").setLevel(logging.ERROR)
-        tp = int(cfg["tensor_model_parallel_size"])
-        max_num_seqs = int(cfg["generation_batch_size"])
+        tp = int(spec.tensor_model_parallel_size)
+        max_num_seqs = int(spec.generation_batch_size)
         max_model_len = context_length(self.max_prompt_len, self.max_response_len, self.seq_length)
-        batched_tokens = cfg["max_num_batched_tokens"]
+        batched_tokens = spec.max_num_batched_tokens
         if current_platform.is_cpu():
             # vLLM's CPU sampler cannot rewind a seeded generator ("CPU Generator does not use
             # offset"), which it does when a prompt's prefill is split over steps (chunked
@@ -606,26 +610,26 @@ class VLLMRollout(Rollout):
         sizing = {}
         cpu = current_platform.is_cpu()
         if not (cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):  # on the CPU the variable wins
-            sized = (kv_cache.fit(cfg["load"], cfg["dtype"], max_num_seqs, max_model_len, tp,
-                                  float(cfg["gpu_memory_utilization"])) if cfg["kv_cache"] == "fit"
+            sized = (kv_cache.fit(spec.load, spec.dtype, max_num_seqs, max_model_len, tp,
+                                  float(spec.gpu_memory_utilization)) if spec.kv_cache == "fit"
                      else kv_cache.KVCacheFit(None, None))
             # without a size, vLLM on the CPU would read gpu_memory_utilization as a share of the
             # machine's memory, leaving none for the trainer beside it: 1 GiB there
             if sized.bytes is not None or cpu:
                 sizing["kv_cache_memory_bytes"] = sized.bytes if sized.bytes is not None else 2 ** 30
             if sized.note:
-                print(f"[chatlearn] models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
-                      f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead", flush=True)
+                info(f"models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
+                     f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead")
         self.llm = vllm.LLM(
-            model=cfg["load"],
-            trust_remote_code=bool(cfg["trust_remote_code"]),
-            dtype=cfg["dtype"],
-            seed=int(cfg["seed"]),
+            model=spec.load,
+            trust_remote_code=bool(spec.trust_remote_code),
+            dtype=spec.dtype,
+            seed=int(spec.seed),
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             max_num_batched_tokens=int(batched_tokens) if batched_tokens else None,
-            gpu_memory_utilization=float(cfg["gpu_memory_utilization"]),
-            enforce_eager=bool(cfg["enforce_eager"]),
+            gpu_memory_utilization=float(spec.gpu_memory_utilization),
+            enforce_eager=bool(spec.enforce_eager),
             tensor_parallel_size=tp,
             distributed_executor_backend=executor_backend(tp),
             enable_sleep_mode=self._sleep_mode,
@@ -680,7 +684,7 @@ class VLLMRollout(Rollout):
         # Per-request seeds only for deterministic inference: a seeded request makes vLLM sample
         # with a per-request generator (one kernel per such request on GPU, the slow path);
         # unseeded requests draw from the engine's generator, seeded by ``seed`` at start.
-        if self.cfg["deterministic_inference"]:
+        if self.spec.deterministic_inference:
             base = sp["seed"] if sp["seed"] is not None else int(self._rng.integers(2**31))
             seeds = [(base + i) % 2**31 for i in range(len(prompts))]  # one stream per request
         else:
@@ -718,7 +722,7 @@ class VLLMRollout(Rollout):
     # -- weights ----------------------------------------------------------------------
 
     def begin_weight_update(self) -> None:
-        """Start a streamed update (``chatlearn.runtime.weight_sync``): one reload is opened in
+        """Start a streamed update (``chatlearn.runtime.weight_push.stream``): one reload is opened in
         every worker."""
         if Part.WEIGHTS in self._asleep:
             raise RuntimeError("VLLMRollout: weights are offloaded; onload them before a push")
@@ -736,7 +740,7 @@ class VLLMRollout(Rollout):
 
     def attach_weight_slots(self, handles: dict) -> None:
         """CUDA IPC slots of the trainer ranks, ``{device uuid: [handle per slot]}``
-        (``chatlearn.runtime.weight_sync``, transport ``cuda_ipc``): every worker maps the
+        (``chatlearn.runtime.weight_push.stream``, transport ``cuda_ipc``): every worker maps the
         slots on its own GPU, inside its own process."""
         self.llm.collective_rpc("chatlearn_ipc_attach", args=(pickle.dumps(handles),))
 

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import types
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ from chatlearn.models.base import Batch, Trainer, response_positions, step_is_fi
 from chatlearn.models.stash import own_storage
 from chatlearn.models.trainer import shared_prompt
 from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches, plan_shared_micro_batches
+
+if TYPE_CHECKING:
+    from chatlearn.models.specs import TrainerSpec
 
 # Files of a model folder that save_pretrained writes itself; save_hf copies the others
 # (tokenizer, chat template, remote code) from the folder the model was loaded from.
@@ -130,25 +133,24 @@ class FSDPTrainer(Trainer):
     dropout in the model config is active; RL usually wants it 0 (Qwen2's default).
     """
 
-    def __init__(self, cfg: dict):
-        """cfg: load, trust_remote_code, seed, trainable, lr, weight_decay, adam_beta1, adam_beta2,
-        adam_eps (read when trainable), clip_grad, train_micro_batch_size, logprob_micro_batch_size, pos_clip_ratio, neg_clip_ratio,
-        kl_coef, entropy_coef, gradient_checkpointing, bf16, packing, max_token_in_packing,
-        logprob_chunk_tokens, meta_init, share_prompt,
-        clip_ratio_c, use_group_sequence_policy, loss_agg_mode, max_response_tokens_length,
-        kl_estimator, kl_in_reward, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters,
-        lr_warmup_init (all required; the lr_* iters resolved to optimizer steps)."""
-        self.cfg = dict(cfg)
+    def __init__(self, spec: TrainerSpec):
+        """``spec``: the trainer's settings, kept as ``self.spec`` and read as attributes: load,
+        trust_remote_code, seed, trainable, lr, weight_decay, adam_beta1, adam_beta2, adam_eps (read
+        when trainable), clip_grad, train_micro_batch_size, logprob_micro_batch_size, gradient_checkpointing,
+        bf16, packing, max_token_in_packing, seq_length, logprob_chunk_tokens, meta_init, share_prompt, the
+        loss fields (:class:`chatlearn.algorithms.grpo.GRPOLoss`) and the learning-rate schedule's (the
+        lr_* iters resolved to optimizer steps); the Megatron parallelism fields are not read."""
+        self.spec = spec
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dp_rank, self.dp_size = self.rank, self.world  # FSDP shards data-parallel only
-        self.trainable = bool(cfg["trainable"])
-        torch.manual_seed(int(cfg["seed"]))
+        self.trainable = bool(spec.trainable)
+        torch.manual_seed(int(spec.seed))
         self.model = self._build_model()
-        self.optimizer = (torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"],
-                                            weight_decay=cfg["weight_decay"],
-                                            betas=(cfg["adam_beta1"], cfg["adam_beta2"]),
-                                            eps=cfg["adam_eps"], fused=self.device.type in ("cpu", "cuda"))
+        self.optimizer = (torch.optim.AdamW(self.model.parameters(), lr=spec.lr,
+                                            weight_decay=spec.weight_decay,
+                                            betas=(spec.adam_beta1, spec.adam_beta2),
+                                            eps=spec.adam_eps, fused=self.device.type in ("cpu", "cuda"))
                           if self.trainable else None)
         self._stashes: dict = {}
 
@@ -162,7 +164,7 @@ class FSDPTrainer(Trainer):
         CUDA with ``bf16`` is stored in bfloat16, the dtype it computes in anyway (same
         log-probs, half the memory). On CPU ``bf16`` is off: float32.
         """
-        if not self.trainable and self.cfg["bf16"] and self.device.type == "cuda":
+        if not self.trainable and self.spec.bf16 and self.device.type == "cuda":
             return torch.bfloat16
         return torch.float32
 
@@ -181,16 +183,16 @@ class FSDPTrainer(Trainer):
         gives the bfloat16 compute copies of the float32 master weights."""
         from transformers import AutoModelForCausalLM
 
-        cfg = self.cfg
+        spec = self.spec
         dtype = self._param_dtype()
-        mixed = bool(cfg["bf16"]) and self.device.type == "cuda"
+        mixed = bool(spec.bf16) and self.device.type == "cuda"
         self.sharded = self.world > 1 or mixed
         loaded = None
-        if cfg["meta_init"] and self.sharded:
+        if spec.meta_init and self.sharded:
             model, loaded = self._meta_model(dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(
-                cfg["load"], dtype=dtype, trust_remote_code=cfg["trust_remote_code"])
+                spec.load, dtype=dtype, trust_remote_code=spec.trust_remote_code)
         scaled = [a for a in _LOGIT_TRANSFORMS if getattr(model.config, a, None) not in (None, 1, 1.0)]
         if scaled:
             raise UserError(f"{type(model).__name__} transforms its logits ({', '.join(scaled)}); "
@@ -201,7 +203,7 @@ class FSDPTrainer(Trainer):
         if self.share_prompt:
             shared_prompt.register()
             model.set_attn_implementation(shared_prompt.ATTENTION)
-        if self.trainable and cfg["gradient_checkpointing"]:
+        if self.trainable and spec.gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.trainable:
@@ -217,7 +219,7 @@ class FSDPTrainer(Trainer):
         for layer in _decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
-        if cfg["meta_init"]:
+        if spec.meta_init:
             self._load_from_rank0(model, loaded)
         register_fsdp_forward_method(model, "token_logprobs")
         return model
@@ -227,7 +229,7 @@ class FSDPTrainer(Trainer):
         transformers' ``AttentionInterface``, plain SDPA attention: no sliding-window layers, no logit
         soft-capping; no fixed ``seq_length``);
         true: on, or a UserError naming the key where it cannot be."""
-        setting = self.cfg["share_prompt"]
+        setting = self.spec.share_prompt
         if setting is False:
             return False
         why = None
@@ -238,7 +240,7 @@ class FSDPTrainer(Trainer):
             why = f"{type(model).__name__} has layers that are not full attention ({sorted(layer_types)})"
         elif getattr(model.config, "attn_logit_softcapping", None):
             why = f"{type(model).__name__} soft-caps its attention logits"
-        elif self.cfg["seq_length"] is not None and not self.cfg["packing"]:
+        elif self.spec.seq_length is not None and not self.spec.packing:
             why = "seq_length pads every micro-batch to a fixed width, which a shared-prompt row does not have"
         if why is None:
             return True
@@ -256,16 +258,16 @@ class FSDPTrainer(Trainer):
         read as bfloat16, never through a float32 copy)."""
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-        cfg = self.cfg
-        remote = cfg["trust_remote_code"]
-        config = AutoConfig.from_pretrained(cfg["load"], trust_remote_code=remote)
+        spec = self.spec
+        remote = spec.trust_remote_code
+        config = AutoConfig.from_pretrained(spec.load, trust_remote_code=remote)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
         try:  # save_hf writes the model's generation config: keep the checkpoint's
-            model.generation_config = GenerationConfig.from_pretrained(cfg["load"])
+            model.generation_config = GenerationConfig.from_pretrained(spec.load)
         except OSError:  # none in the folder
             pass
-        loaded = (AutoModelForCausalLM.from_pretrained(cfg["load"], dtype=dtype, trust_remote_code=remote)
+        loaded = (AutoModelForCausalLM.from_pretrained(spec.load, dtype=dtype, trust_remote_code=remote)
                   if self.rank == 0 else None)
         return model, loaded
 
@@ -321,7 +323,7 @@ class FSDPTrainer(Trainer):
             return self._forward_shared(batch, idx, temperature, with_entropy)
         off = batch["offsets"]
         lens = [int(off[i + 1] - off[i]) for i in idx]
-        packed = bool(self.cfg["packing"]) or len(idx) == 0
+        packed = bool(self.spec.packing) or len(idx) == 0
         shape = (1, max(sum(lens), 1)) if packed else (len(idx), self._fixed_width(batch) or max(lens))
         ids = torch.zeros(shape, dtype=torch.long)
         positions = torch.zeros(shape, dtype=torch.long)
@@ -346,7 +348,7 @@ class FSDPTrainer(Trainer):
         ids, positions = ids.to(self.device), positions.to(self.device)
         logp, entropy = self.model.token_logprobs(
             ids, None if mask is None else mask.to(self.device), positions, rows_t, cols_t,
-            float(temperature), int(self.cfg["logprob_chunk_tokens"]), with_entropy)
+            float(temperature), int(self.spec.logprob_chunk_tokens), with_entropy)
         return logp, entropy, np.concatenate(pos)
 
     def _forward_shared(self, batch: Batch, idx: np.ndarray, temperature: float, with_entropy: bool):
@@ -385,7 +387,7 @@ class FSDPTrainer(Trainer):
         no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         logp, entropy = self.model.token_logprobs(
             ids, no_mask, position_ids, torch.zeros_like(cols_t), cols_t, float(temperature),
-            int(self.cfg["logprob_chunk_tokens"]), with_entropy,
+            int(self.spec.logprob_chunk_tokens), with_entropy,
             prev_cols=torch.from_numpy(np.concatenate(prev)).to(self.device),
             layout=shared_prompt.build_layout(layout_units, start, self.device))
         return logp, entropy, np.concatenate(pos)
@@ -393,8 +395,8 @@ class FSDPTrainer(Trainer):
     def _fixed_width(self, batch: Batch) -> int | None:
         """``seq_length`` (unpacked micro-batches padded to exactly that width) or None; a sample
         longer than it is an error naming the key."""
-        width = self.cfg["seq_length"]
-        if width is None or self.cfg["packing"]:
+        width = self.spec.seq_length
+        if width is None or self.spec.packing:
             return None
         return check_fixed_width(np.diff(batch["offsets"]), int(width))
 
@@ -418,11 +420,11 @@ class FSDPTrainer(Trainer):
         if self.share_prompt:
             plans, stats = plan_shared_micro_batches(
                 np.diff(batch["offsets"]), np.asarray(batch["prompt_lens"]), shared_prompt.prompt_group_ids(batch),
-                shares, size, bool(self.cfg["packing"]), int(self.cfg["max_token_in_packing"]))
+                shares, size, bool(self.spec.packing), int(self.spec.max_token_in_packing))
             return plans[self.rank], stats
         plans, stats = plan_micro_batches(np.diff(batch["offsets"]), shares, size,
-                                          bool(self.cfg["packing"]),
-                                          int(self.cfg["max_token_in_packing"]), self._fixed_width(batch))
+                                          bool(self.spec.packing),
+                                          int(self.spec.max_token_in_packing), self._fixed_width(batch))
         return plans[self.rank], stats
 
     def _all_gather_tokens(self, batch: Batch, values: torch.Tensor) -> np.ndarray:
@@ -476,7 +478,7 @@ class FSDPTrainer(Trainer):
         """
         # sums over this rank's tokens, named by LOSS_SUMS
         sums = torch.zeros(len(LOSS_SUMS), dtype=torch.float64, device=self.device)
-        micro, passes = self._micro_batches(batch, self.cfg["train_micro_batch_size"])
+        micro, passes = self._micro_batches(batch, self.spec.train_micro_batch_size)
         for mb in micro:
             logp, ent, pos = self._forward(batch, mb, temperature, objective.with_entropy)
             terms, coef, weight = objective.terms(logp, ent, pos)
@@ -502,7 +504,7 @@ class FSDPTrainer(Trainer):
         gradients, a collective), the gradients clipped by it, and ``optimizer.step()`` when
         :func:`.base.step_is_finite`. ``loss`` is all-reduced and the norm is global, so every
         rank decides alike."""
-        max_norm = float(self.cfg["clip_grad"])
+        max_norm = float(self.spec.clip_grad)
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(norm, DTensor):
@@ -589,7 +591,7 @@ class FSDPTrainer(Trainer):
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             self.model.save_pretrained(path, state_dict=state)
-            src = self.cfg["load"]
+            src = self.spec.load
             for name in os.listdir(src):
                 file = os.path.join(src, name)
                 if (os.path.isfile(file) and name not in _WRITTEN_BY_SAVE
@@ -646,9 +648,9 @@ class FSDPTrainer(Trainer):
                 "trainable": self.trainable,
                 "has_optimizer": self.optimizer is not None,
                 "optimizer_stepped": stepped,
-                "hf_source": (os.path.abspath(self.cfg["load"]) if os.path.isdir(self.cfg["load"])
-                              else self.cfg["load"]),
-                "trust_remote_code": bool(self.cfg["trust_remote_code"]),
+                "hf_source": (os.path.abspath(self.spec.load) if os.path.isdir(self.spec.load)
+                              else self.spec.load),
+                "trust_remote_code": bool(self.spec.trust_remote_code),
                 "hf_config": json.loads(self.model.config.to_json_string(use_diff=False)),
                 "tensors": tensors,
                 "tied": sharded.tied_aliases(self.model),

@@ -14,6 +14,7 @@ from chatlearn.config.load import load_config
 from chatlearn.errors import ConfigError, UserError
 from chatlearn.models.reward.functions import RewardManager, resolve_entries
 from chatlearn.models.reward.math_reward import MathReward
+from chatlearn.models.specs import RewardSpec
 from conftest import REPO
 
 BATCH = {"prompts": ["user\nWhat is 1 + 2?\nassistant\n", "user\nWhat is 2 + 2?\nassistant\n",
@@ -81,7 +82,7 @@ def user_file(tmp_path):
 
 def manager(functions, correct=1.0, incorrect=0.0, base_dir=None):
     cfg = {"functions": functions, "correct_score": correct, "incorrect_score": incorrect}
-    return RewardManager({"functions": resolve_entries(cfg), "base_dir": base_dir})
+    return RewardManager(RewardSpec(functions=tuple(resolve_entries(cfg)), base_dir=base_dir, timeout_s=0.0))
 
 
 def fn(name, path, weight=1.0, **kwargs):
@@ -193,12 +194,12 @@ def test_config_load_checks_the_functions(tiny_model_dir, arith_data, tmp_path, 
 
 
 def test_reward_metrics_are_documented():
-    from chatlearn.runtime.rollouts import Rollouts
+    from chatlearn.runtime.driver.sampling import Sampling
 
     from metrics_doc import undocumented
 
     parts = {"math/score": np.array([1.0, 0.0]), "format/has_boxed": np.array([1.0, 1.0])}
-    keys = list(Rollouts.reward_metrics(parts, "train")) + list(Rollouts.reward_metrics(parts, "eval"))
+    keys = list(Sampling.reward_metrics(parts, "train")) + list(Sampling.reward_metrics(parts, "eval"))
     assert keys == ["train/reward/math/score", "train/reward/format/has_boxed", "eval/reward/math/score",
                     "eval/reward/format/has_boxed"]
     assert not undocumented(keys)

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from backend_specs import rollout_spec
 from tiny_model import make_tiny_model  # tests/ is on sys.path (tests/conftest.py)
 
 BACKENDS = ["hf", "vllm", "sglang", pytest.param("sglang_gpu", marks=pytest.mark.gpu)]
@@ -54,31 +55,34 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-def _cfg(load: str) -> dict:
-    return {
-        "load": load,
-        "trust_remote_code": False,
-        "seed": 1234,
-        "generation_batch_size": 16,
-        "max_prompt_tokens_length": MAX_PROMPT,
-        "max_response_tokens_length": MAX_RESPONSE,
-        "seq_length": None,
-        "dtype": "float32",
-        "device": "cpu",
-        "gpu_memory_utilization": 0.5, "kv_cache": "fit",
-        "enforce_eager": True,
-        "tensor_model_parallel_size": 1,
-        "cpu_threads": 1,
-        "max_num_batched_tokens": None,
-        "deterministic_inference": True,
-    }
+def _spec(load: str, **over):
+    """The rollout tests' :class:`~chatlearn.models.specs.RolloutSpec` of the model at ``load``."""
+    return rollout_spec(
+        load,
+        **{
+            "trust_remote_code": False,
+            "seed": 1234,
+            "generation_batch_size": 16,
+            "max_prompt_tokens_length": MAX_PROMPT,
+            "max_response_tokens_length": MAX_RESPONSE,
+            "seq_length": None,
+            "dtype": "float32",
+            "device": "cpu",
+            "gpu_memory_utilization": 0.5, "kv_cache": "fit",
+            "enforce_eager": True,
+            "tensor_model_parallel_size": 1,
+            "cpu_threads": 1,
+            "max_num_batched_tokens": None,
+            "deterministic_inference": True,
+            **over,
+        })
 
 
 @pytest.fixture(scope="module")
 def hf(model_dirs, restore_threads):
     from chatlearn.models.rollout.hf import HFRollout
 
-    return HFRollout(_cfg(model_dirs["old"]))
+    return HFRollout(_spec(model_dirs["old"]))
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +90,7 @@ def vllm(model_dirs, restore_threads):
     pytest.importorskip("vllm")
     from chatlearn.models.rollout.vllm import VLLMRollout
 
-    rollout = VLLMRollout(_cfg(model_dirs["old"]))
+    rollout = VLLMRollout(_spec(model_dirs["old"]))
     yield rollout
     rollout.llm.llm_engine.engine_core.shutdown()
 
@@ -112,7 +116,7 @@ def sglang(model_dirs, restore_threads):
     from chatlearn.models.rollout.sglang import SGLangRollout
 
     with fake_sglang():
-        rollout = SGLangRollout(_cfg(model_dirs["old"]))
+        rollout = SGLangRollout(_spec(model_dirs["old"]))
     yield rollout
     rollout.shutdown()
 
@@ -124,7 +128,7 @@ def sglang_gpu(model_dirs):
         pytest.skip("needs the sglang package and a CUDA GPU")
     from chatlearn.models.rollout.sglang import SGLangRollout
 
-    rollout = SGLangRollout(_cfg(model_dirs["old"]))
+    rollout = SGLangRollout(_spec(model_dirs["old"]))
     yield rollout
     rollout.shutdown()
 
@@ -197,7 +201,7 @@ def push(engine, path: str) -> None:
 def eos_id(engine) -> int:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(engine.cfg["load"]).eos_token_id
+    return AutoTokenizer.from_pretrained(engine.spec.load).eos_token_id
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -404,13 +408,12 @@ def policy_sampling(eval_mode: bool) -> dict:
     from omegaconf import OmegaConf
 
     from chatlearn.config.schema import Policy
-    from chatlearn.runtime.rollouts import Rollouts
+    from chatlearn.runtime.driver.sampling import Sampling
 
     policy = OmegaConf.structured(Policy)
     policy.max_response_tokens_length = MAX_RESPONSE
-    holder = Rollouts()
-    holder.cfg = OmegaConf.create({"models": {"policy": OmegaConf.to_container(policy, resolve=False)}})
-    return holder.sampling(eval_mode=eval_mode, seed=17)
+    cfg = OmegaConf.create({"models": {"policy": OmegaConf.to_container(policy, resolve=False)}})
+    return Sampling(cfg, None, None, None, None).params(eval_mode=eval_mode, seed=17)
 
 
 @pytest.mark.timeout(240)
@@ -438,7 +441,7 @@ def test_hf_ended_sequences_leave_the_batch(hf):
     """The transformers engine drops a sequence from the batch (and its KV cache rows) when it ends,
     by budget or by EOS; the others' tokens are those of ``generate`` (greedy), which keeps every
     row to the end."""
-    from chatlearn.models.rollout.hf import parse_sampling
+    from chatlearn.models.rollout.common import parse_sampling
 
     ps = prompts(4)
     budgets = [2, 5, 9, 12]

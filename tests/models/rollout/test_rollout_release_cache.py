@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_rollout_cpu import _cfg, model_dirs, prompts, restore_threads  # noqa: F401
+from test_rollout_cpu import _spec, model_dirs, prompts, restore_threads  # noqa: F401
 from tiny_model import make_tiny_model
 
 SAMPLING = {"temperature": 0.7, "max_tokens": 8, "seed": 3}
@@ -15,7 +15,7 @@ SAMPLING = {"temperature": 0.7, "max_tokens": 8, "seed": 3}
 def test_hf_offload_empties_the_cuda_cache_after_freeing(model_dirs, restore_threads, monkeypatch):  # noqa: F811
     from chatlearn.models.rollout.hf import HFRollout
 
-    rollout = HFRollout(_cfg(model_dirs["old"]))
+    rollout = HFRollout(_spec(model_dirs["old"]))
     before = rollout.generate(prompts(), SAMPLING)
     calls = []
 
@@ -48,7 +48,7 @@ def test_hf_offload_returns_cuda_memory(tmp_path):
     path = make_tiny_model(str(tmp_path / "wide"), seed=0, vocab_size=131072)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
-    rollout = HFRollout(dict(_cfg(path), device="cuda"))
+    rollout = HFRollout(_spec(path, device="cuda"))
     loaded = torch.cuda.memory_reserved()
     assert loaded - base >= 64 * 2**20
     before = rollout.generate(prompts(), SAMPLING)

@@ -12,16 +12,16 @@ import pytest
 import torch
 from test_rollout_cpu import (MAX_RESPONSE, TOL, fake_sglang, model_dirs,  # noqa: F401
                               prompts, push, reference, restore_threads, state_dict)
-from test_rollout_cpu import _cfg as _shared_cfg
+from test_rollout_cpu import _spec as _shared_spec
 
 from chatlearn.errors import UserError
 
 SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_tokens": MAX_RESPONSE, "seed": 5}
 
 
-def _cfg(load: str, **over) -> dict:
+def _spec(load: str, **over):
     """The shared rollout settings, with deterministic inference on (the CPU default)."""
-    return {**_shared_cfg(load), "deterministic_inference": True, **over}
+    return _shared_spec(load, **{"deterministic_inference": True, **over})
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def rollout(model_dirs, restore_threads):  # noqa: F811
     from chatlearn.models.rollout.sglang import SGLangRollout
 
     with fake_sglang():
-        engine = SGLangRollout(_cfg(model_dirs["old"]))
+        engine = SGLangRollout(_spec(model_dirs["old"]))
     yield engine
     engine.shutdown()
 
@@ -51,8 +51,8 @@ def spy(rollout, monkeypatch):
 def test_engine_arguments_follow_the_config(model_dirs, monkeypatch):  # noqa: F811
     from chatlearn.models.rollout.sglang import SGLangRollout
 
-    cfg = dict(_cfg(model_dirs["old"]), generation_batch_size=8, gpu_memory_utilization=0.4,
-               enforce_eager=False, seed=99)
+    spec = _spec(model_dirs["old"], generation_batch_size=8, gpu_memory_utilization=0.4, enforce_eager=False,
+                 seed=99)
     with fake_sglang():
         import sglang
 
@@ -65,13 +65,13 @@ def test_engine_arguments_follow_the_config(model_dirs, monkeypatch):  # noqa: F
                 super().__init__(**kwargs)
 
         monkeypatch.setattr(sglang, "Engine", Recording)
-        engine = SGLangRollout(cfg)
+        engine = SGLangRollout(spec)
     engine.shutdown()
-    assert seen["model_path"] == cfg["load"] and seen["tp_size"] == 1
+    assert seen["model_path"] == spec.load and seen["tp_size"] == 1
     assert seen["max_running_requests"] == 8 and seen["mem_fraction_static"] == 0.4
     assert seen["disable_cuda_graph"] is False and seen["random_seed"] == 99
     # one token more than a sequence takes: SGLang refuses input + max_new_tokens >= context_length
-    assert seen["context_length"] == cfg["max_prompt_tokens_length"] + cfg["max_response_tokens_length"] + 1
+    assert seen["context_length"] == spec.max_prompt_tokens_length + spec.max_response_tokens_length + 1
     assert seen["dtype"] == "float32" and seen["skip_tokenizer_init"] is True
     assert seen["enable_memory_saver"] and seen["enable_weights_cpu_backup"]
     assert seen["enable_deterministic_inference"] is True and seen["attention_backend"] == "triton"
@@ -83,12 +83,12 @@ def test_engine_arguments_follow_the_config(model_dirs, monkeypatch):  # noqa: F
         import sglang
 
         monkeypatch.setattr(sglang, "Engine", Recording)
-        SGLangRollout(dict(cfg, kv_cache="utilization")).shutdown()
+        SGLangRollout(spec.replace(kv_cache="utilization")).shutdown()
     assert "max_total_tokens" not in seen and seen["mem_fraction_static"] == 0.4
 
 
-def _recording_engine(monkeypatch, cfg):
-    """An SGLangRollout built with ``cfg`` whose engine records its arguments and requests."""
+def _recording_engine(monkeypatch, spec):
+    """An SGLangRollout built with ``spec`` whose engine records its arguments and requests."""
     from chatlearn.models.rollout.sglang import SGLangRollout
 
     seen, requests = {}, []
@@ -105,7 +105,7 @@ def _recording_engine(monkeypatch, cfg):
                 return super().generate(**kwargs)
 
         monkeypatch.setattr(sglang, "Engine", Recording)
-        engine = SGLangRollout(cfg)
+        engine = SGLangRollout(spec)
     return engine, seen, requests
 
 
@@ -114,7 +114,7 @@ def test_deterministic_inference_off_sends_no_seeds(model_dirs, monkeypatch):  #
     sampling_seed is sent (SGLang would ignore it), and the same seed does not reproduce
     the samples (the engine draws from its own generator, as SGLang does)."""
     engine, seen, requests = _recording_engine(
-        monkeypatch, _cfg(model_dirs["old"], deterministic_inference=False))
+        monkeypatch, _spec(model_dirs["old"], deterministic_inference=False))
     try:
         assert seen["enable_deterministic_inference"] is False and "attention_backend" not in seen
         sampling = dict(SAMPLING, temperature=1.0)
@@ -126,7 +126,7 @@ def test_deterministic_inference_off_sends_no_seeds(model_dirs, monkeypatch):  #
 
 
 def test_deterministic_inference_on_reproduces_seeds(model_dirs, monkeypatch):  # noqa: F811
-    engine, seen, requests = _recording_engine(monkeypatch, _cfg(model_dirs["old"]))
+    engine, seen, requests = _recording_engine(monkeypatch, _spec(model_dirs["old"]))
     try:
         assert seen["enable_deterministic_inference"] is True
         sampling = dict(SAMPLING, temperature=1.0)
@@ -273,7 +273,7 @@ def test_missing_sglang_is_a_user_error(monkeypatch, model_dirs):  # noqa: F811
 
     monkeypatch.setitem(__import__("sys").modules, "sglang", None)  # import fails
     with pytest.raises(UserError, match=r"pip install -e '\.\[sglang\]'") as info:
-        SGLangRollout(_cfg(model_dirs["old"]))
+        SGLangRollout(_spec(model_dirs["old"]))
     assert info.value.key == "runtime_args.rollout_backend"
 
 
@@ -282,11 +282,11 @@ def test_original_logprob_switch_is_refused(monkeypatch, model_dirs):  # noqa: F
 
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     with fake_sglang(), pytest.raises(UserError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
-        SGLangRollout(_cfg(model_dirs["old"]))
+        SGLangRollout(_spec(model_dirs["old"]))
 
 
 def test_streamed_push_copies_the_views(rollout, reference, model_dirs):  # noqa: F811
-    """begin/load/finish as ``chatlearn.runtime.weight_sync`` calls them; each bucket's
+    """begin/load/finish as ``chatlearn.runtime.weight_push.stream`` calls them; each bucket's
     buffer is overwritten right after its load, as the sender reuses its slots."""
     weights = [(k, torch.from_numpy(v.copy())) for k, v in state_dict(model_dirs["new"])]
     rollout.begin_weight_update()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from backend_specs import rollout_spec
 from tiny_model import make_tiny_model  # tests/ is on sys.path (tests/conftest.py)
 
 MAX_PROMPT, MAX_RESPONSE = 16, 8
@@ -29,12 +30,12 @@ def model_dirs(tmp_path_factory):
     return {name: make_tiny_model(str(root / name), seed=seed) for name, seed in (("old", 0), ("new", 1))}
 
 
-def rollout_cfg(load: str, tp: int, device: str = "cpu") -> dict:
-    return {"load": load, "trust_remote_code": False, "seed": 1234, "generation_batch_size": 8,
-            "max_prompt_tokens_length": MAX_PROMPT, "max_response_tokens_length": MAX_RESPONSE,
-            "seq_length": None, "max_num_batched_tokens": None, "dtype": "float32", "device": device, "gpu_memory_utilization": 0.3, "kv_cache": "fit",
-            "enforce_eager": True, "tensor_model_parallel_size": tp, "deterministic_inference": True,
-            "cpu_threads": None}
+def tp_spec(load: str, tp: int, device: str = "cpu"):
+    return rollout_spec(load, trust_remote_code=False, seed=1234, generation_batch_size=8,
+                        max_prompt_tokens_length=MAX_PROMPT, max_response_tokens_length=MAX_RESPONSE,
+                        seq_length=None, max_num_batched_tokens=None, dtype="float32", device=device,
+                        gpu_memory_utilization=0.3, kv_cache="fit", enforce_eager=True,
+                        tensor_model_parallel_size=tp, deterministic_inference=True, cpu_threads=None)
 
 
 def state_dict(path: str) -> list:
@@ -163,7 +164,7 @@ def vllm_tp2(model_dirs):
     threads, setter = torch.get_num_threads(), torch.set_num_threads
     from chatlearn.models.rollout.vllm import VLLMRollout
 
-    engine = VLLMRollout(rollout_cfg(model_dirs["old"], tp=2))
+    engine = VLLMRollout(tp_spec(model_dirs["old"], tp=2))
     yield engine
     engine.llm.llm_engine.engine_core.shutdown()
     torch.set_num_threads = setter
@@ -180,7 +181,7 @@ def test_vllm_tp2_generates_and_every_rank_takes_every_bucket(vllm_tp2, model_di
     ps = prompts()
     assert_logprobs_of(model_dirs["old"], generate(engine, ps))
 
-    # streamed push (chatlearn.runtime.weight_sync): one reload fed bucket by bucket
+    # streamed push (chatlearn.runtime.weight_push.stream): one reload fed bucket by bucket
     engine.begin_weight_update()
     for bucket in two_buckets(model_dirs["new"]):
         engine.load_weight_bucket(bucket)
@@ -216,8 +217,8 @@ def ray_four_devices():
 
 @pytest.mark.timeout(300)
 def test_tp_replica_actor_sees_the_devices_of_its_bundles(ray_four_devices):
-    from chatlearn.runtime.env import worker_env
-    from chatlearn.runtime.group import create_group
+    from chatlearn.runtime.cluster.worker_env import worker_env
+    from chatlearn.runtime.cluster.group import create_group
 
     pg = ray_four_devices
     env = worker_env("rollout", "vllm", 1)
@@ -244,11 +245,11 @@ def test_tp_replica_actor_sees_the_devices_of_its_bundles(ray_four_devices):
 def generate_and_push_through_ray(pg, model_dirs: dict, device: str) -> None:
     """One vLLM replica of 2 ranks on bundles 0 and 1, started as a run starts it
     (``create_group``); it generates, takes a two-bucket push and generates with the new weights."""
-    from chatlearn.runtime.env import worker_env
-    from chatlearn.runtime.group import create_group
+    from chatlearn.runtime.cluster.worker_env import worker_env
+    from chatlearn.runtime.cluster.group import create_group
 
-    cfg = rollout_cfg(model_dirs["old"], tp=2, device=device)
-    group = create_group("policy", "chatlearn.models.rollout.vllm:VLLMRollout", cfg, num_actors=1, pg=pg,
+    spec = tp_spec(model_dirs["old"], tp=2, device=device)
+    group = create_group("policy", "chatlearn.models.rollout.vllm:VLLMRollout", spec, num_actors=1, pg=pg,
                          bundles=[0, 1], gpu_fraction=0.5, cpus=0, threads=1, distributed=False,
                          env=worker_env("rollout", "vllm", 1), devices_per_actor=2)
     ps = prompts()

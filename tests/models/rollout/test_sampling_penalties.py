@@ -8,7 +8,8 @@ import torch
 from test_rollout_cpu import (MAX_RESPONSE, fake_sglang, hf, model_dirs,  # noqa: F401
                               prompts, push, reference, restore_threads, sglang, slices, vllm)
 
-from chatlearn.models.rollout.hf import PenaltyLogitsProcessor, parse_sampling
+from chatlearn.models.rollout.common import parse_sampling
+from chatlearn.models.rollout.hf import PenaltyLogitsProcessor
 
 
 def penalise(logits: np.ndarray, prompt: list, output: list, presence=0.0, frequency=0.0,
@@ -76,20 +77,19 @@ def test_greedy_decoding_follows_the_penalised_logits(rollout, reference, penalt
 
 
 def test_training_and_eval_sampling_take_their_own_penalties():
-    from types import SimpleNamespace
 
     from omegaconf import OmegaConf
 
     from chatlearn.config.schema import Config
-    from chatlearn.runtime.rollouts import Rollouts
+    from chatlearn.runtime.driver.sampling import Sampling
 
     cfg = OmegaConf.structured(Config)
     p = cfg.models.policy
     p.presence_penalty, p.frequency_penalty, p.repetition_penalty = 0.1, 0.2, 1.3
     p.eval_presence_penalty, p.eval_frequency_penalty, p.eval_repetition_penalty = -0.5, 0.7, 1.1
-    host = SimpleNamespace(cfg=cfg)
-    train = Rollouts.sampling(host, eval_mode=False, seed=1)
-    evaluation = Rollouts.sampling(host, eval_mode=True, seed=1)
+    host = Sampling(cfg, None, None, None, None)
+    train = host.params(eval_mode=False, seed=1)
+    evaluation = host.params(eval_mode=True, seed=1)
     got = lambda s: (s["presence_penalty"], s["frequency_penalty"], s["repetition_penalty"])  # noqa: E731
     assert got(train) == (0.1, 0.2, 1.3)
     assert got(evaluation) == (-0.5, 0.7, 1.1)

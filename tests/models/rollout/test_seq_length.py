@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import pytest
-from test_rollout_cpu import (MAX_PROMPT, MAX_RESPONSE, _cfg, fake_sglang, model_dirs,  # noqa: F401
+from test_rollout_cpu import (MAX_PROMPT, MAX_RESPONSE, _spec, fake_sglang, model_dirs,  # noqa: F401
                               prompts, restore_threads)
 
 from chatlearn.config.load import load_config
@@ -23,20 +23,20 @@ GREEDY = {"temperature": 0.0, "max_tokens": MAX_RESPONSE}
 
 
 def _engine(backend: str, load: str, seq_length):
-    cfg = dict(_cfg(load), seq_length=seq_length)
+    spec = _spec(load, seq_length=seq_length)
     if backend == "hf":
         from chatlearn.models.rollout.hf import HFRollout
 
-        return HFRollout(cfg)
+        return HFRollout(spec)
     if backend == "vllm":
         pytest.importorskip("vllm")
         from chatlearn.models.rollout.vllm import VLLMRollout
 
-        return VLLMRollout(cfg)
+        return VLLMRollout(spec)
     from chatlearn.models.rollout.sglang import SGLangRollout
 
     with fake_sglang():
-        return SGLangRollout(cfg)
+        return SGLangRollout(spec)
 
 
 def _close(backend: str, engine) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from backend_specs import rollout_spec
 from tiny_model import make_tiny_model
 
 pytest.importorskip("vllm")
@@ -25,12 +26,11 @@ def engine(tmp_path_factory):
 
     threads, setter = torch.get_num_threads(), torch.set_num_threads
     path = make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "m"), seed=3)
-    rollout = VLLMRollout({
-        "load": path, "trust_remote_code": False, "seed": 7, "generation_batch_size": 4,
-        "max_prompt_tokens_length": MAX_PROMPT, "max_response_tokens_length": MAX_RESPONSE, "seq_length": None,
-        "dtype": "float32", "device": "cpu", "gpu_memory_utilization": 0.5, "kv_cache": "fit", "enforce_eager": True,
-        "tensor_model_parallel_size": 1, "cpu_threads": 1, "max_num_batched_tokens": None,
-        "deterministic_inference": True})
+    rollout = VLLMRollout(rollout_spec(
+        path, trust_remote_code=False, seed=7, generation_batch_size=4, max_prompt_tokens_length=MAX_PROMPT,
+        max_response_tokens_length=MAX_RESPONSE, seq_length=None, dtype="float32", device="cpu",
+        gpu_memory_utilization=0.5, kv_cache="fit", enforce_eager=True, tensor_model_parallel_size=1, cpu_threads=1,
+        max_num_batched_tokens=None, deterministic_inference=True))
     if rollout._sleep_mode:
         pytest.skip("this vLLM has a sleep mode: the CPU path is not used")
     assert rollout._weight_path == "layerwise"  # the CPU backend repacks: vLLM's in-place reload

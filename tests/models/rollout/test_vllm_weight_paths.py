@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from backend_specs import rollout_spec
 
 FAKE_VLLM = os.path.join(os.path.dirname(__file__), "..", "..", "support", "fake_vllm")
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 3}
@@ -45,12 +46,12 @@ def fake_vllm(multiprocess: bool = False):
             os.environ["FAKE_VLLM_MULTIPROCESS"] = old_env
 
 
-def _cfg(load: str, **over) -> dict:
-    return {"load": load, "trust_remote_code": False, "seed": 1234, "generation_batch_size": 4,
-            "max_prompt_tokens_length": 16, "max_response_tokens_length": 8, "seq_length": None, "dtype": "float32",
-            "device": "cuda", "gpu_memory_utilization": 0.5, "kv_cache": "fit", "enforce_eager": True,
-            "tensor_model_parallel_size": 1, "max_num_batched_tokens": None, "cpu_threads": None,
-            "deterministic_inference": True, **over}
+def _spec(load: str, **over):
+    return rollout_spec(load, **{
+        "trust_remote_code": False, "seed": 1234, "generation_batch_size": 4, "max_prompt_tokens_length": 16,
+        "max_response_tokens_length": 8, "seq_length": None, "dtype": "float32", "device": "cuda",
+        "gpu_memory_utilization": 0.5, "kv_cache": "fit", "enforce_eager": True, "tensor_model_parallel_size": 1,
+        "max_num_batched_tokens": None, "cpu_threads": None, "deterministic_inference": True, **over})
 
 
 @pytest.fixture
@@ -105,7 +106,7 @@ def test_fake_is_a_release_without_layerwise_reload(tiny_model_dir, restore_thre
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(LAYERWISE_MODULE)  # the streamed push's first import
         assert has_layerwise_reload() is False
-        rollout = VLLMRollout(_cfg(tiny_model_dir))
+        rollout = VLLMRollout(_spec(tiny_model_dir))
         with pytest.raises(TypeError):  # vLLM >= 0.16's one-call reload of given weights
             rollout.llm.worker.reload_weights(weights_iterator=iter(()), is_checkpoint_format=True)
         assert rollout._weight_path == "load_weights"
@@ -119,7 +120,7 @@ def test_streamed_push_loads_through_load_weights(tiny_model_dir, restore_thread
 
     hf = _hf_weights(tiny_model_dir)
     with fake_vllm(multiprocess=multiprocess):
-        rollout = VLLMRollout(_cfg(tiny_model_dir))
+        rollout = VLLMRollout(_spec(tiny_model_dir))
         assert rollout._in_process is not multiprocess
         rollout.begin_weight_update()
         for name, tensor in hf.items():
@@ -136,7 +137,7 @@ def test_one_bucket_push_loads_through_load_weights(tiny_model_dir, restore_thre
 
     hf = _scaled(_hf_weights(tiny_model_dir), 2.0)
     with fake_vllm():
-        rollout = VLLMRollout(_cfg(tiny_model_dir))
+        rollout = VLLMRollout(_spec(tiny_model_dir))
         rollout.begin_weight_update()
         rollout.load_weight_bucket(list(hf.items()))  # lm_head is skipped (tied)
         rollout.finish_weight_update()
@@ -170,7 +171,7 @@ def test_cuda_ipc_slots_load_inside_the_worker(tiny_model_dir, restore_threads, 
 
     monkeypatch.setattr(ws, "device_stream", lambda device: Stream())
     with fake_vllm(multiprocess=True):
-        rollout = VLLMRollout(_cfg(tiny_model_dir))
+        rollout = VLLMRollout(_spec(tiny_model_dir))
         rollout.attach_weight_slots({"GPU-0": [("ipc", "GPU-0")], "GPU-1": [("ipc", "GPU-1")]})
         view = weakref.ref(mapped[0])
         mapped.clear()
@@ -242,23 +243,23 @@ def test_deterministic_inference_seeds_every_request(tiny_model_dir, restore_thr
     from chatlearn.models.rollout.vllm import VLLMRollout
 
     with fake_vllm():
-        rollout = VLLMRollout(_cfg(tiny_model_dir, deterministic_inference=True))
+        rollout = VLLMRollout(_spec(tiny_model_dir, deterministic_inference=True))
         rollout.generate([[3], [4], [5]], {**SAMPLING, "seed": 11})
         assert [r.seed for r in rollout.llm.requests] == [11, 12, 13]
         rollout.llm.requests.clear()
         rollout.generate([[3], [4]], SAMPLING)  # no seed asked: drawn from the rollout's RNG
         first = [r.seed for r in rollout.llm.requests]
         assert all(isinstance(s, int) for s in first) and first[1] == first[0] + 1
-        again = VLLMRollout(_cfg(tiny_model_dir, deterministic_inference=True))
+        again = VLLMRollout(_spec(tiny_model_dir, deterministic_inference=True))
         again.generate([[3], [4]], SAMPLING)
-        assert [r.seed for r in again.llm.requests] == first  # same cfg seed, same draws
+        assert [r.seed for r in again.llm.requests] == first  # same spec seed, same draws
 
 
 def test_no_request_seeds_without_deterministic_inference(tiny_model_dir, restore_threads):
     from chatlearn.models.rollout.vllm import VLLMRollout
 
     with fake_vllm():
-        rollout = VLLMRollout(_cfg(tiny_model_dir, deterministic_inference=False))
+        rollout = VLLMRollout(_spec(tiny_model_dir, deterministic_inference=False))
         rollout.generate([[3], [4]], {**SAMPLING, "seed": 11})
         rollout.generate([[3], [4]], SAMPLING)
         assert [r.seed for r in rollout.llm.requests] == [None] * 4
@@ -289,13 +290,13 @@ def test_kv_cache_setting_reaches_the_engine(tiny_model_dir, restore_threads, mo
 
         monkeypatch.setattr(vllm, "LLM", Recording)
         monkeypatch.setattr(kv_cache, "cuda_room", lambda util: need + beside)  # just enough
-        VLLMRollout(_cfg(tiny_model_dir))
+        VLLMRollout(_spec(tiny_model_dir))
         assert seen["kv_cache_memory_bytes"] == need == (4 * 1 + 1) * 128 * kv_cache.bytes_per_token(
             kv_cache.text_config(tiny_model_dir), "float32")
-        VLLMRollout(_cfg(tiny_model_dir, kv_cache="utilization"))
+        VLLMRollout(_spec(tiny_model_dir, kv_cache="utilization"))
         assert "kv_cache_memory_bytes" not in seen and seen["gpu_memory_utilization"] == 0.5
         monkeypatch.setattr(kv_cache, "cuda_room", lambda util: need + beside - 1)
         capsys.readouterr()
-        VLLMRollout(_cfg(tiny_model_dir))
+        VLLMRollout(_spec(tiny_model_dir))
         assert "kv_cache_memory_bytes" not in seen
         assert "sized by vLLM from gpu_memory_utilization instead" in capsys.readouterr().out

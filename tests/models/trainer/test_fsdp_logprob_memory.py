@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_fsdp_trainer import TEMPERATURE, add_logprobs, hf_logprobs, make_batch, make_tiny_model, run_ranks, trainer_cfg
+from test_fsdp_trainer import TEMPERATURE, add_logprobs, hf_logprobs, make_batch, make_tiny_model, run_ranks, trainer_spec
 
 CHUNK = 4
 
@@ -17,7 +17,7 @@ def job_watch(rank, world, path, batch):
 
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    trainer = FSDPTrainer(trainer_cfg(path, logprob_chunk_tokens=CHUNK, gradient_checkpointing=True))
+    trainer = FSDPTrainer(trainer_spec(path, logprob_chunk_tokens=CHUNK, gradient_checkpointing=True))
     vocab, hidden = trainer.model.config.vocab_size, trainer.model.config.hidden_size
     out = {}
     with LargestVocabTensor(vocab, hidden) as seen:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from test_fsdp_trainer import (TEMPERATURE, add_logprobs, hf_logprobs, make_batch, make_tiny_model,
-                               run_ranks, trainer_cfg)
+                               run_ranks, trainer_spec)
 
 
 def _forbid_weight_reads(monkeypatch_targets: list) -> None:
@@ -52,15 +52,15 @@ def _run(trainer, batch) -> dict:
 def job_meta_init(rank, world, path, stripped, batch):
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    res = {"plain": _run(FSDPTrainer(trainer_cfg(path, logprob_chunk_tokens=7)), batch)}
+    res = {"plain": _run(FSDPTrainer(trainer_spec(path, logprob_chunk_tokens=7)), batch)}
     patched = []
     if rank != 0:
         _forbid_weight_reads(patched)
     load = path if rank == 0 else stripped
-    meta = FSDPTrainer(trainer_cfg(load, meta_init=True, logprob_chunk_tokens=7))
+    meta = FSDPTrainer(trainer_spec(load, meta_init=True, logprob_chunk_tokens=7))
     res["generation_eos"] = meta.model.generation_config.eos_token_id
     res["meta"] = _run(meta, batch)
-    ref = FSDPTrainer(trainer_cfg(load, meta_init=True, trainable=False))
+    ref = FSDPTrainer(trainer_spec(load, meta_init=True, trainable=False))
     res["ref_logp"] = ref.compute_logprobs(batch, temperature=TEMPERATURE)
     res["ref_frozen"] = not any(p.requires_grad for p in ref.model.parameters())
     res["patched"] = bool(patched)
@@ -117,9 +117,9 @@ def job_cuda_meta_init(rank, world, path, batch):
 
     out = {}
     for meta in (False, True):
-        trainer = FSDPTrainer(trainer_cfg(path, meta_init=meta, bf16=True))
+        trainer = FSDPTrainer(trainer_spec(path, meta_init=meta, bf16=True))
         logp = trainer.compute_logprobs(batch, temperature=TEMPERATURE)
-        ref = FSDPTrainer(trainer_cfg(path, meta_init=meta, bf16=True, trainable=False))
+        ref = FSDPTrainer(trainer_spec(path, meta_init=meta, bf16=True, trainable=False))
         out[meta] = {"logp": logp, "ref_logp": ref.compute_logprobs(batch, temperature=TEMPERATURE),
                      "dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
                      "ref_dtypes": sorted({str(p.dtype) for p in ref.model.parameters()}),

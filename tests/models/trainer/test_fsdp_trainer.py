@@ -13,6 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
+import backend_specs
 import numpy as np
 import pytest
 import torch
@@ -41,20 +42,20 @@ def make_tiny_model(path: str) -> str:
     return path
 
 
-def trainer_cfg(path: str, **over) -> dict:
-    cfg = dict(load=path, trust_remote_code=False, seed=0, trainable=True, lr=1e-3,
-               weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, train_micro_batch_size=2,
-               logprob_micro_batch_size=3, pos_clip_ratio=0.2, neg_clip_ratio=0.2,
-               kl_coef=0.1, entropy_coef=0.01, gradient_checkpointing=False, bf16=False,
-               packing=False, max_token_in_packing=32768, seq_length=None,
-               logprob_chunk_tokens=5, meta_init=False, share_prompt=False,  # 5: chunks that do not divide the tokens
-               clip_ratio_c=None, use_group_sequence_policy=False, loss_agg_mode="token-mean",
-               max_response_tokens_length=16, kl_estimator="k3", kl_in_reward=False,
-               min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=100,
-               lr_warmup_init=0.0, old_logprobs="auto", rollout_correction="none",
-               rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None)
-    cfg.update(over)
-    return cfg
+def trainer_spec(path: str, **over):
+    """The FSDP tests' :class:`~chatlearn.models.specs.TrainerSpec` of the model at ``path``."""
+    fields = dict(trust_remote_code=False, seed=0, trainable=True, lr=1e-3,
+                  weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, train_micro_batch_size=2,
+                  logprob_micro_batch_size=3, pos_clip_ratio=0.2, neg_clip_ratio=0.2,
+                  kl_coef=0.1, entropy_coef=0.01, gradient_checkpointing=False, bf16=False,
+                  packing=False, max_token_in_packing=32768, seq_length=None,
+                  logprob_chunk_tokens=5, meta_init=False, share_prompt=False,  # 5: chunks that do not divide the tokens
+                  clip_ratio_c=None, use_group_sequence_policy=False, loss_agg_mode="token-mean",
+                  max_response_tokens_length=16, kl_estimator="k3", kl_in_reward=False,
+                  min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=100,
+                  lr_warmup_init=0.0, old_logprobs="auto", rollout_correction="none",
+                  rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None)
+    return backend_specs.trainer_spec(path, **{**fields, **over})
 
 
 def hf_logprobs(path: str, batch: dict, temperature: float = 1.0):
@@ -248,7 +249,7 @@ def _loss_modes_part(path, batch) -> dict:
 
     out = {}
     for mode in AGG_MODES:
-        trainer = FSDPTrainer(trainer_cfg(
+        trainer = FSDPTrainer(trainer_spec(
             path, loss_agg_mode=mode, clip_ratio_c=1.1, kl_estimator="low_var_kl",
             use_group_sequence_policy=mode == "seq-mean-token-sum-norm"))
         metrics = trainer.compute_grads(dict(batch, sample_weights=SAMPLE_WEIGHTS))
@@ -261,7 +262,7 @@ def _lr_resume_part(path, batch, out) -> dict:
     trainer resumed from it takes steps 4 and 5; then a step on an all-filtered batch."""
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    cfg = trainer_cfg(path, **LR_SCHEDULE)
+    cfg = trainer_spec(path, **LR_SCHEDULE)
     trainer = FSDPTrainer(cfg)
     lrs = [trainer.train(batch)["lr"] for _ in range(3)]
     trainer.save_checkpoint(os.path.join(out, "lr_checkpoint"))
@@ -281,7 +282,7 @@ def _own_old_part(path, batch) -> dict:
     them (the step's own forward, detached); without them, the rollout mismatch sums."""
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    trainer = FSDPTrainer(trainer_cfg(path, clip_ratio_c=1.5))
+    trainer = FSDPTrainer(trainer_spec(path, clip_ratio_c=1.5))
     own = {k: v for k, v in batch.items() if k != "old_logprobs"}
     rollout = own["rollout_logprobs"] = batch["old_logprobs"] + np.float32(0.05)
     passed = trainer.compute_logprobs(batch, temperature=TEMPERATURE)
@@ -303,10 +304,10 @@ def _correction_part(path, batch) -> dict:
     rng = np.random.default_rng(11)
     noisy = batch["old_logprobs"] + rng.normal(0, 0.3, len(batch["old_logprobs"])).astype(np.float32)
     res = {}
-    plain = FSDPTrainer(trainer_cfg(path))
+    plain = FSDPTrainer(trainer_spec(path))
     res["corr_plain"] = plain.compute_grads(batch, temperature=TEMPERATURE)
     res["corr_plain_grads"] = plain.full_grads()
-    same = FSDPTrainer(trainer_cfg(path, rollout_correction="tis"))
+    same = FSDPTrainer(trainer_spec(path, rollout_correction="tis"))
     res["corr_same"] = same.compute_grads(dict(batch, rollout_logprobs=batch["old_logprobs"]),
                                           temperature=TEMPERATURE)
     res["corr_same_grads"] = same.full_grads()
@@ -315,7 +316,7 @@ def _correction_part(path, batch) -> dict:
                              ("tis_own", dict(rollout_correction="tis", rollout_is_threshold=1.2), ("old_logprobs",)),
                              ("tis_rollout", dict(rollout_correction="tis", rollout_is_threshold=1.2,
                                                   old_logprobs="rollout"), ("old_logprobs",))):
-        t = FSDPTrainer(trainer_cfg(path, **over))
+        t = FSDPTrainer(trainer_spec(path, **over))
         b = {k: v for k, v in dict(batch, rollout_logprobs=noisy).items() if k not in drop}
         res[f"corr_{name}"] = t.compute_grads(b, temperature=TEMPERATURE)
     res["corr_noisy"] = noisy
@@ -345,7 +346,7 @@ def _observations_part(path, batch) -> dict:
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
     masked = with_observations(batch)
-    t = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0))
+    t = FSDPTrainer(trainer_spec(path, kl_coef=0.0, entropy_coef=0.0))
     logp = t.compute_logprobs(masked)
     res = {"obs_logp": logp, "obs_metrics": t.compute_grads(dict(masked, old_logprobs=logp))}
     res["obs_grads"] = t.full_grads()
@@ -359,7 +360,7 @@ def _observations_part(path, batch) -> dict:
 def job_two_ranks(rank, world, path, batch, probe, out):
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    trainer = FSDPTrainer(trainer_cfg(path))
+    trainer = FSDPTrainer(trainer_spec(path))
     res = _parity_part(trainer, batch)
     res["modes"] = _loss_modes_part(path, batch)
     res.update(_own_old_part(path, batch))
@@ -375,17 +376,17 @@ def job_one_rank(rank, world, path, batch, probe, out):
 
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    trainer = FSDPTrainer(trainer_cfg(path))
+    trainer = FSDPTrainer(trainer_spec(path))
     res = _parity_part(trainer, batch)
     # one rank: a plain module (no FSDP wrapping); offload / onload work on it all the same
     res["fsdp_modules"] = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
     res.update(_residency_part(trainer, batch, probe))
     # gradient checkpointing gives the same gradients
-    ckpt = FSDPTrainer(trainer_cfg(path, gradient_checkpointing=True))
+    ckpt = FSDPTrainer(trainer_spec(path, gradient_checkpointing=True))
     res["ckpt_metrics"] = ckpt.compute_grads(batch)
     res["ckpt_grads"] = ckpt.full_grads()
     # (e) old == current log-probs, no KL / entropy: loss = -token-mean of the advantage
-    plain = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0))
+    plain = FSDPTrainer(trainer_spec(path, kl_coef=0.0, entropy_coef=0.0))
     logp = plain.compute_logprobs(batch)
     res["token_mean_metrics"] = plain.compute_grads(dict(batch, old_logprobs=logp))
     res["modes"] = _loss_modes_part(path, batch)
@@ -394,12 +395,12 @@ def job_one_rank(rank, world, path, batch, probe, out):
     res.update(_observations_part(path, batch))
     res["plain_modes"] = {}
     for mode in AGG_MODES:  # ratio 1, no KL / entropy: the loss is -agg(advantage)
-        t = FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0, loss_agg_mode=mode))
+        t = FSDPTrainer(trainer_spec(path, kl_coef=0.0, entropy_coef=0.0, loss_agg_mode=mode))
         res["plain_modes"][mode] = t.compute_grads(dict(batch, old_logprobs=logp,
                                                         sample_weights=SAMPLE_WEIGHTS))
     res.update(_lr_resume_part(path, batch, out))
     # ref_policy: not trainable, same log-probs, no optimizer
-    ref = FSDPTrainer(trainer_cfg(path, trainable=False))
+    ref = FSDPTrainer(trainer_spec(path, trainable=False))
     res["ref_logp"] = ref.compute_logprobs(batch, temperature=TEMPERATURE)
     res["ref_requires_grad"] = any(p.requires_grad for p in ref.model.parameters())
     res["ref_offload"] = ref.offload(["weights", "optimizer", "grads"])["bytes"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_fsdp_trainer import TEMPERATURE, add_logprobs, hf_logprobs, make_batch, run_ranks, trainer_cfg
+from test_fsdp_trainer import TEMPERATURE, add_logprobs, hf_logprobs, make_batch, run_ranks, trainer_spec
 from tiny_model import make_tiny_model
 
 pytestmark = [pytest.mark.gpu,
@@ -34,7 +34,7 @@ def job_chunks(rank, world, path, batch):
 
     out = {}
     for bf16 in (False, True):
-        chunked = FSDPTrainer(trainer_cfg(path, bf16=bf16, logprob_chunk_tokens=5))
+        chunked = FSDPTrainer(trainer_spec(path, bf16=bf16, logprob_chunk_tokens=5))
         out[bf16] = {"chunked": chunked.compute_logprobs(batch, temperature=TEMPERATURE),
                      "full": _full_logprobs(chunked, batch, TEMPERATURE),
                      "loss": chunked.train(batch, temperature=TEMPERATURE)["loss"]}
@@ -64,7 +64,7 @@ def job_offload(rank, world, path, batch):
 
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
-    trainer = FSDPTrainer(trainer_cfg(path))
+    trainer = FSDPTrainer(trainer_spec(path))
     trainer.train(batch, temperature=TEMPERATURE)  # Adam states exist
     probe = torch.from_numpy(batch["tokens"][:9].copy())[None].to(trainer.device)
     with torch.no_grad():

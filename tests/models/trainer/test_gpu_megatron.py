@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_fsdp_trainer import add_logprobs, hf_logprobs, make_batch, run_ranks, trainer_cfg
-from test_megatron_trainer import LR, TEMPERATURE, megatron_cfg
+from test_fsdp_trainer import add_logprobs, hf_logprobs, make_batch, run_ranks, trainer_spec
+from test_megatron_trainer import LR, TEMPERATURE, megatron_spec
 from tiny_model import make_tiny_model
 
 pytestmark = [pytest.mark.gpu,
@@ -49,8 +49,8 @@ def job_parity(rank, world, path, batch):
     from chatlearn.models.trainer.fsdp import FSDPTrainer
     from chatlearn.models.trainer.megatron import MegatronTrainer
 
-    fsdp = _pass(FSDPTrainer(trainer_cfg(path, lr=LR)), batch)
-    megatron = MegatronTrainer(megatron_cfg(path))
+    fsdp = _pass(FSDPTrainer(trainer_spec(path, lr=LR)), batch)
+    megatron = MegatronTrainer(megatron_spec(path))
     return {"fsdp": fsdp, "megatron": _pass(megatron, batch),
             "transformer_engine": megatron.transformer_engine}
 
@@ -85,9 +85,9 @@ def job_packed(rank, world, path, batch):
 
     out = {}
     for mode in ("padded", "packed"):
-        trainer = MegatronTrainer(megatron_cfg(path, bf16=True, packing=mode == "packed",
-                                               max_token_in_packing=16))
-        micro, _ = trainer._micro_batches(batch, trainer.cfg["train_micro_batch_size"])
+        trainer = MegatronTrainer(megatron_spec(path, bf16=True, packing=mode == "packed",
+                                                max_token_in_packing=16))
+        micro, _ = trainer._micro_batches(batch, trainer.spec.train_micro_batch_size)
         out[mode] = {"thd": [m.packed is not None for m in micro],
                      **_pass(trainer, batch, full_grads=False)}
     return out
@@ -117,7 +117,7 @@ def job_fused_adam(rank, world, path, batch, out):
     """Megatron's own (fused) Adam: warmup learning rates, step count, checkpoint resume."""
     from chatlearn.models.trainer.megatron import MegatronTrainer
 
-    cfg = megatron_cfg(path, lr_warmup_iters=4, lr_warmup_init=0.0)
+    cfg = megatron_spec(path, lr_warmup_iters=4, lr_warmup_init=0.0)
     trainer = MegatronTrainer(cfg)
     res = {"classes": sorted({type(o.optimizer).__module__ for o in trainer._optimizers()}),
            "lrs": [trainer.train(batch)["lr"] for _ in range(2)]}

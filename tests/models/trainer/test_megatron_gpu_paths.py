@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from test_fsdp_trainer import add_logprobs, hf_logprobs, make_batch, make_tiny_model, run_ranks
-from test_megatron_trainer import megatron_cfg, needs_megatron
+from test_megatron_trainer import megatron_spec, needs_megatron
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -116,7 +116,7 @@ def job_fused_adam(rank, world, setup, out):
             mock.patch.object(mopt, "USING_PYTORCH_OPTIMIZER", False):
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
-        cfg = megatron_cfg(path, **WARMUP)
+        cfg = megatron_spec(path, **WARMUP)
         trainer = MegatronTrainer(cfg)
         inner = [o.optimizer for o in trainer._optimizers()]
         res["classes"] = sorted({type(o).__name__ for o in inner})
@@ -145,7 +145,7 @@ def job_export(rank, world, setup, out):
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
-        frozen = MegatronTrainer(megatron_cfg(setup["path"], trainable=False))
+        frozen = MegatronTrainer(megatron_spec(setup["path"], trainable=False))
         names = [n for n, *_ in frozen.weight_specs()]
         params = {p.untyped_storage().data_ptr() for p in frozen.gpt.parameters()}
         with HostCopies() as seen:
@@ -165,8 +165,8 @@ def job_packed(rank, world, setup, out):
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
-        packed = MegatronTrainer(megatron_cfg(setup["path"], trainable=False, packing=True,
-                                              max_token_in_packing=16))
+        packed = MegatronTrainer(megatron_spec(setup["path"], trainable=False, packing=True,
+                                               max_token_in_packing=16))
         dense, _ = packed._micro_batches(setup["batch"], 4)
         packed.transformer_engine = True  # what the trainer picks on CUDA with TE
         thd, _ = packed._micro_batches(setup["batch"], 4)

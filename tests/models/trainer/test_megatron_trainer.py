@@ -24,7 +24,7 @@ from test_fsdp_trainer import (
     make_batch,
     make_tiny_model,
     run_ranks,
-    trainer_cfg,
+    trainer_spec,
     with_observations,
 )
 
@@ -40,12 +40,10 @@ LR = 1e-4  # Adam's first step moves every weight by about lr (see test_one_step
 JOB_TIMEOUT_S = 120
 
 
-def megatron_cfg(path: str, tp: int = 1, pp: int = 1, **over) -> dict:
-    cfg = trainer_cfg(path, lr=LR, tensor_model_parallel_size=tp,
-                      pipeline_model_parallel_size=pp, sequence_parallel=False,
-                      use_distributed_optimizer=False)
-    cfg.update(over)
-    return cfg
+def megatron_spec(path: str, tp: int = 1, pp: int = 1, **over):
+    """The FSDP tests' spec (:func:`trainer_spec`) with Megatron's parallel sizes."""
+    return trainer_spec(path, **{"lr": LR, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                 "sequence_parallel": False, "use_distributed_optimizer": False, **over})
 
 
 def make_untied_model(path: str) -> str:
@@ -192,18 +190,18 @@ def job_reference(rank, world, setup, out):
     path, batch = setup["path"], setup["batch"]
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    fsdp = FSDPTrainer(trainer_cfg(path, lr=LR))
+    fsdp = FSDPTrainer(trainer_spec(path, lr=LR))
     res = {"fsdp": _parity_part(fsdp, batch)}
-    res["fsdp_obs"] = _observations_part(FSDPTrainer(trainer_cfg(path, kl_coef=0.0, entropy_coef=0.0)), batch)
-    res["fsdp_alt"] = _alt_part(FSDPTrainer(trainer_cfg(path, lr=LR, **ALT)), batch)
+    res["fsdp_obs"] = _observations_part(FSDPTrainer(trainer_spec(path, kl_coef=0.0, entropy_coef=0.0)), batch)
+    res["fsdp_alt"] = _alt_part(FSDPTrainer(trainer_spec(path, lr=LR, **ALT)), batch)
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
-        res["tp1"] = _parity_part(MegatronTrainer(megatron_cfg(path)), batch)
-        res["tp1"]["alt"] = _alt_part(MegatronTrainer(megatron_cfg(path, **ALT)), batch)
-        res["tp1"]["obs"] = _observations_part(MegatronTrainer(megatron_cfg(path, kl_coef=0.0, entropy_coef=0.0)),
+        res["tp1"] = _parity_part(MegatronTrainer(megatron_spec(path)), batch)
+        res["tp1"]["alt"] = _alt_part(MegatronTrainer(megatron_spec(path, **ALT)), batch)
+        res["tp1"]["obs"] = _observations_part(MegatronTrainer(megatron_spec(path, kl_coef=0.0, entropy_coef=0.0)),
                                                batch)
-        ref = MegatronTrainer(megatron_cfg(path, trainable=False))
+        ref = MegatronTrainer(megatron_spec(path, trainable=False))
         res["ref_logp"] = ref.compute_logprobs(batch, temperature=TEMPERATURE)
         res["ref_requires_grad"] = any(p.requires_grad for p in ref.gpt.parameters())
         res["ref_offload"] = ref.offload(["weights", "optimizer", "grads"])["bytes"]
@@ -226,7 +224,7 @@ def job_tp2(rank, world, setup, out):
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
-        trainer = MegatronTrainer(megatron_cfg(path, tp=2))
+        trainer = MegatronTrainer(megatron_spec(path, tp=2))
         res = _parity_part(trainer, batch)
         res["max_connections_env"] = (env_before, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
         res.update(_residency_part(trainer, batch))
@@ -234,9 +232,9 @@ def job_tp2(rank, world, setup, out):
         trainer.save_checkpoint(os.path.join(out, "checkpoint"))  # for the offline merge
         res["saved_logp"] = trainer.compute_logprobs(batch, temperature=TEMPERATURE)
         res["saved_weights"], _ = _exported(trainer)
-        sp = MegatronTrainer(megatron_cfg(path, tp=2, sequence_parallel=True))
+        sp = MegatronTrainer(megatron_spec(path, tp=2, sequence_parallel=True))
         res["sp"] = _parity_part(sp, batch)
-        untied = MegatronTrainer(megatron_cfg(setup["untied"], tp=2, trainable=False))
+        untied = MegatronTrainer(megatron_spec(setup["untied"], tp=2, trainable=False))
         res["untied"] = _frozen_part(untied, batch)
         untied.save_checkpoint(os.path.join(out, "untied_checkpoint"))
     return res
@@ -251,15 +249,15 @@ def job_pp2(rank, world, setup, out):
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
-        cfg = megatron_cfg(path, pp=2, gradient_checkpointing=True)
+        cfg = megatron_spec(path, pp=2, gradient_checkpointing=True)
         trainer = MegatronTrainer(cfg)
         res = _parity_part(trainer, batch)
         res.update(_resume_part(trainer, lambda: MegatronTrainer(cfg), batch,
                                 os.path.join(out, "checkpoint")))
-        res["alt"] = _alt_part(MegatronTrainer(megatron_cfg(path, pp=2, **ALT)), batch)
-        res["obs"] = _observations_part(MegatronTrainer(megatron_cfg(path, pp=2, kl_coef=0.0, entropy_coef=0.0)),
+        res["alt"] = _alt_part(MegatronTrainer(megatron_spec(path, pp=2, **ALT)), batch)
+        res["obs"] = _observations_part(MegatronTrainer(megatron_spec(path, pp=2, kl_coef=0.0, entropy_coef=0.0)),
                                         batch)
-        untied = MegatronTrainer(megatron_cfg(setup["untied"], pp=2, trainable=False))
+        untied = MegatronTrainer(megatron_spec(setup["untied"], pp=2, trainable=False))
         res["untied"] = _frozen_part(untied, batch)
     return res
 
@@ -272,12 +270,12 @@ def job_dp2(rank, world, setup, out):
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
-        cfg = megatron_cfg(path, use_distributed_optimizer=True)
+        cfg = megatron_spec(path, use_distributed_optimizer=True)
         trainer = MegatronTrainer(cfg)
         res = _parity_part(trainer, batch, full_grads=False)
         res.update(_resume_part(trainer, lambda: MegatronTrainer(cfg), batch,
                                 os.path.join(out, "checkpoint")))
-        res["alt"] = _alt_part(MegatronTrainer(megatron_cfg(
+        res["alt"] = _alt_part(MegatronTrainer(megatron_spec(
             path, use_distributed_optimizer=True, **ALT)), batch, full_grads=False)
     return res
 
@@ -368,8 +366,7 @@ def test_config_without_megatron_core_names_the_key_and_the_install_command(
 def test_template_loads_and_passes_the_parallel_sizes(paths_overrides):
     from chatlearn.config.plan import make_plan
     from chatlearn.models.specs import TrainerSpec
-    from chatlearn.runtime.cluster import BACKENDS
-    cluster_trainer_cfg = TrainerSpec.from_config
+    from chatlearn.runtime.cluster.cluster import BACKENDS
 
     over = ["models.policy_trainer.num_gpu=4", "models.policy_trainer.tensor_model_parallel_size=2",
             "models.policy_trainer.sequence_parallel=True"]
@@ -378,9 +375,9 @@ def test_template_loads_and_passes_the_parallel_sizes(paths_overrides):
     assert BACKENDS["megatron"] == "chatlearn.models.trainer.megatron:MegatronTrainer"
     assert make_plan(cfg).trainer_dp == 2
     for name in ("policy_trainer", "ref_policy"):  # the reference follows the trainer
-        tcfg = cluster_trainer_cfg(cfg, name, make_plan(cfg))
-        assert (tcfg["tensor_model_parallel_size"], tcfg["pipeline_model_parallel_size"]) == (2, 1)
-        assert tcfg["sequence_parallel"] is True and tcfg["use_distributed_optimizer"] is False
+        spec = TrainerSpec.from_config(cfg, name, make_plan(cfg))
+        assert (spec.tensor_model_parallel_size, spec.pipeline_model_parallel_size) == (2, 1)
+        assert spec.sequence_parallel is True and spec.use_distributed_optimizer is False
 
 
 # --------------------------------------------------------------------------- tests with ranks
@@ -575,7 +572,7 @@ def test_offload_frees_storage_and_onload_restores_bit_for_bit(tp2):
 @pytest.mark.timeout(400)
 def test_trainer_leaves_cuda_device_max_connections_to_the_environment(tp2):
     """CUDA reads CUDA_DEVICE_MAX_CONNECTIONS when it starts: the worker's environment sets
-    it (chatlearn.runtime.env); the trainer only checks it on CUDA and never writes it."""
+    it (chatlearn.runtime.cluster.worker_env); the trainer only checks it on CUDA and never writes it."""
     for res in tp2[0]:
         before, after = res["max_connections_env"]
         assert after == before
@@ -689,7 +686,7 @@ def _packing_pass(trainer, batch) -> dict:
     """Log-probs and entropy, the training micro-batches, gradients, then one step."""
     logp, ent = trainer.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
     stats = trainer.logprob_stats()
-    micro, _ = trainer._micro_batches(batch, trainer.cfg["train_micro_batch_size"])
+    micro, _ = trainer._micro_batches(batch, trainer.spec.train_micro_batch_size)
     metrics = trainer.compute_grads(batch, TEMPERATURE)
     grads = trainer.full_grads()
     trainer.zero_grad()
@@ -716,19 +713,19 @@ def job_packing(rank, world, setup, out, job):
     if job == "dp2":
         from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-        res["fsdp"] = _packing_pass(FSDPTrainer(trainer_cfg(path, lr=LR, packing=True, **common)),
+        res["fsdp"] = _packing_pass(FSDPTrainer(trainer_spec(path, lr=LR, packing=True, **common)),
                                     batch)
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
         for name in PACKING_JOBS[job]:
             keys = PACKING_LAYOUTS[name][1]
-            res[name] = {mode: _packing_pass(MegatronTrainer(megatron_cfg(
+            res[name] = {mode: _packing_pass(MegatronTrainer(megatron_spec(
                 path, packing=mode == "packed", seq_length=FIXED_WIDTH if mode == "fixed" else None,
                 **common, **keys)), batch)
                 for mode in ("padded", "packed", "fixed")}
         if job == "dp2":  # the model's logits for ROPE_POSITIONS, with Megatron's causal mask
-            frozen = MegatronTrainer(megatron_cfg(path, trainable=False))
+            frozen = MegatronTrainer(megatron_spec(path, trainable=False))
             ids = torch.arange(3, 3 + len(ROPE_POSITIONS))[None]
             with torch.no_grad():
                 res["rope_logits"] = frozen.gpt(

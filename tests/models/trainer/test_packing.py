@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO
-from test_fsdp_trainer import add_logprobs, hf_logprobs, make_tiny_model, run_ranks, trainer_cfg
+from test_fsdp_trainer import add_logprobs, hf_logprobs, make_tiny_model, run_ranks, trainer_spec
 
 from chatlearn.errors import ConfigError
 from chatlearn.models.trainer.packing import pack_first_fit_decreasing, plan_micro_batches
@@ -102,7 +102,7 @@ def make_batch(vocab: int) -> dict:
 def _pass(trainer, batch) -> dict:
     logp, ent = trainer.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
     stats = trainer.logprob_stats()
-    plan, _ = trainer._micro_batches(batch, trainer.cfg["train_micro_batch_size"])
+    plan, _ = trainer._micro_batches(batch, trainer.spec.train_micro_batch_size)
     metrics = trainer.compute_grads(batch, TEMPERATURE)
     grads = trainer.full_grads()
     trainer.zero_grad()
@@ -119,10 +119,10 @@ def job(rank, world, path, batch):
 
     common = dict(lr=LR, train_micro_batch_size=4 // world, logprob_micro_batch_size=3,
                   max_token_in_packing=MAX_TOKENS)
-    padded = _pass(FSDPTrainer(trainer_cfg(path, packing=False, **common)), batch)
-    packed = _pass(FSDPTrainer(trainer_cfg(path, packing=True, **common)), batch)
-    fixed = _pass(FSDPTrainer(trainer_cfg(path, packing=False, seq_length=FIXED_WIDTH, **common)), batch)
-    short = FSDPTrainer(trainer_cfg(path, packing=False, seq_length=12, **common))
+    padded = _pass(FSDPTrainer(trainer_spec(path, packing=False, **common)), batch)
+    packed = _pass(FSDPTrainer(trainer_spec(path, packing=True, **common)), batch)
+    fixed = _pass(FSDPTrainer(trainer_spec(path, packing=False, seq_length=FIXED_WIDTH, **common)), batch)
+    short = FSDPTrainer(trainer_spec(path, packing=False, seq_length=12, **common))
     try:
         short.compute_logprobs(batch, temperature=TEMPERATURE)
         too_long = None
@@ -240,7 +240,6 @@ def test_packing_with_the_megatron_backend_reaches_both_trainers(paths_overrides
     from chatlearn.config import load as config_load
     from chatlearn.config.plan import make_plan
     from chatlearn.models.specs import TrainerSpec
-    cluster_trainer_cfg = TrainerSpec.from_config
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(config_load, "_importable", lambda module: True)
@@ -249,8 +248,8 @@ def test_packing_with_the_megatron_backend_reaches_both_trainers(paths_overrides
     cfg = config_load.load_config("template/grpo_fsdp.yaml",
                                   over + ["models.policy_trainer.max_token_in_packing=64"])
     for name in ("policy_trainer", "ref_policy"):
-        tcfg = cluster_trainer_cfg(cfg, name, make_plan(cfg))
-        assert tcfg["packing"] is True and tcfg["max_token_in_packing"] == 64, name
+        spec = TrainerSpec.from_config(cfg, name, make_plan(cfg))
+        assert spec.packing is True and spec.max_token_in_packing == 64, name
     with pytest.raises(ConfigError) as info:
         config_load.load_config("template/grpo_fsdp.yaml",
                                 over + ["models.policy_trainer.max_token_in_packing=0"])

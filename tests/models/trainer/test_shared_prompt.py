@@ -13,7 +13,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from test_fsdp_trainer import (add_logprobs, hf_logprobs, make_tiny_model, run_ranks, trainer_cfg,
+from test_fsdp_trainer import (add_logprobs, hf_logprobs, make_tiny_model, run_ranks, trainer_spec,
                                with_observations)
 
 from chatlearn.errors import ConfigError, UserError
@@ -69,7 +69,7 @@ def _job(rank, world, path, batch) -> dict:
         variants = {k: v for k, v in variants.items() if k in ("plain", "shared", "shared_packed")}
     for name, over in variants.items():
         sp.MASK_ELEMENTS = 0 if name == "shared_units" else default  # 0: the per-unit form, without masks
-        trainer = FSDPTrainer(trainer_cfg(path, train_micro_batch_size=6, logprob_micro_batch_size=5, **over))
+        trainer = FSDPTrainer(trainer_spec(path, train_micro_batch_size=6, logprob_micro_batch_size=5, **over))
         b = with_observations(batch) if name.endswith("_obs") else batch
         logp, ent = trainer.compute_logprobs(b, temperature=TEMPERATURE, with_entropy=True)
         stats = trainer.logprob_stats()
@@ -217,12 +217,12 @@ def _refusals(rank, world, path, sliding) -> dict:
 
     out = {}
     try:
-        FSDPTrainer(trainer_cfg(sliding, share_prompt=True))
+        FSDPTrainer(trainer_spec(sliding, share_prompt=True))
     except UserError as e:
         out["refused"] = (e.key, str(e))
-    out["sliding_null"] = FSDPTrainer(trainer_cfg(sliding, share_prompt=None, trainable=False)).share_prompt
-    out["seq_length_null"] = FSDPTrainer(trainer_cfg(path, share_prompt=None, seq_length=64)).share_prompt
-    out["ref_null"] = FSDPTrainer(trainer_cfg(path, share_prompt=None, trainable=False)).share_prompt
+    out["sliding_null"] = FSDPTrainer(trainer_spec(sliding, share_prompt=None, trainable=False)).share_prompt
+    out["seq_length_null"] = FSDPTrainer(trainer_spec(path, share_prompt=None, seq_length=64)).share_prompt
+    out["ref_null"] = FSDPTrainer(trainer_spec(path, share_prompt=None, trainable=False)).share_prompt
     return out
 
 

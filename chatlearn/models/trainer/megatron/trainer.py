@@ -50,6 +50,7 @@ import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -89,6 +90,9 @@ from chatlearn.models.trainer.megatron.optimizer_state import (
 )
 from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches
 
+if TYPE_CHECKING:
+    from chatlearn.models.specs import TrainerSpec
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
                     ".bin.index.json")
 
@@ -113,7 +117,7 @@ def check_cuda_device_max_connections(device: torch.device, tp: int) -> None:
     single hardware queue to run them before the weight-gradient GEMM (it only warns when the
     variable differs). CUDA reads the variable once, when it starts, so it cannot be set from
     here: the worker's environment must carry it from process start
-    (``chatlearn.runtime.env.worker_env`` does for Megatron trainers)."""
+    (``chatlearn.runtime.cluster.worker_env.worker_env`` does for Megatron trainers)."""
     if device.type != "cuda" or tp <= 1:
         return
     value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
@@ -157,25 +161,26 @@ class MegatronTrainer(Trainer):
     """Megatron-core trainer of a Hugging Face Qwen2 / Llama checkpoint (``trainable``:
     policy_trainer; else ref_policy: frozen, no optimizer, forward only)."""
 
-    def __init__(self, cfg: dict):
-        """cfg: the FSDP trainer's keys (load, trust_remote_code, seed, trainable, lr,
-        weight_decay, clip_grad, train_micro_batch_size, logprob_micro_batch_size,
-        pos_clip_ratio, neg_clip_ratio, kl_coef, entropy_coef, gradient_checkpointing, bf16,
-        packing, max_token_in_packing and the loss and learning-rate schedule keys) plus tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel,
-        use_distributed_optimizer (all required). bf16 applies on CUDA only (fp32 otherwise);
+    def __init__(self, spec: TrainerSpec):
+        """``spec``: the trainer's settings, kept as ``self.spec`` and read as attributes: the FSDP
+        trainer's fields (load, trust_remote_code, seed, trainable, lr, weight_decay, clip_grad,
+        train_micro_batch_size, logprob_micro_batch_size, gradient_checkpointing, bf16, packing,
+        max_token_in_packing, seq_length, logprob_chunk_tokens and the loss and learning-rate schedule
+        fields) plus tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel and
+        use_distributed_optimizer; not share_prompt. bf16 applies on CUDA only (fp32 otherwise);
         gradient_checkpointing recomputes every layer (full recompute); trust_remote_code is
         not used (the architecture is read from config.json)."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
-        self.cfg = dict(cfg)
+        self.spec = spec
         _require_cuda()
-        self.tp = int(cfg["tensor_model_parallel_size"])
-        self.pp = int(cfg["pipeline_model_parallel_size"])
+        self.tp = int(spec.tensor_model_parallel_size)
+        self.pp = int(spec.pipeline_model_parallel_size)
         self.device = init_distributed()
         check_cuda_device_max_connections(self.device, self.tp)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.trainable = bool(cfg["trainable"])
+        self.trainable = bool(spec.trainable)
         _init_model_parallel(self.tp, self.pp)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -187,17 +192,17 @@ class MegatronTrainer(Trainer):
         if self.rank == 0 and (self.tp_rank, self.pp_rank, self.dp_rank) != (0, 0, 0):
             raise RuntimeError("MegatronTrainer: global rank 0 must be tensor, pipeline and "
                                "data-parallel rank 0 (Megatron's default rank order)")
-        seed = int(cfg["seed"])
+        seed = int(spec.seed)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-        self.arch = HFArch.from_folder(cfg["load"])
-        self.dtype = (torch.bfloat16 if cfg["bf16"] and self.device.type == "cuda"
+        self.arch = HFArch.from_folder(spec.load)
+        self.dtype = (torch.bfloat16 if spec.bf16 and self.device.type == "cuda"
                       else torch.float32)
         self.config = transformer_config(
-            self.arch, tp=self.tp, pp=self.pp, sequence_parallel=bool(cfg["sequence_parallel"]),
+            self.arch, tp=self.tp, pp=self.pp, sequence_parallel=bool(spec.sequence_parallel),
             params_dtype=self.dtype, cpu_init=self.device.type == "cpu",
-            recompute=self.trainable and bool(cfg["gradient_checkpointing"]))
+            recompute=self.trainable and bool(spec.gradient_checkpointing))
         local_vocab = self.arch.padded_vocab(self.tp) // self.tp
         self.vocab_start = self.tp_rank * local_vocab
         self.vocab_valid = max(0, min(local_vocab, self.arch.vocab_size - self.vocab_start))
@@ -208,7 +213,7 @@ class MegatronTrainer(Trainer):
         self._params = self._global_names()
         self.mappings = mappings(self.arch)
         self._layer_stage = self._gather_layer_stages()
-        self._load_hf(cfg["load"])
+        self._load_hf(spec.load)
         self.model, self.optimizer = self._wrap()
         self._stashes: dict = {}
         self._grads_freed = False
@@ -269,18 +274,18 @@ class MegatronTrainer(Trainer):
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        cfg, distributed = self.cfg, bool(self.cfg["use_distributed_optimizer"])
+        spec, distributed = self.spec, bool(self.spec.use_distributed_optimizer)
         ddp = DistributedDataParallel(
             config=self.config, module=self.gpt,
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                 use_distributed_optimizer=distributed))
         optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=float(cfg["lr"]),
-                            weight_decay=float(cfg["weight_decay"]),
-                            adam_beta1=float(cfg["adam_beta1"]), adam_beta2=float(cfg["adam_beta2"]),
-                            adam_eps=float(cfg["adam_eps"]),
-                            clip_grad=float(cfg["clip_grad"]),  # <= 0: no clipping
+            OptimizerConfig(optimizer="adam", lr=float(spec.lr),
+                            weight_decay=float(spec.weight_decay),
+                            adam_beta1=float(spec.adam_beta1), adam_beta2=float(spec.adam_beta2),
+                            adam_eps=float(spec.adam_eps),
+                            clip_grad=float(spec.clip_grad),  # <= 0: no clipping
                             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                             use_distributed_optimizer=distributed),
             [ddp],
@@ -308,8 +313,8 @@ class MegatronTrainer(Trainer):
             raise ValueError("MegatronTrainer: the batch has no samples")
         all_lens = np.diff(batch["offsets"])
         lens = all_lens[idx]
-        fixed = (None if self.cfg["packing"] or self.cfg["seq_length"] is None
-                 else check_fixed_width(all_lens, int(self.cfg["seq_length"])))
+        fixed = (None if self.spec.packing or self.spec.seq_length is None
+                 else check_fixed_width(all_lens, int(self.spec.seq_length)))
         size = min(size, len(idx))
         plan, longest = self._plan_micro_batches(all_lens, idx, size)
         out, computed = [], 0
@@ -326,12 +331,12 @@ class MegatronTrainer(Trainer):
         packing, ``idx`` cut into runs of ``size``; with packing, this replica's plan of
         :func:`chatlearn.models.trainer.packing.plan_micro_batches` (bins of at most
         ``max_token_in_packing`` tokens; ``size`` is ignored; empty bins are dummy micro-steps)."""
-        if not self.cfg["packing"]:
+        if not self.spec.packing:
             return [idx[start:start + size] for start in range(0, len(idx), size)], None
         share = len(idx)
         shares = [np.arange(d * share, (d + 1) * share) for d in range(self.dp)]
         plans, _ = plan_micro_batches(all_lens, shares, size, True,
-                                      int(self.cfg["max_token_in_packing"]))
+                                      int(self.spec.max_token_in_packing))
         plan = plans[self.dp_rank]
         return plan, max(int(all_lens[mb].sum()) for mb in plan if len(mb))
 
@@ -351,7 +356,7 @@ class MegatronTrainer(Trainer):
         with padding; a ``seq_length`` must already be one).
         """
         uniform = self.pp > 1
-        if self.cfg["packing"]:
+        if self.spec.packing:
             width = longest if uniform else max(int(mb_lens.sum()), 1)
             nrows = 1
         else:
@@ -367,7 +372,7 @@ class MegatronTrainer(Trainer):
         concatenated in one row, position ids restarting at 0 for each sample (the padding after
         them counts on from 0), with the sample boundaries of :meth:`_packed_attention`."""
         off = batch["offsets"]
-        packing = bool(self.cfg["packing"])
+        packing = bool(self.spec.packing)
         ids = torch.zeros(nrows, width, dtype=torch.long)
         positions = torch.arange(width).repeat(nrows, 1)
         segment = torch.full((width,), -1, dtype=torch.long)  # -1: padding
@@ -429,7 +434,7 @@ class MegatronTrainer(Trainer):
         z = logits[mb.rows, mb.cols - 1, :self.vocab_valid]  # the model's dtype
         return vocab_parallel_logprobs(z, mb.ids[mb.rows, mb.cols], self.vocab_start,
                                        self.tp_group, with_entropy, temperature=temperature,
-                                       chunk_tokens=int(self.cfg["logprob_chunk_tokens"]))
+                                       chunk_tokens=int(self.spec.logprob_chunk_tokens))
 
     def _run(self, micro_batches: list[_MicroBatch], loss_func, forward_only: bool) -> list:
         """Megatron's forward(-backward) schedule over ``micro_batches``; returns what
@@ -502,7 +507,7 @@ class MegatronTrainer(Trainer):
             loss = (terms["loss"] * coef).sum() * objective.num_tokens
             return loss, count, {"sums": token_sums(terms, coef, weight, ent)}
 
-        micro, passes = self._micro_batches(batch, self.cfg["train_micro_batch_size"])
+        micro, passes = self._micro_batches(batch, self.spec.train_micro_batch_size)
         outs = self._run(micro, loss_func, forward_only=False)
         sums = torch.zeros(len(LOSS_SUMS), dtype=torch.float64, device=self.device)
         if self._reporter():
@@ -558,7 +563,7 @@ class MegatronTrainer(Trainer):
         optimizer, which keeps only each replica's reduced shard of the gradients."""
         if not self.trainable:
             raise RuntimeError("MegatronTrainer: this model is not trainable (ref_policy)")
-        if self.cfg["use_distributed_optimizer"]:
+        if self.spec.use_distributed_optimizer:
             raise NotImplementedError("MegatronTrainer.full_grads: gradients are "
                                       "reduce-scattered under the distributed optimizer")
         return {name: t for name, t in self._gather_hf("grads") if t is not None}
@@ -648,7 +653,7 @@ class MegatronTrainer(Trainer):
     def _layout(self) -> dict:
         return {"world_size": self.world, "tensor_model_parallel_size": self.tp,
                 "pipeline_model_parallel_size": self.pp,
-                "use_distributed_optimizer": bool(self.cfg["use_distributed_optimizer"]),
+                "use_distributed_optimizer": bool(self.spec.use_distributed_optimizer),
                 "dtype": sharded.dtype_name(self.dtype)}
 
     def save_checkpoint(self, path: str) -> None:
@@ -696,8 +701,8 @@ class MegatronTrainer(Trainer):
                 "trainable": self.trainable,
                 "has_optimizer": self.optimizer is not None,
                 "optimizer_stepped": bool(stepped.item()),
-                "hf_source": (os.path.abspath(self.cfg["load"]) if os.path.isdir(self.cfg["load"])
-                              else self.cfg["load"]),
+                "hf_source": (os.path.abspath(self.spec.load) if os.path.isdir(self.spec.load)
+                              else self.spec.load),
                 "torch_version": torch.__version__,
             })
         dist.barrier()
@@ -847,7 +852,7 @@ class MegatronTrainer(Trainer):
 
             os.makedirs(path, exist_ok=True)
             save_torch_state_dict(state, path, metadata={"format": "pt"})
-            src = self.cfg["load"]
+            src = self.spec.load
             for name in os.listdir(src):
                 file = os.path.join(src, name)
                 if not os.path.isfile(file) or name.endswith(_WEIGHT_SUFFIXES):

@@ -1,0 +1,131 @@
+"""The Ray actor that hosts a backend object: a trainer rank, a rollout replica or a reward worker, and
+with ``runtime_args.fuse_rollout`` a trainer rank and the rollout replica of its device together."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import resource
+import socket
+import sys
+import time
+
+
+class Worker:
+    """Builds ``module:Class(cfg)`` in its own process and runs its methods on request. A fused rollout
+    replica is a second object of the process (``setup(..., target="policy")``), reached by
+    :meth:`call_on`; the process's own object stays ``obj``."""
+
+    def __init__(self, threads: int, preload: str | None = None, uses_torch: bool = True):
+        """``preload``: the backend's module, imported now, while the process waits for its
+        ``setup`` (the other models are built meanwhile); nothing touches a device here.
+        ``uses_torch``: False for the reward workers, which then never import torch or
+        transformers (seconds of CPU at every start, taken from the models starting beside them)."""
+        from chatlearn.logging.console import setup_worker
+
+        setup_worker()  # third-party output to the run's logs/ folder (before importing them)
+        # The process environment was set by Ray before start (chatlearn.runtime.cluster.worker_env); it is
+        # recorded as found, so that tests can check what the process started with.
+        self.start_env = dict(os.environ)
+        if uses_torch:
+            import torch
+            from transformers.utils import logging as hf_logging
+
+            torch.set_num_threads(threads)
+            hf_logging.disable_progress_bar()  # per-file loading bars would flood the run's log
+        self.obj = None
+        self.objs: dict = {}  # name -> a further object of this process (a fused rollout replica)
+        if preload:
+            importlib.import_module(preload)
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port (rank 0 hosts the process group's rendezvous)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, factory: str, spec, env: dict[str, str] | None = None, target: str | None = None) -> None:
+        """Build the backend from its spec (a ``TrainerSpec``, ``RolloutSpec`` or ``RewardSpec`` of
+        :mod:`chatlearn.models.specs`, its device settings resolved here); ``target``: as a further
+        object of that name (a fused rollout replica)."""
+        os.environ.update(env or {})  # torch.distributed rendezvous (rank, world, address)
+        from chatlearn.models.specs import RolloutSpec, TrainerSpec, resolve_for_device
+
+        if isinstance(spec, (TrainerSpec, RolloutSpec)):
+            import torch
+
+            spec = resolve_for_device(spec, "cuda" if torch.cuda.is_available() else "cpu")
+        from chatlearn.runtime.cluster.leftovers import record_owned, remove_stale_files, temp_files
+
+        remove_stale_files()  # of killed runs on this node
+        before = temp_files()
+        module, name = factory.split(":")
+        built = getattr(importlib.import_module(module), name)(spec)
+        if target is None:
+            self.obj = built
+        else:
+            self.objs[target] = built
+        # the rendezvous files its backend created (vLLM's vllm_dist_*): removed when this run ends,
+        # or by the next start on this node if this process is killed first
+        record_owned(temp_files() - before)
+
+    def release_temp_files(self) -> int:
+        """Remove the temporary files this process recorded (the run is ending normally)."""
+        from chatlearn.runtime.cluster.leftovers import release_owned
+
+        return release_owned()
+
+    def environment(self) -> dict[str, str]:
+        """The environment this process started with."""
+        return self.start_env
+
+    def sync(self, op: str, *args):
+        """Run ``op`` of this actor's weight-sync endpoint (``chatlearn.runtime.weight_push.stream``)."""
+        if getattr(self, "_sync", None) is None:
+            from chatlearn.runtime.weight_push.stream import Endpoint
+
+            self._sync = Endpoint(self.obj)
+        return getattr(self._sync, op)(*args)
+
+    def memory(self) -> dict:
+        """Peak memory of this process in MiB: CUDA memory allocated by torch when this process uses
+        CUDA, else the peak resident set size (RSS). Peaks are since the process started."""
+        torch = sys.modules.get("torch")  # a process that never imported torch uses no CUDA
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return {"peak_mb": torch.cuda.max_memory_allocated() / 2**20, "device": "cuda"}
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return {"peak_mb": rss / (2**20 if sys.platform == "darwin" else 2**10), "device": "cpu"}
+
+    def device_memory(self) -> list[dict]:
+        """GPU memory of this worker and the processes it started, per device it sees
+        (``chatlearn.logging.gpu_memory.device_memory``); ``[]`` without CUDA."""
+        from chatlearn.logging.gpu_memory import device_memory
+
+        return device_memory()
+
+    def call(self, method: str, *args, **kwargs):
+        """Run ``method`` and return (result, seconds); generators are drained into a list."""
+        return self._run(self.obj, method, args, kwargs)
+
+    def call_on(self, target: str, method: str, *args, **kwargs):
+        """:meth:`call` on the further object ``target`` (a fused rollout replica)."""
+        return self._run(self.objs[target], method, args, kwargs)
+
+    @staticmethod
+    def _run(obj, method: str, args, kwargs):
+        start = time.perf_counter()
+        out = getattr(obj, method)(*args, **kwargs)
+        if inspect.isgenerator(out):
+            out = list(out)
+        return out, time.perf_counter() - start
+
+    def push_weights_local(self, target: str, bucket_bytes: int) -> int:
+        """The weight push of a fused rollout: this trainer rank's weights into the replica ``target``
+        of this process (:func:`chatlearn.runtime.weight_push.stream.local_push`; a collective of the
+        trainer ranks). Returns the bytes loaded."""
+        from chatlearn.runtime.weight_push.stream import local_push
+
+        return local_push(self.obj, self.objs[target], bucket_bytes)

@@ -1,0 +1,248 @@
+"""An RL algorithm as the episode engine runs it.
+
+The engine (:mod:`chatlearn.runtime.driver.engine`) runs every episode through the same stages and
+knows no algorithm by name: generate, reward, the forward passes that add per-token columns to the
+batch, advantages, the training of each trained model, checkpoint, weight push. What differs
+between algorithms is what an :class:`Algorithm` declares:
+
+- ``passes()``: the forward passes before the advantages, in the order they run (:class:`Pass`: the
+  stage, the model, the batch column it writes and how it computes it);
+- ``advantages(batch, scored)``: the per-sample columns the losses read (``advantages``,
+  ``sample_weights``), from the rewards and the passes' columns;
+- ``trained``: the models trained each episode, in order, and ``train(model, ...)``: one model's
+  optimizer steps over the episode's batch (:class:`StepLoop` runs the steps);
+- ``replay_columns``: what an earlier episode's samples keep to be trained on again.
+
+:class:`GRPO` is the group-relative family (``advantage_estimator``: grpo, dr_grpo, rloo,
+reinforce_plus_plus; every loss option of ``models.policy_trainer``): a reference pass when there is
+a KL term, the old-log-prob pass, group-relative advantages, one trained model (the policy).
+"""
+from __future__ import annotations
+
+import abc
+import collections
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import ray
+
+from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages
+from chatlearn.batch import columns, select_samples
+from chatlearn.config.names import Part, Stage
+from chatlearn.config.plan import Plan
+from chatlearn.errors import UserError
+from chatlearn.logging.console import warn
+from chatlearn.runtime.driver.sampling import Scored
+from chatlearn.runtime.driver.scheduler import Scheduler
+
+# what a forward pass reads of a batch: the sequences, and which of their tokens are the model's
+# (loss_mask: only in multi-turn batches)
+SEQUENCE_COLUMNS = ("tokens", "prompt_lens", "loss_mask")
+
+# step metrics that are the largest over an episode's steps, not their mean
+STEP_MAXIMA = ("is_weight_max",)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A forward pass before the advantages: ``model`` writes the batch column ``column`` as stage
+    ``stage``; ``compute(batch)`` returns it (making the model resident first). ``timed``: whether
+    it runs a model (one that only fills or copies a column is no stage and is not timed)."""
+
+    stage: Stage
+    model: str
+    column: str
+    compute: Callable[[dict], np.ndarray]
+    timed: bool = True
+
+
+@dataclass
+class Trained:
+    """One trained model's optimizer steps of an episode: its ``train/`` metrics, and the values the
+    first step set aside (what its own forward measured before any update)."""
+
+    metrics: dict
+    first_step: dict = field(default_factory=dict)
+
+
+class ModelCalls:
+    """The calls an algorithm makes on the run's models: each makes its model resident first
+    (``sched.ensure``) and takes log-probs at ``temperature`` (the sampling distribution's)."""
+
+    def __init__(self, sched: Scheduler, temperature: float):
+        self.sched, self.temperature = sched, temperature
+
+    def group(self, model: str):
+        return self.sched.groups[model]
+
+    def logprobs(self, model: str, batch: dict) -> np.ndarray:
+        """Per-token log-probs of the batch's tokens under ``model`` (its weights made resident)."""
+        self.sched.ensure(model, [Part.WEIGHTS])
+        outs, _ = self.group(model).call("compute_logprobs", ray.put(columns(batch, SEQUENCE_COLUMNS)),
+                                         self.temperature)
+        return outs[0]
+
+
+class StepLoop:
+    """A trained model's optimizer steps over an episode's batch: ``samples_per_step`` samples a step,
+    ``num_training_epoch`` times over; the means of the steps' metrics (``train/<metric>``, the maxima
+    of :data:`STEP_MAXIMA`) and ``train/skipped_steps``: the steps the trainer skipped because their
+    loss or gradient norm was not finite (left out of the means). ``optimizer.max_nonfinite_steps``
+    skipped steps in a row (across episodes) stop the run with a UserError."""
+
+    def __init__(self, cfg, plan: Plan, calls: ModelCalls, progress):
+        self.cfg, self.plan, self.calls, self.progress = cfg, plan, calls, progress
+        self.nonfinite_in_a_row: dict[str, int] = collections.defaultdict(int)
+
+    def run(self, model: str, batch: dict, episode: int, step_columns: Callable[[int], tuple],
+            aside: tuple = ()) -> Trained:
+        """``step_columns(s)``: the columns the step that starts at sample ``s`` reads; ``aside``: step
+        outputs that are no means, popped from every step and kept from the first."""
+        per_step, epochs = self.plan.samples_per_step, self.cfg.runtime_args.num_training_epoch
+        samples = len(batch["prompt_lens"])  # with replay, earlier episodes' samples too
+        total = samples // per_step * epochs
+        sums: dict[str, float] = collections.defaultdict(float)
+        steps = skipped = 0
+        first: dict = {}
+        for _ in range(epochs):
+            for s in range(0, samples, per_step):
+                sub = select_samples(columns(batch, step_columns(s)), range(s, s + per_step))
+                self.progress.stage(Stage.TRAIN, f"step {steps + 1}/{total}")
+                outs, _ = self.calls.group(model).call("train", ray.put(sub), self.calls.temperature)
+                step = dict(outs[0])
+                kept = {k: step.pop(k) for k in aside if k in step}
+                if steps == 0:
+                    first = kept
+                steps += 1
+                if self.nonfinite(model, step, episode, steps):
+                    skipped += 1
+                    continue
+                for k, v in step.items():
+                    sums[k] = max(sums[k], float(v)) if k in STEP_MAXIMA else sums[k] + float(v)
+        means = {k: v if k in STEP_MAXIMA else v / (steps - skipped) for k, v in sums.items()}
+        means["skipped_steps"] = float(skipped)
+        return Trained({f"train/{k}": v for k, v in means.items()}, first)
+
+    def nonfinite(self, model: str, step: dict, episode: int, index: int) -> bool:
+        """Whether the trainer skipped this step (``skipped_steps``: its loss or gradient norm was not
+        finite); warns, counts the skipped steps in a row, and stops the run when they reach
+        ``models.<model>.optimizer.max_nonfinite_steps``."""
+        key = f"models.{model}.optimizer.max_nonfinite_steps"
+        limit = getattr(self.cfg.models, model).optimizer.max_nonfinite_steps
+        where = f"episode {episode}, optimizer step {index}/{self.plan.steps_per_episode}"
+        if not step["skipped_steps"]:
+            self.nonfinite_in_a_row[model] = 0
+            return False
+        self.nonfinite_in_a_row[model] += 1
+        in_a_row = self.nonfinite_in_a_row[model]
+        values = f"loss {step['loss']}, gradient norm {step['grad_norm']}"
+        if in_a_row >= limit:
+            raise UserError(
+                f"training diverged: the loss or the gradient norm was not finite in {in_a_row} "
+                f"optimizer steps in a row (the last: {where}; {values}), so the run stops "
+                f"({key}: {limit}). The skipped steps changed no "
+                f"weight, so no checkpoint holds their gradients; the newest in "
+                f"{os.path.join(self.cfg.runtime_args.output_dir, 'checkpoints')} resumes the run. Lower "
+                f"models.{model}.optimizer.lr, look for extreme rewards or data, or raise "
+                "max_nonfinite_steps to ride out rarer ones.")
+        warn(f"{where}: {values}: not finite, so the step was skipped (weights, optimizer "
+             f"state and learning-rate schedule unchanged); {in_a_row} skipped in a row, the run "
+             f"stops at {limit} ({key})")
+        return True
+
+
+class Algorithm(abc.ABC):
+    """What the episode engine needs of an algorithm (see the module docstring)."""
+
+    trained: tuple[str, ...]
+    replay_columns: tuple[str, ...]
+
+    @abc.abstractmethod
+    def passes(self) -> list[Pass]:
+        """The forward passes before the advantages, in the order they run."""
+
+    @abc.abstractmethod
+    def advantages(self, batch: dict, scored: Scored) -> dict:
+        """Write the columns the losses read from the rewards; return their ``train/`` metrics."""
+
+    @abc.abstractmethod
+    def train(self, model: str, batch: dict, episode: dict) -> Trained:
+        """One trained model's optimizer steps over ``batch`` (the episode's samples after the
+        replayed ones)."""
+
+
+class GRPO(Algorithm):
+    """The group-relative policy-gradient family (see the module docstring)."""
+
+    trained = ("policy_trainer",)
+
+    def __init__(self, cfg, plan: Plan, calls: ModelCalls, steps: StepLoop):
+        self.cfg, self.plan, self.calls, self.steps = cfg, plan, calls, steps
+        # the loss reads the rollout engine's log-probs at every step: they are its old log-probs
+        # (old_logprobs: rollout) or the behaviour log-probs of a rollout correction
+        self.reads_rollout_logprobs = plan.old_from_rollout or plan.rollout_correction != "none"
+        # and the first step reads them to report the mismatch where its own forward gives its old
+        # log-probs (old_logprob_pass_from > 0: never with replay, so no replayed episode keeps them)
+        self.replay_columns = (*SEQUENCE_COLUMNS, "old_logprobs", "ref_logprobs", "advantages", "sample_weights",
+                               *(("rollout_logprobs",) if self.reads_rollout_logprobs or plan.old_logprob_pass_from
+                                 else ()))
+
+    def passes(self) -> list[Pass]:
+        """The reference log-probs (with a KL term), then the old log-probs: the reference goes first,
+        so that the trainer, once resident for its old log-probs, stays to train."""
+        ref = [Pass(Stage.REF_LOGPROBS, "ref_policy", "ref_logprobs",
+                    lambda batch: self.calls.logprobs("ref_policy", batch))] if self.plan.uses_ref else []
+        return [*ref, Pass(Stage.OLD_LOGPROBS, "policy_trainer", "old_logprobs", self.old_logprobs,
+                           timed=self.plan.old_logprob_pass)]
+
+    def old_logprobs(self, batch: dict) -> np.ndarray:
+        """The trainer's log-probs of the batch before the update, float32 [T]: NaN at the tokens of
+        the samples before ``plan.old_logprob_pass_from`` (the first optimizer step's, whose own
+        forward gives them: :class:`chatlearn.algorithms.grpo.GRPOLoss`), the pass's elsewhere."""
+        cut, n = self.plan.old_logprob_pass_from, len(batch["prompt_lens"])
+        if self.plan.old_from_rollout:  # the rollout engine's stand for them (KL in the reward, replay)
+            return np.asarray(batch["rollout_logprobs"], np.float32).copy()
+        if cut == 0:
+            return self.calls.logprobs("policy_trainer", batch)
+        old = np.full(len(batch["tokens"]), np.nan, np.float32)
+        if self.plan.old_logprob_pass:
+            old[batch["offsets"][cut]:] = self.calls.logprobs(
+                "policy_trainer", select_samples(columns(batch, SEQUENCE_COLUMNS), range(cut, n)))
+        return old
+
+    def advantages(self, batch: dict, scored: Scored) -> dict:
+        """Sets ``batch["advantages"]`` and ``batch["sample_weights"]`` from the shaped rewards
+        (``advantage_estimator``, ``filter_equal_groups``, ``kl_in_reward``: see
+        :func:`chatlearn.algorithms.advantages.episode_advantages`); returns their ``train/`` metrics."""
+        t = self.cfg.models.policy_trainer
+        batch["advantages"], batch["sample_weights"], metrics = episode_advantages(
+            batch, scored.shaped, self.plan.group_size, estimator=t.advantage_estimator,
+            filter_equal_groups=t.filter_equal_groups, kl_in_reward=t.kl_in_reward,
+            kl_coef=t.kl_coef, kl_estimator=t.kl_estimator)
+        if self.cfg.models.reward.overlong_buffer_len > 0:
+            metrics["overlong_penalty_mean"] = float(np.mean(scored.shaped - scored.rewards))
+        return {f"train/{k}": v for k, v in metrics.items()}
+
+    def train(self, model: str, batch: dict, episode: int) -> Trained:
+        """The policy's optimizer steps; the first step's own forward (that of the weights that
+        generated its samples, when ``plan.old_logprob_pass_from`` > 0) sets aside how far its
+        log-probs are from the rollout engine's (:data:`ROLLOUT_MISMATCH`)."""
+        return self.steps.run(model, batch, episode, self.step_columns, aside=ROLLOUT_MISMATCH)
+
+    def step_columns(self, s: int) -> tuple:
+        """The columns of the step starting at sample ``s``: the first step's own forward gives its old
+        log-probs and reads the rollout engine's to report the mismatch."""
+        keys = (*SEQUENCE_COLUMNS, "old_logprobs", "ref_logprobs", "advantages", "sample_weights")
+        wanted = (keys if s >= self.plan.old_logprob_pass_from
+                  else (*(k for k in keys if k != "old_logprobs"), "rollout_logprobs"))
+        if self.reads_rollout_logprobs:
+            wanted = (*(k for k in wanted if k not in ("old_logprobs", "rollout_logprobs")
+                        or (k == "old_logprobs" and not self.plan.old_from_rollout)), "rollout_logprobs")
+        return wanted
+
+
+def make_algorithm(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
+    """The algorithm of the run: every advantage estimator the schema accepts is group-relative."""
+    return GRPO(cfg, plan, calls, steps)

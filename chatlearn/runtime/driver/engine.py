@@ -1,0 +1,328 @@
+"""The episode engine: runs an algorithm's stages through the residency scheduler.
+
+One episode, in the order :meth:`Engine.episode` runs it (the algorithm, :mod:`.algorithm`, says what
+its passes, advantages and trained models are; the engine knows none by name):
+
+1. generate: the rollout engine samples ``num_inference_per_prompt`` responses per prompt (with
+   dynamic sampling, scored and sampled again until enough groups have unequal rewards);
+2. reward: CPU workers score them, while
+3. the algorithm's forward passes (GRPO: the reference log-probs, then the old log-probs) run, a
+   pass beside the others when its model shares no devices with a trained model;
+4. advantages, then the optimizer steps of each trained model;
+5. checkpoint (every ``save_episode_interval`` episodes), then the weight push: the rollout engine
+   wakes its weights, receives the new ones, then its KV cache.
+
+The order is chosen to minimise turns on shared devices: the reference model runs before the
+trainer so that the trainer, once resident for its old log-probs, stays resident to train; and the
+rollout engine, resident after the push, stays resident for evaluation and the next rollout.
+Measurement (stage times, turns, throughput, overhead: :mod:`.instrument`) wraps the stages, and
+the episode's metrics of its samples are reported by :mod:`.observe`; neither is code inside a stage.
+
+With ``runtime_args.max_staleness`` = k > 0 (the rollout on devices of its own) steps 1-2 of the
+next k episodes run on a rollout thread while the driver runs steps 3-5 of the current one
+(:mod:`chatlearn.runtime.driver.overlap`): the push waits for the generate call in flight, and
+episode n trains on samples of weight version n-1-k.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from omegaconf import DictConfig
+
+from chatlearn.batch import check
+from chatlearn.checkpoint.manager import CheckpointManager
+from chatlearn.config.names import MODEL_PARTS, Part, Stage
+from chatlearn.config.plan import Plan
+from chatlearn.data.dataset import PromptSampler, PromptSet
+from chatlearn.errors import UserError
+from chatlearn.logging.console import info, warn
+from chatlearn.logging.metrics import summary_line
+from chatlearn.logging.perf import peak_memory
+from chatlearn.logging.progress import RunProgress
+from chatlearn.logging.sinks import MetricSinks
+from chatlearn.runtime.cluster.cluster import Cluster
+from chatlearn.runtime.driver.algorithm import Algorithm, ModelCalls, Pass, StepLoop, make_algorithm
+from chatlearn.runtime.driver.dynamic import dynamic_sampling
+from chatlearn.runtime.driver.instrument import EpisodeRun, Instrument
+from chatlearn.runtime.driver.multiturn import MultiTurnLoop
+from chatlearn.runtime.driver.observe import EpisodeReport
+from chatlearn.runtime.driver.overlap import RolloutPipeline, kept_rollouts
+from chatlearn.runtime.driver.replay import ReplayBuffer
+from chatlearn.runtime.driver.sampling import EpisodeSamples, Prompts, Sampling
+from chatlearn.runtime.driver.scheduler import Scheduler, Timeline, movable_parts
+from chatlearn.runtime.weight_push.driver import WeightPush
+
+# the folder of each trainable model's sharded state inside a checkpoint
+CHECKPOINT_FOLDERS = {"policy_trainer": "trainer"}
+
+
+class Engine:
+    """Holds the models and data of a run; ``train()`` runs the episodes."""
+
+    def __init__(self, cfg: DictConfig, plan: Plan, cluster: Cluster, tokenizer, train_set: PromptSet,
+                 eval_set: PromptSet | None, multi_turn: MultiTurnLoop | None = None):
+        self.cfg, self.plan = cfg, plan
+        self.train_set, self.eval_set = train_set, eval_set
+        rt, m = cfg.runtime_args, cfg.models
+        self.out = rt.output_dir
+        self.timeline = Timeline(os.path.join(self.out, "timeline.jsonl"))
+        self.sched = Scheduler(plan, self.timeline, offload_without_gpu=rt.offload_without_gpu)
+        # Each model is built once the models before it have left the devices they share with it.
+        # The rollout engine comes last: it sizes its KV cache from the memory left free.
+        order = [n for n in ("policy_trainer", "ref_policy", "reward", "policy") if n in plan.placements]
+        cluster.prestart(order)  # every process starts now; the models are built in turn below
+        for name in order:  # (ref_policy is not placed without a KL term)
+            movable = movable_parts(name, m[name].free_gpu_memory) if name in MODEL_PARTS else ()
+            self.sched.add(name, lambda name=name: cluster.create(name), movable)
+        groups = self.sched.groups
+        self.sampling = Sampling(cfg, tokenizer, groups["policy"], groups["reward"], cluster.specs["reward"],
+                                 multi_turn)
+        self.progress = RunProgress(rt.num_episode)
+        self.instrument = Instrument(self.sched, self.progress, rt.num_training_epoch)
+        calls = ModelCalls(self.sched, train_temperature(cfg))
+        self.algorithm: Algorithm = make_algorithm(cfg, plan, calls, StepLoop(cfg, plan, calls, self.progress))
+        self.sampler = PromptSampler(len(train_set), shuffle=rt.data_shuffle, seed=rt.seed)
+        # earlier episodes' samples to train on again, with the columns the algorithm trains on
+        self.replay = ReplayBuffer(rt.max_replay_episode, self.algorithm.replay_columns)
+        self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
+        self.metrics = MetricSinks(cfg)
+        self.report = EpisodeReport(cfg, plan, self.sampling, self.metrics, groups["policy_trainer"])
+        self.weight_push: WeightPush | None = None  # set up on the first push
+        # runtime_args.max_staleness > 0: the rollouts of the next episodes run beside training
+        self.pipeline = (RolloutPipeline(plan.max_staleness, lambda episode: self.next_prompts(), self.produce,
+                                          lambda rows: Prompts.of(self.train_set, rows, self.plan.group_size))
+                         if plan.max_staleness > 0 else None)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict:
+        rt = self.cfg.runtime_args
+        last: dict = {}
+        start = self.resume() + 1 if rt.enable_resume_training else 1
+        if start == 1 and rt.enable_eval_before_training and self.eval_set is not None:
+            self.progress.begin(0)
+            last = self.evaluate()
+            self.log(0, last)
+        for episode in range(start, rt.num_episode + 1):
+            metrics = self.episode(episode)
+            final = episode == rt.num_episode
+            if self.eval_set is not None and rt.eval_episode_interval > 0 and (
+                    episode % rt.eval_episode_interval == 0 or final):
+                metrics.update(self.evaluate())
+            self.log(episode, metrics)
+            last = metrics
+        return last
+
+    def episode(self, episode: int) -> dict:
+        """One episode, stage by stage in the order it runs (see the module docstring); ``run``
+        measures the stages, ``self.sched`` makes each model resident before it runs."""
+        run = self.instrument.begin(episode)
+        ahead = self.pipeline is not None  # generated and scored on the rollout thread (max_staleness)
+        with run.stage(Stage.GENERATE, "policy") if not ahead else contextlib.nullcontext():
+            samples = self.generate(episode)
+        if self.cfg.runtime_args.dynamic_sampling:  # scored now: the rewards choose the groups that fill the batch
+            samples = dynamic_sampling(run, episode, samples, self.sampling, self.next_prompts, self.cfg, self.plan)
+        batch = samples.batch
+        passes = self.algorithm.passes()
+        # The reward workers (CPU) score beside the forward passes; a pass whose model shares no
+        # devices with a trained model runs beside the others too.
+        with _closing(ThreadPoolExecutor(max_workers=1 + len(passes))) as pool:
+            scoring = None if samples.scored is not None else run.background(
+                pool, Stage.REWARD, "reward", self.sampling.scored, batch, samples.prompts,
+                f"the rollouts of episode {episode}")
+            started = [(p, self.start_pass(p, batch, run, pool)) for p in passes]
+            for p, result in started:
+                batch[p.column] = result.result()
+            if scoring is not None:
+                samples.scored = scoring.result()
+
+        metrics = {**samples.metrics, **self.algorithm.advantages(batch, samples.scored)}
+        check(batch)  # every column the stages wrote is declared, of its kind and length (chatlearn.batch)
+        self.report.log_samples(episode, samples)  # before the checkpoint, which keeps them
+        train_batch = self.replay.training_batch(batch)
+        first_steps = {}
+        for model in self.algorithm.trained:
+            with run.stage(Stage.TRAIN, model):
+                self.sched.ensure(model, MODEL_PARTS[model])
+                trained = self.algorithm.train(model, train_batch, episode)
+            metrics.update(trained.metrics)
+            first_steps[model] = trained.first_step
+        self.replay.add(batch)  # before the checkpoint, which keeps it for the episodes that follow
+        if self.should_save(episode):  # the trained models are still resident with their optimizer state
+            with run.stage(Stage.CHECKPOINT, self.algorithm.trained[-1]):
+                self.save_checkpoint(episode)
+
+        # new weights into the rollout engine: its weights first, the push, then its KV cache
+        with run.stage(Stage.WEIGHT_PUSH, "policy"):
+            metrics.update(self.push_weights())
+        self.sched.ensure("policy", [Part.KV_CACHE])
+        metrics.update(self.report.metrics(episode, samples, first_steps["policy_trainer"]))
+        return run.finish(metrics, batch, samples.generated_tokens)
+
+    # ------------------------------------------------------------------ stages
+    def generate(self, episode: int) -> EpisodeSamples:
+        """The episode's samples: generated now (``scored`` None: the reward stage runs beside the
+        passes), or with ``max_staleness`` taken from the rollout pipeline, scored, with the staleness
+        and overlap metrics (launching the rollouts ahead first)."""
+        if self.pipeline is None:
+            prompts = self.next_prompts()
+            self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+            seed = self.cfg.models.policy.seed + episode
+            return EpisodeSamples(prompts, self.sampling.sample(
+                prompts, self.sampling.params(eval_mode=False, seed=seed), f"the rollouts of episode {episode}"))
+        self.pipeline.fill(episode, self.cfg.runtime_args.num_episode)
+        self.progress.stage(Stage.GENERATE)
+        ready, metrics = self.pipeline.take(episode, trainer_version=episode - 1)
+        for stage, model in ((Stage.GENERATE, "policy"), (Stage.REWARD, "reward")):
+            if f"time/{stage}" in metrics:  # timed on the rollout thread
+                self.sched.stage(model, stage, metrics[f"time/{stage}"])
+        return EpisodeSamples(ready.prompts, ready.batch, ready.scored, metrics)
+
+    def produce(self, episode: int, prompts: Prompts) -> tuple:
+        """Episode ``episode``'s samples and their (shaped) rewards, on the rollout thread: the
+        generate call of the on-policy run (its seed), then scoring. Returns ``(batch, scored, seconds)``."""
+        start = time.perf_counter()
+        what = f"the rollouts of episode {episode}"
+        self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+        batch = self.sampling.sample(prompts, self.sampling.params(
+            eval_mode=False, seed=self.cfg.models.policy.seed + episode), what)
+        mid = time.perf_counter()
+        scored = self.sampling.scored(batch, prompts, what)
+        return batch, scored, {"time/generate": mid - start, "time/reward": time.perf_counter() - mid}
+
+    def next_prompts(self) -> Prompts:
+        """The episode's prompts from the sampler, each repeated for its group of responses."""
+        return Prompts.of(self.train_set, self.sampler.next(self.plan.prompts_per_episode), self.plan.group_size)
+
+    def start_pass(self, p: Pass, batch: dict, run: EpisodeRun, pool: ThreadPoolExecutor) -> Future:
+        """Pass ``p`` over ``batch``: computed now when its model is trained or shares devices with a
+        trained model (the order of the passes then decides the turns), else started on ``pool`` to
+        run beside the next ones. Returns a Future of the column."""
+        trained = self.algorithm.trained
+        if p.model in trained or any(m in trained for m in self.plan.colocated_with(p.model)):
+            done: Future = Future()
+            with run.stage(p.stage, p.model) if p.timed else contextlib.nullcontext():
+                done.set_result(p.compute(batch))
+            return done
+        return pool.submit(run.timed, p.model, p.stage, p.compute, batch)
+
+    def push_weights(self) -> dict:
+        """Wake the rollout engine's weights (the trainer's stay beside them) and stream the trainer's
+        weights into every rollout replica (``WeightPush``: buckets, transport chosen by placement,
+        set up on the first push); returns ``sync/*`` metrics. The KV cache is woken after it."""
+        if self.pipeline is not None:  # the rollout engine changes weights between generate calls, never in one
+            self.pipeline.drain()
+        self.sched.ensure("policy", [Part.WEIGHTS], keep={"policy_trainer": [Part.WEIGHTS]})
+        if self.weight_push is None:
+            self.weight_push = WeightPush(self.sched.groups["policy_trainer"], self.sched.groups["policy"],
+                                          self.plan, self.cfg)
+        pushed = self.weight_push.push()
+        if self.pipeline is not None:
+            self.pipeline.pushed()
+        return pushed
+
+    # ------------------------------------------------------------------ checkpoints
+    def should_save(self, episode: int) -> bool:
+        rt = self.cfg.runtime_args
+        return episode == rt.num_episode or (rt.save_episode_interval > 0 and episode % rt.save_episode_interval == 0)
+
+    def save_checkpoint(self, episode: int) -> None:
+        """Every trained model's sharded state, the replay buffer, the rollouts ahead and the data
+        sampler, under one step counter, plus a Hugging Face folder of the policy when ``save_hf``
+        (see CheckpointManager)."""
+        def write(tmp: str) -> None:
+            for model in self.algorithm.trained:
+                self.sched.groups[model].call("save_checkpoint", os.path.abspath(os.path.join(tmp, _folder(model))))
+            self.replay.save(tmp)
+            if self.pipeline is not None:  # the finished rollouts of the episodes after this one
+                self.pipeline.save(tmp)
+            if self.cfg.models.policy_trainer.save_hf:
+                self.sched.groups["policy_trainer"].call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
+
+        self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict()})
+
+    def resume(self) -> int:
+        """Continue from the newest complete checkpoint; returns its episode (0: none)."""
+        found = self.ckpt.latest_usable(warn=warn)
+        if found is None:
+            return 0
+        episode, path = found
+        state = self.ckpt.read_state(path)
+        self.ckpt.adopt(state)  # keep-last-N goes on counting this run's checkpoints
+        info(f"resuming from {path} (episode {episode})")
+        kept_rollouts(path, self.plan.max_staleness)  # refused before anything loads when the bound changed
+        for model in self.algorithm.trained:
+            self.sched.ensure(model, MODEL_PARTS[model])
+            try:
+                self.sched.groups[model].call("load_checkpoint", os.path.abspath(os.path.join(path, _folder(model))))
+            except UserError as err:  # from the trainer ranks, wrapped by Ray
+                cause = getattr(err, "cause", None) or err
+                raise UserError(
+                    f"cannot resume from the newest checkpoint {path!r}: {cause.message} To resume from the "
+                    f"checkpoint before it, delete or move that folder; to start "
+                    "over, run with --no-resume or set runtime_args.enable_resume_training=false.") from err
+        self.sampler.load_state_dict(state["sampler"])
+        self.replay.load(path)
+        # the rollout engine still holds the initial weights: give it the checkpoint's
+        self.push_weights()
+        if self.pipeline is not None:
+            self.pipeline.load(path)
+            self.pipeline.pushed(version=episode)
+        self.sched.ensure("policy", [Part.KV_CACHE])
+        # rows a crashed run wrote past the checkpoint (also dropped before the run started, see
+        # reconcile_logs; atomic, and a torn last row goes with them)
+        self.metrics.truncate_after(episode)
+        return episode
+
+    # ------------------------------------------------------------------ evaluation and logging
+    def evaluate(self) -> dict:
+        p = self.cfg.models.policy
+        prompts = Prompts.of(self.eval_set, range(len(self.eval_set)), p.eval_num_inference_per_prompt)
+        start = time.perf_counter()
+        self.progress.stage(Stage.EVAL)
+        self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+        batch = self.sampling.sample(prompts, self.sampling.params(eval_mode=True, seed=p.seed), "the evaluation set")
+        rewards, reward_parts = self.sampling.score(batch, prompts.truths, prompts.sources, prompts.extra,
+                                                    what="the evaluation set")
+        metrics = self.report.evaluation(batch, prompts, rewards, reward_parts)
+        metrics["time/eval"] = time.perf_counter() - start
+        self.instrument.stage(Stage.EVAL, "policy", metrics["time/eval"])
+        return metrics
+
+    def log(self, episode: int, metrics: dict) -> None:
+        metrics = {**metrics, **peak_memory(self.sched.groups), **self.sched.take_gpu_peaks()}
+        self.metrics.write(episode, metrics)
+        self.progress.finish(episode, summary_line(episode, self.cfg.runtime_args.num_episode, metrics))
+
+    def close(self) -> None:
+        """Stop the rollout thread and close the progress display and the run's files."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+        self.progress.close()
+        self.metrics.close()
+        self.timeline.close()
+
+
+def train_temperature(cfg) -> float:
+    """Log-probs are taken under the sampling distribution's temperature (1 for greedy)."""
+    t = cfg.models.policy.temperature
+    return t if t > 0 else 1.0
+
+
+def _folder(model: str) -> str:
+    return CHECKPOINT_FOLDERS[model]
+
+
+@contextlib.contextmanager
+def _closing(pool: ThreadPoolExecutor):
+    """``with pool``, except that on an error or Ctrl-C the pool is left without waiting for its
+    threads: one may be blocked on a stuck Ray call (a reward function that never returns) until the
+    run's actors are killed on the way out, which ends it; waiting here would swallow the first Ctrl-C."""
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)

@@ -1,0 +1,119 @@
+"""What an episode reports of its samples, beside the stages' times (:mod:`.instrument`): the rollouts'
+and rewards' metrics, how far the rollout engine's log-probs are from the trainer's, the trainer's
+log-prob pass statistics, and the sample rows logged every ``log_samples_interval`` episodes. These
+read what the stages produced; no stage computes them."""
+from __future__ import annotations
+
+import numpy as np
+
+from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, response_mask
+from chatlearn.batch import select_samples
+from chatlearn.logging.console import warn
+from chatlearn.runtime.driver.multiturn import env_metrics, trajectory_fields
+from chatlearn.runtime.driver.sampling import EpisodeSamples, Sampling
+
+# what a logged sample row reads of a batch (with the env/ columns of a multi-turn one)
+SAMPLE_ROW_KEYS = ("tokens", "offsets", "prompt_lens", "finish_reasons", "loss_mask")
+
+
+def mismatch_kl(old_logprobs: np.ndarray, rollout_logprobs: np.ndarray) -> float:
+    """k3 estimate of KL(rollout || trainer) over the response tokens sampled by the rollout:
+    with ``d = old_logp - rollout_logp``, ``mean(exp(d) - d - 1)`` (0 when there are none)."""
+    d = old_logprobs.astype(np.float64) - rollout_logprobs.astype(np.float64)
+    return float(np.mean(np.expm1(d) - d)) if d.size else 0.0
+
+
+def rollout_metrics(batch: dict, rewards: np.ndarray, prefix: str) -> dict:
+    """``<prefix>/reward_mean``, ``reward_std``, ``response_len_mean``, ``truncated_frac``."""
+    resp = (batch["offsets"][1:] - batch["offsets"][:-1]) - batch["prompt_lens"]
+    return {f"{prefix}/reward_mean": float(rewards.mean()), f"{prefix}/reward_std": float(rewards.std()),
+            f"{prefix}/response_len_mean": float(resp.mean()),
+            f"{prefix}/truncated_frac": float(1.0 - batch["finish_reasons"].mean())}
+
+
+def mismatch_metrics(batch: dict, pass_from: int, first_step: dict) -> dict:
+    """How far the rollout engine's log-probs are from the trainer's before the update, over every
+    response token: the old-log-prob pass's tokens (samples ``pass_from`` on), and the first
+    optimizer step's as its own forward reported them (``first_step``: its :data:`ROLLOUT_MISMATCH`
+    sums)."""
+    mask = response_mask(batch)
+    cut = min(pass_from, len(batch["prompt_lens"]))
+    mask[:batch["offsets"][cut]] = False
+    d = batch["old_logprobs"][mask].astype(np.float64) - batch["rollout_logprobs"][mask].astype(np.float64)
+    own = dict.fromkeys(ROLLOUT_MISMATCH, 0.0)  # the first step's sums (none without it)
+    if cut:
+        own.update(first_step)
+    count = d.size + own["rollout_tokens"]
+    total = float(np.abs(d).sum()) + own["rollout_diff_sum"]
+    kl = (mismatch_kl(batch["old_logprobs"][mask], batch["rollout_logprobs"][mask]) * d.size
+          + own["rollout_kl_sum"])
+    top = max(float(np.abs(d).max()) if d.size else 0.0, own["rollout_diff_max"])
+    return {"train/logprob_diff_rollout_vs_trainer_mean": total / count if count else 0.0,
+            "train/logprob_diff_rollout_vs_trainer_max": top,
+            "train/mismatch_kl": kl / count if count else 0.0}
+
+
+class EpisodeReport:
+    """The metrics and sample rows of an episode's samples (see the module docstring)."""
+
+    def __init__(self, cfg, plan, sampling: Sampling, sinks, trainer_group):
+        self.cfg, self.plan, self.sampling, self.sinks, self.trainer = cfg, plan, sampling, sinks, trainer_group
+
+    def log_samples(self, episode: int, samples: EpisodeSamples) -> None:
+        """Every ``log_samples_interval`` episodes, ``log_samples_num`` decoded rows to the sinks
+        (samples.jsonl, TensorBoard, W&B); decoding only, no random number drawn."""
+        la = self.cfg.runtime_args.log_args_dict
+        if la.log_samples_interval > 0 and episode % la.log_samples_interval == 0:
+            p = samples.prompts
+            self.sinks.write_samples(episode, self.sample_rows(samples.batch, samples.scored.rewards, p.truths,
+                                                               p.sources, la.log_samples_num))
+
+    def sample_rows(self, batch: dict, rewards: np.ndarray, truths: list, sources: list[str], k: int) -> list[dict]:
+        """``k`` of the episode's samples as rows (decoded prompt and response, reward, ...): one
+        response of each of the first prompts, then second responses, so the rows spread over the
+        groups. Only reads the batch; no random number is drawn."""
+        n = self.plan.group_size
+        groups = len(rewards) // n
+        picks = [g * n + j for j in range(n) for g in range(groups)][:k]
+        chosen = select_samples({key: batch[key] for key in batch if key in SAMPLE_ROW_KEYS or key.startswith("env/")},
+                                picks)
+        lens = np.diff(chosen["offsets"]) - chosen["prompt_lens"]
+        tokenizer = self.sampling.tokenizer
+        return [{"sample": i, "prompt": p, "response": r, "reward": float(rewards[i]),
+                 "ground_truth": truths[i] if isinstance(truths[i], (str, int, float, bool)) or truths[i] is None
+                 else str(truths[i]),
+                 "data_source": sources[i], "response_tokens": int(n_tok), "finished": bool(done),
+                 **trajectory_fields(tokenizer, chosen, j)}
+                for j, (i, p, r, n_tok, done) in enumerate(zip(
+                    picks, self.sampling.prompts_text(chosen), self.sampling.responses_text(chosen), lens,
+                    chosen["finish_reasons"]))]
+
+    def metrics(self, episode: int, samples: EpisodeSamples, first_step: dict) -> dict:
+        """The rollouts' and rewards' ``train/`` metrics, the trainer's log-prob pass statistics, and
+        how far the rollout engine's log-probs are from the trainer's (warned past
+        ``models.policy.logprob_mismatch_warn``; ``first_step``: what the first optimizer step's own
+        forward measured of it)."""
+        batch, scored = samples.batch, samples.scored
+        metrics = {f"perf/logprob_{k}": v for k, v in self.trainer.call("logprob_stats")[0][0].items()}
+        metrics.update(rollout_metrics(batch, scored.rewards, prefix="train"))
+        metrics.update(self.sampling.reward_metrics(scored.parts, prefix="train"))
+        metrics.update(mismatch_metrics(batch, self.plan.old_logprob_pass_from, first_step))
+        metrics.update(env_metrics(batch, prefix="train"))
+        warn_at = self.cfg.models.policy.logprob_mismatch_warn
+        if warn_at > 0 and metrics["train/logprob_diff_rollout_vs_trainer_mean"] > warn_at:
+            warn(f"episode {episode}: rollout and trainer log-probs differ by "
+                 f"{metrics['train/logprob_diff_rollout_vs_trainer_mean']:.4f} nats per token on average "
+                 f"(models.policy.logprob_mismatch_warn: {warn_at:g}; mismatch KL "
+                 f"{metrics['train/mismatch_kl']:.2e}): the rollout engine samples from a different "
+                 "distribution than the trainer (dtype, kernels, or a failed weight push)")
+        return metrics
+
+    def evaluation(self, batch: dict, prompts, rewards: np.ndarray, parts: dict) -> dict:
+        """``eval/`` metrics of an evaluation set's samples, overall and per data source."""
+        metrics = rollout_metrics(batch, rewards, prefix="eval")
+        metrics.update(self.sampling.reward_metrics(parts, prefix="eval"))
+        metrics.update(env_metrics(batch, prefix="eval"))
+        for src in sorted(set(prompts.sources)):
+            sel = np.array([s == src for s in prompts.sources])
+            metrics[f"eval/{src}/reward_mean"] = float(rewards[sel].mean())
+        return metrics

@@ -1,0 +1,213 @@
+"""Sampling and scoring, shared by training and evaluation-only runs: the prompts of a generate call
+(:class:`Prompts`), the rollout replicas' and reward workers' calls (:class:`Sampling`), and what an
+episode's samples are once scored (:class:`Scored`, :class:`EpisodeSamples`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import numpy as np
+import ray
+
+from chatlearn.algorithms.advantages import overlong_penalty
+from chatlearn.errors import UserError
+from chatlearn.batch import concat_batches, select_samples
+from chatlearn.runtime.cluster.group import CallTimeout
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Prompts to sample, one entry per sample (each prompt repeated for its ``k`` samples): token
+    ids, ground truths, data sources, the rows' other columns and their chat messages."""
+
+    ids: list
+    truths: list
+    sources: list
+    extra: list
+    indices: Optional[list] = None  # the prompt set's rows these came from, once each (None: not from one)
+    messages: Optional[list] = None  # the rows' chat messages (what a multi-turn environment's reset sees)
+
+    @classmethod
+    def of(cls, prompt_set, indices: Iterable[int], k: int) -> "Prompts":
+        """Prompts ``indices`` of ``prompt_set`` (a :class:`~chatlearn.data.dataset.PromptSet`), each
+        ``k`` times in a row."""
+        indices = [int(i) for i in indices]
+        rows = [i for i in indices for _ in range(k)]
+        return cls(ids=[prompt_set.prompt_ids[i] for i in rows], truths=[prompt_set.ground_truths[i] for i in rows],
+                   sources=[prompt_set.data_sources[i] for i in rows], extra=[prompt_set.extras[i] for i in rows],
+                   indices=indices, messages=[prompt_set.messages[i] for i in rows] if prompt_set.messages else None)
+
+    def select(self, idx: list) -> "Prompts":
+        """The entries ``idx``, in that order (no prompt set rows)."""
+        return Prompts(ids=[self.ids[i] for i in idx], truths=[self.truths[i] for i in idx],
+                       sources=[self.sources[i] for i in idx], extra=[self.extra[i] for i in idx],
+                       messages=None if self.messages is None else [self.messages[i] for i in idx])
+
+    @classmethod
+    def join(cls, parts: list) -> "Prompts":
+        """The entries of ``parts``, one after the other (no prompt set rows)."""
+        fields = {f: sum((getattr(p, f) for p in parts), []) for f in ("ids", "truths", "sources", "extra")}
+        messages = None if any(p.messages is None for p in parts) else sum((p.messages for p in parts), [])
+        return cls(**fields, messages=messages)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """The rewards of a batch's samples: ``rewards`` (the reward functions' weighted sum, float32 [N]),
+    ``parts`` (each function's per-sample outputs by ``"<name>/<key>"``) and ``shaped`` (what the
+    advantages and dynamic sampling read: ``rewards`` plus DAPO's overlong penalty where it is on)."""
+
+    rewards: np.ndarray
+    parts: dict
+    shaped: np.ndarray
+
+    def select(self, idx: list) -> "Scored":
+        return Scored(self.rewards[idx], {k: v[idx] for k, v in self.parts.items()}, self.shaped[idx])
+
+    @classmethod
+    def join(cls, parts: list["Scored"]) -> "Scored":
+        return cls(np.concatenate([p.rewards for p in parts]),
+                   {k: np.concatenate([p.parts[k] for p in parts]) for k in parts[0].parts},
+                   np.concatenate([p.shaped for p in parts]))
+
+
+@dataclass
+class EpisodeSamples:
+    """What the generate stage hands to the rest of an episode: the prompts, the batch (see
+    :mod:`chatlearn.batch`), their rewards (None until the reward stage has run), the generate stage's
+    own metrics, and the response tokens generated when more were generated than the batch holds
+    (dynamic sampling)."""
+
+    prompts: Prompts
+    batch: dict
+    scored: Optional[Scored] = None
+    metrics: dict = field(default_factory=dict)
+    generated_tokens: Optional[int] = None
+
+
+class Sampling:
+    """The calls that sample and score: ``policy`` (the rollout group), ``reward`` (the reward group),
+    ``reward_spec`` (the :class:`~chatlearn.models.specs.RewardSpec` the reward workers were built from)
+    and ``multi_turn`` (a :class:`~chatlearn.runtime.driver.multiturn.MultiTurnLoop`, or None: single-turn)."""
+
+    def __init__(self, cfg, tokenizer, policy, reward, reward_spec, multi_turn=None):
+        self.cfg, self.tokenizer, self.multi_turn = cfg, tokenizer, multi_turn
+        self.policy, self.reward, self.reward_spec = policy, reward, reward_spec
+
+    def sample(self, prompts: Prompts, sampling: dict, what: str) -> dict:
+        """The samples of ``prompts``: one response each, or with a multi-turn environment one trajectory
+        each (:class:`~chatlearn.runtime.driver.multiturn.MultiTurnLoop`; ``what`` names them in its warnings)."""
+        if self.multi_turn is None:
+            return self.generate(prompts.ids, sampling)
+        return self.multi_turn.run(self.generate, prompts, sampling, what)
+
+    def params(self, eval_mode: bool, seed: int) -> dict:
+        """The sampling parameters of a generate call: the ``eval_*`` ones for evaluation."""
+        p = self.cfg.models.policy
+        pre = "eval_" if eval_mode else ""
+        return {"temperature": p[pre + "temperature"], "top_p": p[pre + "top_p"], "top_k": p[pre + "top_k"],
+                "presence_penalty": p[pre + "presence_penalty"],
+                "frequency_penalty": p[pre + "frequency_penalty"],
+                "repetition_penalty": p[pre + "repetition_penalty"],
+                "max_tokens": p.max_response_tokens_length, "seed": seed}
+
+    def generate(self, prompts: list[list[int]], sampling: dict) -> dict:
+        """Spread the prompts over the rollout replicas and reassemble the batch in prompt order.
+
+        With ``data_rerank`` the samples of one prompt go to different replicas (round robin), so a
+        replica's share mixes prompts; otherwise each replica gets a contiguous slice.
+        """
+        replicas = len(self.policy)
+        order = np.arange(len(prompts))
+        if self.cfg.runtime_args.data_rerank:
+            shares = [order[r::replicas] for r in range(replicas)]
+        else:
+            shares = np.array_split(order, replicas)
+        args = [([prompts[i] for i in share], {**sampling, "seed": sampling["seed"] * 1000 + r})
+                for r, share in enumerate(shares)]
+        outs, _ = self.policy.call_each("generate", args)
+        batch = concat_batches([o for o, s in zip(outs, shares) if len(s)])
+        position = np.concatenate(shares)
+        return select_samples(batch, np.argsort(position))
+
+    def responses_text(self, batch: dict) -> list[str]:
+        off, plen, tokens = batch["offsets"], batch["prompt_lens"], batch["tokens"]
+        return self.tokenizer.batch_decode([tokens[off[i] + plen[i]:off[i + 1]] for i in range(len(plen))],
+                                           skip_special_tokens=True)
+
+    def prompts_text(self, batch: dict) -> list[str]:
+        off, plen, tokens = batch["offsets"], batch["prompt_lens"], batch["tokens"]
+        return self.tokenizer.batch_decode([tokens[off[i]:off[i] + plen[i]] for i in range(len(plen))],
+                                           skip_special_tokens=True)
+
+    def score(self, batch: dict, truths: list, sources: list[str], extra: list[dict], texts: list[str] | None = None,
+              what: str = "a batch") -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rewards of the samples (the weighted sum of the reward functions, plus a multi-turn
+        trajectory's environment reward ``env/reward``) and each function's per-sample outputs by
+        ``"<name>/<key>"``; the reward workers take contiguous shares.
+
+        The functions run one at a time on every worker (``RewardManager.score_one``, summed as
+        ``RewardManager.score`` sums them), each within ``models.reward.timeout_s``: a worker that
+        overruns is killed and the run stops with a UserError naming the function and the samples
+        (``what``: the batch, e.g. "the rollouts of episode 3")."""
+        texts = self.responses_text(batch) if texts is None else texts
+        prompts = self.prompts_text(batch)
+        shares = [s for s in np.array_split(np.arange(len(texts)), len(self.reward)) if len(s)]
+        batches = [ray.put({"prompts": [prompts[i] for i in s], "responses": [texts[i] for i in s],
+                            "ground_truths": [truths[i] for i in s], "data_sources": [sources[i] for i in s],
+                            "extra": [extra[i] for i in s]}) for s in shares]
+        entries = self.reward_spec.functions
+        totals = [np.zeros(len(s), dtype=np.float64) for s in shares]
+        outs = [{"metrics": {}} for _ in shares]
+        for f, entry in enumerate(entries):
+            try:
+                parts, _ = self.reward.call_each("score_one", [(f, b) for b in batches],
+                                                 timeout=self.reward_spec.timeout_s or None)
+            except CallTimeout as late:
+                raise self.reward_timeout(late, f, entry, shares, len(texts), what) from None
+            for total, out, part in zip(totals, outs, parts):
+                total += part["score"]
+                out["metrics"].update(part["metrics"])
+        if "env/reward" in batch:  # the environment's (discounted) reward of each trajectory
+            totals = [t + np.asarray(batch["env/reward"], np.float64)[s] for t, s in zip(totals, shares)]
+        rewards = np.concatenate(totals).astype(np.float32)
+        for o in outs[1:]:
+            odd = set(o["metrics"]) ^ set(outs[0]["metrics"])
+            if odd:
+                raise UserError(f"reward function {sorted(odd)[0].split('/')[0]!r} (models.reward.functions) "
+                                "returned different dict keys for different batches. Return the same keys for "
+                                "every batch.")
+        parts = {k: np.concatenate([o["metrics"][k] for o in outs]) for k in outs[0]["metrics"]}
+        return rewards, parts
+
+    def scored(self, batch: dict, prompts: Prompts, what: str) -> Scored:
+        """The samples' rewards (:meth:`score`), shaped: DAPO's overlong penalty
+        (``models.reward.overlong_buffer_len``, :func:`chatlearn.algorithms.advantages.overlong_penalty`)
+        added to the reward functions' total where it is on."""
+        rewards, parts = self.score(batch, prompts.truths, prompts.sources, prompts.extra, None, what)
+        r = self.cfg.models.reward
+        if r.overlong_buffer_len <= 0:
+            return Scored(rewards, parts, rewards)
+        lens = np.diff(batch["offsets"]) - np.asarray(batch["prompt_lens"])
+        penalty = overlong_penalty(lens, self.cfg.models.policy.max_response_tokens_length,
+                                   r.overlong_buffer_len, r.overlong_penalty_factor)
+        return Scored(rewards, parts, rewards.astype(np.float64) + penalty)
+
+    def reward_timeout(self, late: CallTimeout, index: int, entry: dict, shares: list[np.ndarray], n: int,
+                       what: str) -> UserError:
+        """The error for reward workers that did not return in time; they are killed (a running Python
+        function cannot be stopped otherwise; the run's other actors go when the run stops)."""
+        for w in late.stuck:
+            ray.kill(self.reward.actors[w])
+        where = "; ".join(f"samples {int(shares[w][0])}-{int(shares[w][-1])} of {n} on reward worker {w}"
+                          for w in late.stuck)
+        return UserError(
+            f"reward function {entry['name']!r} (models.reward.functions[{index}], {entry['path']!r}) did not "
+            f"return within {late.timeout:g} s (models.reward.timeout_s) while scoring {what} ({where}), so the "
+            "run stops; the stuck reward worker was killed. Make the function return sooner (give what it "
+            "waits on a time limit of its own), or raise models.reward.timeout_s (0: no limit).")
+
+    @staticmethod
+    def reward_metrics(parts: dict[str, np.ndarray], prefix: str) -> dict:
+        """``<prefix>/reward/<name>/<key>``: the mean over the samples of each reward function's output."""
+        return {f"{prefix}/reward/{k}": float(v.mean()) for k, v in parts.items()}

@@ -1,0 +1,123 @@
+"""The driver's side of the streaming weight push (the protocol and the trainer/rollout sides are in
+:mod:`chatlearn.runtime.weight_push.stream`): which transport a placement uses, and ``WeightPush``, which
+plans the buckets and drives the trainers' sends and the replicas' loads (or, with a fused rollout,
+``runtime_args.fuse_rollout``, the copy each trainer rank makes into the replica of its own process).
+No torch here: the driver does not import it.
+"""
+from __future__ import annotations
+
+import time
+
+import ray
+
+from chatlearn.models.weight_buckets import BucketIndex, plan_buckets, slot_table
+
+DEPTH = 2  # buckets in flight
+TRANSPORTS = ("shm", "cuda_ipc", "broadcast")
+
+
+def choose_transport(plan, device_type: str) -> str:
+    """``shm`` / ``cuda_ipc`` when policy and policy_trainer share a device group (CPU / CUDA),
+    ``broadcast`` when they are on different device groups (and, see ``WeightPush._setup``, when
+    a replica runs on another node than trainer rank 0)."""
+    same = plan.placements["policy"].device_group == plan.placements["policy_trainer"].device_group
+    if same:
+        return "cuda_ipc" if device_type == "cuda" else "shm"
+    return "broadcast"
+
+
+
+class WeightPush:
+    """Pushes the trainer's weights into every rollout replica (see the module docstring).
+
+    Set up once (bucket plan; ``shm`` slots, the broadcast group) on the first ``push`` and
+    reused by every later one; ``cuda_ipc`` slots are made by each push and freed after it.
+    ``transport`` overrides the choice by placement (tests, benchmarks).
+    """
+
+    def __init__(self, trainer_group, rollout_group, plan, cfg, transport: str | None = None,
+                 depth: int = DEPTH):
+        self.trainer, self.rollout = trainer_group, rollout_group
+        self.plan, self.cfg = plan, cfg
+        self.depth = depth
+        self.transport = transport
+        self.buckets: list[BucketIndex] | None = None
+
+    def _setup(self) -> None:
+        trainers, replicas = self.trainer.actors, self.rollout.actors
+        info = ray.get(trainers[0].sync.remote("specs"))
+        if self.transport is None:
+            self.transport = choose_transport(self.plan, info["device"])
+            if self.transport != "broadcast":
+                # shared memory and CUDA IPC reach only processes of trainer rank 0's node
+                nodes = ray.get([a.address.remote() for a in [trainers[0], *replicas]])
+                if any(host != nodes[0][0] for host, _ in nodes[1:]):
+                    self.transport = "broadcast"
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown weight-sync transport {self.transport!r}; use one of {TRANSPORTS}")
+        self.buckets = plan_buckets(info["specs"], self._bucket_bytes())
+        addr = None
+        if self.transport == "broadcast":
+            host, port = ray.get(trainers[0].address.remote())
+            addr = (host, port, 1 + len(replicas))
+        if self.transport == "cuda_ipc":  # slots are opened by each push and freed after it
+            return
+        senders = [a.sync.remote("open_sender", self.transport, self.buckets, self.depth, addr)
+                   for a in trainers]
+        if self.transport == "broadcast":  # every member joins the group at the same time
+            ray.get(senders + [r.sync.remote("open_receiver", self.transport, self.buckets, {},
+                                              addr, i + 1) for i, r in enumerate(replicas)])
+            return
+        attach = ray.get(senders)[0]
+        ray.get([r.sync.remote("open_receiver", self.transport, self.buckets, attach)
+                 for r in replicas])
+        ray.get(trainers[0].sync.remote("release_names"))
+
+    def push(self) -> dict:
+        """One full push; returns ``{"sync/bytes": bytes per replica, "sync/push_gbps": GB/s}``
+        (1 GB = 1e9 bytes; the time covers gather, transport and the engines' loads)."""
+        if self.plan is not None and self.plan.fused_rollout:
+            return self._push_in_process()
+        if self.buckets is None:
+            self._setup()
+        start = time.perf_counter()
+        trainers, replicas = self.trainer.actors, self.rollout.actors
+        ipc = self.transport == "cuda_ipc"
+        if ipc:  # every trainer rank's slots, mapped by the replicas on the same GPU
+            table = slot_table(ray.get([a.sync.remote("open_sender", self.transport, self.buckets,
+                                                      self.depth) for a in trainers]))
+            ray.get([r.sync.remote("open_receiver", self.transport, self.buckets, table)
+                     for r in replicas])
+        ray.get([r.sync.remote("begin") for r in replicas])
+        loads: list[list] = []
+        sends: list = []
+        for k in range(len(self.buckets)):
+            slot = k % self.depth
+            if k >= self.depth:
+                ray.get(loads[k - self.depth])  # slot is free once every replica has loaded it
+            refs = [a.sync.remote("send", k, slot) for a in trainers]
+            after = [] if self.transport == "broadcast" else refs  # broadcast: meet in it
+            loads.append([r.sync.remote("recv", k, slot, *after) for r in replicas])
+            sends += refs
+        ray.get([ref for refs in loads for ref in refs])
+        ray.get(sends)
+        ray.get([r.sync.remote("finish") for r in replicas])
+        if ipc:  # receivers unmap first, then the owners free the slots
+            ray.get([r.sync.remote("close_receiver") for r in replicas])
+            ray.get([a.sync.remote("close_sender") for a in trainers])
+        return _push_metrics(sum(b.nbytes for b in self.buckets), time.perf_counter() - start)
+
+    def _push_in_process(self) -> dict:
+        """``runtime_args.fuse_rollout``: each trainer rank loads the replica in its own process
+        (``chatlearn.runtime.weight_push.stream.local_push``, one call on every rank)."""
+        start = time.perf_counter()
+        loaded = ray.get([a.push_weights_local.remote("policy", self._bucket_bytes()) for a in self.trainer.actors])
+        return _push_metrics(loaded[0], time.perf_counter() - start)
+
+    def _bucket_bytes(self) -> int:
+        return int(float(self.cfg.runtime_args.coalesced_buffer_mb) * 2 ** 20)
+
+
+def _push_metrics(nbytes: int, seconds: float) -> dict:
+    """``sync/bytes`` (per replica) and ``sync/push_gbps`` (1 GB = 1e9 bytes) of one push."""
+    return {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}
