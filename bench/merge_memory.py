@@ -51,22 +51,12 @@ def _rank(rank: int, world: int, port: int, model: str, ckpt: str, out: str) -> 
     import torch
     import torch.distributed as dist
 
-    from chatlearn.models.specs import TrainerSpec
+    from bench_specs import backend_specs
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
     torch.set_num_threads(1)
-    trainer = FSDPTrainer(TrainerSpec(
-        load=model, trust_remote_code=False, seed=0, trainable=True, lr=1e-5,
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
-        min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=1, lr_warmup_init=0.0,
-        train_micro_batch_size=1, logprob_micro_batch_size=1, train_global_batch_size=2,
-        packing=False, max_token_in_packing=32768, seq_length=None, logprob_chunk_tokens=1024, share_prompt=False,
-        pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=None, use_group_sequence_policy=False,
-        loss_agg_mode="token-mean", max_response_tokens_length=4, kl_coef=0.0, kl_estimator="k3",
-        kl_in_reward=False, entropy_coef=0.0, old_logprobs="auto", rollout_correction="none",
-        rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None,
-        gradient_checkpointing=False, bf16=False, meta_init=False, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, sequence_parallel=False, use_distributed_optimizer=False))
+    spec, _ = backend_specs(model, "models.policy_trainer.optimizer.lr=1e-5", "models.policy_trainer.share_prompt=false")
+    trainer = FSDPTrainer(spec)
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(0, 1000, 16).astype(np.int64),
              "offsets": np.array([0, 8, 16], np.int64), "prompt_lens": np.array([4, 4], np.int64),

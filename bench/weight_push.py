@@ -64,31 +64,13 @@ def plain_copy_gbps(nbytes: int, repeats: int = 5) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def trainer_spec(path: str):
-    """A frozen FSDP trainer (it only exports its weights): every field of the spec set."""
-    from chatlearn.models.specs import TrainerSpec
+def specs(path: str) -> tuple:
+    """A frozen FSDP trainer (it only exports its weights) and a rollout replica of ``path``, one CPU
+    thread each."""
+    from bench_specs import backend_specs
 
-    return TrainerSpec(
-        load=path, trust_remote_code=False, seed=0, trainable=False, lr=0.0, weight_decay=0.0, clip_grad=1.0,
-        adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0,
-        lr_decay_iters=1, lr_warmup_init=0.0, train_micro_batch_size=1, logprob_micro_batch_size=1,
-        train_global_batch_size=1, packing=False, max_token_in_packing=32768, seq_length=None,
-        logprob_chunk_tokens=1024, share_prompt=False, pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=None,
-        use_group_sequence_policy=False, loss_agg_mode="token-mean", max_response_tokens_length=16, kl_coef=0.0,
-        kl_estimator="k3", kl_in_reward=False, entropy_coef=0.0, old_logprobs="auto", rollout_correction="none",
-        rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None,
-        gradient_checkpointing=False, bf16=False, meta_init=False, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, sequence_parallel=False, use_distributed_optimizer=False)
-
-
-def rollout_spec(path: str):
-    from chatlearn.models.specs import RolloutSpec
-
-    return RolloutSpec(
-        load=path, trust_remote_code=False, seed=0, generation_batch_size=4, max_prompt_tokens_length=32,
-        max_response_tokens_length=16, seq_length=None, max_num_batched_tokens=None, dtype="float32",
-        gpu_memory_utilization=0.5, kv_cache="fit", enforce_eager=True, tensor_model_parallel_size=1,
-        deterministic_inference=True, cpu_threads=1, device="cpu")
+    trainer, rollout = backend_specs(path, "models.policy.generation_batch_size=4")
+    return trainer.replace(trainable=False), rollout.replace(cpu_threads=1)
 
 
 def bench_model(label: str, path: str, args, cfg) -> list[dict]:
@@ -98,13 +80,14 @@ def bench_model(label: str, path: str, args, cfg) -> list[dict]:
     from chatlearn.runtime.weight_push.driver import WeightPush
 
     common = dict(pg=None, bundles=[], gpu_fraction=0, cpus=0, threads=1)
-    trainer = create_group("policy_trainer", "chatlearn.models.trainer.fsdp:FSDPTrainer", trainer_spec(path),
+    trainer_spec, rollout_spec = specs(path)
+    trainer = create_group("policy_trainer", "chatlearn.models.trainer.fsdp:FSDPTrainer", trainer_spec,
                            num_actors=args.ranks, distributed=True, **common)
     rows = []
     for backend in args.backends.split(","):
         factory = {"hf": "chatlearn.models.rollout.hf:HFRollout",
                    "vllm": "chatlearn.models.rollout.vllm:VLLMRollout"}[backend]
-        rollout = create_group("policy", factory, rollout_spec(path), num_actors=1, distributed=False, **common)
+        rollout = create_group("policy", factory, rollout_spec, num_actors=1, distributed=False, **common)
         for transport in ("shm", "broadcast"):
             sync = WeightPush(trainer, rollout, plan=None, cfg=cfg, transport=transport)
             sync.push()  # set-up and warm-up (first touch of the buffers)
