@@ -81,7 +81,7 @@ import numpy as np
 import torch
 
 from chatlearn.config.names import Part
-from chatlearn.logging.console import info
+from chatlearn.logging import console
 from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.rollout import kv_cache
 from chatlearn.models.rollout.common import (check_lengths, context_length, pack_samples, parse_sampling,
@@ -618,8 +618,8 @@ class VLLMRollout(Rollout):
             if sized.bytes is not None or cpu:
                 sizing["kv_cache_memory_bytes"] = sized.bytes if sized.bytes is not None else 2 ** 30
             if sized.note:
-                info(f"models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
-                     f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead")
+                console.info(f"models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
+                             f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead")
         self.llm = vllm.LLM(
             model=spec.load,
             trust_remote_code=bool(spec.trust_remote_code),

@@ -168,7 +168,7 @@ class Algorithm(abc.ABC):
         """Write the columns the losses read from the rewards; return their ``train/`` metrics."""
 
     @abc.abstractmethod
-    def train(self, model: str, batch: dict, episode: dict) -> Trained:
+    def train(self, model: str, batch: dict, episode: int) -> Trained:
         """One trained model's optimizer steps over ``batch`` (the episode's samples after the
         replayed ones)."""
 

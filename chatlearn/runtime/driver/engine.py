@@ -168,10 +168,7 @@ class Engine:
         and overlap metrics (launching the rollouts ahead first)."""
         if self.pipeline is None:
             prompts = self.next_prompts()
-            self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
-            seed = self.cfg.models.policy.seed + episode
-            return EpisodeSamples(prompts, self.sampling.sample(
-                prompts, self.sampling.params(eval_mode=False, seed=seed), f"the rollouts of episode {episode}"))
+            return EpisodeSamples(prompts, self.sample_episode(episode, prompts))
         self.pipeline.fill(episode, self.cfg.runtime_args.num_episode)
         self.progress.stage(Stage.GENERATE)
         ready, metrics = self.pipeline.take(episode, trainer_version=episode - 1)
@@ -184,13 +181,18 @@ class Engine:
         """Episode ``episode``'s samples and their (shaped) rewards, on the rollout thread: the
         generate call of the on-policy run (its seed), then scoring. Returns ``(batch, scored, seconds)``."""
         start = time.perf_counter()
-        what = f"the rollouts of episode {episode}"
-        self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
-        batch = self.sampling.sample(prompts, self.sampling.params(
-            eval_mode=False, seed=self.cfg.models.policy.seed + episode), what)
+        batch = self.sample_episode(episode, prompts)
         mid = time.perf_counter()
-        scored = self.sampling.scored(batch, prompts, what)
+        scored = self.sampling.scored(batch, prompts, f"the rollouts of episode {episode}")
         return batch, scored, {"time/generate": mid - start, "time/reward": time.perf_counter() - mid}
+
+    def sample_episode(self, episode: int, prompts: Prompts) -> dict:
+        """The rollout engine (made resident) samples episode ``episode``'s prompts with its seed
+        (``models.policy.seed + episode``)."""
+        self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
+        seed = self.cfg.models.policy.seed + episode
+        return self.sampling.sample(prompts, self.sampling.params(eval_mode=False, seed=seed),
+                                    f"the rollouts of episode {episode}")
 
     def next_prompts(self) -> Prompts:
         """The episode's prompts from the sampler, each repeated for its group of responses."""
