@@ -176,7 +176,10 @@ def _run(args) -> int:
             raise
         except Exception as err:
             from chatlearn.runtime.cluster.group import dead_worker_message
+            from chatlearn.runtime.cluster.signals import Terminated, terminated
 
+            if terminated():  # the job was stopped: what failed after it (its workers) went the same way
+                raise Terminated() from None
             hint = failure_hint(err, cfg.runtime_args.output_dir) if logs.path else ""
             dead = dead_worker_message(err)
             if dead:  # a worker died: which model and rank, not a traceback of the driver

@@ -56,6 +56,38 @@ def test_sigterm_during_ray_get_still_exits_143():
     assert "exit KeyboardInterrupt 143" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
+SIGTERM_IN_A_FINALISER = """
+import os, signal, weakref
+from chatlearn.runtime.cluster.signals import Terminated, exit_code, stop_on_sigterm
+stop_on_sigterm()
+class Held:
+    pass
+def collected(_):  # garbage collection runs this between two bytecodes of whatever code is running
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):
+        pass
+held = Held()
+ref = weakref.ref(held, collected)
+try:
+    del held
+    for _ in range(10 ** 7):
+        pass
+    print("went on", flush=True)
+except Terminated:
+    print("stopped", exit_code(), flush=True)
+"""
+
+
+def test_sigterm_landing_in_a_finaliser_still_stops_the_run():
+    """Python drops an exception raised in a finaliser or weakref callback ("Exception ignored"): a
+    SIGTERM that lands there is delivered again to the code that was running, so the run stops with
+    143 instead of going on with SIGTERM ignored (a job stopped by Slurm then exited 1)."""
+    out = subprocess.run([sys.executable, "-c", SIGTERM_IN_A_FINALISER], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "stopped 143", out.stdout + out.stderr
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_a_dead_actor_is_named_by_model_and_rank(monkeypatch):
     monkeypatch.setitem(group._ROLES, "ab12", ("policy_trainer", 1))
     monkeypatch.setitem(group._ROLES, "cd34", ("policy", 0))

@@ -16,6 +16,7 @@ handler also records that SIGTERM came, and :func:`exit_code` reads that record,
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 SIGINT_EXIT = 130
@@ -33,13 +34,37 @@ def _raise_terminated(signum, frame):
     _received.set()
     # later SIGTERMs while stopping are ignored: the first one already unwinds the run
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if signum == signal.SIGALRM:  # a redelivery (_redeliver): SIGALRM goes back to what it was
+        signal.signal(signal.SIGALRM, _alarm_before.pop())
     raise Terminated()
 
 
+_alarm_before: list = []
+
+
+def _redeliver(unraisable) -> None:
+    """``sys.unraisablehook``: a SIGTERM that landed in a finaliser or a weakref callback (garbage
+    collection runs them between any two bytecodes) raised :class:`Terminated` where Python drops
+    exceptions, printing "Exception ignored". Deliver it again, to the code that was running: the
+    run then stops as it would have (exit 143, no traceback) instead of going on with SIGTERM ignored.
+    The redelivery is a SIGALRM 10 ms later (a signal raised now would be handled here, in the hook,
+    and dropped again); should that one land in a finaliser too, it is delivered again the same way."""
+    if isinstance(unraisable.exc_value, Terminated):
+        _alarm_before.append(signal.signal(signal.SIGALRM, _raise_terminated))
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        return
+    _previous_unraisablehook(unraisable)
+
+
+_previous_unraisablehook = sys.unraisablehook
+
+
 def stop_on_sigterm() -> None:
-    """Make SIGTERM raise :class:`Terminated` in the main thread (a no-op in other threads)."""
+    """Make SIGTERM raise :class:`Terminated` in the main thread (a no-op in other threads), also when
+    it lands in a finaliser (:func:`_redeliver`)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_terminated)
+        sys.unraisablehook = _redeliver
 
 
 def terminated() -> bool:
