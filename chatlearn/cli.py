@@ -131,8 +131,8 @@ def _run(args) -> int:
     from omegaconf import OmegaConf
 
     from chatlearn.logging.sinks import changed_config, config_yaml
-    from chatlearn.runtime.rundir.output_dir import check_start, previous_run
     from chatlearn.runtime.rundir.lock import RunLock, describe
+    from chatlearn.runtime.rundir.output_dir import check_start, previous_run
 
     if args.all and not args.dry_run:
         raise UserError("--all only changes what --dry-run prints: add --dry-run, or leave --all out.")

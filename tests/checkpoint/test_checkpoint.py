@@ -541,8 +541,8 @@ def test_merge_and_eval_refuse_a_checkpoint_that_does_not_match_its_manifest(ckp
     ``chatlearn merge`` exits 2 naming the file, and so does ``chatlearn eval``'s resolution
     of --checkpoint; a damaged hf/ does not stop a merge of the intact trainer/."""
     from chatlearn.checkpoint.manager import write_manifest
-    from chatlearn.runtime.driver.evaluate import resolve_model
     from chatlearn.errors import UserError
+    from chatlearn.runtime.driver.evaluate import resolve_model
 
     run = tmp_path / "episode_000002"
     shutil.copytree(ckpts["out"] / "ck2", run / "trainer")

@@ -333,7 +333,7 @@ class WorkerExtension:
             _reprocess_shared(model)
         self._chatlearn_reset_caches()
 
-    # -- CUDA IPC slots of a colocated trainer (weight_sync transport ``cuda_ipc``) ----------
+    # -- CUDA IPC slots of a colocated trainer (weight push transport ``cuda_ipc``) ----------
 
     def chatlearn_ipc_attach(self, blob: bytes) -> None:
         """Map the slot buffers that live on this worker's GPU.

@@ -20,11 +20,11 @@ from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import info, ray_init_options, workers_stream_to_driver
 from chatlearn.logging.gpu_memory import visible_gpu_count
+from chatlearn.models.specs import RewardSpec, RolloutSpec, TrainerSpec
+from chatlearn.runtime.cluster.group import WorkerGroup, create_group, start_actors
 from chatlearn.runtime.cluster.leftovers import clean_leftovers, mark_driver
 from chatlearn.runtime.cluster.signals import stop_on_sigterm, terminated
-from chatlearn.models.specs import RewardSpec, RolloutSpec, TrainerSpec
 from chatlearn.runtime.cluster.worker_env import worker_env
-from chatlearn.runtime.cluster.group import WorkerGroup, create_group, start_actors
 
 BACKENDS = registry.backend_factories()  # backend name -> "module:Class" (declared in chatlearn.config.registry)
 

@@ -10,8 +10,8 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from chatlearn.errors import UserError
-from chatlearn.runtime.cluster.worker_env import worker_env
 from chatlearn.runtime.cluster.worker import Worker
+from chatlearn.runtime.cluster.worker_env import worker_env
 
 
 class Activity:

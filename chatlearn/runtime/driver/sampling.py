@@ -10,8 +10,8 @@ import numpy as np
 import ray
 
 from chatlearn.algorithms.advantages import overlong_penalty
-from chatlearn.errors import UserError
 from chatlearn.batch import concat_batches, select_samples
+from chatlearn.errors import UserError
 from chatlearn.runtime.cluster.group import CallTimeout
 
 

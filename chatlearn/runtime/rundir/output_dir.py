@@ -4,8 +4,9 @@ A run that starts fresh (``--no-resume``, ``runtime_args.enable_resume_training:
 folder that already holds a run (checkpoints, ``metrics.jsonl`` or ``timeline.jsonl``) is refused,
 unless ``--overwrite`` is given: then the old run is moved aside, whole, to the sibling folder
 ``<output_dir>.old-<YYYYmmdd-HHMMSS>`` (nothing is deleted), and the new run starts in an empty
-folder. A resumed run continues the run in the folder (see ``GRPO.resume``), after
-:func:`reconcile_logs` has dropped what the interrupted run logged past its checkpoint.
+folder. A resumed run continues the run in the folder (see ``Engine.resume``,
+:mod:`chatlearn.runtime.driver.engine`), after :func:`reconcile_logs` has dropped what the
+interrupted run logged past its checkpoint.
 """
 from __future__ import annotations
 

@@ -217,8 +217,8 @@ def ray_four_devices():
 
 @pytest.mark.timeout(300)
 def test_tp_replica_actor_sees_the_devices_of_its_bundles(ray_four_devices):
-    from chatlearn.runtime.cluster.worker_env import worker_env
     from chatlearn.runtime.cluster.group import create_group
+    from chatlearn.runtime.cluster.worker_env import worker_env
 
     pg = ray_four_devices
     env = worker_env("rollout", "vllm", 1)
@@ -245,8 +245,8 @@ def test_tp_replica_actor_sees_the_devices_of_its_bundles(ray_four_devices):
 def generate_and_push_through_ray(pg, model_dirs: dict, device: str) -> None:
     """One vLLM replica of 2 ranks on bundles 0 and 1, started as a run starts it
     (``create_group``); it generates, takes a two-bucket push and generates with the new weights."""
-    from chatlearn.runtime.cluster.worker_env import worker_env
     from chatlearn.runtime.cluster.group import create_group
+    from chatlearn.runtime.cluster.worker_env import worker_env
 
     spec = tp_spec(model_dirs["old"], tp=2, device=device)
     group = create_group("policy", "chatlearn.models.rollout.vllm:VLLMRollout", spec, num_actors=1, pg=pg,

@@ -538,8 +538,8 @@ def test_checkpoint_resumes_bit_for_bit(pp2, dp2):
 def test_checkpoint_metadata_is_checked(tmp_path):
     """A checkpoint loads only when complete, of this format, and of the same layout."""
     from chatlearn.checkpoint import sharded
-    from chatlearn.errors import UserError
     from chatlearn.checkpoint import megatron_format as fmt
+    from chatlearn.errors import UserError
 
     layout = {"world_size": 2, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
               "use_distributed_optimizer": False, "dtype": "float32"}
