@@ -52,6 +52,12 @@ COLUMNS: dict[str, Column] = {c.name: c for c in (
            "the trainer's log-probs before the update (NaN where the first step's forward gives them)"),
     Column("ref_logprobs", TOKEN, "f", "ref_logprobs (reference model)", "the reference model's log-probs"),
     Column("advantages", SAMPLE, "f", "advantages (algorithm)", "each sample's advantage"),
+    Column("values", TOKEN, "f", "values (critic)", "the critic's value of the state before each response token"),
+    Column("returns", TOKEN, "f", "advantages (algorithm: PPO)", "the critic's targets: GAE advantages + values"),
+    Column("token_advantages", TOKEN, "f", "advantages (algorithm: PPO)",
+           "each response token's advantage (GAE); where present the policy loss reads it, not advantages"),
+    Column("reward_model_scores", SAMPLE, "f", "reward_model (reward model)",
+           "the reward model's raw score of each sample"),
     Column("sample_weights", SAMPLE, "f", "advantages (algorithm)",
            "1 for a sample the loss counts, 0 for one it leaves out (filtered groups)"),
 )}

@@ -22,7 +22,8 @@ def batch3() -> dict:
 def test_every_column_declares_what_it_is():
     for name, col in COLUMNS.items():
         assert col.name == name and col.per in (SAMPLE, TOKEN, "index") and col.kind and col.writer and col.doc
-    assert set(token_columns()) == {"tokens", "rollout_logprobs", "old_logprobs", "ref_logprobs", "loss_mask"}
+    assert set(token_columns()) == {"tokens", "rollout_logprobs", "old_logprobs", "ref_logprobs", "loss_mask",
+                                    "values", "returns", "token_advantages"}
     assert column("env/anything").per == SAMPLE
 
 
@@ -41,8 +42,8 @@ def test_selection_slices_per_token_columns_by_the_samples_tokens():
 
 
 def test_an_undeclared_column_is_an_error_where_a_batch_is_cut_or_joined():
-    b = {**batch3(), "values": np.zeros(9, np.float32)}  # a per-token column nobody declared
-    with pytest.raises(UndeclaredColumn, match="'values' is not declared in chatlearn/batch.py"):
+    b = {**batch3(), "q_values": np.zeros(9, np.float32)}  # a per-token column nobody declared
+    with pytest.raises(UndeclaredColumn, match="'q_values' is not declared in chatlearn/batch.py"):
         select_samples(b, [0])
     with pytest.raises(UndeclaredColumn):
         concat_batches([b, b])

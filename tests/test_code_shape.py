@@ -41,13 +41,16 @@ def test_the_episode_is_one_short_function_with_a_call_per_stage():
     reward and train are the algorithm's (GRPO's: the reference, then the old log-probs)."""
     episode = _method(PACKAGE / "runtime" / "driver" / "engine.py", "Engine", "episode")
     assert episode.end_lineno - episode.lineno + 1 <= MAX_EPISODE_LINES
-    assert [s for s in _stages_named(episode) if s != "EVAL"] == ["GENERATE", "REWARD", "TRAIN", "CHECKPOINT",
-                                                                  "WEIGHT_PUSH"]
+    assert [s for s in _stages_named(episode) if s != "EVAL"] == ["GENERATE", "REWARD", "REWARD_MODEL", "TRAIN",
+                                                                  "CHECKPOINT", "WEIGHT_PUSH"]
     passes = _method(PACKAGE / "runtime" / "driver" / "algorithm.py", "GRPO", "passes")
     assert _stages_named(passes) == ["REF_LOGPROBS", "OLD_LOGPROBS"]
+    # PPO's: GRPO's, then the critic's values (the critic, resident for them, stays to train)
+    assert _stages_named(_method(PACKAGE / "runtime" / "driver" / "algorithm.py", "PPO", "passes")) == ["VALUES"]
     from chatlearn.config.names import Stage
 
-    covered = {"GENERATE", "REWARD", "TRAIN", "CHECKPOINT", "WEIGHT_PUSH", "REF_LOGPROBS", "OLD_LOGPROBS", "EVAL"}
+    covered = {"GENERATE", "REWARD", "REWARD_MODEL", "TRAIN", "CHECKPOINT", "WEIGHT_PUSH", "REF_LOGPROBS",
+               "OLD_LOGPROBS", "VALUES", "EVAL"}
     assert {s.name for s in Stage} == covered
 
 

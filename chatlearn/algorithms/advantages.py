@@ -15,6 +15,8 @@ WHITEN_EPS = 1e-8
 # the names are declared in chatlearn.config.registry (what the config accepts); the functions
 # registered below implement them
 ADVANTAGE_ESTIMATORS = registry.ADVANTAGE_ESTIMATORS.names
+# the group-relative ones, implemented here; gae (PPO: per-token, from a critic) is chatlearn.algorithms.gae's
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
 
 # the names of the loss's rollout-mismatch sums (chatlearn.algorithms.grpo.loss_metrics) that the
 # driver adds up over an episode's first optimizer steps: the sums of |logp - rollout_logp| and of the
@@ -95,6 +97,9 @@ def compute_advantages(rewards: np.ndarray, group_size: int, estimator: str,
       A_i = (x_i - mu) / sqrt(var + 1e-8), mu and var the token-weighted (n_i = response
       length) mean and unbiased variance of the kept samples.
     """
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"advantage estimator {estimator!r} is not group-relative: it gives per-token advantages "
+                         "from a critic's values (chatlearn.algorithms.gae.episode_gae)")
     g = _groups(rewards, group_size)
     keep = np.asarray(sample_weights, dtype=np.float64) > 0
     r = g.reshape(-1)
@@ -222,3 +227,6 @@ def fill_groups(rounds: list[np.ndarray], needed: int) -> list[tuple[int, int]]:
         rest = [(k, int(g)) for k, r in enumerate(rounds) for g in np.flatnonzero(~np.asarray(r))]
         kept += rest[:needed - len(kept)]
     return kept
+
+
+from chatlearn.algorithms import gae as _gae  # noqa: E402,F401  (registers "gae"; it imports this module's helpers)

@@ -399,7 +399,12 @@ class GRPOLoss:
     ``rollout_correction_level``: the behaviour log-probs are ``rollout_logprobs`` (which the batch
     must then hold), the proximal ones the old log-probs of the pass, or the forward's own, detached,
     where no pass gave them (the first step of ``old_logprobs: auto``, every step of ``rollout``).
+
+    The trainers read the names of the token sums as :attr:`SUMS` and add them up with
+    :meth:`token_sums` (the critic's :class:`chatlearn.algorithms.value_loss.ValueLoss` has the same).
     """
+
+    SUMS = LOSS_SUMS
 
     def __init__(self, spec, batch: dict, device: torch.device):
         """``spec``: the trainer's :class:`~chatlearn.models.specs.TrainerSpec` (its loss fields)."""
@@ -417,7 +422,10 @@ class GRPOLoss:
         self.with_entropy = spec.entropy_coef > 0
         self.coef = sample_loss_coefficients(spec.loss_agg_mode, lens, self.weights,
                                              spec.max_response_tokens_length)
-        self.advantages = np.asarray(batch["advantages"], np.float32)
+        # per-token advantages (PPO's GAE) where the batch has them, else each sample's advantage on its tokens
+        self.token_advantages = (np.asarray(batch["token_advantages"], np.float32) if "token_advantages" in batch
+                                 else None)
+        self.advantages = None if self.token_advantages is not None else np.asarray(batch["advantages"], np.float32)
         self.rollout_old = spec.old_logprobs == "rollout"
         self.own_old = "old_logprobs" not in batch and not self.rollout_old
         self.tracks_rollout = (self.own_old or self.rollout_old) and "rollout_logprobs" in batch
@@ -464,7 +472,8 @@ class GRPOLoss:
             kept = w[weights > 0]
             if kept.numel():
                 self.is_weight_max = torch.maximum(self.is_weight_max, kept.max().double())
-        terms = grpo_token_losses(self.spec, logp, old, self._tensor(self.advantages[sample]), seq, ref, entropy,
+        adv = self.token_advantages[pos] if self.token_advantages is not None else self.advantages[sample]
+        terms = grpo_token_losses(self.spec, logp, old, self._tensor(adv), seq, ref, entropy,
                                   correction["is_weight"] if correction else None)
         if correction:
             terms.update(correction)
@@ -474,6 +483,11 @@ class GRPOLoss:
             if diff.numel():  # a running max: counting a token twice (tensor-parallel ranks) changes nothing
                 self.rollout_diff_max = torch.maximum(self.rollout_diff_max, diff.abs().max())
         return terms, self._tensor(self.coef[sample]), weights
+
+    def token_sums(self, terms: dict, coef: torch.Tensor, weight: torch.Tensor,
+                   entropy: torch.Tensor | None) -> torch.Tensor:
+        """float64 [len(SUMS)]: the module's :func:`token_sums` of one micro-batch."""
+        return token_sums(terms, coef, weight, entropy)
 
     def metrics(self, sums: list[float], rollout_diff_max: float | None = None,
                 is_weight_max: float | None = None) -> dict:

@@ -24,7 +24,9 @@ one at a time from the ranks of data-parallel rank 0 (each pipeline stage holds 
 under their global names) into the full Megatron layout, which the trainer's own mapping
 (``chatlearn.checkpoint.megatron_mapping.to_hf``) turns into the Hugging Face tensors: fused
 QKV split per query group, fused gate/up split, vocabulary padding cut. Peak memory is about
-one full parameter. The shapes are checked up front from the safetensors headers.
+one full parameter. The shapes are checked up front from the safetensors headers. A Megatron
+critic's checkpoint (``role`` critic in its metadata) gives the token-classification folder, its
+value head ``output_layer`` written as ``score.weight`` / ``score.bias``.
 """
 from __future__ import annotations
 
@@ -136,14 +138,36 @@ def _check_out_dir(out_dir: str) -> None:
                         "new folder, or remove that one first.")
 
 
-def expected_tensors(config, trust_remote_code: bool = False):
-    """``({name: (shape, dtype)}, {alias: name})`` of the causal LM that ``config``
-    describes, built on the ``meta`` device (no memory); tied aliases are not in the first."""
-    from transformers import AutoModelForCausalLM
+def is_value_model(meta: dict, found: dict) -> bool:
+    """Whether a checkpoint holds a critic (a value head on the backbone: ``score.weight``, as
+    ``AutoModelForTokenClassification`` with one label names it) rather than a causal LM."""
+    return meta.get("role") == "critic" or ("score.weight" in found and "lm_head.weight" not in found)
 
+
+def value_head_config(config: dict) -> dict:
+    """A causal LM's ``config.json`` (as a dict) made the critic's, in place: its architecture the
+    token-classification class of the model's family, one label. Returns ``config``."""
+    archs = [a.replace("ForCausalLM", "ForTokenClassification") for a in config.get("architectures") or []]
+    config.update(architectures=archs, num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    return config
+
+
+def value_config(config):
+    """``config`` made the critic's: one label (a scalar value per token)."""
+    config.num_labels = 1
+    return config
+
+
+def expected_tensors(config, trust_remote_code: bool = False, value_head: bool = False):
+    """``({name: (shape, dtype)}, {alias: name})`` of the causal LM that ``config``
+    describes (with ``value_head``: the critic, the token-classification model with one label),
+    built on the ``meta`` device (no memory); tied aliases are not in the first."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                 trust_remote_code=trust_remote_code)
+        model = auto.from_config(value_config(config) if value_head else config, dtype=torch.float32,
+                                 trust_remote_code=trust_remote_code)
     aliases = sharded.tied_aliases(model)
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
                 if name not in aliases}
@@ -203,7 +227,7 @@ def _plan(ckpt: str, meta: dict, src: str, out_dtype: torch.dtype, found: dict,
     trust = _check_trust(ckpt, meta, src, trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=trust)
-        expected, aliases = expected_tensors(config, trust)
+        expected, aliases = expected_tensors(config, trust, value_head=is_value_model(meta, found))
     except Exception as err:  # anything raised here comes from config.json (or its code)
         cause = " ".join(str(err).split()) or type(err).__name__
         raise UserError(f"cannot build the model described by {os.path.join(src, CONFIG_NAME)!r} "
@@ -294,7 +318,8 @@ class _MegatronSource:
     shapes are run through the trainer's mapping on the ``meta`` device); ``problems``: what
     does not fit. ``read(entry)``: one Hugging Face tensor; the other tensors of the same
     Megatron parameter (q/k/v, gate/up) are kept until they are asked for (they come next
-    in the model's order)."""
+    in the model's order). A critic's checkpoint (``role`` critic) maps its ``output_layer`` to
+    the value head ``score`` (``megatron_mapping.mappings(..., value_head=True)``)."""
 
     def __init__(self, ckpt: str, meta: dict, src: str):
         from safetensors import safe_open
@@ -342,12 +367,13 @@ class _MegatronSource:
                             sl = f.get_slice(key)
                             self.shards.setdefault(key[len("model."):], {})[tp_rank] = (
                                 file, tuple(sl.get_shape()), sl.get_dtype())
+        self.value_head = meta.get("role") == "critic"
         self.mappings = {}
-        for m in mappings(self.arch):
+        for m in mappings(self.arch, value_head=self.value_head):
             for name in m.hf:
                 self.mappings[name] = m
         known = {m.megatron for m in self.mappings.values()}
-        if self.arch.tied_embeddings:
+        if self.arch.tied_embeddings and not self.value_head:
             known.add("output_layer.weight")  # the last stage's copy of the embeddings
         for name in self.shards:
             if name not in known:
@@ -468,10 +494,14 @@ def _write_shard(file: str, entries: list[_Entry],
         os.fsync(f.fileno())
 
 
-def _copy_hf_files(src: str, out: str, dtype: str) -> list[str]:
-    """config.json with its dtype set, and the other non-weight files of ``src``."""
+def _copy_hf_files(src: str, out: str, dtype: str, value_head: bool = False) -> list[str]:
+    """config.json with its dtype set (with ``value_head``, the critic's: its architecture the
+    token-classification class of the model's family, one label), and the other non-weight files of
+    ``src``."""
     with open(os.path.join(src, CONFIG_NAME), encoding="utf-8") as f:
         config = json.load(f)
+    if value_head:
+        value_head_config(config)
     config["dtype"] = dtype
     if "torch_dtype" in config:  # the name before transformers 4.56
         config["torch_dtype"] = dtype
@@ -518,14 +548,17 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
     src = _source_folder(ckpt, meta, hf_config)
     out_dir = os.path.abspath(out_dir)
     _check_out_dir(out_dir)
+    value_head = False
     if megatron:
         source = _MegatronSource(ckpt, meta, src)
+        value_head = source.value_head
         entries = _plan(ckpt, meta, src, DTYPES[dtype], source.found, source.problems,
                         trust_remote_code=trust_remote_code)
         read = source.read
     else:
-        entries = _plan(ckpt, meta, src, DTYPES[dtype], _dcp_found(ckpt),
-                        trust_remote_code=trust_remote_code)
+        found = _dcp_found(ckpt)
+        value_head = is_value_model(meta, found)
+        entries = _plan(ckpt, meta, src, DTYPES[dtype], found, trust_remote_code=trust_remote_code)
         reader = sharded.SafeFileSystemReader(ckpt)
         read = lambda e: _read_tensor(reader, e)  # noqa: E731
     shards = _split(entries, max_bytes)
@@ -550,7 +583,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
             with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
                 f.write("\n")
-        copied = _copy_hf_files(src, tmp, dtype)
+        copied = _copy_hf_files(src, tmp, dtype, value_head=value_head)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked above)
         os.replace(tmp, out_dir)

@@ -25,6 +25,7 @@ from chatlearn.config.data_sources import resolve_data_sources
 from chatlearn.config.env_entries import check_multi_turn
 from chatlearn.config.manifest import manifest_problems
 from chatlearn.config.plan import Plan, make_plan
+from chatlearn.config.ppo_keys import check_ppo, check_reward_model_folder, check_reward_model_keys, uses_critic
 from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
 from chatlearn.config.reward_entries import check_functions
 from chatlearn.config.schema import Config
@@ -37,11 +38,12 @@ def load_run(path: str, overrides: Sequence[str] = ()) -> tuple[DictConfig, Plan
     """The resolved, validated config (a typed, read-only DictConfig) and the run's plan, which
     validation computes (once per start: callers take this one rather than calling make_plan)."""
     cfg = OmegaConf.structured(Config)
-    cfg = _merge(cfg, _read_yaml(path), source=path)
-    cfg = _merge(cfg, _parse_overrides(overrides), source="the command line")
+    data, cli = _read_yaml(path), _parse_overrides(overrides)
+    cfg = _merge(cfg, data, source=path)
+    cfg = _merge(cfg, cli, source="the command line")
     _apply_aliases(cfg)
     _resolve(cfg)
-    plan = validate(cfg)
+    plan = validate(cfg, frozenset(_dotted_keys(data)) | frozenset(_dotted_keys(cli)))
     OmegaConf.set_readonly(cfg, True)
     return cfg, plan
 
@@ -133,6 +135,15 @@ def _first_line(err: Exception) -> str:
     return str(err).strip().splitlines()[0].rstrip(".")
 
 
+def _dotted_keys(node, prefix: str = "") -> Iterable[str]:
+    """Every key ``node`` (what the user wrote) sets, dotted, mappings included."""
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            key = f"{prefix}{k}"
+            yield key
+            yield from _dotted_keys(node._get_node(k), key + ".")
+
+
 def _apply_aliases(cfg: DictConfig) -> None:
     """ChatLearn's legacy ``policy.max_new_tokens`` sets ``max_response_tokens_length``."""
     policy = cfg.models.policy
@@ -157,19 +168,23 @@ def _resolve(cfg: DictConfig) -> None:
 
 
 # --------------------------------------------------------------------------- validation
-def validate(cfg: DictConfig) -> Plan:
+def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     """Check every key of ``cfg`` (a ConfigError naming the first bad one), resolve the data paths
     and the models' Hub ids in place, and return the run's :class:`~chatlearn.config.plan.Plan`
-    (computed here once; :func:`load_run` hands it to the caller). The checks run in this order."""
+    (computed here once; :func:`load_run` hands it to the caller). The checks run in this order.
+    ``user_keys``: the dotted keys the user's YAML and command line set (for keys whose default says
+    nothing about whether the user asked for them: a critic section without a critic)."""
     _check_finite(OmegaConf.to_container(cfg, resolve=True), "")  # first: later checks compare numbers
     _check_backends(cfg.runtime_args)
     _check_runtime(cfg.runtime_args)
-    _check_model_sections(cfg.models)
+    _check_model_sections(cfg)
     _check_seeds(cfg)
     _check_policy(cfg)
     _check_trainers(cfg)
     _check_trainer_roles(cfg.models)
+    check_ppo(cfg, user_keys)
     _check_reward(cfg)
+    check_reward_model_keys(cfg)
     _check_colocation(cfg.runtime_args)
     _check_paths(cfg)
     # imports each reward function, the environment and the tools, so a bad path stops the run before
@@ -215,9 +230,15 @@ def _check_runtime(rt: DictConfig) -> None:
         _positive(rt.log_args_dict.log_samples_num, "runtime_args.log_args_dict.log_samples_num")
 
 
-def _check_model_sections(m: DictConfig) -> None:
-    """What every device model (policy, policy_trainer, ref_policy) needs: devices and a model to load."""
-    for name in ("policy", "policy_trainer", "ref_policy"):
+def _trainer_models(cfg: DictConfig) -> tuple[str, ...]:
+    """The models on the training backend that this config uses (the critic only with PPO)."""
+    return ("policy_trainer", "ref_policy") + (("critic",) if uses_critic(cfg) else ())
+
+
+def _check_model_sections(cfg: DictConfig) -> None:
+    """What every device model (policy, policy_trainer, ref_policy, critic) needs: devices and a model to load."""
+    m = cfg.models
+    for name in ("policy",) + _trainer_models(cfg):
         mc = m[name]
         if mc.num_gpu < 1:
             raise ConfigError("must be at least 1 (a logical device on a machine without a GPU).",
@@ -290,7 +311,7 @@ def _check_sampling(p: DictConfig, rollout_backend: str) -> None:
 def _check_trainers(cfg: DictConfig) -> None:
     """The keys policy_trainer and ref_policy share (both run on the training backend)."""
     longest = policy_sequence_length(cfg.models.policy)
-    for name in ("policy_trainer", "ref_policy"):
+    for name in _trainer_models(cfg):
         t = cfg.models[name]
         if t.ulysses_sequence_parallel_size != 1:
             raise ConfigError("Ulysses sequence parallelism is not available yet; set it to 1.",
@@ -398,7 +419,8 @@ def _check_paths(cfg: DictConfig) -> None:
     # the trainer first: the other models' load follows it by default. A Hub id is resolved once, here in
     # the driver: load becomes the local snapshot folder (what every worker reads), hub_id records the id
     resolved: dict = {}
-    for name in ("policy_trainer", "ref_policy", "policy"):
+    rm = ("reward",) if cfg.models.reward.load is not None else ()
+    for name in (*_trainer_models(cfg), "policy", *rm):
         mc, key = cfg.models[name], f"models.{name}.load"
         if mc.load not in resolved:
             resolved[mc.load] = resolve_model(mc.load, key)
@@ -407,6 +429,8 @@ def _check_paths(cfg: DictConfig) -> None:
             mc.load, mc.hub_id = found.path, found.pinned
         check_model_folder(mc.load, key)
     _check_context_length(cfg)
+    if rm:
+        check_reward_model_folder(cfg, policy_sequence_length(cfg.models.policy))
     check_output_folder(rt.output_dir, "runtime_args.output_dir")
     la = rt.log_args_dict
     check_output_folder(la.log_dir, "runtime_args.log_args_dict.log_dir")
@@ -598,7 +622,7 @@ def _check_context_length(cfg: DictConfig) -> None:
         raise ConfigError(
             f"is {p.seq_length} tokens per sequence, more than the {limit} the model takes ({where}). Lower it "
             f"to at most {limit}.", key="models.policy.seq_length")
-    for name in ("policy_trainer", "ref_policy"):
+    for name in _trainer_models(cfg):
         t = cfg.models[name]
         if t.seq_length is not None and not t.packing and t.seq_length > limit:
             raise ConfigError(

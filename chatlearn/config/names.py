@@ -37,8 +37,10 @@ class Stage(_Name):
 
     GENERATE = "generate"
     REWARD = "reward"
+    REWARD_MODEL = "reward_model"  # the reward model scores the samples (models.reward.load)
     REF_LOGPROBS = "ref_logprobs"
     OLD_LOGPROBS = "old_logprobs"
+    VALUES = "values"  # the critic's values of the samples' tokens (PPO)
     TRAIN = "train"
     CHECKPOINT = "checkpoint"
     WEIGHT_PUSH = "weight_push"
@@ -50,8 +52,9 @@ class Stage(_Name):
         return STAGE_LABELS[self]
 
 
-STAGE_LABELS = {Stage.GENERATE: "generate", Stage.REWARD: "reward", Stage.REF_LOGPROBS: "ref log-probs",
-                Stage.OLD_LOGPROBS: "old log-probs", Stage.TRAIN: "train", Stage.CHECKPOINT: "checkpoint",
+STAGE_LABELS = {Stage.GENERATE: "generate", Stage.REWARD: "reward", Stage.REWARD_MODEL: "reward model",
+                Stage.REF_LOGPROBS: "ref log-probs", Stage.OLD_LOGPROBS: "old log-probs", Stage.VALUES: "values",
+                Stage.TRAIN: "train", Stage.CHECKPOINT: "checkpoint",
                 Stage.WEIGHT_PUSH: "weight push", Stage.EVAL: "eval"}
 
 # The parts each placed model holds (the reward workers hold none: they run on CPUs).
@@ -59,4 +62,6 @@ MODEL_PARTS: dict[str, tuple[Part, ...]] = {
     "policy": (Part.WEIGHTS, Part.KV_CACHE),
     "policy_trainer": (Part.WEIGHTS, Part.OPTIMIZER, Part.GRADS),
     "ref_policy": (Part.WEIGHTS,),
+    "critic": (Part.WEIGHTS, Part.OPTIMIZER, Part.GRADS),
+    "reward_model": (Part.WEIGHTS,),
 }

@@ -11,7 +11,17 @@ from omegaconf import DictConfig
 
 from chatlearn.errors import ConfigError
 
-GPU_MODELS = ("policy", "policy_trainer", "ref_policy")
+GPU_MODELS = ("policy", "policy_trainer", "ref_policy", "critic", "reward_model")
+# the models on the training backend (FSDP2 or Megatron)
+TRAINER_MODELS = ("policy_trainer", "ref_policy", "critic")
+# the config section of each placed model: the reward model is models.reward's (load, num_gpu, ...), and
+# runtime_args.colocation names it reward
+SECTIONS = {"reward_model": "reward"}
+
+
+def section(name: str) -> str:
+    """The ``models.<section>`` of placed model ``name``."""
+    return SECTIONS.get(name, name)
 
 
 @dataclass
@@ -79,6 +89,10 @@ class Plan:
     multi_turn: str | None = None
     # runtime_args.fuse_rollout: the rollout replicas live in the policy trainer's processes
     fused_rollout: bool = False
+    # models.critic exists only for advantage_estimator: gae (PPO)
+    uses_critic: bool = False
+    # models.reward.load: a reward model scores the samples on devices (placement reward_model)
+    uses_reward_model: bool = False
 
     def replayed_episodes(self, episode: int) -> int:
         """Earlier episodes whose samples episode ``episode`` (1-based) trains on besides its own."""
@@ -126,6 +140,8 @@ class Plan:
             lines.append(f"  {name}: {where}")
         if not self.uses_ref:
             lines.append("  ref_policy: not started (models.policy_trainer.kl_coef is 0: no KL term needs it)")
+        if self.uses_reward_model:
+            lines.append("  reward_model: scores every sample (models.reward.load), beside the reward functions")
         lines += [
             f"prompts per episode: {self.prompts_per_episode} x {self.group_size} samples each "
             f"= {self.samples_per_episode} samples",
@@ -215,7 +231,10 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError(f"sample_per_episode ({spe}) must be divisible by train_global_batch_size ({gbs}): "
                           "an episode's samples are split into whole optimizer steps.",
                           key="runtime_args.sample_per_episode")
-    for name in ("policy_trainer", "ref_policy"):  # both run on the training backend
+    uses_critic = t.advantage_estimator == "gae"
+    for name in TRAINER_MODELS:  # all run on the training backend
+        if name == "critic" and not uses_critic:
+            continue
         mc = m[name]
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if mc[key] < 1:
@@ -248,20 +267,21 @@ def make_plan(cfg: DictConfig) -> Plan:
     tp = pol.tensor_model_parallel_size
     _check_rollout_parallel(pol, rt.rollout_backend)
     replicas = pol.num_gpu // tp
-    for name in GPU_MODELS:
-        mc = m[name]
-        if mc.num_replica is not None and name == "policy" and mc.num_replica != replicas:
-            raise ConfigError(f"is derived ({replicas} = num_gpu / tensor_model_parallel_size); remove it or "
-                              "set it to that value.", key="models.policy.num_replica")
+    if pol.num_replica is not None and pol.num_replica != replicas:
+        raise ConfigError(f"is derived ({replicas} = num_gpu / tensor_model_parallel_size); remove it or "
+                          "set it to that value.", key="models.policy.num_replica")
 
+    if uses_critic:
+        _check_critic_sizes(cfg, spe, gbs)
     uses_ref = t.kl_coef > 0
-    groups, sizes = _device_groups(cfg, uses_ref)
+    uses_rm = m.reward.load is not None
+    groups, sizes = _device_groups(cfg, uses_ref, uses_critic, uses_rm)
     placements: dict[str, ModelPlacement] = {}
     for g, models in enumerate(groups):
         for name in models:
             if name == "reward" and m.reward.num_gpu == 0:
                 continue
-            num = m[name].num_gpu
+            num = m[section(name)].num_gpu
             placements[name] = (rollout_placement(pol, g) if name == "policy"
                                  else ModelPlacement(name, num, g, list(range(num))))
     if "reward" not in placements:
@@ -275,7 +295,33 @@ def make_plan(cfg: DictConfig) -> Plan:
                 old_from_rollout=t.old_logprobs == "rollout",
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
                 max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol),
-                fused_rollout=_fused_rollout(cfg, groups, replicas))
+                fused_rollout=_fused_rollout(cfg, groups, replicas), uses_critic=uses_critic,
+                uses_reward_model=uses_rm)
+
+
+def _check_critic_sizes(cfg, spe: int, gbs: int) -> None:
+    """The critic's ranks split the episode and every optimizer step's samples evenly, and where it shares
+    devices with the policy trainer it has the same ranks (one of each on every device, taking turns)."""
+    m, rt = cfg.models, cfg.runtime_args
+    c, t = m.critic, m.policy_trainer
+    if c.num_gpu < 1:
+        raise ConfigError("must be at least 1 (a logical device on a machine without a GPU).",
+                          key="models.critic.num_gpu")
+    dp = c.num_gpu // (c.tensor_model_parallel_size * c.pipeline_model_parallel_size)
+    if gbs % dp or (gbs // dp) % c.train_micro_batch_size:
+        raise ConfigError(f"the critic's per-rank batch (train_global_batch_size {gbs} / {dp} data-parallel rank(s)) "
+                          f"must be a whole number of micro-batches of train_micro_batch_size "
+                          f"({c.train_micro_batch_size}).", key="models.critic.train_micro_batch_size")
+    if spe % dp:
+        raise ConfigError(f"sample_per_episode ({spe}) must be divisible by the critic's data-parallel size ({dp}).",
+                          key="models.critic.num_gpu")
+    coloc = list(rt.colocation)
+    if "critic" in coloc and "policy_trainer" in coloc and c.num_gpu != t.num_gpu:
+        raise ConfigError(
+            f"is {c.num_gpu}, but the critic shares its devices with the policy trainer (runtime_args.colocation), "
+            f"which has num_gpu {t.num_gpu}: colocated trainers take turns on the same devices with one rank on "
+            "each. Remove models.critic.num_gpu (it follows the policy trainer's), or take critic out of "
+            "runtime_args.colocation to give it devices of its own.", key="models.critic.num_gpu")
 
 
 def make_eval_plan(cfg: DictConfig, num_prompts: int, samples_per_prompt: int) -> Plan:
@@ -414,9 +460,12 @@ def _check_rollout_parallel(pol, backend: str) -> None:
                           f"rollout replica is one engine on {tp} devices.", key="models.policy.num_gpu")
 
 
-def _device_groups(cfg: DictConfig, uses_ref: bool) -> tuple[list[list[str]], list[int]]:
+def _device_groups(cfg: DictConfig, uses_ref: bool, uses_critic: bool = False,
+                   uses_rm: bool = False) -> tuple[list[list[str]], list[int]]:
     """Colocated models form one group; every other device model gets its own group (an unused
-    ref_policy gets none)."""
+    ref_policy, critic or reward model gets none). With a reward model (``models.reward.load``) the name
+    ``reward`` in the colocation list is the reward model (placed as ``reward_model``); the reward functions'
+    workers then run on CPUs."""
     m = cfg.models
     coloc = list(cfg.runtime_args.colocation)
     key = "runtime_args.colocation"
@@ -425,20 +474,27 @@ def _device_groups(cfg: DictConfig, uses_ref: bool) -> tuple[list[list[str]], li
             raise ConfigError(f"{name!r} is not a model name; use some of {', '.join(m.keys())}.", key=key)
     if len(set(coloc)) != len(coloc):
         raise ConfigError("names a model twice.", key=key)
+    if "critic" in coloc and not uses_critic:
+        raise ConfigError("names critic, but no critic runs: models.policy_trainer.advantage_estimator is "
+                          f"{m.policy_trainer.advantage_estimator!r} (only gae, PPO, uses a critic). Remove critic "
+                          "from the list, or set advantage_estimator: gae.", key=key)
     groups, sizes = [], []
     if not uses_ref:
         coloc = [x for x in coloc if x != "ref_policy"]
+    if uses_rm:
+        coloc = ["reward_model" if x == "reward" else x for x in coloc]
     members = [x for x in coloc if not (x == "reward" and m.reward.num_gpu == 0)]
     if members:
         groups.append(coloc)
-        sizes.append(max(m[x].num_gpu for x in members))
+        sizes.append(max(m[section(x)].num_gpu for x in members))
+    used = {"ref_policy": uses_ref, "critic": uses_critic, "reward_model": uses_rm}
     for name in GPU_MODELS:
-        if name == "ref_policy" and not uses_ref:
+        if not used.get(name, True):
             continue
         if name not in coloc:
             groups.append([name])
-            sizes.append(m[name].num_gpu)
-    if m.reward.num_gpu > 0 and "reward" not in coloc:
+            sizes.append(m[section(name)].num_gpu)
+    if not uses_rm and m.reward.num_gpu > 0 and "reward" not in coloc:
         groups.append(["reward"])
         sizes.append(m.reward.num_gpu)
     return groups, sizes

@@ -82,7 +82,7 @@ class Registry:
 
 # --------------------------------------------------------------------------- algorithms
 # models.policy_trainer.advantage_estimator (chatlearn.algorithms.advantages.compute_advantages)
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator", ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus"),
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"),
                                 declared_as="ADVANTAGE_ESTIMATORS", implemented_in="chatlearn.algorithms.advantages")
 # models.policy_trainer.kl_estimator (chatlearn.algorithms.kl.kl_penalty)
 KL_ESTIMATORS = Registry("KL estimator", ("k1", "k2", "k3", "low_var_kl"),
@@ -110,12 +110,15 @@ ROLLOUT_BACKENDS = Registry("rollout backend", {
 }, declared_as="ROLLOUT_BACKENDS")
 # the reward workers' class (models.reward: no choice of backend)
 REWARD_BACKEND = "chatlearn.models.reward.functions:RewardManager"
+# the reward model's class (models.reward.load: a sequence-classification model, FSDP2 inference)
+REWARD_MODEL_BACKEND = "chatlearn.models.reward.model:RewardModel"
 
 
 def backend_factories() -> dict[str, str]:
     """``{backend name: "module:Class"}`` of every worker backend, ``"reward"`` included."""
     return {**{n: TRAIN_BACKENDS.get(n) for n in TRAIN_BACKENDS},
-            **{n: ROLLOUT_BACKENDS.get(n) for n in ROLLOUT_BACKENDS}, "reward": REWARD_BACKEND}
+            **{n: ROLLOUT_BACKENDS.get(n) for n in ROLLOUT_BACKENDS}, "reward": REWARD_BACKEND,
+            "reward_model": REWARD_MODEL_BACKEND}
 
 
 # --------------------------------------------------------------------------- reward functions

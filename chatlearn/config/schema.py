@@ -17,7 +17,7 @@ from omegaconf import MISSING
 
 from chatlearn.config import registry
 
-MODEL_NAMES = ("policy", "policy_trainer", "ref_policy", "reward")
+MODEL_NAMES = ("policy", "policy_trainer", "ref_policy", "critic", "reward")
 TRAIN_BACKENDS = registry.TRAIN_BACKENDS.names  # declared in chatlearn.config.registry
 ROLLOUT_BACKENDS = registry.ROLLOUT_BACKENDS.names
 
@@ -185,7 +185,7 @@ class TrainerModel(ModelBase):
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl
     kl_in_reward: bool = False  # subtract kl_coef * KL from the reward instead of a KL loss term
-    advantage_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus
+    advantage_estimator: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_plus_plus | gae (PPO with models.critic)
     filter_equal_groups: bool = False  # drop groups whose rewards are all equal from the loss
     bf16: Optional[bool] = None  # bf16 compute, fp32 master weights; null: on for CUDA devices with bf16, off on CPU
     logprob_chunk_tokens: int = 1024  # tokens per chunk when log-probs/entropy are computed from [tokens, vocab] logits
@@ -242,6 +242,11 @@ class PolicyTrainer(TrainerModel):
     rollout_correction_level: str = "token"  # token | sequence | geometric: where rho is formed
     rollout_is_threshold: float = 2.0  # C: tis caps rho at C; mis and decoupled mask rho > C
     rollout_is_threshold_lower: Optional[float] = None  # mis: masks rho below it; null: 1 / rollout_is_threshold
+    # advantage_estimator: gae (PPO): the discount and the GAE lambda of the per-token advantages, and whether
+    # they are whitened over the episode's response tokens (the returns, the critic's targets, never are)
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten_advantages: bool = True
 
 
 @dataclass
@@ -255,6 +260,78 @@ class RefPolicy(TrainerModel):
     seq_length: Optional[int] = "${models.policy_trainer.seq_length}"  # type: ignore[assignment]
     share_prompt: Optional[bool] = "${models.policy_trainer.share_prompt}"  # type: ignore[assignment]
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
+
+
+def _from_policy_trainer(key: str):
+    """The default of a critic key: the policy trainer's value of the same key (seed 000's role override)."""
+    return f"${{models.policy_trainer.{key}}}"
+
+
+@dataclass
+class CriticOptimizer(Optimizer):
+    """``models.critic.optimizer``: each key the policy trainer's unless set here."""
+
+    lr: float = _from_policy_trainer("optimizer.lr")  # type: ignore[assignment]
+    min_lr: float = _from_policy_trainer("optimizer.min_lr")  # type: ignore[assignment]
+    clip_grad: float = _from_policy_trainer("optimizer.clip_grad")  # type: ignore[assignment]
+    weight_decay: float = _from_policy_trainer("optimizer.weight_decay")  # type: ignore[assignment]
+    adam_beta1: float = _from_policy_trainer("optimizer.adam_beta1")  # type: ignore[assignment]
+    adam_beta2: float = _from_policy_trainer("optimizer.adam_beta2")  # type: ignore[assignment]
+    adam_eps: float = _from_policy_trainer("optimizer.adam_eps")  # type: ignore[assignment]
+    lr_decay_style: str = _from_policy_trainer("optimizer.lr_decay_style")  # type: ignore[assignment]
+    lr_warmup_iters: int = _from_policy_trainer("optimizer.lr_warmup_iters")  # type: ignore[assignment]
+    lr_warmup_fraction: float = _from_policy_trainer("optimizer.lr_warmup_fraction")  # type: ignore[assignment]
+    lr_warmup_init: float = _from_policy_trainer("optimizer.lr_warmup_init")  # type: ignore[assignment]
+    lr_decay_iters: Optional[int] = _from_policy_trainer("optimizer.lr_decay_iters")  # type: ignore[assignment]
+    max_nonfinite_steps: int = _from_policy_trainer("optimizer.max_nonfinite_steps")  # type: ignore[assignment]
+
+
+@dataclass
+class CriticFreeGpuMemory(FreeGpuMemory):
+    offload_weights: bool = _from_policy_trainer("free_gpu_memory.offload_weights")  # type: ignore[assignment]
+    offload_optimizer_states: bool = _from_policy_trainer(  # type: ignore[assignment]
+        "free_gpu_memory.offload_optimizer_states")
+    free_grad_buffers: bool = _from_policy_trainer("free_gpu_memory.free_grad_buffers")  # type: ignore[assignment]
+
+
+@dataclass
+class Critic(TrainerModel):
+    """``models.critic``: the value model of PPO (``advantage_estimator: gae``), a scalar value head on the
+    backbone of ``load`` (the policy's by default), trained by the training backend. Every trainer key it
+    does not set is the policy trainer's (optimizer, schedule, parallel sizes, precision, memory, devices);
+    a key it sets wins."""
+
+    trainable: bool = True
+    num_gpu: int = _from_policy_trainer("num_gpu")  # type: ignore[assignment]
+    gpu_per_process: Optional[int] = _from_policy_trainer("gpu_per_process")  # type: ignore[assignment]
+    load: Optional[str] = _from_policy_trainer("load")  # type: ignore[assignment]
+    trust_remote_code: bool = _from_policy_trainer("trust_remote_code")  # type: ignore[assignment]
+    generation_batch_size: int = _from_policy_trainer("generation_batch_size")  # type: ignore[assignment]
+    packing: bool = _from_policy_trainer("packing")  # type: ignore[assignment]
+    max_token_in_packing: int = _from_policy_trainer("max_token_in_packing")  # type: ignore[assignment]
+    train_micro_batch_size: int = _from_policy_trainer("train_micro_batch_size")  # type: ignore[assignment]
+    seq_length: Optional[int] = _from_policy_trainer("seq_length")  # type: ignore[assignment]
+    share_prompt: Optional[bool] = _from_policy_trainer("share_prompt")  # type: ignore[assignment]
+    fsdp_size: Optional[int] = None  # the critic's own num_gpu (the only FSDP size there is)
+    meta_init: bool = _from_policy_trainer("meta_init")  # type: ignore[assignment]
+    gradient_checkpointing: bool = _from_policy_trainer("gradient_checkpointing")  # type: ignore[assignment]
+    bf16: Optional[bool] = _from_policy_trainer("bf16")  # type: ignore[assignment]
+    logprob_chunk_tokens: int = _from_policy_trainer("logprob_chunk_tokens")  # type: ignore[assignment]
+    use_expandable_segments: bool = _from_policy_trainer("use_expandable_segments")  # type: ignore[assignment]
+    save_hf: bool = _from_policy_trainer("save_hf")  # type: ignore[assignment]
+    tensor_model_parallel_size: int = _from_policy_trainer("tensor_model_parallel_size")  # type: ignore[assignment]
+    pipeline_model_parallel_size: int = _from_policy_trainer("pipeline_model_parallel_size")  # type: ignore[assignment]
+    sequence_parallel: bool = _from_policy_trainer("sequence_parallel")  # type: ignore[assignment]
+    use_distributed_optimizer: bool = _from_policy_trainer("use_distributed_optimizer")  # type: ignore[assignment]
+    recompute_granularity: Optional[str] = _from_policy_trainer("recompute_granularity")  # type: ignore[assignment]
+    optimizer: Optimizer = field(default_factory=CriticOptimizer)
+    free_gpu_memory: FreeGpuMemory = field(default_factory=CriticFreeGpuMemory)
+    # the value loss: value_loss_coef x max((V - R)^2, (clip(V, V_old +- cliprange_value) - R)^2) per token,
+    # aggregated by loss_agg_mode (verl's critic: 0.5 and 0.5); cliprange_value null: no clipping
+    cliprange_value: Optional[float] = 0.5
+    value_loss_coef: float = 0.5
+    # the first N episodes train the critic alone (the policy is not updated; no weight push)
+    warmup_episodes: int = 0
 
 
 @dataclass
@@ -362,6 +439,14 @@ class Reward(ModelBase):
     # overlong_buffer_len tokens of models.policy.max_response_tokens_length (0: off)
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
+    # A reward model (load: a sequence-classification model folder or Hub id; null: none) scores each prompt and
+    # response on num_gpu devices of its own (or of its colocation group: name reward in runtime_args.colocation),
+    # rendered with its own tokenizer and chat template; its score x model_weight is added to the functions'.
+    model_weight: float = 1.0
+    model_normalize: str = "none"  # none | batch (whitened over the episode's samples: zero mean, unit std)
+    model_micro_batch_size: int = 16  # conversations per forward on one device
+    bf16: Optional[bool] = None  # null: bf16 on CUDA devices that support it, fp32 on CPU
+    free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
 
 
 @dataclass
@@ -369,6 +454,7 @@ class Models:
     policy: Policy = field(default_factory=Policy)
     policy_trainer: PolicyTrainer = field(default_factory=PolicyTrainer)
     ref_policy: RefPolicy = field(default_factory=RefPolicy)
+    critic: Critic = field(default_factory=Critic)
     reward: Reward = field(default_factory=Reward)
 
 
@@ -395,7 +481,7 @@ class Config:
 # A user who sets one to a value other than its default is warned at start (chatlearn run and
 # --dry-run). tests/config/test_compat_keys.py keeps this list honest: every key in it is read
 # nowhere in chatlearn/, and every other key is read somewhere.
-_TRAINERS = ("policy_trainer", "ref_policy")
+_TRAINERS = ("policy_trainer", "ref_policy", "critic")
 _ALL_MODELS = MODEL_NAMES
 COMPAT_ONLY_KEYS: Dict[str, str] = {
     "runtime_args.concurrent_setup": "models are set up one after another",

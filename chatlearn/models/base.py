@@ -80,7 +80,12 @@ def step_is_finite(loss: float, grad_norm: float) -> bool:
 
 
 class Trainer(Model):
-    """policy_trainer and ref_policy (FSDP2 and Megatron).
+    """policy_trainer, ref_policy and critic (FSDP2 and Megatron; the critic on FSDP2 only).
+
+    ``spec.role`` says which: ``policy`` (an LM head, the loss of
+    :class:`chatlearn.algorithms.grpo.GRPOLoss`), ``reference`` (frozen, log-probs only) or ``critic``
+    (a scalar value head on the backbone, the loss of :class:`chatlearn.algorithms.value_loss.ValueLoss`,
+    its values from :meth:`compute_values`).
 
     Every rank receives the full batch; data-parallel replica ``dp_rank`` of ``dp_size`` works
     on its contiguous share of the samples (``_my_samples``). Offloaded parts live in
@@ -100,7 +105,7 @@ class Trainer(Model):
     spec: TrainerSpec  # the trainer's settings, read as attributes (the fields each backend reads: its constructor)
     rank: int  # global rank in the trainer's process group (rank 0 writes files, gets full tensors)
     device: torch.device  # this rank's device (``cuda:i`` or ``cpu``)
-    trainable: bool  # policy_trainer (an optimizer) or ref_policy (frozen, forward only)
+    trainable: bool  # policy_trainer and critic (an optimizer) or ref_policy (frozen, forward only)
     model: torch.nn.Module  # the module whose train/eval mode the passes set
     dp_size: int = 1
     dp_rank: int = 0
@@ -112,30 +117,73 @@ class Trainer(Model):
         on every rank (a collective); ``logp_t = log softmax(z_{t-1} / temperature)[token_t]``.
         With ``with_entropy`` a pair: also the entropy of the temperature-scaled distribution,
         [T]. No gradients; the model in eval mode; the weights must be onloaded. The pass's
-        padding share and micro-steps are kept for :meth:`logprob_stats`."""
+        padding share and micro-steps are kept for :meth:`logprob_stats`. A critic has no
+        log-probs (RuntimeError): see :meth:`compute_values`."""
         import torch
 
+        if self.spec.role == "critic":
+            raise RuntimeError(f"{type(self).__name__}: the critic has a value head, not an LM head: it gives "
+                               "values (compute_values), not log-probs")
         with torch.no_grad():
             self._require_weights()
             self.model.train(False)
             micro, self._logprob_stats = self._micro_batches(batch, self.spec.logprob_micro_batch_size)
             return self._logprob_pass(batch, micro, temperature, with_entropy)
 
+    def compute_values(self, batch: Batch):
+        """The critic's float32 [T] values of every response token (0 elsewhere), the same on every
+        rank (a collective): the value of token t is the value head on the hidden state at t - 1,
+        ``V_t = score(h_{t-1})``, the value of the state before the token is generated (verl's
+        ``values[:, -response_length - 1:-1]``). No gradients; the model in eval mode; the weights
+        must be onloaded. The same pass as :meth:`compute_logprobs` (:meth:`_micro_batches` of
+        ``logprob_micro_batch_size``, :meth:`_logprob_pass`, whose forward gives values for a
+        critic); its padding share and micro-steps are kept for :meth:`logprob_stats`. Only for a
+        critic (``spec.role``); a RuntimeError otherwise."""
+        import torch
+
+        if self.spec.role != "critic":
+            raise RuntimeError(f"{type(self).__name__}: compute_values needs a critic (role critic); this "
+                               f"model's role is {self.spec.role!r}")
+        with torch.no_grad():
+            self._require_weights()
+            self.model.train(False)
+            micro, self._logprob_stats = self._micro_batches(batch, self.spec.logprob_micro_batch_size)
+            return self._logprob_pass(batch, micro, 1.0, False)
+
     def logprob_stats(self) -> dict:
-        """``pad_token_frac`` and ``micro_steps`` of the last :meth:`compute_logprobs` pass (see
-        :meth:`_micro_batches`); {} before any."""
+        """``pad_token_frac`` and ``micro_steps`` of the last :meth:`compute_logprobs` (or
+        :meth:`compute_values`) pass (see :meth:`_micro_batches`); {} before any."""
         return dict(getattr(self, "_logprob_stats", {}))
 
+    def _config_key(self, name: str) -> str:
+        """The config key ``name`` of this model, ``models.<model>.<name>``: ``critic`` for a critic
+        (``spec.role``), else ``policy_trainer`` when trainable, ``ref_policy`` when not."""
+        model = ("critic" if self.spec.role == "critic" else "policy_trainer" if self.spec.trainable
+                 else "ref_policy")
+        return f"models.{model}.{name}"
+
+    def _objective(self, batch: Batch):
+        """The loss of ``batch`` for this model's role: :class:`chatlearn.algorithms.value_loss.ValueLoss`
+        for a critic, :class:`chatlearn.algorithms.grpo.GRPOLoss` otherwise (a ValueError names the
+        backend when the batch does not fit it)."""
+        from chatlearn.algorithms.grpo import GRPOLoss
+        from chatlearn.algorithms.value_loss import ValueLoss
+
+        kind = ValueLoss if self.spec.role == "critic" else GRPOLoss
+        try:
+            return kind(self.spec, batch, self.device)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+
     def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
-        """Forward + backward over the global batch (the loss of
-        :class:`chatlearn.algorithms.grpo.GRPOLoss`); the gradients are left in the backend's
-        gradient storage, exactly d(loss)/d(theta) on every rank (see
+        """Forward + backward over the global batch (the loss of :meth:`_objective`:
+        :class:`chatlearn.algorithms.grpo.GRPOLoss` for the policy,
+        :class:`chatlearn.algorithms.value_loss.ValueLoss` for a critic); the gradients are left in
+        the backend's gradient storage, exactly d(loss)/d(theta) on every rank (see
         :meth:`_accumulate_grads`). Returns the loss metrics (the token sums all-reduced over
         all ranks) and the pass's ``pad_token_frac`` and ``micro_steps``; no step.
-        ``temperature`` must be the one ``old_logprobs`` were computed with."""
+        ``temperature`` must be the one ``old_logprobs`` were computed with (a critic ignores it)."""
         import torch.distributed as dist
-
-        from chatlearn.algorithms.grpo import GRPOLoss
 
         name = type(self).__name__
         if not self.trainable:
@@ -143,10 +191,7 @@ class Trainer(Model):
         self._require_weights()
         if Part.OPTIMIZER in self._stashes:
             raise RuntimeError(f"{name}: optimizer state is offloaded; call onload(['optimizer'])")
-        try:
-            objective = GRPOLoss(self.spec, batch, self.device)
-        except ValueError as err:
-            raise ValueError(f"{name}: {err}") from None
+        objective = self._objective(batch)
         self.model.train(True)
         sums, passes = self._accumulate_grads(batch, objective, temperature)
         dist.all_reduce(sums)
@@ -163,8 +208,9 @@ class Trainer(Model):
         return {**objective.metrics(sums.tolist(), diff_max, weight_max), **passes}
 
     def train(self, batch: Batch, temperature: float = 1.0) -> dict:
-        """One optimizer step on one global batch; returns metrics (floats): the loss metrics of
-        :meth:`compute_grads`, ``grad_norm``, ``lr``, ``skipped_steps``.
+        """One optimizer step on one global batch (the policy's or the critic's loss, by role);
+        returns metrics (floats): the loss metrics of :meth:`compute_grads`, ``grad_norm``, ``lr``,
+        ``skipped_steps``.
 
         ``temperature`` must be the one ``old_logprobs`` were computed with. The step's learning
         rate is :func:`chatlearn.algorithms.lr_schedule.trainer_learning_rate` at the current step
@@ -252,14 +298,15 @@ class Trainer(Model):
     @abc.abstractmethod
     def _accumulate_grads(self, batch: Batch, objective, temperature: float) -> tuple:
         """The forwards and backwards of :meth:`compute_grads` (the model in train mode):
-        ``objective`` is the batch's :class:`chatlearn.algorithms.grpo.GRPOLoss`. Cuts the batch
+        ``objective`` is the batch's :class:`chatlearn.algorithms.grpo.GRPOLoss` (or a critic's
+        :class:`chatlearn.algorithms.value_loss.ValueLoss`, the same interface). Cuts the batch
         with :meth:`_micro_batches` (``train_micro_batch_size``) and accumulates, over this
         rank's micro-batches, gradients such that after the backend's gradient reduction over
         the data-parallel replicas they are exactly d(loss)/d(theta) of the global loss.
         Returns ``(sums, passes)``: a float64 tensor on ``device`` of the
-        :func:`chatlearn.algorithms.grpo.token_sums` of this rank's tokens (named by
-        ``LOSS_SUMS``; the caller all-reduces it over all ranks, so each token must be counted
-        on one rank only) and the pass's stats from :meth:`_micro_batches`."""
+        ``objective.token_sums`` of this rank's tokens (named by ``objective.SUMS``; the caller
+        all-reduces it over all ranks, so each token must be counted on one rank only) and the
+        pass's stats from :meth:`_micro_batches`."""
 
     @abc.abstractmethod
     def _optimizer_steps(self) -> int:
@@ -339,7 +386,7 @@ class Trainer(Model):
             raise UserError(f"{int(bad[0])} of the trainer's {int(bad[1])} weight tensors (shards of all "
                             f"ranks) hold nan or inf, so no checkpoint is written to {path!r}: training "
                             "diverged. Resume from the last checkpoint with a lower "
-                            "models.policy_trainer.optimizer.lr (or a smaller clip_grad).")
+                            f"{self._config_key('optimizer.lr')} (or a smaller clip_grad).")
 
     def _require_onloaded(self, what: str) -> None:
         offloaded = [str(part) for part in self.OFFLOADABLE if part in self._stashes]

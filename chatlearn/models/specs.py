@@ -27,6 +27,8 @@ from chatlearn.config.plan import resolve_schedule
 from chatlearn.config.reward_entries import resolve_entries
 
 DTYPES = ("float32", "bfloat16", "float16")
+# the role of each trainer-backend model (TrainerSpec.role)
+ROLES = {"policy_trainer": "policy", "ref_policy": "reference", "critic": "critic"}
 
 
 class _Spec:
@@ -45,6 +47,9 @@ class TrainerSpec(_Spec):
     trust_remote_code: bool
     seed: int
     trainable: bool
+    # policy (the policy trainer: an LM head, the PPO/GRPO loss) | reference (frozen, log-probs) |
+    # critic (a scalar value head on the backbone, the clipped value loss of chatlearn.algorithms.value_loss)
+    role: str
     # optimizer (read when trainable)
     lr: float
     weight_decay: float
@@ -83,6 +88,9 @@ class TrainerSpec(_Spec):
     rollout_correction_level: str
     rollout_is_threshold: float
     rollout_is_threshold_lower: Optional[float]
+    # critic (role critic): the value loss value_loss_coef x max((V - R)^2, (clip(V, V_old +- cliprange_value) - R)^2)
+    cliprange_value: Optional[float]  # None: no clipping
+    value_loss_coef: float
     # memory and precision
     gradient_checkpointing: bool
     bf16: Optional[bool]  # None: bf16 on CUDA devices that support it, fp32 elsewhere
@@ -101,11 +109,14 @@ class TrainerSpec(_Spec):
         backend), and the learning-rate schedule's iters resolved against the run's optimizer steps
         (``plan``: the run's :class:`~chatlearn.config.plan.Plan`, from ``load_run``)."""
         t, rt, pt = cfg.models[name], cfg.runtime_args, cfg.models.policy_trainer
-        opt = pt.optimizer
+        critic = name == "critic"
+        opt = t.optimizer if critic else pt.optimizer  # the critic's own (each key inherits the policy's)
         warmup, decay = resolve_schedule(opt.lr_warmup_iters, opt.lr_warmup_fraction, opt.lr_decay_iters,
                                          plan.total_steps)
         return cls(
             load=t.load, trust_remote_code=t.trust_remote_code, seed=t.seed, trainable=t.trainable,
+            role=ROLES[name], cliprange_value=cfg.models.critic.cliprange_value,
+            value_loss_coef=cfg.models.critic.value_loss_coef,
             lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, adam_beta1=opt.adam_beta1,
             adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, min_lr=opt.min_lr,
             lr_decay_style=opt.lr_decay_style, lr_warmup_iters=warmup, lr_decay_iters=decay,
@@ -183,6 +194,30 @@ class RewardSpec(_Spec):
         return cls(functions=tuple(entries), base_dir=os.getcwd(), timeout_s=float(cfg.models.reward.timeout_s))
 
 
+@dataclass(frozen=True)
+class RewardModelSpec(_Spec):
+    """The reward model (``models.reward.load``): a sequence-classification model that scores each
+    conversation (the prompt's messages and the response), rendered with its own tokenizer and chat
+    template, on ``models.reward.num_gpu`` devices (FSDP2, inference only)."""
+
+    load: str
+    trust_remote_code: bool
+    seed: int
+    micro_batch_size: int  # conversations per forward on one rank
+    max_length: int  # the longest conversation in the reward model's tokens (its context); longer is an error
+    bf16: Optional[bool]  # None: bf16 on CUDA devices that support it, fp32 elsewhere
+    device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
+
+    @classmethod
+    def from_config(cls, cfg) -> "RewardModelSpec":
+        r = cfg.models.reward
+        from chatlearn.config.load import model_context_length  # noqa: PLC0415  (config imports this module)
+
+        limit = model_context_length(r.load) or 1 << 30
+        return cls(load=r.load, trust_remote_code=r.trust_remote_code, seed=r.seed,
+                   micro_batch_size=r.model_micro_batch_size, max_length=limit, bf16=r.bf16)
+
+
 def checkpoint_dtype(model_dir: str) -> str:
     """The dtype a model folder's ``config.json`` declares (``torch_dtype`` or ``dtype``), as
     one of :data:`DTYPES`; float32 when it declares none."""
@@ -221,7 +256,7 @@ def resolve_for_device(spec, device: str):
             changes["dtype"] = dtype
         if spec.deterministic_inference is None:
             changes["deterministic_inference"] = not cuda
-    elif isinstance(spec, TrainerSpec):
+    elif isinstance(spec, (TrainerSpec, RewardModelSpec)):
         if spec.bf16 is None:
             changes["bf16"] = bool(cuda and _cuda_bf16())
     return dataclasses.replace(spec, **changes)

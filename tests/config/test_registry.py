@@ -54,13 +54,17 @@ def test_every_declared_algorithm_name_is_implemented_after_importing_the_traine
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["ok", str(4 + 4 + 4 + 3)]
+    assert out.stdout.split() == ["ok", str(5 + 4 + 4 + 3)]
+
+
+ADVANTAGE_ESTIMATORS_GROUP = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
 
 
 def test_the_algorithm_modules_keep_their_name_tuples():
     from chatlearn.algorithms import advantages, grpo, kl, lr_schedule
 
-    assert advantages.ADVANTAGE_ESTIMATORS == ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
+    assert advantages.ADVANTAGE_ESTIMATORS == ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae")
+    assert advantages.GROUP_ESTIMATORS == ADVANTAGE_ESTIMATORS_GROUP
     assert kl.KL_ESTIMATORS == ("k1", "k2", "k3", "low_var_kl")
     assert grpo.LOSS_AGG_MODES == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                    "seq-mean-token-sum-norm")
@@ -73,7 +77,7 @@ def test_backends_and_builtin_rewards_name_real_objects():
     assert TRAIN_BACKENDS == registry.TRAIN_BACKENDS.names == ("fsdp", "megatron")
     assert ROLLOUT_BACKENDS == registry.ROLLOUT_BACKENDS.names == ("vllm", "sglang", "hf")
     factories = registry.backend_factories()
-    assert set(factories) == {"fsdp", "megatron", "vllm", "sglang", "hf", "reward"}
+    assert set(factories) == {"fsdp", "megatron", "vllm", "sglang", "hf", "reward", "reward_model"}
     targets = list(factories.values()) + [registry.BUILTIN_REWARDS.get(n) for n in registry.BUILTIN_REWARDS]
     for target in targets:  # the backends import their engines lazily: importable without them
         module, _, attr = target.partition(":")

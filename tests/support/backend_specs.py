@@ -11,7 +11,7 @@ from __future__ import annotations
 from chatlearn.models.specs import RolloutSpec, TrainerSpec
 
 TRAINER_DEFAULTS = dict(
-    trust_remote_code=False, seed=0, trainable=True,
+    trust_remote_code=False, seed=0, trainable=True, role="policy",
     lr=1e-3, weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
     min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=100, lr_warmup_init=0.0,
     train_micro_batch_size=2, logprob_micro_batch_size=2, train_global_batch_size=8,
@@ -20,6 +20,7 @@ TRAINER_DEFAULTS = dict(
     loss_agg_mode="token-mean", max_response_tokens_length=16, kl_coef=0.0, kl_estimator="k3",
     kl_in_reward=False, entropy_coef=0.0, old_logprobs="auto", rollout_correction="none",
     rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None,
+    cliprange_value=0.5, value_loss_coef=0.5,
     gradient_checkpointing=False, bf16=False, meta_init=False,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
     use_distributed_optimizer=False)

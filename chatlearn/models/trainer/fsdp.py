@@ -1,4 +1,5 @@
-"""FSDP2 trainer around a Hugging Face causal LM: ``policy_trainer`` and ``ref_policy``.
+"""FSDP2 trainer around a Hugging Face causal LM: ``policy_trainer`` and ``ref_policy``; and around
+a Hugging Face token-classification model with one label: the PPO ``critic`` (``spec.role``).
 
 Sharding: ``fully_shard`` on every decoder layer, then on the root, over a 1-D device mesh
 of all ranks (so each parameter, its gradient and its Adam states are split on dim 0).
@@ -12,7 +13,8 @@ The loss is aggregated over the whole global batch (:class:`chatlearn.algorithms
     per_token = policy_loss + kl_coef * KL(logp, ref_logp) - entropy_coef * H
     loss      = sum_{response tokens t of the global batch} c_{i(t)} * per_token_t
 
-(c_i = 1 / T_global for ``loss_agg_mode: token-mean``). Each micro-batch backpropagates
+(c_i = 1 / T_global for ``loss_agg_mode: token-mean``; the critic's loss is
+:class:`chatlearn.algorithms.value_loss.ValueLoss`, aggregated the same way). Each micro-batch backpropagates
 ``sum(c * per_token) * W``; FSDP's reduce-scatter averages gradients over the W ranks, so
 the summed shards are exactly d(loss)/d(theta). The learning rate of each step is
 :func:`chatlearn.algorithms.lr_schedule.learning_rate` of Adam's step count.
@@ -41,7 +43,7 @@ from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shar
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 
-from chatlearn.algorithms.grpo import LOSS_SUMS, chunked_logprobs_entropy, token_sums
+from chatlearn.algorithms.grpo import chunked_logprobs_entropy
 from chatlearn.checkpoint import sharded
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
@@ -125,9 +127,49 @@ def _token_logprobs(model, input_ids, attention_mask, position_ids, rows, cols,
                                     temperature, chunk, with_entropy, bias=head.bias)
 
 
+def _value_head(model) -> torch.nn.Module:
+    """The value head of a token-classification model: ``score`` (transformers'
+    ``GenericForTokenClassification``: Qwen2, Llama, ...) or ``classifier``."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Module):
+            return head
+    raise ValueError(f"{type(model).__name__}: no value head (neither a score nor a classifier module)")
+
+
+def _token_values(model, input_ids, attention_mask, position_ids, rows, cols,
+                  temperature: float, chunk: int, with_entropy: bool, prev_cols=None, layout=None):
+    """``(values, None)``: the critic's float32 [M] values of the tokens ``input_ids[rows, cols]``,
+    the value of the state before each token is generated::
+
+        V[rows, cols] = score(hidden[rows, prev_cols])        (prev_cols: cols - 1 by default)
+
+    (verl's critic: ``values[:, -response_length - 1:-1]``). The critic's counterpart of
+    :func:`_token_logprobs`, bound to the model as ``token_logprobs`` (with its signature, so
+    that the trainer's passes run unchanged; ``temperature``, ``chunk`` and ``with_entropy`` are
+    not used) and registered as an FSDP forward method the same way: the root's parameters (the
+    embeddings, the final norm and the value head) are all-gathered by the root's pre-forward.
+    The backbone (``model.base_model``: ``model.model`` of transformers' ``*ForTokenClassification``)
+    gives the last hidden states, with the shared-prompt ``layout`` passed to its attention as for
+    the log-probs; only the rows of the wanted tokens go through the head. This is HF's
+    ``XForTokenClassification.forward`` (``logits = score(dropout(hidden_states))``, transformers
+    5.x ``modeling_layers.py``) without the dropout (0 for the critic) at the positions before the
+    tokens.
+    """
+    extra = {} if layout is None else {shared_prompt.KWARG: layout}
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, use_cache=False, **extra).last_hidden_state
+    prev = cols - 1 if prev_cols is None else prev_cols
+    return _value_head(model)(hidden[rows, prev]).float().squeeze(-1), None
+
+
 class FSDPTrainer(Trainer):
     """FSDP2 trainer of a Hugging Face causal LM (``trainable``: policy_trainer; else
-    ref_policy: frozen, no optimizer, forward only).
+    ref_policy: frozen, no optimizer, forward only), or, with ``spec.role`` critic, of the
+    critic: ``AutoModelForTokenClassification`` with one label (the backbone of the ``load``
+    folder, a causal LM or a critic's own folder, and a scalar value head), whose forward gives
+    values (:func:`_token_values`) where the policy's gives log-probs, trained on the value loss
+    (:class:`chatlearn.algorithms.value_loss.ValueLoss`).
 
     Training runs the model in train mode (HF gradient checkpointing needs it), so any
     dropout in the model config is active; RL usually wants it 0 (Qwen2's default).
@@ -139,7 +181,8 @@ class FSDPTrainer(Trainer):
         when trainable), clip_grad, train_micro_batch_size, logprob_micro_batch_size, gradient_checkpointing,
         bf16, packing, max_token_in_packing, seq_length, logprob_chunk_tokens, meta_init, share_prompt, the
         loss fields (:class:`chatlearn.algorithms.grpo.GRPOLoss`) and the learning-rate schedule's (the
-        lr_* iters resolved to optimizer steps); the Megatron parallelism fields are not read."""
+        lr_* iters resolved to optimizer steps), role (and the critic's cliprange_value and value_loss_coef);
+        the Megatron parallelism fields are not read."""
         self.spec = spec
         self.device = init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -180,10 +223,15 @@ class FSDPTrainer(Trainer):
         step), for the same numbers. Checkpoints are the same DCP folders either way (DCP
         reshards plain tensors and DTensors alike), so a run resumes on any number of ranks.
         With ``bf16`` on CUDA one rank is still wrapped: FSDP2's ``MixedPrecisionPolicy``
-        gives the bfloat16 compute copies of the float32 master weights."""
-        from transformers import AutoModelForCausalLM
+        gives the bfloat16 compute copies of the float32 master weights.
 
+        The critic (``role`` critic) is ``AutoModelForTokenClassification`` with ``num_labels=1``
+        (:meth:`_auto_class`): from a causal LM's folder the backbone loads and the value head is
+        newly initialised (from the generator seeded with ``seed`` in the constructor, the same on
+        every rank), as verl initialises its critic; a critic's own folder loads as is. Its
+        classifier dropout is set to 0, and its forward gives values (:func:`_token_values`)."""
         spec = self.spec
+        critic = spec.role == "critic"
         dtype = self._param_dtype()
         mixed = bool(spec.bf16) and self.device.type == "cuda"
         self.sharded = self.world > 1 or mixed
@@ -191,13 +239,17 @@ class FSDPTrainer(Trainer):
         if spec.meta_init and self.sharded:
             model, loaded = self._meta_model(dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                spec.load, dtype=dtype, trust_remote_code=spec.trust_remote_code)
-        scaled = [a for a in _LOGIT_TRANSFORMS if getattr(model.config, a, None) not in (None, 1, 1.0)]
+            auto, head = self._auto_class()
+            model = auto.from_pretrained(spec.load, dtype=dtype, trust_remote_code=spec.trust_remote_code, **head)
+        # (the critic's value is score(hidden states) in HF's own forward too: no logit transform to skip)
+        scaled = [] if critic else [a for a in _LOGIT_TRANSFORMS
+                                    if getattr(model.config, a, None) not in (None, 1, 1.0)]
         if scaled:
             raise UserError(f"{type(model).__name__} transforms its logits ({', '.join(scaled)}); "
                             "the FSDP trainer computes logits as lm_head(hidden states) only. Use "
-                            "a model without logit scaling or soft-capping.", key="models.policy_trainer.load")
+                            "a model without logit scaling or soft-capping.", key=self._config_key("load"))
+        if critic:
+            self._check_value_head(model)
         model.config.use_cache = False
         self.share_prompt = self._resolve_share_prompt(model)
         if self.share_prompt:
@@ -209,7 +261,7 @@ class FSDPTrainer(Trainer):
         if not self.trainable:
             model.requires_grad_(False)
         model.train(False)
-        model.token_logprobs = types.MethodType(_token_logprobs, model)
+        model.token_logprobs = types.MethodType(_token_values if critic else _token_logprobs, model)
         if not self.sharded:  # one rank, one dtype: nothing to shard, gather or reduce
             own_storage(model.to(self.device).parameters())
             return model
@@ -245,9 +297,8 @@ class FSDPTrainer(Trainer):
         if why is None:
             return True
         if setting:
-            role = "policy_trainer" if self.trainable else "ref_policy"
             raise UserError(f"share_prompt: true cannot be honoured: {why}. Set it to null (on where it can "
-                            "be) or false.", key=f"models.{role}.share_prompt")
+                            "be) or false.", key=self._config_key("share_prompt"))
         return False
 
     def _meta_model(self, dtype: torch.dtype):
@@ -255,21 +306,54 @@ class FSDPTrainer(Trainer):
         CPU on rank 0 / None elsewhere)``. Ranks other than 0 read only ``config.json`` and
         ``generation_config.json``. Rank 0 loads the checkpoint with ``from_pretrained`` in
         ``dtype`` (transformers applies its own key conversions; a bfloat16 checkpoint is
-        read as bfloat16, never through a float32 copy)."""
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+        read as bfloat16, never through a float32 copy). The critic's class and head:
+        :meth:`_auto_class` (rank 0's copy initialises a new value head)."""
+        from transformers import AutoConfig, GenerationConfig
 
         spec = self.spec
         remote = spec.trust_remote_code
-        config = AutoConfig.from_pretrained(spec.load, trust_remote_code=remote)
+        auto, head = self._auto_class()
+        config = AutoConfig.from_pretrained(spec.load, trust_remote_code=remote, **head)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
-        try:  # save_hf writes the model's generation config: keep the checkpoint's
-            model.generation_config = GenerationConfig.from_pretrained(spec.load)
-        except OSError:  # none in the folder
-            pass
-        loaded = (AutoModelForCausalLM.from_pretrained(spec.load, dtype=dtype, trust_remote_code=remote)
+            model = auto.from_config(config, dtype=dtype, trust_remote_code=remote)
+        if spec.role != "critic":
+            try:  # save_hf writes the model's generation config: keep the checkpoint's
+                model.generation_config = GenerationConfig.from_pretrained(spec.load)
+            except OSError:  # none in the folder
+                pass
+        loaded = (auto.from_pretrained(spec.load, dtype=dtype, trust_remote_code=remote, **head)
                   if self.rank == 0 else None)
         return model, loaded
+
+    def _auto_class(self):
+        """``(transformers auto class, from_pretrained / AutoConfig keyword arguments)`` of this
+        model: ``AutoModelForTokenClassification`` with ``num_labels=1`` for the critic,
+        ``AutoModelForCausalLM`` otherwise."""
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        if self.spec.role == "critic":
+            return AutoModelForTokenClassification, {"num_labels": 1}
+        return AutoModelForCausalLM, {}
+
+    def _check_value_head(self, model) -> None:
+        """The critic's model has a value head of one output (or a UserError naming ``load``);
+        its classifier dropout is set to 0 (the config's ``classifier_dropout`` where it has one,
+        and the head's dropout module)."""
+        try:
+            head = _value_head(model)
+        except ValueError as err:
+            raise UserError(f"{err}: the critic needs a token-classification model with a value head.",
+                            key=self._config_key("load")) from None
+        out = getattr(head, "out_features", 1)
+        if out != 1:
+            raise UserError(f"{type(model).__name__}'s value head has {out} outputs, not 1: the critic's "
+                            "folder must be a causal LM or a token-classification model with one label.",
+                            key=self._config_key("load"))
+        if getattr(model.config, "classifier_dropout", None) is not None:
+            model.config.classifier_dropout = 0.0
+        dropout = getattr(model, "dropout", None)
+        if isinstance(dropout, torch.nn.Dropout):
+            dropout.p = 0.0
 
     @torch.no_grad()
     def _load_from_rank0(self, model: torch.nn.Module, loaded) -> None:
@@ -476,14 +560,14 @@ class FSDPTrainer(Trainer):
         of micro-steps (equal shares; with packing, dummy micro-steps make up the difference:
         see ``_micro_batches``), so the collectives line up.
         """
-        # sums over this rank's tokens, named by LOSS_SUMS
-        sums = torch.zeros(len(LOSS_SUMS), dtype=torch.float64, device=self.device)
+        # sums over this rank's tokens, named by objective.SUMS
+        sums = torch.zeros(len(objective.SUMS), dtype=torch.float64, device=self.device)
         micro, passes = self._micro_batches(batch, self.spec.train_micro_batch_size)
         for mb in micro:
             logp, ent, pos = self._forward(batch, mb, temperature, objective.with_entropy)
             terms, coef, weight = objective.terms(logp, ent, pos)
             ((terms["loss"] * coef).sum() * self.world).backward()
-            sums += token_sums(terms, coef, weight, ent)
+            sums += objective.token_sums(terms, coef, weight, ent)
         self._reshard()
         return sums, passes
 
@@ -583,7 +667,9 @@ class FSDPTrainer(Trainer):
 
     def save_hf(self, path: str) -> None:
         """Write a Hugging Face folder at ``path`` (rank 0 writes; a collective): weights,
-        config, and the other files of the ``load`` folder (tokenizer, chat template)."""
+        config, and the other files of the ``load`` folder (tokenizer, chat template). The
+        critic's is a token-classification folder with one label (``save_pretrained``), which
+        ``AutoModelForTokenClassification.from_pretrained`` and this trainer load as is."""
         self._require_weights()
         self._reshard()
         state = get_model_state_dict(
@@ -646,6 +732,7 @@ class FSDPTrainer(Trainer):
             sharded.write_meta(path, {
                 "world_size": self.world,
                 "trainable": self.trainable,
+                "role": self.spec.role,
                 "has_optimizer": self.optimizer is not None,
                 "optimizer_stepped": stepped,
                 "hf_source": (os.path.abspath(self.spec.load) if os.path.isdir(self.spec.load)
@@ -672,10 +759,15 @@ class FSDPTrainer(Trainer):
         """
         self._require_onloaded("load_checkpoint")
         meta = sharded.read_meta(path)
+        critic = self.spec.role == "critic"
+        if "role" in meta and (meta["role"] == "critic") != critic:
+            raise UserError(f"checkpoint {path!r} was saved by a {meta['role']} model, which cannot resume "
+                            f"as a {self.spec.role} (the critic has a value head, the policy an LM head). "
+                            f"Load a checkpoint of the {'critic' if critic else 'policy trainer'}.")
         if self.optimizer is not None and not meta.get("has_optimizer"):
             raise UserError(f"checkpoint {path!r} holds no optimizer state (it was saved by a "
                             "frozen reference model), so a trainable model cannot resume from "
-                            "it. Load a checkpoint of the policy trainer.")
+                            f"it. Load a checkpoint of the {'critic' if critic else 'policy trainer'}.")
         rng = sharded.load_rng_state(path, self.rank % int(meta["world_size"]))
         reader = sharded.SafeFileSystemReader(path)
         reader.read_metadata()  # DCP's metadata: a UserError now if damaged (then cached)

@@ -20,7 +20,7 @@ from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import info, ray_init_options, workers_stream_to_driver
 from chatlearn.logging.gpu_memory import visible_gpu_count
-from chatlearn.models.specs import RewardSpec, RolloutSpec, TrainerSpec
+from chatlearn.models.specs import RewardModelSpec, RewardSpec, RolloutSpec, TrainerSpec
 from chatlearn.runtime.cluster.group import WorkerGroup, create_group, start_actors
 from chatlearn.runtime.cluster.leftovers import clean_leftovers, mark_driver
 from chatlearn.runtime.cluster.signals import stop_on_sigterm, terminated
@@ -216,6 +216,9 @@ class Cluster:
         if name == "policy":
             backend = cfg.runtime_args.rollout_backend
             spec, env = RolloutSpec.from_config(cfg), worker_env("rollout", backend, threads)
+        elif name == "reward_model":  # FSDP2 inference, whatever the training backend
+            backend = "reward_model"
+            spec, env = RewardModelSpec.from_config(cfg), worker_env("trainer", "fsdp", threads)
         else:
             backend = cfg.runtime_args.train_backend
             spec = TrainerSpec.from_config(cfg, name, plan)

@@ -84,6 +84,13 @@ class ModelCalls:
                                          self.temperature)
         return outs[0]
 
+    def values(self, model: str, batch: dict) -> np.ndarray:
+        """Per-token values of the batch's response tokens under the critic ``model`` (its weights made
+        resident): float32 [T], 0 at the prompt's and the observations' tokens."""
+        self.sched.ensure(model, [Part.WEIGHTS])
+        outs, _ = self.group(model).call("compute_values", ray.put(columns(batch, SEQUENCE_COLUMNS)))
+        return outs[0]
+
 
 class StepLoop:
     """A trained model's optimizer steps over an episode's batch: ``samples_per_step`` samples a step,
@@ -97,9 +104,10 @@ class StepLoop:
         self.nonfinite_in_a_row: dict[str, int] = collections.defaultdict(int)
 
     def run(self, model: str, batch: dict, episode: int, step_columns: Callable[[int], tuple],
-            aside: tuple = ()) -> Trained:
+            aside: tuple = (), prefix: str = "train/") -> Trained:
         """``step_columns(s)``: the columns the step that starts at sample ``s`` reads; ``aside``: step
-        outputs that are no means, popped from every step and kept from the first."""
+        outputs that are no means, popped from every step and kept from the first; ``prefix``: of the
+        metric names (``train/`` for the policy, ``train/critic/`` for the critic)."""
         per_step, epochs = self.plan.samples_per_step, self.cfg.runtime_args.num_training_epoch
         samples = len(batch["prompt_lens"])  # with replay, earlier episodes' samples too
         total = samples // per_step * epochs
@@ -123,7 +131,7 @@ class StepLoop:
                     sums[k] = max(sums[k], float(v)) if k in STEP_MAXIMA else sums[k] + float(v)
         means = {k: v if k in STEP_MAXIMA else v / (steps - skipped) for k, v in sums.items()}
         means["skipped_steps"] = float(skipped)
-        return Trained({f"train/{k}": v for k, v in means.items()}, first)
+        return Trained({f"{prefix}{k}": v for k, v in means.items()}, first)
 
     def nonfinite(self, model: str, step: dict, episode: int, index: int) -> bool:
         """Whether the trainer skipped this step (``skipped_steps``: its loss or gradient norm was not
@@ -131,7 +139,7 @@ class StepLoop:
         ``models.<model>.optimizer.max_nonfinite_steps``."""
         key = f"models.{model}.optimizer.max_nonfinite_steps"
         limit = getattr(self.cfg.models, model).optimizer.max_nonfinite_steps
-        where = f"episode {episode}, optimizer step {index}/{self.plan.steps_per_episode}"
+        where = f"{model}: episode {episode}, optimizer step {index}/{self.plan.steps_per_episode}"
         if not step["skipped_steps"]:
             self.nonfinite_in_a_row[model] = 0
             return False
@@ -158,6 +166,11 @@ class Algorithm(abc.ABC):
 
     trained: tuple[str, ...]
     replay_columns: tuple[str, ...]
+
+    def trains(self, episode: int) -> tuple[str, ...]:
+        """The models episode ``episode`` trains, in order (every one of ``trained`` unless a warm-up
+        leaves some out); the weight push follows only an episode that trains the policy."""
+        return self.trained
 
     @abc.abstractmethod
     def passes(self) -> list[Pass]:
@@ -243,6 +256,81 @@ class GRPO(Algorithm):
         return wanted
 
 
+class PPO(GRPO):
+    """PPO with a critic (``advantage_estimator: gae``): the policy's loss is GRPO's (clipped ratio, KL,
+    entropy, rollout correction) with per-token advantages; the critic (``models.critic``) gives each
+    response token a value, Generalized Advantage Estimation turns the episode's rewards (on each
+    sample's last token, less the per-token KL with ``kl_in_reward``) and the values into advantages
+    (whitened with ``whiten_advantages``) and returns, and the critic learns the returns by the clipped
+    value loss (:class:`chatlearn.algorithms.value_loss.ValueLoss`), before the policy steps. The first
+    ``models.critic.warmup_episodes`` episodes train the critic alone.
+
+    The passes run reference, old log-probs, values: the policy trainer, resident for its old
+    log-probs, hands the devices to the critic, which stays to train; then the policy trains and
+    stays for the weight push."""
+
+    trained = ("critic", "policy_trainer")
+
+    def __init__(self, cfg, plan: Plan, calls: ModelCalls, steps: StepLoop):
+        super().__init__(cfg, plan, calls, steps)
+        self.replay_columns = (*(c for c in self.replay_columns if c != "advantages"), "token_advantages",
+                               "values", "returns")
+
+    def trains(self, episode: int) -> tuple[str, ...]:
+        if episode <= self.cfg.models.critic.warmup_episodes:
+            return ("critic",)
+        return self.trained
+
+    def passes(self) -> list[Pass]:
+        return [*super().passes(), Pass(Stage.VALUES, "critic", "values",
+                                        lambda batch: self.calls.values("critic", batch))]
+
+    def advantages(self, batch: dict, scored: Scored) -> dict:
+        """``token_advantages`` and ``returns`` by GAE (:func:`chatlearn.algorithms.gae.episode_gae`) from
+        the shaped rewards and the critic's ``values``; ``sample_weights`` all 1. With ``kl_in_reward`` each
+        token's reward is less ``kl_coef`` times the KL of the old log-probs to the reference's."""
+        from chatlearn.algorithms.gae import episode_gae
+
+        t = self.cfg.models.policy_trainer
+        kl = None
+        if t.kl_in_reward and t.kl_coef > 0:
+            kl = token_kl(batch["old_logprobs"], batch["ref_logprobs"], t.kl_estimator)
+        batch["token_advantages"], batch["returns"], metrics = episode_gae(
+            batch, scored.shaped, t.gamma, t.lam, whiten=t.whiten_advantages, kl=kl, kl_coef=t.kl_coef)
+        batch["sample_weights"] = np.ones(len(batch["prompt_lens"]), np.float32)
+        out = {f"train/{k}": v for k, v in metrics.items() if k in ("advantages_mean", "token_reward_mean")}
+        if kl is not None:
+            out["train/kl_in_reward_penalty"] = t.kl_coef * metrics["kl_in_reward"]
+        # how well the values the critic had before this episode's update predict its returns
+        out.update({f"train/critic/{k}": v for k, v in metrics.items()
+                    if k in ("values_mean", "returns_mean", "explained_variance")})
+        if self.cfg.models.reward.overlong_buffer_len > 0:
+            out["train/overlong_penalty_mean"] = float(np.mean(scored.shaped - scored.rewards))
+        return out
+
+    def train(self, model: str, batch: dict, episode: int) -> Trained:
+        if model == "critic":
+            return self.steps.run(model, batch, episode, lambda s: (*SEQUENCE_COLUMNS, "values", "returns",
+                                                                    "sample_weights"), prefix="train/critic/")
+        return super().train(model, batch, episode)
+
+    def step_columns(self, s: int) -> tuple:
+        return tuple("token_advantages" if c == "advantages" else c for c in super().step_columns(s))
+
+
+def token_kl(old: np.ndarray, ref: np.ndarray, estimator: str) -> np.ndarray:
+    """float32 [T]: the per-token KL estimate ``kl_penalty(old, ref)`` (``kl_estimator``)."""
+    import torch
+
+    from chatlearn.algorithms.kl import kl_penalty
+
+    return kl_penalty(torch.from_numpy(np.asarray(old, np.float64)),
+                      torch.from_numpy(np.asarray(ref, np.float64)), estimator).numpy().astype(np.float32)
+
+
 def make_algorithm(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
-    """The algorithm of the run: every advantage estimator the schema accepts is group-relative."""
+    """The algorithm of the run: PPO with a critic for ``advantage_estimator: gae``, else the
+    group-relative family."""
+    if plan.uses_critic:
+        return PPO(cfg, plan, calls, steps)
     return GRPO(cfg, plan, calls, steps)

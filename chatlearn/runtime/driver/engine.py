@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 from chatlearn.batch import check
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.names import MODEL_PARTS, Part, Stage
-from chatlearn.config.plan import Plan
+from chatlearn.config.plan import Plan, section
 from chatlearn.data.dataset import PromptSampler, PromptSet
 from chatlearn.errors import UserError
 from chatlearn.logging.console import info, warn
@@ -56,7 +56,7 @@ from chatlearn.runtime.driver.scheduler import Scheduler, Timeline, movable_part
 from chatlearn.runtime.weight_push.driver import WeightPush
 
 # the folder of each trainable model's sharded state inside a checkpoint
-CHECKPOINT_FOLDERS = {"policy_trainer": "trainer"}
+CHECKPOINT_FOLDERS = {"policy_trainer": "trainer", "critic": "critic"}
 
 
 class Engine:
@@ -72,14 +72,15 @@ class Engine:
         self.sched = Scheduler(plan, self.timeline, offload_without_gpu=rt.offload_without_gpu)
         # Each model is built once the models before it have left the devices they share with it.
         # The rollout engine comes last: it sizes its KV cache from the memory left free.
-        order = [n for n in ("policy_trainer", "ref_policy", "reward", "policy") if n in plan.placements]
+        order = [n for n in ("policy_trainer", "critic", "ref_policy", "reward_model", "reward", "policy")
+                 if n in plan.placements]
         cluster.prestart(order)  # every process starts now; the models are built in turn below
-        for name in order:  # (ref_policy is not placed without a KL term)
-            movable = movable_parts(name, m[name].free_gpu_memory) if name in MODEL_PARTS else ()
+        for name in order:  # (ref_policy, critic, reward_model: placed only when the run uses them)
+            movable = movable_parts(name, m[section(name)].free_gpu_memory) if name in MODEL_PARTS else ()
             self.sched.add(name, lambda name=name: cluster.create(name), movable)
         groups = self.sched.groups
         self.sampling = Sampling(cfg, tokenizer, groups["policy"], groups["reward"], cluster.specs["reward"],
-                                 multi_turn)
+                                 multi_turn, reward_model=groups.get("reward_model"))
         self.progress = RunProgress(rt.num_episode)
         self.instrument = Instrument(self.sched, self.progress, rt.num_training_epoch)
         calls = ModelCalls(self.sched, train_temperature(cfg))
@@ -127,38 +128,49 @@ class Engine:
         batch = samples.batch
         passes = self.algorithm.passes()
         # The reward workers (CPU) score beside the forward passes; a pass whose model shares no
-        # devices with a trained model runs beside the others too.
+        # devices with a trained model runs beside the others too. A reward model scores first,
+        # taking its turn on its devices.
         with _closing(ThreadPoolExecutor(max_workers=1 + len(passes))) as pool:
             scoring = None if samples.scored is not None else run.background(
                 pool, Stage.REWARD, "reward", self.sampling.scored, batch, samples.prompts,
                 f"the rollouts of episode {episode}")
+            if self.sampling.reward_model is not None:
+                with run.stage(Stage.REWARD_MODEL, "reward_model"):
+                    self.sched.ensure("reward_model", MODEL_PARTS["reward_model"])
+                    batch["reward_model_scores"] = self.sampling.model_scores(batch, samples.prompts)
             started = [(p, self.start_pass(p, batch, run, pool)) for p in passes]
             for p, result in started:
                 batch[p.column] = result.result()
             if scoring is not None:
                 samples.scored = scoring.result()
+        if "reward_model_scores" in batch:  # its score, weighted, added to the functions' rewards
+            samples.scored, rm_metrics = self.sampling.with_model_scores(samples.scored, batch["reward_model_scores"])
+            samples.metrics.update(rm_metrics)
 
         metrics = {**samples.metrics, **self.algorithm.advantages(batch, samples.scored)}
         check(batch)  # every column the stages wrote is declared, of its kind and length (chatlearn.batch)
         self.report.log_samples(episode, samples)  # before the checkpoint, which keeps them
         train_batch = self.replay.training_batch(batch)
         first_steps = {}
-        for model in self.algorithm.trained:
+        trains = self.algorithm.trains(episode)
+        for model in trains:
             with run.stage(Stage.TRAIN, model):
                 self.sched.ensure(model, MODEL_PARTS[model])
                 trained = self.algorithm.train(model, train_batch, episode)
             metrics.update(trained.metrics)
             first_steps[model] = trained.first_step
         self.replay.add(batch)  # before the checkpoint, which keeps it for the episodes that follow
-        if self.should_save(episode):  # the trained models are still resident with their optimizer state
-            with run.stage(Stage.CHECKPOINT, self.algorithm.trained[-1]):
+        if self.should_save(episode):  # the last trained model is still resident with its optimizer state
+            with run.stage(Stage.CHECKPOINT, trains[-1]):
                 self.save_checkpoint(episode)
 
-        # new weights into the rollout engine: its weights first, the push, then its KV cache
-        with run.stage(Stage.WEIGHT_PUSH, "policy"):
-            metrics.update(self.push_weights())
+        # new weights into the rollout engine: its weights first, the push, then its KV cache (an episode
+        # that left the policy as it was, a critic warm-up, pushes nothing)
+        if "policy_trainer" in trains:
+            with run.stage(Stage.WEIGHT_PUSH, "policy"):
+                metrics.update(self.push_weights())
         self.sched.ensure("policy", [Part.KV_CACHE])
-        metrics.update(self.report.metrics(episode, samples, first_steps["policy_trainer"]))
+        metrics.update(self.report.metrics(episode, samples, first_steps.get("policy_trainer", {})))
         return run.finish(metrics, batch, samples.generated_tokens)
 
     # ------------------------------------------------------------------ stages
@@ -235,12 +247,16 @@ class Engine:
         sampler, under one step counter, plus a Hugging Face folder of the policy when ``save_hf``
         (see CheckpointManager)."""
         def write(tmp: str) -> None:
-            for model in self.algorithm.trained:
+            # the model resident now first, so that models taking turns move only as much as they must
+            trained = sorted(self.algorithm.trained, key=lambda m: not self.sched.is_resident(m, MODEL_PARTS[m]))
+            for model in trained:
+                self.sched.ensure(model, MODEL_PARTS[model])
                 self.sched.groups[model].call("save_checkpoint", os.path.abspath(os.path.join(tmp, _folder(model))))
             self.replay.save(tmp)
             if self.pipeline is not None:  # the finished rollouts of the episodes after this one
                 self.pipeline.save(tmp)
             if self.cfg.models.policy_trainer.save_hf:
+                self.sched.ensure("policy_trainer", [Part.WEIGHTS])
                 self.sched.groups["policy_trainer"].call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
 
         self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict()})

@@ -221,6 +221,11 @@ class Scheduler:
         self.gpu_peaks = {}
         return out
 
+    def is_resident(self, name: str, parts: Iterable[str]) -> bool:
+        """Whether every one of ``parts`` of ``name`` is resident now."""
+        with self._lock:
+            return set(parts) <= self.resident.get(name, set())
+
     def snapshot(self) -> dict[str, list[str]]:
         """Resident parts by model (models with none left out)."""
         return {m: sorted(p) for m, p in self.resident.items() if p}
