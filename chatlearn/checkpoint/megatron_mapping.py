@@ -19,6 +19,9 @@ over the tensor-parallel group returns); rank r holds the r-th of ``tp`` equal c
   vocabulary is padded with zero rows to a multiple of ``tp`` (padding is cut on export and
   masked out of the log-probs).
 * norms: replicated.
+* the critic's value head (``output_layer`` of the critic's model: ``score`` of Hugging Face's
+  ``*ForTokenClassification`` with one label, weight ``[1, hidden]`` and bias ``[1]``):
+  replicated on every tensor-parallel rank of the last stage (kind ``value``).
 
 Parameters are known by the names of megatron-core's local layer spec (the model module maps
 the TransformerEngine spec's names to those: ``canonical_name``).
@@ -134,8 +137,8 @@ class Mapping:
     """One Megatron parameter (global name: global layer index) and its Hugging Face tensors.
 
     kind: ``replicated`` | ``qkv`` | ``glu`` | ``vocab`` (column-parallel, dim 0) | ``row``
-    (dim 1). ``layer``: global layer index, or ``None`` for the embedding (first stage) and
-    the final norm / output layer (last stage).
+    (dim 1) | ``value`` (the critic's value head, replicated). ``layer``: global layer index, or
+    ``None`` for the embedding (first stage) and the final norm / output layer (last stage).
     """
 
     megatron: str
@@ -145,15 +148,17 @@ class Mapping:
 
     @property
     def split_dim(self) -> int | None:
-        return None if self.kind == "replicated" else 1 if self.kind == "row" else 0
+        return None if self.kind in ("replicated", "value") else 1 if self.kind == "row" else 0
 
     @property
     def first_stage(self) -> bool:
         return self.megatron.startswith("embedding.")
 
 
-def mappings(arch: HFArch) -> list[Mapping]:
-    """Every exported Megatron parameter, in Hugging Face order."""
+def mappings(arch: HFArch, value_head: bool = False) -> list[Mapping]:
+    """Every exported Megatron parameter, in Hugging Face order. ``value_head``: the critic's model,
+    whose ``output_layer`` is the value head ``score`` (weight and bias) of Hugging Face's
+    ``*ForTokenClassification``, never tied; else the causal LM's (``lm_head`` unless tied)."""
     out = [Mapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
     for i in range(arch.num_layers):
         hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -175,7 +180,10 @@ def mappings(arch: HFArch) -> list[Mapping]:
                     "replicated", i),
         ]
     out.append(Mapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
-    if not arch.tied_embeddings:
+    if value_head:
+        out += [Mapping("output_layer.weight", ("score.weight",), "value"),
+                Mapping("output_layer.bias", ("score.bias",), "value")]
+    elif not arch.tied_embeddings:
         out.append(Mapping("output_layer.weight", ("lm_head.weight",), "vocab"))
     return out
 
@@ -198,6 +206,8 @@ def hf_shapes(arch: HFArch, m: Mapping) -> list[tuple]:
     if m.kind == "row":
         inner = arch.ffn_hidden_size if "fc2" in m.megatron else arch.num_heads * hd
         return [(h, inner)]
+    if m.kind == "value":
+        return [(1, h) if m.megatron.endswith("weight") else (1,)]
     return [(h,)]
 
 

@@ -629,6 +629,15 @@ def _check_context_length(cfg: DictConfig) -> None:
                 f"is {t.seq_length}, more than the {limit} tokens the model takes ({where}): micro-batches are "
                 f"padded to exactly seq_length. Lower it to at most {limit}, or set it to null.",
                 key=f"models.{name}.seq_length")
+    longest = policy_sequence_length(p)
+    if uses_critic(cfg) and cfg.models.critic.load != p.load:  # a critic of another model than the policy's
+        critic_limit = model_context_length(cfg.models.critic.load)
+        if critic_limit is not None and critic_limit < longest:
+            raise ConfigError(
+                f"holds a model that takes {critic_limit} tokens ({cfg.models.critic.load}/config.json), fewer than "
+                f"the policy's longest prompt + response ({longest} tokens): the critic reads every sample whole. "
+                "Use a critic with a longer context, or lower models.policy.max_prompt_tokens_length / "
+                "max_response_tokens_length.", key="models.critic.load")
     total = p.max_prompt_tokens_length + p.max_response_tokens_length
     context = p.seq_length or total  # the engine's context (chatlearn.models.rollout.common.context_length)
     if cfg.runtime_args.rollout_backend == "sglang" and context + 1 > limit:

@@ -49,10 +49,6 @@ def check_ppo(cfg, user_keys: frozenset = frozenset()) -> None:
         raise ConfigError("drops groups of equal rewards, whose group-relative advantages are 0; with "
                           "advantage_estimator: gae the critic gives every token an advantage. Set it to false, or "
                           "use a group-relative estimator (grpo, dr_grpo, rloo).", key=f"{PT}.filter_equal_groups")
-    if rt.train_backend == "megatron":
-        raise ConfigError("the critic (advantage_estimator: gae) runs on the FSDP backend only in this build: the "
-                          "Megatron trainer has no value head yet. Set runtime_args.train_backend: fsdp, or use a "
-                          "group-relative estimator (grpo) with Megatron.", key="runtime_args.train_backend")
     if not c.trainable:
         raise ConfigError("must be True: the critic learns the values.", key="models.critic.trainable")
     for key in POLICY_LOSS_KEYS:
@@ -67,7 +63,8 @@ def check_ppo(cfg, user_keys: frozenset = frozenset()) -> None:
         raise ConfigError("must be > 0.", key="models.critic.optimizer.clip_grad")
     _positive(opt.max_nonfinite_steps, "models.critic.optimizer.max_nonfinite_steps")
     if not 0 <= opt.min_lr <= opt.lr:
-        raise ConfigError(f"must be in [0, lr] (lr = {opt.lr}), got {opt.min_lr}.", key="models.critic.optimizer.min_lr")
+        raise ConfigError(f"must be in [0, lr] (lr = {opt.lr}), got {opt.min_lr}.",
+                          key="models.critic.optimizer.min_lr")
     if c.cliprange_value is not None and not c.cliprange_value > 0:
         raise ConfigError(f"must be > 0 (the largest change of a value from the one the episode computed), or "
                           f"null: no clipping; got {c.cliprange_value}.", key="models.critic.cliprange_value")

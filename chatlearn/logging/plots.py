@@ -49,6 +49,12 @@ PANELS = (
           ("train/dynamic_sampling_prompts_drawn", "train/dynamic_sampling_filled_groups")),
     Panel("environment", "Multi-turn rollouts (models.policy.multi_turn)", "per trajectory",
           ("train/env/turns_mean", "eval/env/turns_mean", "train/env/done_frac", "train/env/info/<key>")),
+    Panel("critic_loss", "Critic: value loss (PPO)", "squared reward",
+          ("train/critic/value_loss", "train/critic/value_error")),
+    Panel("critic_fit", "Critic: explained variance of the returns, clipped values", "fraction",
+          ("train/critic/explained_variance", "train/critic/value_clip_frac")),
+    Panel("reward_model", "Reward model scores (models.reward.load)", "score",
+          ("train/reward_model/score_mean", "eval/reward_model/score_mean")),
     Panel("throughput", "Throughput", "tokens / s", ("perf/generate_tokens_per_s", "perf/train_tokens_per_s")),
     Panel("memory", "Peak memory per model", "MiB", ("memory/<model>_peak_mb",)),
 )

@@ -9,11 +9,12 @@ Parts that a model can hold on its devices (:class:`chatlearn.config.names.Part`
 ``optimizer``, ``grads``, ``kv_cache``. ``offload(parts)`` frees their storage on the device for
 real (the data is kept on the host), ``onload(parts)`` restores it bit for bit.
 
-The backends: :class:`Trainer` (FSDP2, Megatron), :class:`Rollout` (vLLM, SGLang, transformers)
-and :class:`Reward` (the reward workers). Each base class declares every method the runtime calls
-on its backends (the engine, the scheduler's offload/onload, the weight push's
-``chatlearn.runtime.weight_push.stream.Endpoint``), abstract where a backend must implement it, so that
-a backend that misses one fails when it is built (``TypeError``), not in the middle of a run.
+The backends: :class:`Trainer` (FSDP2, Megatron), :class:`Rollout` (vLLM, SGLang, transformers),
+:class:`ScoringModel` (a reward model) and :class:`Reward` (the reward workers). Each base class
+declares every method the runtime calls on its backends (the engine, the scheduler's offload/onload,
+the weight push's ``chatlearn.runtime.weight_push.stream.Endpoint``), abstract where a backend must
+implement it, so that a backend that misses one fails when it is built (``TypeError``), not in the
+middle of a run.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def step_is_finite(loss: float, grad_norm: float) -> bool:
 
 
 class Trainer(Model):
-    """policy_trainer, ref_policy and critic (FSDP2 and Megatron; the critic on FSDP2 only).
+    """policy_trainer, ref_policy and critic (FSDP2 and Megatron).
 
     ``spec.role`` says which: ``policy`` (an LM head, the loss of
     :class:`chatlearn.algorithms.grpo.GRPOLoss`), ``reference`` (frozen, log-probs only) or ``critic``
@@ -473,6 +474,17 @@ class Rollout(Model):
         return NotImplementedError(f"{type(self).__name__}.{method}: this rollout backend does not map CUDA IPC "
                                    "weight slots in its workers (maps_weight_slots is False); the weight push "
                                    "hands it buckets through load_weight_bucket")
+
+
+class ScoringModel(Model):
+    """A reward model (``models.reward.load``): a sequence-classification model on devices that
+    scores conversations; it holds ``weights`` and takes turns like the other models."""
+
+    @abc.abstractmethod
+    def score(self, conversations: list[list[dict]]) -> np.ndarray:
+        """float32 [N]: one score per conversation (the prompt's chat messages, then the response as
+        the assistant's message), rendered with the model's own tokenizer and chat template; the same
+        array on every rank (a collective)."""
 
 
 class Reward(abc.ABC):

@@ -54,7 +54,8 @@ def test_critic_inherits_every_trainer_key_it_does_not_set(paths_overrides):
 def test_critic_spec_takes_its_own_optimizer_and_value_loss(paths_overrides):
     from chatlearn.models.specs import TrainerSpec
 
-    cfg, plan = load_run(PPO, paths_overrides + ["models.critic.optimizer.lr=1e-3", "models.critic.cliprange_value=0.2"])
+    cfg, plan = load_run(PPO, paths_overrides + ["models.critic.optimizer.lr=1e-3",
+                                                 "models.critic.cliprange_value=0.2"])
     spec = TrainerSpec.from_config(cfg, "critic", plan)
     assert spec.role == "critic" and spec.trainable and spec.lr == 1e-3
     assert spec.cliprange_value == 0.2 and spec.value_loss_coef == 0.5
@@ -89,7 +90,6 @@ def test_reward_model_on_devices_of_its_own(paths_overrides, reward_model_dir):
     (["models.critic.num_gpu=2"], "models.critic.num_gpu", "same devices"),
     (["models.policy_trainer.lam=1.5"], "models.policy_trainer.lam", "[0, 1]"),
     (["models.policy_trainer.filter_equal_groups=true"], "models.policy_trainer.filter_equal_groups", "gae"),
-    (["runtime_args.train_backend=megatron"], "runtime_args.train_backend", "fsdp"),
 ])
 def test_ppo_refusals(paths_overrides, overrides, key, words):
     with pytest.raises(ConfigError) as err:
@@ -139,3 +139,18 @@ def test_reward_model_refusals(paths_overrides, reward_model_dir, tmp_path):
     with pytest.raises(ConfigError) as err:
         load_run(GRPO, base + ["models.reward.num_gpu=1", "runtime_args.dynamic_sampling=true"])
     assert err.value.key == "runtime_args.dynamic_sampling"
+
+
+def test_a_critic_whose_context_is_too_short_is_refused(paths_overrides, tmp_path):
+    from conftest import REPO
+
+    short = tmp_path / "short_critic"
+    shutil.copytree(os.path.join(REPO, "assets", "tiny_qwen2"), short)
+    conf = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**conf, "max_position_embeddings": 50}))
+    with pytest.raises(ConfigError) as err:  # prompt + response: 64 + 16 tokens
+        load_run(PPO, paths_overrides + [f"models.critic.load={short}"])
+    assert err.value.key == "models.critic.load" and "50 tokens" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # a folder that is no model
+        load_run(PPO, paths_overrides + [f"models.critic.load={tmp_path}"])
+    assert err.value.key == "models.critic.load"

@@ -63,6 +63,17 @@ def test_mismatch_correction_and_dynamic_sampling_plots(tmp_path):
     assert names == ["dynamic_sampling.png", "mismatch.png", "rollout_correction.png"]
 
 
+def test_critic_and_reward_model_plots(tmp_path):
+    folder = str(tmp_path)
+    with open(os.path.join(folder, "metrics.jsonl"), "w", encoding="utf-8") as f:
+        for e in range(1, 5):
+            f.write(json.dumps({"episode": e, "train/critic/value_loss": 0.1 / e, "train/critic/value_error": 0.2 / e,
+                                "train/critic/explained_variance": 0.1 * e, "train/critic/value_clip_frac": 0.01,
+                                "train/reward_model/score_mean": -3.0 + e}) + "\n")
+    names = sorted(os.path.basename(f) for f in write_plots(folder))
+    assert names == ["critic_fit.png", "critic_loss.png", "reward_model.png"]
+
+
 def test_cli_plot_prints_files(tmp_path, capsys):
     write_metrics(str(tmp_path))
     assert main(["plot", str(tmp_path)]) == 0

@@ -48,13 +48,13 @@ class Worker:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, factory: str, spec, env: dict[str, str] | None = None, target: str | None = None) -> None:
-        """Build the backend from its spec (a ``TrainerSpec``, ``RolloutSpec`` or ``RewardSpec`` of
+        """Build the backend from its spec (a ``TrainerSpec``, ``RolloutSpec``, ``RewardModelSpec`` or ``RewardSpec`` of
         :mod:`chatlearn.models.specs`, its device settings resolved here); ``target``: as a further
         object of that name (a fused rollout replica)."""
         os.environ.update(env or {})  # torch.distributed rendezvous (rank, world, address)
-        from chatlearn.models.specs import RolloutSpec, TrainerSpec, resolve_for_device
+        from chatlearn.models.specs import RewardModelSpec, RolloutSpec, TrainerSpec, resolve_for_device
 
-        if isinstance(spec, (TrainerSpec, RolloutSpec)):
+        if isinstance(spec, (TrainerSpec, RolloutSpec, RewardModelSpec)):
             import torch
 
             spec = resolve_for_device(spec, "cuda" if torch.cuda.is_available() else "cpu")

@@ -51,7 +51,7 @@ from chatlearn.runtime.driver.multiturn import MultiTurnLoop
 from chatlearn.runtime.driver.observe import EpisodeReport
 from chatlearn.runtime.driver.overlap import RolloutPipeline, kept_rollouts
 from chatlearn.runtime.driver.replay import ReplayBuffer
-from chatlearn.runtime.driver.sampling import EpisodeSamples, Prompts, Sampling
+from chatlearn.runtime.driver.sampling import EpisodeSamples, Prompts, Sampling, Scored
 from chatlearn.runtime.driver.scheduler import Scheduler, Timeline, movable_parts
 from chatlearn.runtime.weight_push.driver import WeightPush
 
@@ -228,6 +228,7 @@ class Engine:
         set up on the first push); returns ``sync/*`` metrics. The KV cache is woken after it."""
         if self.pipeline is not None:  # the rollout engine changes weights between generate calls, never in one
             self.pipeline.drain()
+        self.sched.ensure("policy_trainer", [Part.WEIGHTS])  # resident already, unless another trained model ran last
         self.sched.ensure("policy", [Part.WEIGHTS], keep={"policy_trainer": [Part.WEIGHTS]})
         if self.weight_push is None:
             self.weight_push = WeightPush(self.sched.groups["policy_trainer"], self.sched.groups["policy"],
@@ -247,8 +248,9 @@ class Engine:
         sampler, under one step counter, plus a Hugging Face folder of the policy when ``save_hf``
         (see CheckpointManager)."""
         def write(tmp: str) -> None:
-            # the model resident now first, so that models taking turns move only as much as they must
-            trained = sorted(self.algorithm.trained, key=lambda m: not self.sched.is_resident(m, MODEL_PARTS[m]))
+            # the model resident now last (it stays resident for what follows: the policy trainer for the
+            # weight push), so that models taking turns move only as much as they must
+            trained = sorted(self.algorithm.trained, key=lambda m: self.sched.is_resident(m, MODEL_PARTS[m]))
             for model in trained:
                 self.sched.ensure(model, MODEL_PARTS[model])
                 self.sched.groups[model].call("save_checkpoint", os.path.abspath(os.path.join(tmp, _folder(model))))
@@ -304,7 +306,13 @@ class Engine:
         batch = self.sampling.sample(prompts, self.sampling.params(eval_mode=True, seed=p.seed), "the evaluation set")
         rewards, reward_parts = self.sampling.score(batch, prompts.truths, prompts.sources, prompts.extra,
                                                     what="the evaluation set")
-        metrics = self.report.evaluation(batch, prompts, rewards, reward_parts)
+        model_metrics = {}
+        if self.sampling.reward_model is not None:  # the reward is the training reward: the model's score too
+            self.sched.ensure("reward_model", MODEL_PARTS["reward_model"])
+            scored, model_metrics = self.sampling.with_model_scores(
+                Scored(rewards, reward_parts, rewards), self.sampling.model_scores(batch, prompts), prefix="eval")
+            rewards = scored.rewards
+        metrics = {**self.report.evaluation(batch, prompts, rewards, reward_parts), **model_metrics}
         metrics["time/eval"] = time.perf_counter() - start
         self.instrument.stage(Stage.EVAL, "policy", metrics["time/eval"])
         return metrics

@@ -145,6 +145,9 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
                               tools=multi_turn.tool_schemas if multi_turn is not None else None)
     k = p.eval_num_inference_per_prompt
     info(f"evaluating {p.load} on {len(prompt_set)} prompts x {k} samples")
+    if cfg.models.reward.load is not None:
+        info(f"the reward model (models.reward.load: {cfg.models.reward.load}) is not run by chatlearn eval: the "
+             "rewards are the reward functions' (models.reward.functions)")
     # only the rollout engine (on its own devices) and the reward workers
     plan = make_eval_plan(cfg, len(prompt_set), k)
     with Cluster(cfg, plan) as cluster:

@@ -213,19 +213,20 @@ class Sampling:
         outs, _ = self.reward_model.call("score", ray.put(self.conversations(batch, prompts)))
         return np.asarray(outs[0], np.float32)
 
-    def with_model_scores(self, scored: Scored, scores: np.ndarray) -> tuple[Scored, dict]:
+    def with_model_scores(self, scored: Scored, scores: np.ndarray, prefix: str = "train") -> tuple[Scored, dict]:
         """``scored`` with the reward model's ``scores`` added: ``model_weight`` x the score, normalised by
         ``model_normalize`` (none; batch: whitened over the batch, zero mean and unit std), added to the
-        rewards and the shaped rewards. Returns it and the ``train/reward_model/*`` metrics."""
+        rewards and the shaped rewards. Returns it and the ``<prefix>/reward_model/*`` metrics. An
+        evaluation (``prefix`` eval) adds the raw score: whitened, every evaluation's mean would be 0."""
         r = self.cfg.models.reward
         raw = np.asarray(scores, np.float64)
         norm = raw
-        if r.model_normalize == "batch":
+        if r.model_normalize == "batch" and prefix != "eval":
             norm = (raw - raw.mean()) / (raw.std() + 1e-6) if len(raw) > 1 else raw * 0.0
         added = r.model_weight * norm
-        metrics = {"train/reward_model/score_mean": float(raw.mean()), "train/reward_model/score_std": float(raw.std()),
-                   "train/reward_model/score_min": float(raw.min()), "train/reward_model/score_max": float(raw.max()),
-                   "train/reward_model/reward_mean": float(added.mean())}
+        metrics = {f"{prefix}/reward_model/{k}": v for k, v in (
+            ("score_mean", float(raw.mean())), ("score_std", float(raw.std())), ("score_min", float(raw.min())),
+            ("score_max", float(raw.max())), ("reward_mean", float(added.mean())))}
         return Scored((scored.rewards + added).astype(np.float32), scored.parts,
                       np.asarray(scored.shaped, np.float64) + added), metrics
 

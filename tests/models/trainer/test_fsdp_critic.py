@@ -142,15 +142,6 @@ def test_value_loss_needs_values_and_returns():
             ValueLoss(spec, columns, torch.device("cpu"))
 
 
-def test_the_megatron_critic_is_refused():
-    from chatlearn.errors import UserError
-    from chatlearn.models.trainer.megatron.trainer import MegatronTrainer
-
-    with pytest.raises(UserError, match="fsdp") as err:
-        MegatronTrainer(backend_specs.trainer_spec(role="critic"))
-    assert err.value.key == "runtime_args.train_backend"
-
-
 # --------------------------------------------------------------------------- rank jobs
 
 

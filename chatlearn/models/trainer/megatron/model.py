@@ -15,6 +15,11 @@ plain torch, unfused attention with an explicit mask), with its norms replaced b
 :class:`RMSNorm` with both. The two specs name the per-layer norms differently; parameters are
 known everywhere else (mapping, checkpoints) by the local spec's names
 (:func:`canonical_name`), so checkpoints do not depend on the spec.
+
+The PPO critic (:func:`build_gpt_model` with ``value_head``) is the same model whose vocabulary
+output layer is replaced by a scalar value head, :class:`ValueHead` (verl's Megatron critic:
+``LinearForLastLayer`` in place of ``output_layer``), initialised as Hugging Face initialises
+``AutoModelForTokenClassification``'s ``score`` (:func:`initial_value_head`).
 """
 from __future__ import annotations
 
@@ -178,10 +183,86 @@ def layer_spec(transformer_engine: bool):
         layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm))
 
 
-def build_gpt_model(arch: HFArch, config, transformer_engine: bool = False):
+class ValueHead(torch.nn.Linear):
+    """The critic's value head in place of ``GPTModel.output_layer`` (last pipeline stage): a plain
+    ``Linear(hidden_size, 1)`` with a bias, Hugging Face's ``score`` of
+    ``*ForTokenClassification`` with one label, applied to the final-normed hidden states
+    ``[s, b, h]`` -> ``[s, b, 1]`` (``GPTModel`` returns them as ``[b, s, 1]``).
+
+    Not vocabulary-parallel: every tensor-parallel rank holds the whole head (no
+    ``tensor_model_parallel`` attribute, so Megatron's gradient norm counts it once) and computes
+    it on the whole sequence. Under sequence parallelism the hidden states are all-gathered over
+    the tensor-parallel group first, with a backward that only takes this rank's slice of the
+    gradient (``tensor_parallel_output_grad=False``: everything after the gather is computed
+    identically on every rank, so the gradient is not summed over the ranks). The head's inputs,
+    outputs and upstream gradients are thus the same on every tensor-parallel rank, and so are its
+    gradients, its Adam steps and its weights (identical by construction, as for the replicated
+    norms without sequence parallelism; no gradient all-reduce over the group is needed)."""
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, 1, bias=True, dtype=config.params_dtype,
+                         device="cpu" if config.use_cpu_initialization else torch.cuda.current_device())
+        self.sequence_parallel = bool(config.sequence_parallel)
+
+    def reset_parameters(self) -> None:
+        """Zeros (no random draw): the head is copied from the checkpoint or from
+        :func:`initial_value_head` afterwards."""
+        torch.nn.init.zeros_(self.weight)
+        torch.nn.init.zeros_(self.bias)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        """``(values [s, b, 1], None)``, the call signature of ``GPTModel.output_layer``
+        (``weight`` and ``runtime_gather_output`` are not used)."""
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states,
+                                                                 tensor_parallel_output_grad=False)
+        return super().forward(hidden_states), None
+
+
+def initial_value_head(path: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight [1, h], bias [1])``, float32 on the CPU: the value head that
+    ``AutoModelForTokenClassification.from_pretrained(path, num_labels=1)`` newly initialises after
+    ``torch.manual_seed(seed)``, which is what the FSDP critic's head starts from (so that both
+    backends start from the same critic; Hugging Face's ``_init_weights``: normal(0,
+    ``initializer_range``) weight, zero bias).
+
+    It is Hugging Face's own initialisation rather than a copy of it: the same class,
+    ``from_pretrained`` and seed, with ``num_hidden_layers=0`` so that the decoder layers are
+    neither built nor kept (the head is the only missing tensor either way, so the generator
+    draws the same numbers); should a config refuse that, the whole model is loaded. The global
+    random state is left as it was (``fork_rng``); Hugging Face's load report (the decoder layers
+    as unexpected keys) is silenced."""
+    from transformers import AutoModelForTokenClassification
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            try:
+                torch.manual_seed(seed)
+                model = AutoModelForTokenClassification.from_pretrained(
+                    path, num_labels=1, dtype=torch.float32, num_hidden_layers=0)
+            except (ValueError, TypeError, KeyError, IndexError):  # a config that needs its layers
+                torch.manual_seed(seed)
+                model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1,
+                                                                        dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    head = model.score
+    return head.weight.detach().clone(), head.bias.detach().clone()
+
+
+def build_gpt_model(arch: HFArch, config, transformer_engine: bool = False, value_head: bool = False):
     """This pipeline stage's ``GPTModel`` (parallel state must be initialised) with the layer
     spec of :func:`layer_spec`, with rotary positions taken from ``position_ids`` (see
-    :func:`_gpt_model_class`)."""
+    :func:`_gpt_model_class`).
+
+    ``value_head``: the critic's model: untied embeddings, and on the last stage a
+    :class:`ValueHead` in place of the vocabulary output layer (megatron-core builds that layer
+    first; it is dropped at once, as verl does)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -192,15 +273,18 @@ def build_gpt_model(arch: HFArch, config, transformer_engine: bool = False):
     block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
                                        layer_norm=RMSNorm)
     tp = config.tensor_model_parallel_size
-    return _gpt_model_class()(
+    model = _gpt_model_class()(
         config=config, transformer_layer_spec=block, vocab_size=arch.padded_vocab(tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True, share_embeddings_and_output_weights=arch.tied_embeddings,
+        parallel_output=True, share_embeddings_and_output_weights=arch.tied_embeddings and not value_head,
         position_embedding_type="rope", rotary_base=arch.rope_theta,
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0)
+    if value_head and model.post_process:
+        model.output_layer = ValueHead(config)
+    return model
 
 
 # --------------------------------------------------------------------------- checkpoint files
@@ -228,6 +312,14 @@ class HFCheckpoint:
             raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin "
                                     "(with or without an index) found")
         self._bins: dict[str, dict] = {}
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds the tensor ``name``."""
+        try:
+            self.get(name)
+        except KeyError:
+            return False
+        return True
 
     def get(self, name: str) -> torch.Tensor:
         file = self.files[name] if name in self.files else self.files.get("*")

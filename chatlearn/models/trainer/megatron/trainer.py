@@ -1,6 +1,6 @@
-"""Megatron-core trainer: ``policy_trainer`` and ``ref_policy`` with tensor, pipeline and
-data parallelism, interchangeable with the FSDP2 trainer (same config keys, batches,
-log-probs, loss and metric names).
+"""Megatron-core trainer: ``policy_trainer``, ``ref_policy`` and the PPO ``critic`` with tensor,
+pipeline and data parallelism, interchangeable with the FSDP2 trainer (same config keys, batches,
+log-probs, values, losses and metric names).
 
 Ranks: ``world = tp * pp * dp`` in Megatron's default order (tensor-parallel ranks
 adjacent); global rank 0 is tensor rank 0 of the first pipeline stage of data-parallel
@@ -24,6 +24,16 @@ exactly d(loss)/d(theta). The learning rate of each step is
 :func:`chatlearn.algorithms.lr_schedule.learning_rate` of Adam's step count, set on the
 optimizer's parameter groups (Megatron's own scheduler is not used). Log-probs and entropy are computed on the vocabulary-parallel logits
 without gathering them (:mod:`.logprobs`).
+
+Critic (``spec.role`` critic): the GPT model with a scalar value head in place of the vocabulary
+output layer (:class:`.model.ValueHead`, replicated on the tensor-parallel ranks of the last
+stage), the FSDP critic's model (``AutoModelForTokenClassification`` with one label): the backbone
+from the ``load`` folder, a causal LM or a token-classification folder; the head from that folder's
+``score`` when it has one, else initialised as the FSDP critic's (:func:`.model.initial_value_head`,
+the same seed). Where the policy's passes take log-probs the critic's take values, the head on the
+hidden state before each response token (:meth:`MegatronTrainer._token_values`), and its loss is
+:class:`chatlearn.algorithms.value_loss.ValueLoss`; checkpoints record the role, and ``save_hf``
+writes a ``*ForTokenClassification`` folder (``score.weight``, ``score.bias``).
 
 Micro-batches: ``train_micro_batch_size`` (``logprob_micro_batch_size``) right-padded samples,
 or with ``packing`` the first-fit-decreasing bins of the FSDP trainer
@@ -56,7 +66,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from chatlearn.algorithms.grpo import LOSS_SUMS, token_sums
 from chatlearn.checkpoint import megatron_format as ckpt_format
 from chatlearn.checkpoint import sharded
 from chatlearn.checkpoint.megatron_mapping import (
@@ -69,6 +78,7 @@ from chatlearn.checkpoint.megatron_mapping import (
     to_hf,
     to_megatron,
 )
+from chatlearn.checkpoint.merge import value_head_config
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
@@ -78,6 +88,7 @@ from chatlearn.models.trainer.megatron.model import (
     HFCheckpoint,
     build_gpt_model,
     canonical_name,
+    initial_value_head,
     thd_packed_seq_params,
     transformer_config,
     uses_transformer_engine,
@@ -159,7 +170,8 @@ class _MicroBatch:
 
 class MegatronTrainer(Trainer):
     """Megatron-core trainer of a Hugging Face Qwen2 / Llama checkpoint (``trainable``:
-    policy_trainer; else ref_policy: frozen, no optimizer, forward only)."""
+    policy_trainer; else ref_policy: frozen, no optimizer, forward only), or, with ``spec.role``
+    critic, of the PPO critic (a value head in place of the LM head: see the module docstring)."""
 
     def __init__(self, spec: TrainerSpec):
         """``spec``: the trainer's settings, kept as ``self.spec`` and read as attributes: the FSDP
@@ -169,7 +181,8 @@ class MegatronTrainer(Trainer):
         fields) plus tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel and
         use_distributed_optimizer; not share_prompt. bf16 applies on CUDA only (fp32 otherwise);
         gradient_checkpointing recomputes every layer (full recompute); trust_remote_code is
-        not used (the architecture is read from config.json)."""
+        not used (the architecture is read from config.json). ``role`` critic: the critic (and its
+        cliprange_value and value_loss_coef)."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
@@ -181,6 +194,7 @@ class MegatronTrainer(Trainer):
         check_cuda_device_max_connections(self.device, self.tp)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.trainable = bool(spec.trainable)
+        self.critic = spec.role == "critic"
         _init_model_parallel(self.tp, self.pp)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -208,10 +222,10 @@ class MegatronTrainer(Trainer):
         self.vocab_valid = max(0, min(local_vocab, self.arch.vocab_size - self.vocab_start))
 
         self.transformer_engine = uses_transformer_engine(self.device)
-        self.gpt = build_gpt_model(self.arch, self.config,
-                                   self.transformer_engine).to(self.device)
+        self.gpt = build_gpt_model(self.arch, self.config, self.transformer_engine,
+                                   value_head=self.critic).to(self.device)
         self._params = self._global_names()
-        self.mappings = mappings(self.arch)
+        self.mappings = mappings(self.arch, value_head=self.critic)
         self._layer_stage = self._gather_layer_stages()
         self._load_hf(spec.load)
         self.model, self.optimizer = self._wrap()
@@ -245,13 +259,15 @@ class MegatronTrainer(Trainer):
 
     @torch.no_grad()
     def _load_hf(self, path: str) -> None:
-        """Copy this rank's shard of every parameter from the Hugging Face checkpoint."""
+        """Copy this rank's shard of every parameter from the Hugging Face checkpoint (the
+        critic's new value head: :meth:`_new_value_head`; a collective for the critic)."""
         ckpt = HFCheckpoint(path)
+        new = self._new_value_head(ckpt) if self.critic else {}
         todo = [m for m in self.mappings if m.megatron in self._params]
-        if "output_layer.weight" in self._params and self.arch.tied_embeddings:
+        if "output_layer.weight" in self._params and self.arch.tied_embeddings and not self.critic:
             todo.append(tied_output_mapping())  # last stage's copy of the tied embeddings
         for m in todo:
-            full = to_megatron(self.arch, m, [ckpt.get(n) for n in m.hf], self.tp)
+            full = to_megatron(self.arch, m, [new[n] if n in new else ckpt.get(n) for n in m.hf], self.tp)
             param = self._params[m.megatron]
             shard = local_shard(full, m, self.tp, self.tp_rank)
             if shard.shape != param.shape:
@@ -261,6 +277,29 @@ class MegatronTrainer(Trainer):
         missing = set(self._params) - {m.megatron for m in todo}
         if missing:
             raise ValueError(f"MegatronTrainer: no checkpoint mapping for {sorted(missing)}")
+
+    def _new_value_head(self, ckpt: HFCheckpoint) -> dict[str, torch.Tensor]:
+        """The critic's value head where the ``load`` folder has none (a causal LM's folder):
+        ``{"score.weight", "score.bias"}``, float32 on the CPU, as the FSDP critic initialises it
+        (:func:`.model.initial_value_head`, with ``seed``); {} when the folder has a ``score`` of
+        one output (a token-classification folder: loaded as is), a UserError naming ``load`` when
+        its ``score`` has more. Rank 0 builds the head and broadcasts it (a collective, every rank
+        calls it), so that one process, not every one, loads the Hugging Face model."""
+        if ckpt.has("score.weight"):
+            rows = ckpt.get("score.weight").shape[0]
+            if rows != 1:
+                raise UserError(f"{self.spec.load}: the value head (score) has {rows} outputs, not 1: the "
+                                "critic's folder must be a causal LM or a token-classification model with "
+                                "one label.", key=self._config_key("load"))
+            return {}
+        h = self.arch.hidden_size
+        flat = torch.zeros(h + 1, dtype=torch.float32, device=self.device)
+        if self.rank == 0:
+            weight, bias = initial_value_head(self.spec.load, int(self.spec.seed))
+            flat.copy_(torch.cat([weight.reshape(-1), bias.reshape(-1)]))
+        dist.broadcast(flat, src=0)
+        flat = flat.cpu()
+        return {"score.weight": flat[:h].reshape(1, h), "score.bias": flat[h:]}
 
     def _wrap(self):
         """Trainable: Megatron's DDP wrapper and optimizer. Frozen: the bare model."""
@@ -430,11 +469,21 @@ class MegatronTrainer(Trainer):
                         with_entropy: bool):
         """logits [rows, width, V/tp] (this rank's vocabulary slice) -> float32 log-probs
         (and entropy) of the response tokens of ``mb``, in order, ``logprob_chunk_tokens``
-        tokens at a time (no float32 ``[tokens, V/tp]`` tensor beyond one chunk)."""
+        tokens at a time (no float32 ``[tokens, V/tp]`` tensor beyond one chunk). The critic's
+        model gives values instead (:meth:`_token_values`)."""
+        if self.critic:
+            return self._token_values(mb, logits)
         z = logits[mb.rows, mb.cols - 1, :self.vocab_valid]  # the model's dtype
         return vocab_parallel_logprobs(z, mb.ids[mb.rows, mb.cols], self.vocab_start,
                                        self.tp_group, with_entropy, temperature=temperature,
                                        chunk_tokens=int(self.spec.logprob_chunk_tokens))
+
+    def _token_values(self, mb: _MicroBatch, values: torch.Tensor):
+        """``(values, None)``: the critic's float32 values of the response tokens of ``mb``, in
+        order, from the value head's output ``[rows, width, 1]`` (the same on every tensor-parallel
+        rank): the value of token ``[rows, cols]`` is the head on the hidden state before it,
+        ``values[rows, cols - 1]``, as the FSDP critic's (``fsdp._token_values``)."""
+        return values[mb.rows, mb.cols - 1, 0].float(), None
 
     def _run(self, micro_batches: list[_MicroBatch], loss_func, forward_only: bool) -> list:
         """Megatron's forward(-backward) schedule over ``micro_batches``; returns what
@@ -498,18 +547,18 @@ class MegatronTrainer(Trainer):
         def loss_func(mb, logits):
             if not len(mb.pos):  # a dummy micro-step: an empty sum (0, zero gradients)
                 return (logits[:, :0].sum(), torch.tensor(0, dtype=torch.int, device=self.device),
-                        {"sums": torch.zeros(len(LOSS_SUMS), dtype=torch.float64,
+                        {"sums": torch.zeros(len(objective.SUMS), dtype=torch.float64,
                                              device=self.device)})
             logp, ent = self._token_logprobs(mb, logits, temperature, objective.with_entropy)
             terms, coef, weight = objective.terms(logp, ent, mb.pos)
             count = torch.tensor(len(logp), dtype=torch.int, device=self.device)
             # Megatron divides by the global token count: scale the aggregate back up by it
             loss = (terms["loss"] * coef).sum() * objective.num_tokens
-            return loss, count, {"sums": token_sums(terms, coef, weight, ent)}
+            return loss, count, {"sums": objective.token_sums(terms, coef, weight, ent)}
 
         micro, passes = self._micro_batches(batch, self.spec.train_micro_batch_size)
         outs = self._run(micro, loss_func, forward_only=False)
-        sums = torch.zeros(len(LOSS_SUMS), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(objective.SUMS), dtype=torch.float64, device=self.device)
         if self._reporter():
             for out in outs:
                 sums += out["sums"]
@@ -699,6 +748,7 @@ class MegatronTrainer(Trainer):
             ckpt_format.write_meta(path, {
                 **self._layout(),
                 "trainable": self.trainable,
+                "role": self.spec.role,
                 "has_optimizer": self.optimizer is not None,
                 "optimizer_stepped": bool(stepped.item()),
                 "hf_source": (os.path.abspath(self.spec.load) if os.path.isdir(self.spec.load)
@@ -722,10 +772,16 @@ class MegatronTrainer(Trainer):
 
         self._require_onloaded("load_checkpoint")
         meta = ckpt_format.read_meta(path, self._layout())
+        # no role recorded: saved before the critic existed on this backend, by a policy model
+        if (meta.get("role") == "critic") != self.critic:
+            raise UserError(f"checkpoint {path!r} was saved by a {meta.get('role', 'policy')} model, which "
+                            f"cannot resume as a {self.spec.role} (the critic has a value head, the policy "
+                            f"an LM head). Load a checkpoint of the "
+                            f"{'critic' if self.critic else 'policy trainer'}.")
         if self.optimizer is not None and not meta.get("has_optimizer"):
             raise UserError(f"checkpoint {path!r} holds no optimizer state (it was saved by a "
                             "frozen reference model), so a trainable model cannot resume from "
-                            "it. Load a checkpoint of the policy trainer.")
+                            f"it. Load a checkpoint of the {'critic' if self.critic else 'policy trainer'}.")
         file = ckpt_format.rank_file(path, self.rank)
         if not os.path.isfile(file):
             raise UserError(f"checkpoint {path!r} has no shard for rank {self.rank} ({file} is "
@@ -821,7 +877,8 @@ class MegatronTrainer(Trainer):
         """``(hf_name, "float32", shape, group)`` in ``export_tensors`` order (the same on
         every rank; no collective). ``group`` is the Megatron parameter the names come from
         (fused QKV -> q/k/v, fused gate-up -> gate/up), so a bucket never splits a gather.
-        Tied output embeddings are not listed (they are ``model.embed_tokens.weight``)."""
+        Tied output embeddings are not listed (they are ``model.embed_tokens.weight``); the
+        critic's value head is ``score.weight`` and ``score.bias``."""
         return [(name, "float32", tuple(shape), i) for i, m in enumerate(self.mappings)
                 for name, shape in zip(m.hf, hf_shapes(self.arch, m))]
 
@@ -844,7 +901,10 @@ class MegatronTrainer(Trainer):
     def save_hf(self, path: str) -> None:
         """Write a Hugging Face folder at ``path`` (rank 0 writes; a collective): float32
         safetensors weights, and the other files of the ``load`` folder (config with its
-        dtype set to float32, generation config, tokenizer, chat template)."""
+        dtype set to float32, generation config, tokenizer, chat template). The critic's is a
+        token-classification folder with one label, as the FSDP critic's: ``score.weight`` and
+        ``score.bias``, the config's architectures the ``*ForTokenClassification`` class
+        (:func:`chatlearn.checkpoint.merge.value_head_config`), no generation config."""
         self._require_weights()
         state = {name: t for name, t in self._gather_hf("weights") if t is not None}
         if self.rank == 0:
@@ -857,9 +917,13 @@ class MegatronTrainer(Trainer):
                 file = os.path.join(src, name)
                 if not os.path.isfile(file) or name.endswith(_WEIGHT_SUFFIXES):
                     continue
+                if self.critic and name == "generation_config.json":
+                    continue  # a token-classification model does not generate
                 if name == "config.json":
                     with open(file, encoding="utf-8") as f:
                         conf = json.load(f)
+                    if self.critic:
+                        conf = value_head_config(conf)
                     for key in ("torch_dtype", "dtype"):
                         if key in conf:
                             conf[key] = "float32"
