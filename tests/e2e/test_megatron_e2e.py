@@ -1,6 +1,7 @@
-"""End to end: ``chatlearn run template/grpo_megatron.yaml`` for one episode with tensor
-parallelism 2, then a resumed run for a second episode with sequence packing, on a machine
-without a GPU.
+"""End to end: ``chatlearn run template/ppo_megatron.yaml`` (PPO: the policy trainer and the critic
+both on the Megatron trainer; the policy's loss and passes are GRPO's with per-token advantages, so
+this covers template/grpo_megatron.yaml's path too) for one episode with tensor parallelism 2, then
+a resumed run for a second episode with sequence packing, on a machine without a GPU.
 
 megatron-core calls CUDA directly, so the trainer actors run under the test-only CPU device
 shim: the run's environment puts ``tests/support/megatron_cpu_site`` on ``PYTHONPATH`` and
@@ -25,14 +26,15 @@ SHORT = ["runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_
          "runtime_args.train_micro_batch_size=8", "models.policy.num_inference_per_prompt=4",
          "runtime_args.eval_episode_interval=0", "runtime_args.enable_eval_before_training=False",
          "runtime_args.rollout_backend=hf", "models.policy_trainer.kl_coef=0.01",
-         "models.policy_trainer.num_gpu=2", "models.policy_trainer.tensor_model_parallel_size=2"]
+         "models.policy_trainer.num_gpu=2", "models.policy_trainer.tensor_model_parallel_size=2",
+         "models.critic.warmup_episodes=0"]
 
 
 def run(out, episodes: int, extra: tuple = ()) -> str:
     site = os.path.join(REPO, "tests", "support", "megatron_cpu_site")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATLEARN_TEST_MEGATRON_CPU_SHIM": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
-    cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_megatron.yaml", *SHORT,
+    cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/ppo_megatron.yaml", *SHORT,
            f"runtime_args.num_episode={episodes}", f"runtime_args.output_dir={out}", *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280, env=env,
                           check=False)
@@ -45,6 +47,7 @@ def run(out, episodes: int, extra: tuple = ()) -> str:
 def test_one_episode_with_megatron_tp2_then_resume_with_packing(tmp_path):
     out = tmp_path / "out"
     stdout = run(out, episodes=1)
+    assert "critic: 2 actor(s) on device group 0" in stdout
     lines = [ln for ln in stdout.splitlines() if ln.startswith("episode")]
     assert len(lines) == 1 and "reward" in lines[0], stdout
 
@@ -56,13 +59,15 @@ def test_one_episode_with_megatron_tp2_then_resume_with_packing(tmp_path):
                 "time/weight_push"):
         assert key in row, key
     assert row["train/grad_norm"] > 0 and row["train/kl"] > 0  # two steps: the policy moved
+    assert row["train/critic/value_loss"] > 0 and row["train/critic/grad_norm"] > 0  # and the critic learned
     # the Megatron trainer (TP=2) and the rollout engine agree on the sampled tokens' log-probs
     assert row["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, row
 
     # the checkpoint of episode 1: the trainer's shards and a Hugging Face folder
     ckpt = out / "checkpoints" / "episode_000001"
-    assert sorted(p.name for p in (ckpt / "trainer").glob("rank_*.safetensors")) == [
-        "rank_00000.safetensors", "rank_00001.safetensors"]
+    for folder in ("trainer", "critic"):
+        assert sorted(p.name for p in (ckpt / folder).glob("rank_*.safetensors")) == [
+            "rank_00000.safetensors", "rank_00001.safetensors"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(ckpt / "hf")
@@ -81,3 +86,4 @@ def test_one_episode_with_megatron_tp2_then_resume_with_packing(tmp_path):
     assert rows[0]["train/pad_token_frac"] > 0  # padded
     assert row["train/pad_token_frac"] == 0.0 and row["perf/logprob_pad_token_frac"] == 0.0
     assert row["train/micro_steps"] >= 1 and row["train/grad_norm"] > 0
+    assert row["train/critic/pad_token_frac"] == 0.0 and row["train/critic/grad_norm"] > 0  # packed too

@@ -118,7 +118,8 @@ class RewardModel(ScoringModel):
             spec.load, dtype=self._param_dtype(), trust_remote_code=spec.trust_remote_code,
             output_loading_info=True)
         prefix = f"{model.base_model_prefix}."
-        head_missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(prefix))
+        head_missing = sorted(k for k in (info["missing_keys"] if "missing_keys" in info else ())
+                              if not k.startswith(prefix))
         if head_missing or not isinstance(getattr(model, "score", None), torch.nn.Module):
             raise UserError(f"{spec.load} has no trained score head ({', '.join(head_missing) or 'no score layer'}"
                             f" in {type(model).__name__}): it is not a reward model. Point models.reward.load "
@@ -153,7 +154,7 @@ class RewardModel(ScoringModel):
                                 "message (chat_template.jinja or tokenizer_config.json in its folder).",
                                 key=KEY) from None
             return list(tok(text, add_special_tokens=False)["input_ids"])
-        text = "\n".join(str(m.get("content", "")) for m in conversation)
+        text = "\n".join(str(m["content"] if "content" in m else "") for m in conversation)
         return list(tok(text, add_special_tokens=True)["input_ids"])
 
     def score(self, conversations: list[list[dict]]) -> np.ndarray:

@@ -139,7 +139,8 @@ class StepLoop:
         ``models.<model>.optimizer.max_nonfinite_steps``."""
         key = f"models.{model}.optimizer.max_nonfinite_steps"
         limit = getattr(self.cfg.models, model).optimizer.max_nonfinite_steps
-        where = f"{model}: episode {episode}, optimizer step {index}/{self.plan.steps_per_episode}"
+        where = (f"{'' if model == 'policy_trainer' else model + ': '}episode {episode}, optimizer step "
+                 f"{index}/{self.plan.steps_per_episode}")
         if not step["skipped_steps"]:
             self.nonfinite_in_a_row[model] = 0
             return False

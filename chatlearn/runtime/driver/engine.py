@@ -170,7 +170,8 @@ class Engine:
             with run.stage(Stage.WEIGHT_PUSH, "policy"):
                 metrics.update(self.push_weights())
         self.sched.ensure("policy", [Part.KV_CACHE])
-        metrics.update(self.report.metrics(episode, samples, first_steps.get("policy_trainer", {})))
+        policy_first = first_steps["policy_trainer"] if "policy_trainer" in first_steps else {}  # not in warm-up
+        metrics.update(self.report.metrics(episode, samples, policy_first))
         return run.finish(metrics, batch, samples.generated_tokens)
 
     # ------------------------------------------------------------------ stages

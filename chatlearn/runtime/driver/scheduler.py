@@ -224,7 +224,7 @@ class Scheduler:
     def is_resident(self, name: str, parts: Iterable[str]) -> bool:
         """Whether every one of ``parts`` of ``name`` is resident now."""
         with self._lock:
-            return set(parts) <= self.resident.get(name, set())
+            return name in self.resident and set(parts) <= self.resident[name]
 
     def snapshot(self) -> dict[str, list[str]]:
         """Resident parts by model (models with none left out)."""

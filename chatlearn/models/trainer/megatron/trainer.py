@@ -773,8 +773,9 @@ class MegatronTrainer(Trainer):
         self._require_onloaded("load_checkpoint")
         meta = ckpt_format.read_meta(path, self._layout())
         # no role recorded: saved before the critic existed on this backend, by a policy model
-        if (meta.get("role") == "critic") != self.critic:
-            raise UserError(f"checkpoint {path!r} was saved by a {meta.get('role', 'policy')} model, which "
+        saved_role = meta["role"] if "role" in meta else "policy"
+        if (saved_role == "critic") != self.critic:
+            raise UserError(f"checkpoint {path!r} was saved by a {saved_role} model, which "
                             f"cannot resume as a {self.spec.role} (the critic has a value head, the policy "
                             f"an LM head). Load a checkpoint of the "
                             f"{'critic' if self.critic else 'policy trainer'}.")
