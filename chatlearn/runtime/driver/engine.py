@@ -311,7 +311,8 @@ class Engine:
         if self.sampling.reward_model is not None:  # the reward is the training reward: the model's score too
             self.sched.ensure("reward_model", MODEL_PARTS["reward_model"])
             scored, model_metrics = self.sampling.with_model_scores(
-                Scored(rewards, reward_parts, rewards), self.sampling.model_scores(batch, prompts), prefix="eval")
+                Scored(rewards, reward_parts, rewards), self.sampling.model_scores(batch, prompts), prefix="eval",
+                normalize=False)
             rewards = scored.rewards
         metrics = {**self.report.evaluation(batch, prompts, rewards, reward_parts), **model_metrics}
         metrics["time/eval"] = time.perf_counter() - start

@@ -213,15 +213,16 @@ class Sampling:
         outs, _ = self.reward_model.call("score", ray.put(self.conversations(batch, prompts)))
         return np.asarray(outs[0], np.float32)
 
-    def with_model_scores(self, scored: Scored, scores: np.ndarray, prefix: str = "train") -> tuple[Scored, dict]:
+    def with_model_scores(self, scored: Scored, scores: np.ndarray, prefix: str = "train",
+                          normalize: bool = True) -> tuple[Scored, dict]:
         """``scored`` with the reward model's ``scores`` added: ``model_weight`` x the score, normalised by
-        ``model_normalize`` (none; batch: whitened over the batch, zero mean and unit std), added to the
-        rewards and the shaped rewards. Returns it and the ``<prefix>/reward_model/*`` metrics. An
-        evaluation (``prefix`` eval) adds the raw score: whitened, every evaluation's mean would be 0."""
+        ``model_normalize`` (none; batch: whitened over the batch, zero mean and unit std) unless not
+        ``normalize`` (an evaluation: whitened, every evaluation's mean would be 0), added to the rewards
+        and the shaped rewards. Returns it and the ``<prefix>/reward_model/*`` metrics."""
         r = self.cfg.models.reward
         raw = np.asarray(scores, np.float64)
         norm = raw
-        if r.model_normalize == "batch" and prefix != "eval":
+        if r.model_normalize == "batch" and normalize:
             norm = (raw - raw.mean()) / (raw.std() + 1e-6) if len(raw) > 1 else raw * 0.0
         added = r.model_weight * norm
         metrics = {f"{prefix}/reward_model/{k}": v for k, v in (
