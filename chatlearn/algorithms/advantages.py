@@ -139,11 +139,11 @@ def _reinforce_plus_plus(r, mean, group_size, response_lens, keep):
 
 
 
-def sequence_kl(old_logprobs: np.ndarray, ref_logprobs: np.ndarray, offsets: np.ndarray,
-                prompt_lens: np.ndarray, estimator: str, loss_mask: np.ndarray | None = None) -> np.ndarray:
-    """float64 [N]: sum over each sample's response tokens (those of ``loss_mask``, when given) of
-    ``kl_penalty(old, ref)``; the KL-in-reward penalty is ``kl_coef`` times it (InstructGPT / verl
-    ``use_kl_in_reward``)."""
+def token_kl(old_logprobs: np.ndarray, ref_logprobs: np.ndarray, estimator: str,
+             loss_mask: np.ndarray | None = None) -> np.ndarray:
+    """float64 [T]: ``kl_penalty(old, ref)`` of every token (0 where ``loss_mask``, when given, is 0): the
+    per-token KL of the KL-in-reward penalty (GRPO sums it per sample, :func:`sequence_kl`; PPO takes it
+    from each token's reward)."""
     import torch  # only with the KL in the reward: the driver otherwise runs without torch
 
     from chatlearn.algorithms.kl import kl_penalty
@@ -152,6 +152,15 @@ def sequence_kl(old_logprobs: np.ndarray, ref_logprobs: np.ndarray, offsets: np.
                     torch.from_numpy(np.asarray(ref_logprobs, np.float64)), estimator).numpy()
     if loss_mask is not None:
         kl = np.where(np.asarray(loss_mask, dtype=bool), kl, 0.0)
+    return kl
+
+
+def sequence_kl(old_logprobs: np.ndarray, ref_logprobs: np.ndarray, offsets: np.ndarray,
+                prompt_lens: np.ndarray, estimator: str, loss_mask: np.ndarray | None = None) -> np.ndarray:
+    """float64 [N]: sum over each sample's response tokens (those of ``loss_mask``, when given) of
+    ``kl_penalty(old, ref)`` (:func:`token_kl`); the KL-in-reward penalty is ``kl_coef`` times it
+    (InstructGPT / verl ``use_kl_in_reward``)."""
+    kl = token_kl(old_logprobs, ref_logprobs, estimator, loss_mask)
     out = np.zeros(len(prompt_lens))
     for i in range(len(prompt_lens)):
         out[i] = kl[int(offsets[i] + prompt_lens[i]):int(offsets[i + 1])].sum()

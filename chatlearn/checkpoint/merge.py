@@ -152,22 +152,17 @@ def value_head_config(config: dict) -> dict:
     return config
 
 
-def value_config(config):
-    """``config`` made the critic's: one label (a scalar value per token)."""
-    config.num_labels = 1
-    return config
-
-
 def expected_tensors(config, trust_remote_code: bool = False, value_head: bool = False):
     """``({name: (shape, dtype)}, {alias: name})`` of the causal LM that ``config``
     describes (with ``value_head``: the critic, the token-classification model with one label),
     built on the ``meta`` device (no memory); tied aliases are not in the first."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    auto = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    auto = AutoModelForCausalLM
+    if value_head:  # one label: a scalar value per token
+        auto, config.num_labels = AutoModelForTokenClassification, 1
     with torch.device("meta"):
-        model = auto.from_config(value_config(config) if value_head else config, dtype=torch.float32,
-                                 trust_remote_code=trust_remote_code)
+        model = auto.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     aliases = sharded.tied_aliases(model)
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
                 if name not in aliases}

@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 import ray
 
-from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages
+from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages, token_kl
 from chatlearn.batch import columns, select_samples
 from chatlearn.config.names import Part, Stage
 from chatlearn.config.plan import Plan
@@ -295,7 +295,7 @@ class PPO(GRPO):
         t = self.cfg.models.policy_trainer
         kl = None
         if t.kl_in_reward and t.kl_coef > 0:
-            kl = token_kl(batch["old_logprobs"], batch["ref_logprobs"], t.kl_estimator)
+            kl = token_kl(batch["old_logprobs"], batch["ref_logprobs"], t.kl_estimator).astype(np.float32)
         batch["token_advantages"], batch["returns"], metrics = episode_gae(
             batch, scored.shaped, t.gamma, t.lam, whiten=t.whiten_advantages, kl=kl, kl_coef=t.kl_coef)
         batch["sample_weights"] = np.ones(len(batch["prompt_lens"]), np.float32)
@@ -317,16 +317,6 @@ class PPO(GRPO):
 
     def step_columns(self, s: int) -> tuple:
         return tuple("token_advantages" if c == "advantages" else c for c in super().step_columns(s))
-
-
-def token_kl(old: np.ndarray, ref: np.ndarray, estimator: str) -> np.ndarray:
-    """float32 [T]: the per-token KL estimate ``kl_penalty(old, ref)`` (``kl_estimator``)."""
-    import torch
-
-    from chatlearn.algorithms.kl import kl_penalty
-
-    return kl_penalty(torch.from_numpy(np.asarray(old, np.float64)),
-                      torch.from_numpy(np.asarray(ref, np.float64)), estimator).numpy().astype(np.float32)
 
 
 def make_algorithm(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
