@@ -437,10 +437,12 @@ def test_eval_and_train_sampling_reach_the_engine(rollout, reference):
             assert float(row[row > row[tok]].sum()) <= 0.95 + 1e-4  # inside the 0.95 nucleus
 
 
-def test_hf_ended_sequences_leave_the_batch(hf):
-    """The transformers engine drops a sequence from the batch (and its KV cache rows) when it ends,
-    by budget or by EOS; the others' tokens are those of ``generate`` (greedy), which keeps every
-    row to the end."""
+@pytest.mark.parametrize("read_every", [1, 4])
+def test_hf_ended_sequences_leave_the_batch(hf, read_every):
+    """The transformers engine drops a sequence from the batch (and its KV cache rows) when it ends:
+    by budget at once (the host knows budgets), by EOS when it next reads which rows still run
+    (every step on the CPU, every few on a GPU: ``read_every``); the tokens are those of
+    ``generate`` (greedy), which keeps every row to the end, whichever the policy."""
     from chatlearn.models.rollout.common import parse_sampling
 
     ps = prompts(4)
@@ -448,7 +450,8 @@ def test_hf_ended_sequences_leave_the_batch(hf):
     sizes = []
     hook = hf.model.register_forward_pre_hook(lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
                                               with_kwargs=True)
-    old_eos = hf.eos_ids
+    old_eos, old_every = hf.eos_ids, hf.read_every
+    hf.read_every = read_every
     try:
         sp = parse_sampling({"temperature": 0.0, "max_tokens": 12})
         tokens, logprobs, finished = hf._generate_chunk(ps, sp, budgets)
@@ -468,15 +471,123 @@ def test_hf_ended_sequences_leave_the_batch(hf):
         assert sizes == [4, 4, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1]
         # an EOS ends a row: row 3's 4th greedy token made the EOS
         hf.eos_ids = [int(ref[3, 3])]
+        sizes.clear()
+        hook = hf.model.register_forward_pre_hook(
+            lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
         tokens, _, finished = hf._generate_chunk(ps, sp, [12] * 4)
+        leaves = []  # the first decoding forward (1-based step) a row is no longer in
         for i in range(4):
             hits = (ref[i] == hf.eos_ids[0]).nonzero()
             length = int(hits[0]) + 1 if len(hits) else 12
             assert tokens[i].tolist() == ref[i, :length].tolist() and finished[i] == bool(len(hits))
+            # an EOS is seen at the next read; a spent budget at once
+            leaves.append(-(-length // read_every) * read_every if len(hits) else length)
         assert finished[3]
+        want = [sum(k < leave for leave in leaves) for k in range(1, 12)]
+        assert sizes[1:] == [w for w in want if w], (sizes, leaves)
     finally:
-        hf.eos_ids = old_eos
+        hf.eos_ids, hf.read_every = old_eos, old_every
         hook.remove()
+
+
+def test_hf_decoding_waits_for_the_device_once_per_read(hf):
+    """On a GPU every host read of a device value stalls the device: the decoding loop reads which
+    rows still run once per ``read_every`` steps and nothing else (the attention mask is handed to
+    the model ready, so transformers does not read it either). Counted on the CPU by the ops that
+    wait on a GPU (bench/hf_decode.py's counter); the loop before read twice per step and once more
+    inside transformers' mask."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from hf_decode import sync_counter
+
+    ps = prompts(6)  # prompts of several lengths: the steps have a padding mask
+    assert len({len(p) for p in ps}) > 1
+    old_every = hf.read_every
+    try:
+        for every in (1, 8):
+            hf.read_every = every
+            steps = []
+            hook = hf.model.register_forward_pre_hook(lambda *a: steps.append(1))
+            counter = sync_counter()
+            try:
+                with counter:
+                    hf.generate(ps, {"temperature": 1.0, "max_tokens": MAX_RESPONSE, "seed": 3})
+            finally:
+                hook.remove()
+            decode_steps = len(steps) - 1
+            assert decode_steps >= 16
+            # one read per read_every steps, plus the prefill's mask (transformers reads a 2D mask)
+            assert counter.count <= decode_steps // every + 3, (every, counter.by_op, decode_steps)
+    finally:
+        hf.read_every = old_every
+
+
+def test_hf_reserved_kv_cache_moves_only_the_rows_that_move(hf):
+    """Rows leaving the batch: the rows past the new size move into their places (``move_rows``),
+    and the cache then holds what ``DynamicCache.batch_select_indices`` of the same order holds;
+    only the moved rows' positions are copied."""
+    from transformers import DynamicCache
+
+    from chatlearn.models.rollout.hf import reserved_kv_cache
+
+    config = hf.model.config
+    ours, ref = reserved_kv_cache(config, capacity=8), DynamicCache(config=config)
+    g = torch.Generator().manual_seed(1)
+    shape = (6, config.num_key_value_heads, 3, config.hidden_size // config.num_attention_heads)
+    kv = torch.randn(shape, generator=g)
+    for layer in range(len(ours.layers)):
+        ours.update(kv, kv + 1, layer)
+        ref.update(kv, kv + 1, layer)
+    # rows 1 and 4 end: keep 0, 2, 3, 5 -> row 5 moves into row 1's place
+    ref.batch_select_indices(torch.tensor([0, 5, 2, 3]))
+    buffers = [layer._k.data_ptr() for layer in ours.layers]
+    untouched = [layer._k[[0, 2, 3]].clone() for layer in ours.layers]
+    for layer in ours.layers:
+        layer.move_rows(torch.tensor([1]), torch.tensor([5]), 4)
+    for a, b, ptr, rows in zip(ours.layers, ref.layers, buffers, untouched):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert a._k.data_ptr() == ptr and a._k.shape[0] == 6  # the buffers stay: nothing allocated
+        assert torch.equal(a._k[[0, 2, 3]], rows)
+    step = torch.randn((4,) + shape[1:2] + (1,) + shape[3:], generator=g)
+    for layer in range(len(ours.layers)):  # the next step writes the 4 remaining rows
+        got, want = ours.update(step, step, layer), ref.update(step, step, layer)
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+def test_hf_cpu_attention_takes_grouped_heads_with_a_mask():
+    """On the CPU a decoding step with a mask gives SDPA the grouped KV heads as they are: the same
+    output as transformers' SDPA attention (which repeats them), and prefill / unmasked calls are
+    transformers' own."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from chatlearn.models.rollout.hf import cpu_gqa_sdpa
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 1, 16, generator=g)
+    k, v = torch.randn(3, 2, 10, 16, generator=g), torch.randn(3, 2, 10, 16, generator=g)
+    mask = torch.ones(3, 1, 1, 10, dtype=torch.bool)
+    mask[0, ..., :4] = False
+    got, _ = cpu_gqa_sdpa(module, q, k, v, mask, scaling=0.25)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got.shape == (3, 1, 8, 16)
+
+
+def test_hf_step_mask_is_none_without_padding():
+    from chatlearn.models.rollout.hf import step_mask
+
+    amask = torch.ones(2, 9, dtype=torch.bool)
+    assert step_mask(amask, 5, "bool", torch.float32, padded=False) is None
+    assert step_mask(amask, 5, "bool", torch.float32, padded=True).shape == (2, 1, 1, 5)
+    assert step_mask(amask, 5, "2d", torch.float32, padded=False).shape == (2, 5)
+    amask[0, 0] = False
+    m = step_mask(amask, 5, "float", torch.float32, padded=True)
+    assert m[0, 0, 0, 0] == torch.finfo(torch.float32).min and m[0, 0, 0, 1] == 0
 
 
 def test_hf_onednn_linears_compute_the_same_logits_and_leave_nothing_behind(hf):
