@@ -70,7 +70,8 @@ def _process_tree(pid: int) -> set[int]:
 def device_memory(pid: int | None = None) -> list[dict]:
     """One entry per device this process sees, in MiB; ``[]`` without CUDA.
 
-    ``device``: the physical index (NVML) or the visible index; ``allocated_mb``/``reserved_mb``:
+    ``pid``: this process (models whose workers share a process, e.g. a fused rollout and its
+    trainer, show the same numbers); ``device``: the physical index (NVML) or the visible index; ``allocated_mb``/``reserved_mb``:
     torch in this process (only once this process has initialised CUDA); ``used_mb``/``total_mb``:
     the whole device (NVML); ``processes_mb``: NVML's usage of this process and its descendants on
     that device (the engine subprocesses of a rollout).
@@ -85,7 +86,7 @@ def device_memory(pid: int | None = None) -> list[dict]:
     tree = _process_tree(pid) if nvml is not None else set()
     out = []
     for visible, handle in enumerate(handles):
-        entry: dict = {"device": visible}
+        entry: dict = {"device": visible, "pid": pid}
         if torch.cuda.is_initialized():
             entry["allocated_mb"] = torch.cuda.memory_allocated(visible) / MIB
             entry["reserved_mb"] = torch.cuda.memory_reserved(visible) / MIB

@@ -21,9 +21,11 @@ SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=64", "ru
          "runtime_args.eval_episode_interval=3", "runtime_args.save_episode_interval=3",
          "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01",
          "runtime_args.rollout_backend=hf"]
-# After a model's turn ends, what it still holds on the GPU (torch's reserved memory, MiB): the
-# CUDA context is not counted there; the caching allocator must have returned its blocks.
-OFFLOADED_RESERVED_MB = 64
+# After a model's turn ends, what its process still holds on the GPU (torch's reserved memory, MiB):
+# the CUDA context is not counted there; the caching allocator must have returned its blocks and the
+# cuBLAS workspaces (32 MiB each on Hopper) must be gone (chatlearn.models.stash.release_device_memory);
+# what stays is rotary buffers, RNG state and allocator rounding of a 1M-parameter model.
+OFFLOADED_RESERVED_MB = 16
 
 
 def read_jsonl(path):
@@ -52,11 +54,18 @@ def test_run_on_cuda_with_turns_and_memory(tmp_path):
     events = read_jsonl(out / "timeline.jsonl")
     moves = [e for e in events if e["kind"] == "transition"]
     assert moves and all("gpu_memory" in e for e in moves)
+    # models whose workers share a process (the transformers rollout is fused into the policy
+    # trainer's processes by default): the numbers are the process's, so a model's offload is
+    # checked when no model of its process is still resident
+    pids = {m: {d["pid"] for w in workers for d in w} for e in moves for m, workers in e["gpu_memory"].items()}
     checked = 0
     for e in moves:
-        if e["action"] != "offload" or e["model"] in e["resident"]:
+        if e["action"] != "offload":
             continue
-        # the model that just left the GPU entirely holds (almost) nothing there any more
+        sharing = {m for m, p in pids.items() if p & pids[e["model"]]}
+        if sharing & set(e["resident"]):
+            continue
+        # the models of that process left the GPU entirely: the process holds (almost) nothing there
         for worker in e["gpu_memory"][e["model"]]:
             for dev in worker:
                 assert dev["reserved_mb"] <= OFFLOADED_RESERVED_MB, (e["model"], dev)

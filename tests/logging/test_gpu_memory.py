@@ -82,6 +82,7 @@ def test_device_memory_counts_the_worker_and_its_engine_processes(fake_gpu, monk
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a worker that never used CUDA
     (entry,) = gpu_memory.device_memory()
     assert entry["device"] == 1  # the physical index, from CUDA_VISIBLE_DEVICES
+    assert entry["pid"] == os.getpid()  # which models share a process (a fused rollout)
     assert entry["used_mb"] == 30 * 1024 and entry["total_mb"] == 80 * 1024
     assert entry["processes_mb"] == 22 * 1024  # itself + its child, not the unrelated process
     assert "allocated_mb" not in entry  # no CUDA context is created to ask torch
@@ -106,7 +107,7 @@ def test_without_nvml_torch_numbers_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 1 * MIB)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 2 * MIB)
-    assert gpu_memory.device_memory() == [{"device": 0, "allocated_mb": 1.0, "reserved_mb": 2.0}]
+    assert gpu_memory.device_memory() == [{"device": 0, "pid": os.getpid(), "allocated_mb": 1.0, "reserved_mb": 2.0}]
 
 
 def test_no_cuda_no_entries(monkeypatch):

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import ScoringModel
-from chatlearn.models.stash import Stash, own_storage
+from chatlearn.models.stash import Stash, own_storage, release_device_memory
 from chatlearn.models.trainer.fsdp import _decoder_layers, init_distributed
 
 if TYPE_CHECKING:
@@ -233,8 +233,7 @@ class RewardModel(ScoringModel):
             self._reshard()
             self._stashes[Part.WEIGHTS] = Stash(self.model.parameters())
             moved = self._stashes[Part.WEIGHTS].nbytes
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_device_memory(self.device)
         return {"bytes": moved}
 
     def onload(self, parts: Iterable[str]) -> dict:

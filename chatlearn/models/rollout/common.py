@@ -8,13 +8,13 @@ Nothing here imports an engine; each adapter (``hf.py``, ``vllm.py``, ``sglang.p
 """
 from __future__ import annotations
 
-import gc
 import warnings
 
 import numpy as np
 import torch
 
 from chatlearn.batch import Batch
+from chatlearn.models.stash import release_device_memory
 
 # A sampling dict may leave out the filters: absent means "off" (no nucleus, no top-k cut) and
 # no seed. temperature and max_tokens are required. The run's values come from the config
@@ -146,15 +146,10 @@ def eos_token_ids(generation_config, model_config) -> list[int]:
 
 
 def release_cuda_cache(device: torch.device) -> None:
-    """Give the CUDA caching allocator's free blocks back to the device (on CUDA only).
-
-    Freed tensors stay reserved by torch's caching allocator, invisible to other processes
-    (the trainer sharing the GPU); ``torch.cuda.empty_cache()`` releases the unused ones.
-    ``gc.collect()`` first drops tensors kept alive only by reference cycles.
-    """
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
+    """Give the CUDA memory this process no longer uses back to the device (on CUDA only): freed
+    tensors stay reserved by torch's caching allocator, invisible to other processes (the trainer
+    sharing the GPU), and so do the cuBLAS workspaces (:func:`chatlearn.models.stash.release_device_memory`)."""
+    release_device_memory(device)
 
 
 def set_cpu_threads(threads) -> None:

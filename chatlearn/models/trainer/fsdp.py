@@ -48,7 +48,7 @@ from chatlearn.checkpoint import sharded
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
-from chatlearn.models.stash import own_storage
+from chatlearn.models.stash import own_storage, release_device_memory
 from chatlearn.models.trainer import shared_prompt
 from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches, plan_shared_micro_batches
 
@@ -630,8 +630,7 @@ class FSDPTrainer(Trainer):
             self.zero_grad()
         self._reshard()
         moved = self._stash_parts(parts)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(self.device)
         return {"bytes": moved}
 
     def onload(self, parts: Iterable[str]) -> dict:

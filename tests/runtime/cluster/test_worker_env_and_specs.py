@@ -126,10 +126,16 @@ def test_device_dependent_settings_resolve_in_the_worker(paths_overrides, monkey
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_defaults_on_a_real_gpu_are_bf16_and_fast(paths_overrides):
-    """The default config on this machine's GPU: rollout and trainer in bf16 where the GPU has
-    it (float16 / fp32 where not), no per-request seeds."""
-    cfg = _cfg(paths_overrides)
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_defaults_on_a_real_gpu_are_bf16_and_fast(paths_overrides, backend):
+    """The default config on this machine's GPU, for each rollout backend installed here (the config
+    refuses a backend that is not): rollout and trainer in bf16 where the GPU has it (float16 / fp32
+    where not), no per-request seeds."""
+    import importlib.util
+
+    if backend != "hf" and importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed here (the hf case checks the same defaults)")
+    cfg = _cfg(paths_overrides, f"runtime_args.rollout_backend={backend}")
     r = resolve_for_device(RolloutSpec.from_config(cfg), "cuda")
     t = resolve_for_device(TrainerSpec.from_config(cfg, "policy_trainer", make_plan(cfg)), "cuda")
     bf16 = torch.cuda.is_bf16_supported()

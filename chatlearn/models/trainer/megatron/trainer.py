@@ -82,6 +82,7 @@ from chatlearn.checkpoint.merge import value_head_config
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
+from chatlearn.models.stash import release_device_memory
 from chatlearn.models.trainer.fsdp import init_distributed
 from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
 from chatlearn.models.trainer.megatron.model import (
@@ -686,8 +687,7 @@ class MegatronTrainer(Trainer):
         if Part.GRADS in parts:
             self._free_grads()
         moved = self._stash_parts(parts)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory(self.device)
         return {"bytes": moved}
 
     def onload(self, parts: Iterable[str]) -> dict:
