@@ -6,10 +6,11 @@ entries (:class:`BucketIndex`, offsets aligned to ``ALIGN`` bytes), planned once
 ``weight_specs()`` (:func:`plan_buckets`). The sender (``chatlearn.runtime.weight_push.stream``) fills
 buckets; a rollout engine reads them as ``(name, tensor)`` views (:func:`bucket_views`,
 :func:`entry_views`), in the rollout actor or inside an engine's own worker processes, which map
-the slots of their own GPU (:func:`slots_for_device`, :func:`ipc_rebuild`). Pure helpers on
-torch, shared by the models (trainers' ``export_weights``, rollout engines) and the runtime; the
-plan (:func:`plan_buckets`) needs no torch, since the driver makes it, and torch is imported by the
-helpers that make tensors.
+the slots of their own GPU (:func:`slots_for_device`, :func:`ipc_rebuild`). Which trainer ranks
+hold ``cuda_ipc`` slots and which replicas read them is planned from the GPUs each side uses
+(:func:`plan_slots`). Pure helpers on torch, shared by the models (trainers' ``export_weights``,
+rollout engines) and the runtime; the plans (:func:`plan_buckets`, :func:`plan_slots`) need no
+torch, since the driver makes them, and torch is imported by the helpers that make tensors.
 """
 from __future__ import annotations
 
@@ -153,24 +154,90 @@ def ipc_rebuild(handle, device) -> torch.Tensor:
 
 
 def slot_table(opened: list[dict]) -> dict[str, list]:
-    """``{GPU uuid: [handle per slot]}`` from the trainer ranks' ``open_sender`` answers."""
+    """``{GPU uuid: [handle per slot]}`` from the trainer ranks' ``open_sender`` answers (``{}``
+    from a rank that shares no slots, :class:`SlotPlan`)."""
     table: dict[str, list] = {}
     for rank, o in enumerate(opened):
-        if o["uuid"] in table:
-            raise RuntimeError(f"weight sync (cuda_ipc): trainer rank {rank} shares GPU {o['uuid']} "
-                               "with another rank; use the broadcast transport")
+        if not o:
+            continue
+        if o["uuid"] in table:  # plan_slots makes one owner per GPU: two answers are a planning bug
+            raise RuntimeError(f"weight sync (cuda_ipc): trainer rank {rank} shares slots on GPU {o['uuid']}, "
+                               "where another rank shares slots already")
         table[o["uuid"]] = o["handles"]
     return table
 
 
 def slots_for_device(table: dict[str, list], device) -> list:
-    """The slot handles that live on ``device`` (a receiver reads only from its own GPU)."""
+    """The slot handles that live on ``device`` (a receiver reads only from its own GPU). The push
+    maps slots only in replicas whose GPUs all have an owner (:func:`plan_slots`); any other
+    replica reads host memory, so a GPU missing here is a planning bug, not a placement limit."""
     uuid = device_uuid(device)
     if uuid not in table:
-        raise RuntimeError(f"weight sync (cuda_ipc): no trainer rank on GPU {uuid} (trainer GPUs: "
-                           f"{sorted(table)}); the rollout must share the trainer's GPUs, else use "
-                           "the broadcast transport")
+        raise RuntimeError(f"weight sync (cuda_ipc): no slots on GPU {uuid} (slots on: {sorted(table)}); "
+                           "this replica should read the host-memory slots (plan_slots)")
     return table[uuid]
+
+
+# ------------------------------------------------------------------ cuda_ipc slot plan
+#
+# Why a trainer rank on a GPU that no replica maps must not share slots (torch 2.x,
+# torch/csrc/StorageSharing.cpp and torch/csrc/CudaIPCTypes.cpp): ``reduce_tensor`` calls
+# ``storage._share_cuda_()`` (THPStorage_shareCuda), which wraps the storage's DataPtr by
+# ``GetNewRefCountedSentData``: a ``CudaIPCSentData`` whose counter, in a shared-memory file,
+# starts at 1. Only a consumer decrements it: the deleter of the storage that
+# ``rebuild_cuda_tensor`` -> ``_new_shared_cuda`` (THPStorage_newSharedCuda) made, or
+# ``_release_ipc_counter_cuda`` when that process has the storage cached already
+# (torch/multiprocessing/reductions.py). When the sender drops its tensor with the counter above
+# 0, ``CudaIPCSentDataDelete`` moves the block into ``CudaIPCSentDataLimbo``, and
+# ``CudaIPCSentDataLimbo::collect`` (``torch.cuda.ipc_collect``, and the allocator's free-memory
+# callback) frees only blocks whose counter is 0. A handle nobody rebuilds keeps its counter at 1:
+# the block is never freed while the process lives (``depth`` slots per push on every GPU without
+# a replica). So only the owner of a GPU that a replica maps shares its slots.
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Who holds and who reads the slots of a ``cuda_ipc`` push (:func:`plan_slots`).
+
+    ``owners``: trainer ranks that allocate ``depth`` slots on their GPU and share them (CUDA IPC),
+    one per GPU that a replica maps. ``members``: the ranks of each bucket's device broadcast,
+    rank 0 (it gathers the bucket) and the owners; ``()`` when no replica maps a GPU slot. Ranks
+    outside ``members`` allocate nothing (they still take part in every gather). ``ipc_replicas``
+    map the slots of their GPUs; ``shm_replicas`` (a GPU of theirs has no trainer rank) read host
+    shared-memory slots that rank 0 fills with one device-to-host copy per bucket.
+    """
+    owners: tuple = ()
+    members: tuple = ()
+    ipc_replicas: tuple = ()
+    shm_replicas: tuple = ()
+
+
+def _gpu_key(uuid: str) -> str:
+    """A GPU UUID as torch (``xxxxxxxx-xxxx-...``) and NVML (``GPU-xxxxxxxx-...``) both spell it."""
+    key = str(uuid).strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def plan_slots(trainer_gpus: list[str], replica_gpus: list[list[str]]) -> SlotPlan:
+    """The :class:`SlotPlan` of trainer ranks on ``trainer_gpus`` (rank r's GPU UUID) and replicas
+    on ``replica_gpus`` (replica i's GPU UUIDs: every GPU its engine reads slots on).
+
+    A replica maps CUDA IPC slots only if every one of its GPUs has a trainer rank (a process
+    reaches only its own GPUs' memory, and NCCL cannot connect two processes on one GPU); the
+    lowest rank on such a GPU owns its slots. Every other replica reads host memory.
+    """
+    owner_of: dict[str, int] = {}
+    for rank, gpu in enumerate(trainer_gpus):
+        owner_of.setdefault(_gpu_key(gpu), rank)
+    ipc, shm = [], []
+    for i, gpus in enumerate(replica_gpus):
+        keys = [_gpu_key(g) for g in gpus]
+        (ipc if keys and all(k in owner_of for k in keys) else shm).append(i)
+    owners = sorted({owner_of[_gpu_key(g)] for i in ipc for g in replica_gpus[i]})
+    members = tuple(sorted({0, *owners})) if owners else ()
+    return SlotPlan(tuple(owners), members, tuple(ipc), tuple(shm))
 
 
 def device_stream(device: torch.device):

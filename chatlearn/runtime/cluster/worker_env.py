@@ -19,7 +19,10 @@ actor's process with them.
   asserts otherwise); it must be in the environment before CUDA starts.
 * ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: trainers whose
   ``use_expandable_segments`` is set (less fragmentation over offload/onload turns). Not for the
-  rollout engines: vLLM's sleep-mode allocator refuses expandable segments.
+  rollout engines: vLLM's sleep-mode allocator refuses expandable segments. The weight push's
+  CUDA IPC slots are allocated with it switched off for the moment
+  (``chatlearn.runtime.weight_push.stream.outside_expandable_segments``): expandable memory is
+  shared through ``pidfd_getfd``, which unprivileged containers refuse.
 * Passed through when the user set them: Hub and debugging variables; ``CHATLEARN_LOG_DIR`` and
   ``CHATLEARN_VERBOSE`` (set by the driver): where the worker writes its third-party output
   (``chatlearn.logging.console``).

@@ -10,7 +10,8 @@ import time
 
 import ray
 
-from chatlearn.models.weight_buckets import BucketIndex, plan_buckets, slot_table
+from chatlearn.logging.console import info as console_info
+from chatlearn.models.weight_buckets import BucketIndex, SlotPlan, plan_buckets, plan_slots, slot_table
 
 DEPTH = 2  # buckets in flight
 TRANSPORTS = ("shm", "cuda_ipc", "broadcast")
@@ -30,9 +31,11 @@ def choose_transport(plan, device_type: str) -> str:
 class WeightPush:
     """Pushes the trainer's weights into every rollout replica (see the module docstring).
 
-    Set up once (bucket plan; ``shm`` slots, the broadcast group) on the first ``push`` and
-    reused by every later one; ``cuda_ipc`` slots are made by each push and freed after it.
-    ``transport`` overrides the choice by placement (tests, benchmarks).
+    Set up once (bucket plan; ``shm`` slots, the broadcast group; ``cuda_ipc``: the slot plan
+    from the GPUs of every trainer rank and replica, and the host slots of the replicas on GPUs
+    without a trainer rank) on the first ``push`` and reused by every later one; ``cuda_ipc``
+    GPU slots are made by each push and freed after it. ``transport`` overrides the choice by
+    placement (tests, benchmarks).
     """
 
     def __init__(self, trainer_group, rollout_group, plan, cfg, transport: str | None = None,
@@ -42,6 +45,7 @@ class WeightPush:
         self.depth = depth
         self.transport = transport
         self.buckets: list[BucketIndex] | None = None
+        self.slot_plan: SlotPlan | None = None  # cuda_ipc
 
     def _setup(self) -> None:
         trainers, replicas = self.trainer.actors, self.rollout.actors
@@ -60,7 +64,8 @@ class WeightPush:
         if self.transport == "broadcast":
             host, port = ray.get(trainers[0].address.remote())
             addr = (host, port, 1 + len(replicas))
-        if self.transport == "cuda_ipc":  # slots are opened by each push and freed after it
+        if self.transport == "cuda_ipc":  # GPU slots are opened by each push and freed after it
+            self.slot_plan = self._plan_slots()
             return
         senders = [a.sync.remote("open_sender", self.transport, self.buckets, self.depth, addr)
                    for a in trainers]
@@ -73,6 +78,39 @@ class WeightPush:
                  for r in replicas])
         ray.get(trainers[0].sync.remote("release_names"))
 
+    def _plan_slots(self) -> SlotPlan:
+        """``cuda_ipc``: ask every trainer rank and replica for its GPUs (:func:`plan_slots`); the
+        replicas on a GPU without a trainer rank get host shared-memory slots that trainer rank 0
+        fills (made here, once, and kept), with one line on the console saying so."""
+        trainers, replicas = self.trainer.actors, self.rollout.actors
+        plan = plan_slots(ray.get([a.sync.remote("sender_gpu") for a in trainers]),
+                          ray.get([r.sync.remote("receiver_gpus") for r in replicas]))
+        if plan.shm_replicas:
+            console_info(f"weight push (cuda_ipc): rollout replica(s) {list(plan.shm_replicas)} use a GPU with "
+                         "no trainer rank, so they read each bucket from host shared memory (one device-to-host "
+                         f"copy by trainer rank 0); replica(s) {list(plan.ipc_replicas)} map the trainer ranks' "
+                         "GPU slots")
+            attach = ray.get(trainers[0].sync.remote("open_host_slots", self.buckets, self.depth))
+            ray.get([replicas[i].sync.remote("open_receiver", "shm", self.buckets, attach)
+                     for i in plan.shm_replicas])
+            ray.get(trainers[0].sync.remote("release_names"))
+        return plan
+
+    def _open_ipc(self) -> None:
+        """Every trainer rank opens its part of the slot plan (all at once: the first push makes
+        the broadcast's process group, a collective); the ``ipc_replicas`` map the owners' slots."""
+        trainers, replicas = self.trainer.actors, self.rollout.actors
+        table = slot_table(ray.get([a.sync.remote("open_sender", self.transport, self.buckets, self.depth,
+                                                  None, self.slot_plan) for a in trainers]))
+        ray.get([replicas[i].sync.remote("open_receiver", self.transport, self.buckets, table)
+                 for i in self.slot_plan.ipc_replicas])
+
+    def _close_ipc(self) -> None:
+        """Receivers unmap first, then the ranks free their GPU slots (the host slots stay)."""
+        replicas = self.rollout.actors
+        ray.get([replicas[i].sync.remote("close_receiver") for i in self.slot_plan.ipc_replicas])
+        ray.get([a.sync.remote("close_sender") for a in self.trainer.actors])
+
     def push(self) -> dict:
         """One full push; returns ``{"sync/bytes": bytes per replica, "sync/push_gbps": GB/s}``
         (1 GB = 1e9 bytes; the time covers gather, transport and the engines' loads)."""
@@ -83,11 +121,8 @@ class WeightPush:
         start = time.perf_counter()
         trainers, replicas = self.trainer.actors, self.rollout.actors
         ipc = self.transport == "cuda_ipc"
-        if ipc:  # every trainer rank's slots, mapped by the replicas on the same GPU
-            table = slot_table(ray.get([a.sync.remote("open_sender", self.transport, self.buckets,
-                                                      self.depth) for a in trainers]))
-            ray.get([r.sync.remote("open_receiver", self.transport, self.buckets, table)
-                     for r in replicas])
+        if ipc:  # the owners' slots, mapped by the replicas on their GPUs
+            self._open_ipc()
         ray.get([r.sync.remote("begin") for r in replicas])
         loads: list[list] = []
         sends: list = []
@@ -102,9 +137,8 @@ class WeightPush:
         ray.get([ref for refs in loads for ref in refs])
         ray.get(sends)
         ray.get([r.sync.remote("finish") for r in replicas])
-        if ipc:  # receivers unmap first, then the owners free the slots
-            ray.get([r.sync.remote("close_receiver") for r in replicas])
-            ray.get([a.sync.remote("close_sender") for a in trainers])
+        if ipc:
+            self._close_ipc()
         return _push_metrics(sum(b.nbytes for b in self.buckets), time.perf_counter() - start)
 
     def _push_in_process(self) -> dict:

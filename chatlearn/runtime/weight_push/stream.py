@@ -25,22 +25,50 @@ Transports, chosen by placement (``driver.choose_transport``):
   (no pickling, no copy until the engine's own load). The files are unlinked once every replica
   has mapped them, so nothing is left behind if a process dies. The slots are made on the first
   push and stay mapped between pushes (host memory, reused by every push).
-* ``cuda_ipc`` (same device group, CUDA): one set of ``depth`` slots per GPU, owned by the
-  trainer rank on that GPU (with full colocation trainer rank d and the rollout worker on GPU d
-  share the device). Rank 0 writes each bucket into its slot and the trainers' own process
-  group broadcasts it into the other ranks' slots (all ranks are in the export's lockstep
-  anyway; NCCL, device to device). Before ``send`` returns, every rank synchronizes its CUDA
-  stream, so no replica reads a slot whose copies are still queued (the CUDA IPC handle does not
-  order later writes; verl and OpenRLHF synchronize before handing out handles likewise). The
-  slots are shared as CUDA IPC handles (``torch.multiprocessing.reductions.reduce_tensor``)
+* ``cuda_ipc`` (same device group, CUDA): ``depth`` slots on every GPU that both a trainer rank
+  and a replica use. On its first push the driver asks every trainer rank and replica for its GPUs
+  (UUIDs; a replica names every GPU its engine reads on) and plans who holds what
+  (``chatlearn.models.weight_buckets.plan_slots``, a :class:`SlotPlan`):
+
+  - the lowest trainer rank on a GPU that a replica maps *owns* that GPU's slots. Rank 0 gathers
+    each bucket into its slot and broadcasts it into the owners' slots over a process group of
+    rank 0 and the owners (NCCL, device to device; the default group when that is every rank).
+  - a trainer rank on a GPU that no replica maps allocates and shares nothing (it still takes part
+    in every gather). A shared slot that no process maps is never freed by torch (its IPC
+    reference count stays at 1: see ``chatlearn.models.weight_buckets``), so this is what keeps a
+    placement with more trainer ranks than rollout GPUs from leaking 2 slots per push per GPU.
+  - a replica with a GPU that no trainer rank uses (more rollout GPUs than trainer ranks) cannot
+    map a slot: a process reaches only its own GPUs, and NCCL cannot connect two processes on one
+    GPU. It reads host shared-memory slots instead, as with ``shm``: trainer rank 0 copies each
+    bucket from its GPU slot into its host slot (one device-to-host copy per bucket, whatever the
+    number of such replicas), and the replica's engine loads from host memory. The host slots
+    are made on the first push and kept; the other replicas still map GPU slots (a mixed push).
+
+  What a push of a model of M bytes moves, with R replicas of which H are on a GPU without a
+  trainer rank (``tests/runtime/weight_push/test_slot_plan.py`` counts it): M bytes over NCCL
+  into each owner other than rank 0; M bytes device to host once, on rank 0, when H > 0; M
+  bytes read in place from its GPU slots by each of the R - H other replicas (per engine
+  worker), and M bytes loaded from host memory by each of the H. Memory: ``depth`` x the
+  largest bucket on each owner's GPU and rank 0's during the push, none on any other GPU;
+  the same in host shared memory when H > 0, kept between pushes. Switching the whole push to
+  ``shm`` for such a placement would move the same device-to-host M but M bytes host to device
+  into each of the R replicas, where the mixed push keeps R - H of them on device-to-device
+  reads.
+
+  The slots are shared as CUDA IPC handles (``torch.multiprocessing.reductions.reduce_tensor``)
   keyed by the GPU's UUID; a receiver maps the slots of its own GPU (:func:`slots_for_device`,
   :func:`ipc_rebuild`), in the rollout actor or, for an engine whose workers run in processes
   of their own (vLLM), inside each worker, and synchronizes its stream after loading, before
-  the slot may be refilled. The slots exist only during a push: opened at its start, and after
-  it the receivers drop their mappings, then every trainer rank deletes its slots, collects
-  the IPC references (``torch.cuda.ipc_collect``) and empties its CUDA cache, so no weight
-  buffer stays on a GPU between pushes (the rollout's KV cache and the trainer's state need
-  that memory).
+  the slot may be refilled. Before ``send`` returns, every rank synchronizes its CUDA stream, so
+  no replica reads a slot whose copies are still queued (the CUDA IPC handle does not order
+  later writes; verl and OpenRLHF synchronize before handing out handles likewise). The slots
+  are allocated with expandable segments turned off (:func:`outside_expandable_segments`), so
+  that a trainer with ``use_expandable_segments`` shares them with ``cudaIpcGetMemHandle``
+  rather than ``pidfd_getfd``, which unprivileged containers refuse. The GPU slots exist only
+  during a push: opened at its start, and after it the receivers drop their mappings, then
+  every rank deletes its slots, collects the IPC references (``torch.cuda.ipc_collect``) and
+  empties its CUDA cache, so no weight buffer stays on a GPU between pushes (the rollout's KV
+  cache and the trainer's state need that memory).
 * ``broadcast`` (different device groups): rank 0 broadcasts each slot to the replicas over a
   process group of its own (rank 0 + one rank per replica; gloo on CPU, NCCL on CUDA), created
   once from a ``TCPStore`` hosted by trainer rank 0 (like vLLM's ``StatelessProcessGroup``), so
@@ -51,9 +79,11 @@ The rollout side receives a bucket as ``(name, tensor)`` views of the buffer, va
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import mmap
 import os
+import re
 import tempfile
 import uuid
 from datetime import timedelta
@@ -67,6 +97,7 @@ from chatlearn.models.weight_buckets import (  # noqa: F401 (ALIGN, Entry, entry
     ALIGN,
     BucketIndex,
     Entry,
+    SlotPlan,
     bucket_views,
     device_stream,
     device_uuid,
@@ -94,12 +125,114 @@ def _release_cached(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _share_among_ranks(buf: torch.Tensor) -> None:
-    """Copy rank 0's ``buf`` into every trainer rank's (the trainers' default process group)."""
+def _rank_group(members: tuple):
+    """The process group of the trainer ranks ``members`` (rank 0 and the slot owners of a
+    :class:`SlotPlan`), made from the trainers' default group; ``None`` when that is all of them
+    (the default group itself) or there is no group. Every rank calls this at once, members or not
+    (``new_group`` is a collective of the default group)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(buf, src=0)
+    if not (dist.is_available() and dist.is_initialized()) or len(members) == dist.get_world_size():
+        return None
+    return dist.new_group(list(members))
+
+
+def _share_among_ranks(buf: torch.Tensor, group) -> None:
+    """Copy rank 0's ``buf`` into the ``buf`` of every rank of ``group`` (:func:`_rank_group`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.broadcast(buf, src=0, group=group)
+
+
+def _copy_to_host(host: torch.Tensor, buf: torch.Tensor) -> None:
+    """Copy a bucket from rank 0's GPU slot ``buf`` into its host slot ``host``; returns once the
+    bytes are there (a copy into pageable memory is synchronous)."""
+    host.copy_(buf)
+
+
+def _visible_gpu_uuids() -> list[str]:
+    """UUIDs of the GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applied), read through NVML
+    where it answers, which makes no CUDA context: a vLLM adapter whose workers run in processes of
+    their own never initialises CUDA itself (``chatlearn.logging.gpu_memory``). torch's otherwise."""
+    from chatlearn.logging.gpu_memory import _nvml, _visible_handles
+
+    nvml = _nvml()
+    if nvml is not None:
+        try:
+            ids = [nvml.nvmlDeviceGetUUID(h) for h in _visible_handles(nvml)]
+            return [u.decode() if isinstance(u, bytes) else str(u) for u in ids]
+        except Exception:  # noqa: BLE001 - a visible-device entry NVML cannot resolve: ask torch
+            pass
+    return [device_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+
+
+# ------------------------------------------------------------------ IPC slots outside expandable segments
+#
+# Memory of an expandable segment (``expandable_segments:True``, ``use_expandable_segments``) is
+# shared through a POSIX file descriptor that the receiver takes with ``pidfd_getfd``, refused in
+# containers without ptrace rights ("pidfd_getfd: Operation not permitted", pytorch issue
+# #165685); a segment of its own (``cudaMalloc``) is shared with ``cudaIpcGetMemHandle``, which
+# needs no such right. So the slots are allocated with expandable segments turned off, as verl
+# does around its weight sync (``verl.utils.device.set_expandable_segments``). The caching
+# allocator honours the switch for blocks it already cached, too: with it off, ``get_free_block``
+# skips free blocks of expandable segments (c10/cuda/CUDACachingAllocator.cpp: "since we cannot
+# share expandable memory via IPC, someone might temporarily disable it").
+
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+_EXPANDABLE = re.compile(r"(^|,)\s*expandable_segments\s*:\s*(\w+)\s*(?=,|$)")
+
+
+def _allocator_settings() -> str:
+    """The allocator's settings string: ``torch._C._accelerator_getAllocatorSettings()`` (the
+    environment's at start, then each string set at run time), or, on a torch without that getter,
+    the environment variable the allocator read when CUDA started: the device-generic allocator
+    config (the one with ``torch._C._accelerator_setAllocatorSettings``) reads ``PYTORCH_ALLOC_CONF``
+    and, when that is unset, ``PYTORCH_CUDA_ALLOC_CONF``; the CUDA-only one before it reads only
+    the latter. Nothing in a trainer sets allocator settings at run time but
+    :func:`outside_expandable_segments`, which puts back what it found."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is not None:
+        return get()
+    generic = hasattr(torch._C, "_accelerator_setAllocatorSettings")
+    for name in ALLOC_CONF_VARS if generic else ALLOC_CONF_VARS[1:]:
+        if name in os.environ:
+            return os.environ[name]
+    return ""
+
+
+def _set_allocator_settings(settings: str) -> None:
+    """Apply ``settings`` (``PYTORCH_ALLOC_CONF`` syntax) to the caching allocator now:
+    ``torch._C._accelerator_setAllocatorSettings``, or ``torch.cuda.memory._set_allocator_settings``
+    on a torch without it (the same call there; deprecated where the other exists)."""
+    apply = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if apply is None:
+        apply = torch.cuda.memory._set_allocator_settings
+    apply(settings)
+
+
+def expandable_segments_on(settings: str) -> bool:
+    """Whether ``settings`` turn expandable segments on (the last ``expandable_segments`` entry)."""
+    found = _EXPANDABLE.findall(settings)
+    return bool(found) and found[-1][1].lower() == "true"
+
+
+@contextlib.contextmanager
+def outside_expandable_segments():
+    """Allocations inside the block go to segments of their own (shareable by CUDA IPC without
+    ``pidfd_getfd``). Only when expandable segments are on is anything set: every other setting
+    is kept (an older torch resets the ones a settings string leaves out), and on leaving, the
+    settings string from before is set again."""
+    before = _allocator_settings()
+    if not expandable_segments_on(before):
+        yield
+        return
+    others = _EXPANDABLE.sub("", before).strip(", ")
+    _set_allocator_settings(",".join(x for x in (others, "expandable_segments:False") if x))
+    try:
+        yield
+    finally:
+        _set_allocator_settings(before)
 
 
 # ------------------------------------------------------------------ slot buffers
@@ -128,6 +261,12 @@ class ShmSlot:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _new_shm_slots(nbytes: int, depth: int) -> list[ShmSlot]:
+    """``depth`` new shared-memory files of ``nbytes`` each, mapped here."""
+    tag = uuid.uuid4().hex[:12]
+    return [ShmSlot(os.path.join(_shm_dir(), f"chatlearn-weights-{tag}-{i}"), nbytes, True) for i in range(depth)]
 
 
 def _new_broadcast_group(host: str, port: int, rank: int, world: int, device_type: str):
@@ -180,8 +319,12 @@ class Endpoint:
         self.obj = obj
         self.buckets: list[BucketIndex] = []
         self.slots: list = []
+        self.host_slots: list[ShmSlot] = []  # cuda_ipc, rank 0: what the shm_replicas of the plan read
         self.transport = None
         self.group = None
+        self.plan: SlotPlan | None = None  # cuda_ipc: who holds and reads the slots
+        self.rank_group = None  # cuda_ipc: the process group of plan.members (None: the default group)
+        self.group_members: tuple | None = None
         self.engine_maps = False  # cuda_ipc receiver: the engine's workers hold the mappings
         self.peak_live_bytes = 0  # trainer side: max bytes of slots + gathered tensors alive
 
@@ -189,50 +332,84 @@ class Endpoint:
     def specs(self) -> dict:
         return {"specs": self.obj.weight_specs(), "device": torch.device(self.obj.device).type}
 
-    def open_sender(self, transport: str, buckets: list, depth: int, group_addr=None) -> dict:
-        """Allocate the ``depth`` slots (``cuda_ipc``: on every rank, on its GPU; else on rank 0);
-        returns what the replicas need to attach."""
+    def sender_gpu(self) -> str:
+        """The UUID of this trainer rank's GPU (``cuda_ipc``: :func:`plan_slots`)."""
+        return device_uuid(torch.device(self.obj.device))
+
+    def open_sender(self, transport: str, buckets: list, depth: int, group_addr=None,
+                    plan: SlotPlan | None = None) -> dict:
+        """Allocate the ``depth`` slots (``cuda_ipc``: on the ranks of ``plan.members``, on their
+        GPUs, shared by ``plan.owners``; else on rank 0); returns what the replicas need to attach."""
         self.transport, self.buckets = transport, buckets
         size = max(b.nbytes for b in buckets)
         device = torch.device(self.obj.device)
         if transport == "cuda_ipc":
-            self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(depth)]
-            return {"uuid": device_uuid(device), "handles": [ipc_share(t) for t in self.slots]}
+            if plan is None:
+                raise ValueError("open_sender(cuda_ipc): the push's SlotPlan (plan_slots) is required")
+            return self._open_ipc_slots(plan, size, depth, device)
         if self.obj.rank != 0:
             return {}
         if transport == "shm":
-            tag = uuid.uuid4().hex[:12]
-            self.slots = [ShmSlot(os.path.join(_shm_dir(), f"chatlearn-weights-{tag}-{i}"), size, True)
-                          for i in range(depth)]
+            self.slots = _new_shm_slots(size, depth)
             return {"paths": [s.path for s in self.slots], "nbytes": size}
         self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(depth)]
         host, port, world = group_addr
         self.group = _new_broadcast_group(host, port, 0, world, device.type)
         return {}
 
+    def _open_ipc_slots(self, plan: SlotPlan, size: int, depth: int, device: torch.device) -> dict:
+        """``cuda_ipc``: this rank's part of ``plan`` (every rank calls it at once). A member
+        allocates its slots outside expandable segments; an owner shares them; any other rank
+        allocates nothing (no slot that no replica maps: it would never be freed, see
+        ``chatlearn.models.weight_buckets``)."""
+        self.plan = plan
+        if self.group_members != plan.members:  # once per plan: a collective of every rank
+            self.rank_group = _rank_group(plan.members) if len(plan.members) > 1 else None
+            self.group_members = plan.members
+        rank = self.obj.rank
+        if rank not in plan.members:
+            return {}
+        with outside_expandable_segments():
+            self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(depth)]
+        if rank not in plan.owners:  # rank 0 gathers here, broadcasts, copies to host; nobody maps it
+            return {}
+        return {"uuid": device_uuid(device), "handles": [ipc_share(t) for t in self.slots]}
+
+    def open_host_slots(self, buckets: list, depth: int) -> dict:
+        """``cuda_ipc``, rank 0: the host shared-memory slots that the replicas on GPUs without a
+        trainer rank read (made once, kept between pushes like the ``shm`` transport's)."""
+        self.host_slots = _new_shm_slots(max(b.nbytes for b in buckets), depth)
+        return {"paths": [s.path for s in self.host_slots], "nbytes": self.host_slots[0].nbytes}
+
     def release_names(self) -> None:
         """Unlink the shm files once every replica has mapped them (the mappings stay valid)."""
-        for s in self.slots:
+        for s in [*self.slots, *self.host_slots]:
             if isinstance(s, ShmSlot):
                 s.unlink()
 
     def send(self, k: int, slot: int) -> int:
         """Gather bucket k (all trainer ranks), write it into slot ``slot`` on rank 0, and for
-        ``broadcast`` send it; ``cuda_ipc``: copy it into every rank's slot and wait until the
-        bytes are on the device. Returns the bucket's bytes."""
+        ``broadcast`` send it; ``cuda_ipc``: copy it into the slots of ``plan.members`` and, for
+        the plan's shm replicas, into rank 0's host slot, and wait until the bytes are there.
+        Returns the bucket's bytes."""
         index = self.buckets[k]
         buf = None
         if self.slots:
             s = self.slots[slot]
             buf = (s.tensor if isinstance(s, ShmSlot) else s)[:index.nbytes]
+        elif self.host_slots:  # cuda_ipc with no GPU slot mapped anywhere: gather to host at once
+            buf = self.host_slots[slot].tensor[:index.nbytes]
         slots_bytes = sum((s.nbytes if isinstance(s, ShmSlot) else s.numel()) for s in self.slots)
 
         def held(tensor) -> None:
             self.peak_live_bytes = max(self.peak_live_bytes, slots_bytes + tensor.numel() * tensor.element_size())
 
         gather_bucket(self.obj, index, buf, held)
-        if self.transport == "cuda_ipc":
-            _share_among_ranks(buf)
+        if self.transport == "cuda_ipc" and self.slots:
+            if len(self.plan.members) > 1:
+                _share_among_ranks(buf, self.rank_group)
+            if self.host_slots:  # rank 0: one device-to-host copy for every shm replica
+                _copy_to_host(self.host_slots[slot].tensor[:index.nbytes], buf)
             # The copies run asynchronously on this stream: the replicas are let in (this call
             # returns) only once they are done.
             device_stream(buf.device).synchronize()
@@ -241,7 +418,8 @@ class Endpoint:
         return index.nbytes
 
     def close_sender(self) -> None:
-        """``cuda_ipc``: free this rank's slots (every replica has dropped its mappings)."""
+        """``cuda_ipc``: free this rank's slots (every replica has dropped its mappings); the host
+        slots stay for the next push."""
         if self.transport != "cuda_ipc" or not self.slots:
             return
         device = self.slots[0].device
@@ -252,6 +430,14 @@ class Endpoint:
         return {"peak_live_bytes": self.peak_live_bytes}
 
     # -- rollout side
+    def receiver_gpus(self) -> list[str]:
+        """UUIDs of the GPUs this replica reads ``cuda_ipc`` slots on (:func:`plan_slots`): those its
+        engine's workers use (every GPU this process sees) when they map the slots themselves,
+        else this process's current GPU."""
+        if self.obj.maps_weight_slots:
+            return _visible_gpu_uuids()
+        return [device_uuid(_this_device())]
+
     def open_receiver(self, transport: str, buckets: list, attach: dict, group_addr=None,
                       rank: int = 0) -> None:
         self.transport, self.buckets = transport, buckets

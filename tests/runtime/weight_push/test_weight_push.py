@@ -1,7 +1,8 @@
 """Streamed weight push (chatlearn/runtime/weight_push/stream.py).
 
 Unit tests: the bucket plan against an independent layout, the transport chosen by placement,
-and the trainer-side memory bound through an instrumented export. End to end (Ray, 2 FSDP
+the trainer-side memory bound through an instrumented export, and the ``cuda_ipc`` push on its CPU
+twin (``ipc_twin.py``; other GPU counts: ``test_slot_plan.py``). End to end (Ray, 2 FSDP
 ranks on gloo): a push through each CPU transport (shared memory, gloo broadcast) into the hf
 and vllm rollouts, after which the rollout's log-probs equal the trainer's within 1e-4 (fp32),
 where before the push they differed by far more.
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import gc
 import os
-import weakref
 
 import backend_specs
 import numpy as np
 import pytest
 import torch
+from ipc_twin import FakeRollout, FakeTrainer, IpcTwin, LoggingRollout, LoggingTrainer, TwinActor  # this folder
 from tiny_model import make_tiny_model  # tests/ is on sys.path (tests/conftest.py)
 
 from chatlearn.models import weight_buckets as wb
@@ -90,51 +91,6 @@ def test_transport_follows_placement(paths_overrides, colocation, device, expect
 
 # ------------------------------------------------------------------ trainer-side memory bound
 
-class FakeTrainer:
-    """A trainer rank 0 whose export is instrumented: every gathered tensor is counted while it
-    is alive (weakref finalizers), and the peak of those bytes is recorded."""
-
-    def __init__(self, shapes: list[tuple]):
-        self.rank, self.device = 0, "cpu"
-        g = torch.Generator().manual_seed(0)
-        self.weights = {f"p{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
-        self.live = 0
-        self.peak = 0
-
-    def weight_specs(self):
-        return [(n, "float32", tuple(t.shape), i) for i, (n, t) in enumerate(self.weights.items())]
-
-    def _gone(self, nbytes):
-        self.live -= nbytes
-
-    def export_tensors(self, names):
-        for name in names:
-            full = self.weights[name].clone()  # a "gathered" full tensor
-            nbytes = full.numel() * full.element_size()
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(full, self._gone, nbytes)
-            yield name, full
-            del full
-
-
-class FakeRollout:
-    maps_weight_slots = False  # with cuda_ipc the receiving process maps the slots itself
-
-    def __init__(self):
-        self.got = {}
-
-    def begin_weight_update(self):
-        self.got = {}
-
-    def load_weight_bucket(self, weights):
-        for name, view in weights:
-            self.got[name] = view.clone()
-
-    def finish_weight_update(self):
-        pass
-
-
 def test_sender_holds_two_buckets_beyond_its_shards():
     shapes = [(64, 64)] * 12 + [(256, 64)]  # 16 KiB each, one 64 KiB
     trainer, rollout = FakeTrainer(shapes), FakeRollout()
@@ -166,15 +122,15 @@ def test_sender_holds_two_buckets_beyond_its_shards():
 
 # ------------------------------------------------------------------ cuda_ipc, CPU twin
 
-def test_slot_table_one_rank_per_gpu(monkeypatch):
-    table = ws.slot_table([{"uuid": "GPU-a", "handles": ["a0", "a1"]},
+def test_slot_table_one_owner_per_gpu(monkeypatch):
+    table = ws.slot_table([{"uuid": "GPU-a", "handles": ["a0", "a1"]}, {},  # rank 1 shares no slots
                            {"uuid": "GPU-b", "handles": ["b0", "b1"]}])
     assert table == {"GPU-a": ["a0", "a1"], "GPU-b": ["b0", "b1"]}
-    with pytest.raises(RuntimeError, match="shares GPU"):
+    with pytest.raises(RuntimeError, match="rank 1 shares slots on GPU GPU-a, where another rank"):
         ws.slot_table([{"uuid": "GPU-a", "handles": []}, {"uuid": "GPU-a", "handles": []}])
     monkeypatch.setattr(wb, "device_uuid", lambda device: {0: "GPU-b", 1: "GPU-c"}[device])
     assert ws.slots_for_device(table, 0) == ["b0", "b1"]  # a receiver reads its own GPU's slots
-    with pytest.raises(RuntimeError, match="no trainer rank on GPU GPU-c"):
+    with pytest.raises(RuntimeError, match="no slots on GPU GPU-c .*host-memory slots"):
         ws.slots_for_device(table, 1)
 
 
@@ -195,102 +151,13 @@ def test_ipc_rebuild_puts_in_the_receivers_device_index():
     assert seen["device"] == 1  # the sender called it 3; this process numbers it 1
 
 
-class IpcTwin:
-    """CUDA IPC on the CPU, strict about what the real one needs: each actor call runs "on" the
-    actor's GPU; a handle maps the owner's tensor (a new view of the same memory, as
-    ``rebuild_cuda_tensor`` gives); every device-side step is logged in order."""
-
-    def __init__(self, monkeypatch):
-        self.gpu = None  # the GPU of the actor whose call is running
-        self.log: list[tuple] = []
-        self.owned: dict[int, tuple] = {}  # handle key -> (owner GPU, weakref of the tensor)
-        self.wire = None  # the trainers' broadcast
-        self.mapped: list = []  # weakrefs of every rebuilt view
-        self.slots: list = []  # weakrefs of every slot tensor
-        twin = self
-
-        class Stream:
-            def __init__(self, gpu):
-                self.gpu = gpu
-
-            def synchronize(self):
-                twin.log.append(("sync", self.gpu))
-
-        def share(tensor):
-            key = len(self.owned)
-            self.owned[key] = (self.gpu, weakref.ref(tensor))  # a handle keeps nothing alive
-            self.slots.append(weakref.ref(tensor))
-            return ("ipc", key)
-
-        def rebuild(handle, device):
-            owner, tensor = self.owned[handle[1]]
-            self.log.append(("map", self.gpu, owner))
-            view = tensor()[:]
-            self.mapped.append(weakref.ref(view))
-            return view
-
-        def share_among_ranks(buf):
-            self.log.append(("bcast", self.gpu))
-            if self.gpu == "GPU-0":
-                self.wire = buf.clone()
-            else:
-                buf.copy_(self.wire)
-
-        monkeypatch.setattr(ws, "device_uuid", lambda device: self.gpu)
-        monkeypatch.setattr(wb, "device_uuid", lambda device: self.gpu)  # what slots_for_device asks
-        monkeypatch.setattr(ws, "ipc_share", share)
-        monkeypatch.setattr(ws, "ipc_rebuild", rebuild)
-        monkeypatch.setattr(ws, "device_stream", lambda device: Stream(self.gpu))
-        monkeypatch.setattr(ws, "_this_device", lambda: torch.device("cpu"))
-        monkeypatch.setattr(ws, "_share_among_ranks", share_among_ranks)
-        monkeypatch.setattr(ws, "_release_cached", lambda device: self.log.append(("release", self.gpu)))
-        # Ray: calls run at once, in submission order; refs are the results
-        monkeypatch.setattr(wp, "ray", type("FakeRay", (), {"get": staticmethod(lambda x: x)}))  # WeightPush's
-
-
-class TwinActor:
-    def __init__(self, twin: IpcTwin, gpu: str, obj):
-        endpoint, self.gpu = ws.Endpoint(obj), gpu
-        self.endpoint = endpoint
-
-        def remote(op, *args):
-            twin.gpu = gpu
-            try:
-                return getattr(endpoint, op)(*args)
-            finally:
-                twin.gpu = None
-
-        self.sync = type("Method", (), {"remote": staticmethod(remote)})
-
-
-class LoggingTrainer(FakeTrainer):
-    def __init__(self, shapes, rank: int, log: list):
-        super().__init__(shapes)
-        self.rank, self.log = rank, log
-
-    def export_tensors(self, names):
-        for name, full in super().export_tensors(names):
-            self.log.append(("export", self.rank, name))
-            yield name, (full if self.rank == 0 else None)
-
-
-class LoggingRollout(FakeRollout):
-    def __init__(self, log: list, gpu: str):
-        super().__init__()
-        self.log, self.gpu = log, gpu
-
-    def load_weight_bucket(self, weights):
-        self.log.append(("load", self.gpu, tuple(n for n, _ in weights)))
-        super().load_weight_bucket(weights)
-
-
 def test_cuda_ipc_push_per_device_slots_sync_and_release(monkeypatch):
     from types import SimpleNamespace
 
     twin = IpcTwin(monkeypatch)
     shapes = [(32, 32)] * 6
     trainers = [TwinActor(twin, f"GPU-{r}", LoggingTrainer(shapes, r, twin.log)) for r in range(2)]
-    rollouts = [LoggingRollout(twin.log, f"GPU-{r}") for r in range(2)]
+    rollouts = [LoggingRollout(twin, f"GPU-{r}") for r in range(2)]
     replicas = [TwinActor(twin, f"GPU-{r}", rollouts[r]) for r in range(2)]
     cfg = SimpleNamespace(runtime_args=SimpleNamespace(coalesced_buffer_mb=8 * 1024 / 2 ** 20))
     sync = wp.WeightPush(SimpleNamespace(actors=trainers), SimpleNamespace(actors=replicas), None,
@@ -328,11 +195,12 @@ def test_cuda_ipc_push_per_device_slots_sync_and_release(monkeypatch):
         assert sorted(twin.log[i][1] for i in releases) == ["GPU-0", "GPU-1"]
         assert releases[0] > max(i for i, e in enumerate(twin.log) if e[0] == "load")
         assert all(not t.endpoint.slots for t in trainers + replicas)
+        assert twin.held() == {}  # every shared slot mapped, released and collected
         gc.collect()
         assert all(ref() is None for ref in twin.mapped + twin.slots)  # nothing left allocated
         twin.mapped.clear()
         twin.slots.clear()
-        assert len(twin.owned) == 4 * (push + 1)  # 2 ranks x 2 slots, new ones every push
+        assert twin.shared == 4 * (push + 1)  # 2 ranks x 2 slots, new ones every push
 
 
 # ------------------------------------------------------------------ end to end on Ray
