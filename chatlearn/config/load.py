@@ -640,13 +640,6 @@ def _check_context_length(cfg: DictConfig) -> None:
                 "max_response_tokens_length.", key="models.critic.load")
     total = p.max_prompt_tokens_length + p.max_response_tokens_length
     context = p.seq_length or total  # the engine's context (chatlearn.models.rollout.common.context_length)
-    if cfg.runtime_args.rollout_backend == "sglang" and context + 1 > limit:
-        raise ConfigError(
-            f"is {context} tokens per sequence with the SGLang rollout, which needs one token "
-            f"more than that within the model's context ({limit}, {where}): SGLang refuses a request whose prompt "
-            "plus new tokens reach its context length. Lower models.policy.seq_length (or max_prompt_tokens_length "
-            "+ max_response_tokens_length) by one.",
-            key="models.policy.seq_length" if p.seq_length is not None else "models.policy.max_response_tokens_length")
     if p.seq_length is None and total > limit:
         raise ConfigError(
             f"models.policy.max_prompt_tokens_length ({p.max_prompt_tokens_length}) + "

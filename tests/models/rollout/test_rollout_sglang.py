@@ -7,10 +7,14 @@ ignored it.
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
-from test_rollout_cpu import (MAX_RESPONSE, TOL, fake_sglang, model_dirs,  # noqa: F401
+from test_rollout_cpu import (MAX_PROMPT, MAX_RESPONSE, TOL, fake_sglang, model_dirs,  # noqa: F401
                               prompts, push, reference, restore_threads, state_dict)
 from test_rollout_cpu import _spec as _shared_spec
 
@@ -68,16 +72,17 @@ def test_engine_arguments_follow_the_config(model_dirs, monkeypatch):  # noqa: F
         engine = SGLangRollout(spec)
     engine.shutdown()
     assert seen["model_path"] == spec.load and seen["tp_size"] == 1
+    assert (seen["base_gpu_id"], seen["gpu_id_step"]) == (0, 1)  # rank r on cuda:r, as the weight push assumes
     assert seen["max_running_requests"] == 8 and seen["mem_fraction_static"] == 0.4
     assert seen["disable_cuda_graph"] is False and seen["random_seed"] == 99
-    # one token more than a sequence takes: SGLang refuses input + max_new_tokens >= context_length
-    assert seen["context_length"] == spec.max_prompt_tokens_length + spec.max_response_tokens_length + 1
+    # SGLang's scheduler admits inputs below context_length - 6 and cuts new tokens at context_length - 2
+    assert seen["context_length"] == spec.max_prompt_tokens_length + spec.max_response_tokens_length + 6
     assert seen["dtype"] == "float32" and seen["skip_tokenizer_init"] is True
     assert seen["enable_memory_saver"] and seen["enable_weights_cpu_backup"]
     assert seen["enable_deterministic_inference"] is True and seen["attention_backend"] == "triton"
-    # kv_cache fit: the pool holds the 8 running requests at full length (SGLang keeps the smaller of
-    # this and what mem_fraction_static leaves); utilization: SGLang's own sizing
-    assert seen["max_total_tokens"] == 8 * (seen["context_length"] - 1) + 1
+    # kv_cache fit: the pool holds the 8 running requests at the engine's context length (SGLang keeps the
+    # smaller of this and what mem_fraction_static leaves); utilization: SGLang's own sizing
+    assert seen["max_total_tokens"] == 8 * seen["context_length"] + 1
     seen.clear()
     with fake_sglang():
         import sglang
@@ -300,3 +305,207 @@ def test_streamed_push_copies_the_views(rollout, reference, model_dirs):  # noqa
     np.testing.assert_allclose(batch["rollout_logprobs"], reference.logprobs("new", batch, 0.7),
                                atol=TOL, rtol=0)
     push(rollout, model_dirs["old"])
+
+
+# -- lengths: a run may fill the model's context -------------------------------------------
+
+def _model_of_context(src: str, dst, positions: int) -> str:
+    """A copy of the model folder ``src`` whose config takes ``positions`` tokens."""
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "config.json")
+    with open(path, encoding="utf-8") as f:
+        conf = json.load(f)
+    conf["max_position_embeddings"] = positions
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(conf, f)
+    return str(dst)
+
+
+def test_fake_models_upstream_length_rules(model_dirs, monkeypatch):  # noqa: F811
+    """SGLang 0.5.3 on an engine of context_length 40 (the model takes 512): the tokenizer manager
+    refuses input + max_new_tokens >= 40; the scheduler (max_req_len 39) aborts an input of 34 tokens
+    or more and cuts max_new_tokens to 38 - input without a word; a context_length above the model's is
+    refused unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set."""
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    with fake_sglang():
+        import sglang
+
+        engine = sglang.Engine(model_path=model_dirs["old"], skip_tokenizer_init=True, context_length=40)
+        with pytest.raises(ValueError, match="SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"):
+            sglang.Engine(model_path=model_dirs["old"], skip_tokenizer_init=True, context_length=513)
+        monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+        longer = sglang.Engine(model_path=model_dirs["old"], skip_tokenizer_init=True, context_length=513)
+    assert longer.context_length == 513
+    longer.shutdown()
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    out = engine.generate(input_ids=[[5] * 10], sampling_params=[dict(greedy, max_new_tokens=29)])[0]
+    assert len(out["output_ids"]) == 28 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 28}
+    with pytest.raises(ValueError, match="maximum context length of 40 tokens"):
+        engine.generate(input_ids=[[5] * 10], sampling_params=[dict(greedy, max_new_tokens=30)])
+    with pytest.raises(ValueError, match=r"Input length \(34 tokens\) exceeds the maximum allowed length \(34"):
+        engine.generate(input_ids=[[5] * 34], sampling_params=[dict(greedy, max_new_tokens=1)])
+    assert len(engine.generate(input_ids=[[5] * 33], sampling_params=[dict(greedy, max_new_tokens=4)])[0][
+        "output_ids"]) == 4
+    engine.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_run_may_fill_the_model_context(model_dirs, reference, tmp_path, monkeypatch):  # noqa: F811
+    """A model that takes exactly max prompt + max response tokens: the engine starts (SGLang's
+    switch for a longer context_length is on only while it starts), a full-length prompt gets its
+    whole response budget (none cut by the scheduler), a continuation of the context less one token
+    gets its one token, and the log-probs are the model's."""
+    from chatlearn.models.rollout.sglang import SGLangRollout
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    short = _model_of_context(model_dirs["old"], tmp_path / "short", MAX_PROMPT + MAX_RESPONSE)
+    with fake_sglang():
+        engine = SGLangRollout(_spec(short))
+    try:
+        assert "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in os.environ
+        full = [[3 + (7 * i + j) % 280 for j in range(MAX_PROMPT)] for i in range(6)]
+        batch = engine.generate(full, dict(SAMPLING, temperature=0.7, seed=11))
+        lengths = np.diff(batch["offsets"]) - batch["prompt_lens"]
+        assert all(done or n == MAX_RESPONSE for n, done in zip(lengths, batch["finish_reasons"]))
+        assert (lengths == MAX_RESPONSE).any()  # some responses fill the model's context
+        np.testing.assert_allclose(batch["rollout_logprobs"], reference.logprobs("old", batch, 0.7),
+                                   atol=TOL, rtol=0)
+        longest = engine.generate([[5] * (MAX_PROMPT + MAX_RESPONSE - 1)],
+                                  {"temperature": 1.0, "max_tokens": MAX_RESPONSE, "continuation": True})
+        assert len(longest["tokens"]) == MAX_PROMPT + MAX_RESPONSE
+    finally:
+        engine.shutdown()
+
+
+def test_a_run_longer_than_the_model_is_a_user_error(model_dirs, tmp_path):  # noqa: F811
+    from chatlearn.models.rollout.sglang import SGLangRollout
+
+    short = _model_of_context(model_dirs["old"], tmp_path / "short", MAX_PROMPT + MAX_RESPONSE)
+    with fake_sglang(), pytest.raises(UserError, match="max_position_embeddings") as info:
+        SGLangRollout(_spec(short, max_response_tokens_length=MAX_RESPONSE + 1))
+    assert info.value.key == "models.policy.max_response_tokens_length"
+
+
+# -- weights with tensor parallelism: each rank gets a tensor on its own GPU -----------------------
+
+def test_fake_tensor_parallel_ranks_take_tensors_on_their_own_gpu(model_dirs):  # noqa: F811
+    """With tp_size 2 the fake's scheduler of rank r (on fake GPU r) takes only tensors on GPU r:
+    one GPU's tensor for both ranks and a CPU tensor are refused, a LocalSerializedTensor made per
+    rank is taken, unless its ranks' values differ; a tensor received from another process cannot
+    be serialised again (torch's rule). (Inside ``fake_sglang()``: pickles name the fake's classes.)"""
+    name, value = state_dict(model_dirs["new"])[1]
+    value = torch.from_numpy(value.copy())
+    with fake_sglang():
+        import fake_sglang_cuda as gpus
+        import sglang
+        from sglang.srt.model_executor.model_runner import LocalSerializedTensor
+        from sglang.srt.utils import MultiprocessingSerializer as serializer
+
+        def on(gpu, tensor=value):
+            return gpus.place(tensor.clone(), gpus.uuid_of(gpu))
+
+        def per_rank(*tensors):
+            return LocalSerializedTensor(values=[serializer.serialize(t) for t in tensors])
+
+        engine = sglang.Engine(model_path=model_dirs["old"], skip_tokenizer_init=True, tp_size=2)
+        with pytest.raises(RuntimeError, match="TP rank 1's scheduler"):
+            engine.update_weights_from_tensor([(name, on(0))])
+        with pytest.raises(RuntimeError, match="TP rank 0's scheduler .* on the CPU"):
+            engine.update_weights_from_tensor([(name, value)])
+        with pytest.raises(RuntimeError, match="TP rank 0's scheduler"):
+            engine.update_weights_from_tensor([(name, per_rank(on(1), on(0)))])
+        with pytest.raises(ValueError, match="TP rank 1 got other values"):
+            engine.update_weights_from_tensor([(name, per_rank(on(0), on(1, value + 1)))])
+        assert engine.update_weights_from_tensor([(name, per_rank(on(0), on(1)))])[0]
+        assert torch.equal(dict(engine.model.named_parameters())[name], value)
+        received = serializer.deserialize(serializer.serialize(on(0)))
+        with pytest.raises(RuntimeError, match="received from another process"):
+            serializer.serialize(received)
+        engine.shutdown()
+
+
+def _stand_in_gpus(monkeypatch) -> None:
+    """torch's CUDA calls of a ``cuda_ipc`` weight push, for CPU tensors on the fake engine's GPUs
+    (``fake_sglang_cuda``; call inside ``fake_sglang()``): ``cuda:i`` is fake GPU i, a slot handle is
+    the trainer's slot tensor itself, mapped only on its own GPU, a copy to ``cuda:i`` is on GPU i."""
+    from types import SimpleNamespace
+
+    import fake_sglang_cuda as gpus
+
+    from chatlearn.models import weight_buckets
+    from chatlearn.models.rollout import sglang as adapter
+    from chatlearn.runtime.weight_push import stream
+
+    def ipc_rebuild(handle, device):
+        if gpus.device_of(handle) != gpus.uuid_of(torch.device(device).index):
+            raise RuntimeError(f"a slot of {gpus.device_of(handle)} mapped on {device}")
+        return gpus.place(handle[:], gpus.device_of(handle), received=True)
+
+    def stage(tensor, device):
+        copy = tensor.clone()
+        return gpus.place(copy, gpus.uuid_of(device.index)) if device.type == "cuda" else copy
+
+    def synced(device):
+        return SimpleNamespace(synchronize=lambda: None)
+
+    monkeypatch.setattr(weight_buckets, "device_uuid", lambda device: gpus.uuid_of(torch.device(device).index))
+    monkeypatch.setattr(stream, "_this_device", lambda: torch.device("cuda", 0))
+    for module in (stream, adapter):  # raising=False: the adapter's names, for a run against older code
+        monkeypatch.setattr(module, "ipc_rebuild", ipc_rebuild, raising=False)
+        monkeypatch.setattr(module, "device_stream", synced, raising=False)
+    monkeypatch.setattr(adapter, "stage", stage, raising=False)
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_push_gives_each_rank_its_own_gpu(model_dirs, reference, monkeypatch):  # noqa: F811
+    """SGLang with tp_size 2 and the cuda_ipc weight push (chatlearn.runtime.weight_push.stream's
+    Endpoint): the trainer's slots of both GPUs hold each bucket, and each TP rank's scheduler is
+    handed a tensor on its own GPU (the fake refuses any other); the slots are refilled right after
+    each load, and the engine then generates with the new weights. Buckets in host memory
+    (load_weight_bucket: the host-slot and broadcast transports) reach each rank on its GPU too."""
+    from chatlearn.models.rollout.sglang import SGLangRollout
+
+    with fake_sglang():  # the whole push inside: its pickles name the fake's classes
+        import fake_sglang_cuda as gpus
+
+        rollout = SGLangRollout(_spec(model_dirs["old"], tensor_model_parallel_size=2))
+        _stand_in_gpus(monkeypatch)
+        try:
+            _push_through_slots(rollout, gpus, model_dirs["new"])
+            assert rollout._rank_slots == []  # the mappings are dropped after the push
+            batch = rollout.generate(prompts(), SAMPLING)
+            np.testing.assert_allclose(batch["rollout_logprobs"], reference.logprobs("new", batch, 0.7),
+                                       atol=TOL, rtol=0)
+            push(rollout, model_dirs["old"])  # buckets in host memory (load_weight_bucket): copied to each GPU
+            batch = rollout.generate(prompts(), SAMPLING)
+            np.testing.assert_allclose(batch["rollout_logprobs"], reference.logprobs("old", batch, 0.7),
+                                       atol=TOL, rtol=0)
+        finally:
+            rollout.shutdown()
+
+
+def _push_through_slots(rollout, gpus, path: str) -> None:
+    """A ``cuda_ipc`` push of the model folder ``path`` into ``rollout`` by the weight push's receiving
+    Endpoint, the trainer ranks of fake GPUs 0 and 1 filling their 2 slots each, and refilling a slot
+    right after each load from it."""
+    from chatlearn.models.weight_buckets import bucket_views, plan_buckets
+    from chatlearn.runtime.weight_push.stream import Endpoint
+
+    weights = {k: torch.from_numpy(v.copy()) for k, v in state_dict(path) if k != "lm_head.weight"}
+    buckets = plan_buckets([(k, "float32", tuple(v.shape), k) for k, v in weights.items()], 200_000)
+    assert len(buckets) > 2
+    size = max(b.nbytes for b in buckets)
+    slots = {gpu: [gpus.place(torch.zeros(size, dtype=torch.uint8), gpus.uuid_of(gpu)) for _ in range(2)]
+             for gpu in (0, 1)}
+    receiver = Endpoint(rollout)
+    receiver.open_receiver("cuda_ipc", buckets, {gpus.uuid_of(g): s for g, s in slots.items()})
+    receiver.begin()
+    for k, index in enumerate(buckets):
+        for gpu in (0, 1):  # the trainer ranks' copies of bucket k, one per GPU
+            for name, view in bucket_views(index, slots[gpu][k % 2]):
+                view.copy_(weights[name])
+        receiver.recv(k, k % 2)
+        for gpu in (0, 1):
+            slots[gpu][k % 2].fill_(255)  # refilled with the next bucket but one
+    receiver.finish()
+    receiver.close_receiver()

@@ -2,9 +2,12 @@
 
 Only what ``chatlearn.models.rollout.sglang`` calls exists here, with SGLang's names,
 signatures and return structures (SGLang >= 0.5.3: ``srt/entrypoints/engine.py``,
-``srt/server_args.py``, ``srt/sampling/sampling_params.py``, ``srt/layers/sampler.py``).
-Unknown engine arguments and sampling keys raise TypeError as the real dataclasses do;
-features SGLang has and this fake lacks raise NotImplementedError.
+``srt/server_args.py``, ``srt/sampling/sampling_params.py``, ``srt/layers/sampler.py``; the
+modules of ``sglang.srt`` the adapter imports, at 0.5.3's paths). Unknown engine arguments and
+sampling keys raise TypeError as the real dataclasses do; features SGLang has and this fake
+lacks raise NotImplementedError. Any ``tp_size`` runs one model on the CPU; the TP ranks exist
+for the weight push (below). The fake's pickles name its classes, so a ``tp_size`` > 1 push
+runs where ``sglang`` imports (in the tests, inside ``fake_sglang()``).
 
 Behaviour copied from SGLang and relied on by the tests:
 
@@ -30,22 +33,47 @@ Behaviour copied from SGLang and relied on by the tests:
   parameter storages resized to 0; "kv_cache": the cache). Resumed weights are restored
   only with ``enable_weights_cpu_backup``; without it they come back as NaN (SGLang gives
   back uninitialised memory).
-* ``update_weights_from_tensor`` sends the pairs through torch's multiprocessing pickler,
-  as SGLang's ``MultiprocessingSerializer`` does, and loads them by Hugging Face name; a
-  tied ``lm_head.weight`` is skipped (SGLang's Qwen2 loader does the same).
+* Lengths, as SGLang checks them (0.5.3; ``context_len`` the engine's context length):
+  ``context_length`` above the model's own (``get_context_length``: the first of
+  ``max_sequence_length``, ``seq_length``, ``max_seq_len``, ``model_max_length``,
+  ``max_position_embeddings``) is refused at start unless
+  ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN`` is true (``ModelConfig._derive_context_length``).
+  ``TokenizerManager._validate_one_request`` refuses input >= ``context_len`` and input +
+  ``max_new_tokens`` >= ``context_len`` (``>=`` to 0.5.10; 0.5.16 on allow ``==``: the fake keeps
+  the stricter rule of the lowest supported release). The scheduler (``tp_worker.py``,
+  ``scheduler.py``, the same to 0.5.23) has ``max_req_len = min(context_len - 1, KV tokens - 1)``:
+  an input of ``max_req_len - 5`` tokens or more is aborted (``validate_input_length``, a
+  ValueError from ``generate``) and ``max_new_tokens`` is cut to ``max_req_len - input - 1``
+  without a word (``init_req_max_new_tokens``).
+* ``update_weights_from_tensor`` serialises the pairs once per TP rank with
+  ``sglang.srt.utils.MultiprocessingSerializer`` (torch's multiprocessing pickler, tensors by
+  reference) and each rank's scheduler unpickles its own copy, taking ``values[tp_rank]`` of a
+  ``LocalSerializedTensor`` (``srt/model_executor/model_runner.py``); they are loaded by Hugging
+  Face name, and a tied ``lm_head.weight`` is skipped (SGLang's Qwen2 loader does the same).
+  Ranks run on fake GPUs (``fake_sglang_cuda``): rank r on GPU ``base_gpu_id + r * gpu_id_step``.
+  Stricter than SGLang, which would copy a tensor of another device over (from the other GPU, with
+  a CUDA context on it in every scheduler): a tensor on a fake GPU must be on the receiving
+  rank's, and with ``tp_size`` > 1 every tensor must be on one; a plain CPU tensor stands for the
+  rollout's own device with one rank. Every rank's tensors must hold the same values (full
+  Hugging Face tensors: SGLang's loaders narrow them to the rank's shard).
 """
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 from typing import List, Optional, Tuple
 
 import torch
 
+import fake_sglang_cuda as _fake_cuda
+from sglang.srt.configs.model_config import derive_context_length
+from sglang.srt.model_executor.model_runner import _unwrap_tensor
+from sglang.srt.utils import MultiprocessingSerializer
+
 __version__ = "0.5.3+fake"
 TOP_K_ALL = 1 << 30
 _SAMPLING_EPS = 1e-6
+_PROFILED_KV_TOKENS = 1 << 20  # the KV pool SGLang sizes from free memory, when max_total_tokens is not given
 DETERMINISTIC_ATTENTION_BACKEND_CHOICES = ["flashinfer", "fa3", "triton"]
 GPU_MEMORY_TYPE_WEIGHTS, GPU_MEMORY_TYPE_KV_CACHE = "weights", "kv_cache"
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -67,6 +95,8 @@ class ServerArgs:
     dtype: str = "auto"
     context_length: Optional[int] = None
     tp_size: int = 1
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
     mem_fraction_static: Optional[float] = None
     max_running_requests: Optional[int] = None
     max_total_tokens: Optional[int] = None
@@ -81,8 +111,9 @@ class ServerArgs:
     def __post_init__(self):
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
-        if self.tp_size != 1:
-            raise NotImplementedError("the fake engine runs tp_size=1 only")
+        if self.tp_size < 1 or self.base_gpu_id < 0 or self.gpu_id_step < 1:
+            raise ValueError(f"tp_size={self.tp_size}, base_gpu_id={self.base_gpu_id}, "
+                             f"gpu_id_step={self.gpu_id_step}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.enable_deterministic_inference and \
@@ -165,7 +196,13 @@ class Engine:
         self._eos = {int(e) for x in (eos, gen_eos) if x is not None
                      for e in ([x] if isinstance(x, int) else x)}
         self._tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.context_length = args.context_length or int(config.max_position_embeddings)
+        self.context_length = derive_context_length(config, args.context_length)  # ModelConfig.context_len
+        # tp_worker.py: the longest request the scheduler takes, and its longest input
+        kv_tokens = args.max_total_tokens if args.max_total_tokens is not None else _PROFILED_KV_TOKENS
+        self.max_req_len = min(self.context_length - 1, kv_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        if not (self.max_req_len > 0 and self.max_req_input_len > 0):
+            raise AssertionError("Memory pool size is too small")
         self._rng = torch.Generator().manual_seed(args.random_seed or 0)
         self._prefix_cache: dict = {}
         self._released: set[str] = set()
@@ -206,17 +243,7 @@ class Engine:
     def _one(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str) -> dict:
         import copy
 
-        if len(prompt) >= self.context_length:
-            raise ValueError(f"input ({len(prompt)} tokens) is longer than the context length "
-                             f"({self.context_length})")
-        # TokenizerManager._validate_one_request (0.5.x, without allow_auto_truncate): input + max_new_tokens
-        # must stay below the context length
-        if sp.max_new_tokens + len(prompt) >= self.context_length:
-            raise ValueError(f"Requested token count exceeds the model's maximum context length of "
-                             f"{self.context_length} tokens. You requested a total of {sp.max_new_tokens + len(prompt)} "
-                             f"tokens: {len(prompt)} tokens from the input messages and {sp.max_new_tokens} tokens "
-                             "for the completion.")
-        max_new = sp.max_new_tokens
+        max_new = self._admitted_new_tokens(prompt, sp.max_new_tokens)
         key = tuple(prompt)
         if key in self._prefix_cache:
             logits, past = self._prefix_cache[key]
@@ -247,6 +274,25 @@ class Engine:
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(out_lps, out_ids)]
         return {"output_ids": out_ids, "meta_info": meta}
 
+    def _admitted_new_tokens(self, prompt: list[int], max_new_tokens: int) -> int:
+        """The request's checks on its way in (without allow_auto_truncate) and the new tokens it may
+        have: TokenizerManager._validate_one_request (0.5.3: ``>=``), then the scheduler's
+        init_req_max_new_tokens and validate_input_length."""
+        n, context = len(prompt), self.context_length
+        if n >= context:
+            raise ValueError(f"The input ({n} tokens) is longer than the model's context length ({context} tokens).")
+        if max_new_tokens + n >= context:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+                f"requested a total of {max_new_tokens + n} tokens: {n} tokens from the input messages and "
+                f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit.")
+        max_new = min(max_new_tokens, self.max_req_len - n - 1)  # cut without a word
+        if n >= self.max_req_input_len:  # the scheduler aborts it: generate raises its message
+            raise ValueError(f"Input length ({n} tokens) exceeds the maximum allowed length "
+                             f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.")
+        return max_new
+
     def _sample(self, logits: torch.Tensor, sp: SamplingParams, deterministic: bool, position: int):
         if sp.top_k == 1:  # greedy: argmax, log-probs at temperature 1
             token = int(torch.argmax(logits))
@@ -271,19 +317,18 @@ class Engine:
     @torch.no_grad()
     def update_weights_from_tensor(self, named_tensors: List[Tuple[str, torch.Tensor]],
                                    load_format: Optional[str] = None, flush_cache: bool = True):
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
-
         if load_format is not None:
             raise NotImplementedError(f"load_format={load_format!r}")
         if GPU_MEMORY_TYPE_WEIGHTS in self._released:
             raise RuntimeError("weights are released; resume_memory_occupation(['weights']) first")
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(named_tensors)
-        received = ForkingPickler.loads(buf.getvalue())
+        tp_size = self.server_args.tp_size
+        serialized = [MultiprocessingSerializer.serialize(named_tensors) for _ in range(tp_size)]
+        ranks = [self._receive(rank, serialized[rank]) for rank in range(tp_size)]
         params = dict(self.model.named_parameters())
-        for name, tensor in received:
+        for i, (name, tensor) in enumerate(ranks[0]):
+            for rank in range(1, tp_size):
+                if ranks[rank][i][0] != name or not torch.equal(ranks[rank][i][1], tensor):
+                    raise ValueError(f"{name}: TP rank {rank} got other values than rank 0")
             if self._tied and name == "lm_head.weight":
                 continue
             param = params[name]  # KeyError for an unknown name, as SGLang's loader
@@ -293,6 +338,24 @@ class Engine:
         if flush_cache:
             self.flush_cache()
         return True, "Succeeded to update model weights."
+
+    def _receive(self, rank: int, blob: bytes) -> list:
+        """TP rank ``rank``'s scheduler: its own payload, each ``LocalSerializedTensor`` as its
+        ``values[rank]`` (``ModelRunner.update_weights_from_tensor``), on its own fake GPU."""
+        args = self.server_args
+        gpu = _fake_cuda.uuid_of(args.base_gpu_id + rank * args.gpu_id_step)
+        received = []
+        for name, tensor in MultiprocessingSerializer.deserialize(blob):
+            tensor = _unwrap_tensor(tensor, tp_rank=rank, device="cpu")
+            where = _fake_cuda.device_of(tensor)
+            if where not in (gpu, None) or (where is None and args.tp_size > 1):
+                raise RuntimeError(
+                    f"TP rank {rank}'s scheduler (on {gpu}) got {name} on {where or 'the CPU'}: with "
+                    f"tp_size={args.tp_size} every rank needs a tensor on its own GPU (a LocalSerializedTensor "
+                    "whose values[tp_rank] was made on that rank's GPU); SGLang would copy it over from the "
+                    "other device, with a CUDA context on it in every scheduler")
+            received.append((name, tensor))
+        return received
 
     def flush_cache(self):
         self._prefix_cache.clear()
