@@ -94,6 +94,9 @@ if TYPE_CHECKING:
 # its API (``wake_up(tags=[...])``) and to the workers' ``collective_rpc`` as plain strings.
 SLEEP_PARTS = (Part.WEIGHTS, Part.KV_CACHE)
 FINISH_REASONS = {"stop": 1, "length": 0}
+# vLLM samples a temperature in (0, 0.01) at 0.01 (``SamplingParams.__post_init__``, vLLM 0.32), so its
+# log-probs would not be the trainer's log_softmax(logits / temperature): such temperatures are refused.
+MIN_TEMPERATURE = 0.01
 LAYERWISE_MODULE = "vllm.model_executor.model_loader.reload.layerwise"
 
 
@@ -674,6 +677,9 @@ class VLLMRollout(Rollout):
         budgets = response_budgets(prompts, sp["max_tokens"],
                                    context_length(self.max_prompt_len, self.max_response_len, self.seq_length))
         truncated = not sp["greedy"] and (sp["top_k"] > 0 or sp["top_p"] < 1.0)
+        if not sp["greedy"] and sp["temperature"] < MIN_TEMPERATURE:
+            raise ValueError(f"temperature {sp['temperature']}: vLLM samples temperatures below "
+                             f"{MIN_TEMPERATURE} at {MIN_TEMPERATURE}; use 0 (greedy) or at least {MIN_TEMPERATURE}")
         if not prompts:
             return pack_samples([], [], [], [])
         if truncated and not self._untruncated:
@@ -730,7 +736,9 @@ class VLLMRollout(Rollout):
 
     def load_weight_bucket(self, weights: list) -> None:
         """Load one bucket of ``(hf_name, tensor)`` views into the open update (a tied
-        ``lm_head.weight`` may be absent: vLLM's loaders skip it when tied). In-process
+        ``lm_head.weight`` may be absent, and is best left out: vLLM 0.32's loaders skip it as an
+        alias of the embedding only in a bucket that also holds ``model.embed_tokens.weight``, and
+        refuse it in any other, ``AutoWeightsLoader``). In-process
         the views go straight to the worker (they are copied into the parameters, or, on the
         ``layerwise`` path, only tensors of a layer left incomplete by the bucket are kept as
         copies); a multiprocess engine gets them as safetensors blobs."""

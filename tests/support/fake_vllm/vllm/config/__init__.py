@@ -1,5 +1,7 @@
+"""The parts of vLLM 0.32's ``VllmConfig`` (``vllm/config/``) the fake engine and the adapter's
+worker extension read. Built by ``EngineArgs.create_engine_config`` (``engine/arg_utils.py``)."""
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _CURRENT = []
 
@@ -8,15 +10,46 @@ _CURRENT = []
 class ModelConfig:
     model: str
     hf_config: dict
+    generation_config: dict
+    max_model_len: int
     quantization: str | None = None
     dtype: str = "float32"
+    seed: int = 0
+    max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    enable_sleep_mode: bool = False
+    runner_type: str = "generate"
+
+    def get_vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    worker_extension_cls: str = ""
 
 
 @dataclass
 class VllmConfig:
     model_config: ModelConfig
-    extra: dict = field(default_factory=dict)
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
 
 
 @contextlib.contextmanager

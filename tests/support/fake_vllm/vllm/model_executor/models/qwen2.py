@@ -1,8 +1,11 @@
-"""Qwen2 as vLLM 0.11 - 0.15 build it for one tensor-parallel rank: fused ``qkv_proj`` and
+"""Qwen2 as vLLM 0.32 builds it for one tensor-parallel rank: fused ``qkv_proj`` and
 ``gate_up_proj`` parameters whose ``weight_loader`` takes a shard id, and ``load_weights``
-that maps Hugging Face names through ``stacked_params_mapping`` (``vllm/model_executor/models/
-qwen2.py``, ``Qwen2Model.load_weights`` and ``Qwen2ForCausalLM.load_weights``; linear layers
-from ``layers/linear.py``). Unknown names fail as they do there (``KeyError`` / ``ValueError``)."""
+that maps Hugging Face names onto them (``vllm/model_executor/models/qwen2.py``:
+``Qwen2Model.hf_to_vllm_mapper``; ``AutoWeightsLoader`` in ``models/utils.py``; linear layers
+from ``layers/linear.py``). Unknown names fail as they do there (``ValueError``), a tied
+``lm_head.weight`` is skipped as an alias of the embedding. The parameters are float32, zeros
+until the engine loads the checkpoint. Writing into a parameter whose memory sleep mode released
+fails (``device_allocator/cumem.py``)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -10,6 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from vllm.device_allocator.cumem import check_mapped
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 
@@ -27,6 +31,7 @@ class QKVParallelLinear(nn.Module):
             p.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded_weight, loaded_shard_id: str):
+        check_mapped(param)
         offset = {"q": 0, "k": self.sizes["q"], "v": self.sizes["q"] + self.sizes["k"]}[loaded_shard_id]
         dst = param.data.narrow(0, offset, self.sizes[loaded_shard_id])
         assert dst.shape == loaded_weight.shape, (dst.shape, loaded_weight.shape)
@@ -41,6 +46,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded_weight, loaded_shard_id: int):
+        check_mapped(param)
         offset = sum(self.sizes[:loaded_shard_id])
         dst = param.data.narrow(0, offset, self.sizes[loaded_shard_id])
         assert dst.shape == loaded_weight.shape, (dst.shape, loaded_weight.shape)
@@ -97,35 +103,34 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(Qwen2DecoderLayer(c) for _ in range(c["num_hidden_layers"]))
         self.norm = RMSNorm(c["hidden_size"])
 
+    # Qwen2Model.hf_to_vllm_mapper (orig_to_new_stacked): weight name part -> (parameter, shard id)
+    stacked = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
+               ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        stacked_params_mapping = [
-            # (param_name, shard_name, shard_id)
-            ("qkv_proj", "q_proj", "q"),
-            ("qkv_proj", "k_proj", "k"),
-            ("qkv_proj", "v_proj", "v"),
-            ("gate_up_proj", "gate_proj", 0),
-            ("gate_up_proj", "up_proj", 1),
-        ]
+        """``AutoWeightsLoader(self).load_weights(weights, mapper=hf_to_vllm_mapper)``: rotary
+        caches dropped, stacked names mapped to the fused parameter and its shard id; a name that
+        is no parameter fails (``ValueError``), except one ending in ``.bias`` (ignored, for GPTQ
+        checkpoints)."""
         params_dict = dict(self.named_parameters(remove_duplicate=False))
         loaded_params: set[str] = set()
         for name, loaded_weight in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or "rotary_pos_emb.inv_freq" in name:
                 continue
-            for param_name, weight_name, shard_id in stacked_params_mapping:
-                if weight_name not in name:
+            shard_id = None
+            for part, (fused, shard) in self.stacked.items():
+                if part in name:
+                    name, shard_id = name.replace(part, fused, 1), shard
+            param = params_dict.get(name)
+            if param is None:
+                if name.endswith(".bias"):
                     continue
-                name = name.replace(weight_name, param_name)
-                param = params_dict[name]
-                weight_loader = getattr(param, "weight_loader", default_weight_loader)
-                if weight_loader == default_weight_loader:
-                    weight_loader(param, loaded_weight)
-                else:
-                    weight_loader(param, loaded_weight, shard_id)
-                break
-            else:
-                param = params_dict[name]
-                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                raise ValueError(f"There is no module or parameter named '{name}' in Qwen2Model")
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard_id is None:
                 weight_loader(param, loaded_weight)
+            else:
+                weight_loader(param, loaded_weight, shard_id)
             loaded_params.add(name)
         return loaded_params
 
@@ -144,23 +149,35 @@ class Qwen2ForCausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(hf_config["vocab_size"], hf_config["hidden_size"])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """``AutoWeightsLoader(self, skip_prefixes=["lm_head."] if tied)``: ``model.*`` goes to
-        ``Qwen2Model.load_weights``; any other name that is not skipped must be a parameter."""
+        """``AutoWeightsLoader(self).load_weights(weights)`` of vLLM 0.32: ``model.*`` goes to
+        ``Qwen2Model.load_weights``; a tied ``lm_head.weight`` is an alias of
+        ``model.embed_tokens.weight`` and is skipped, but only when that name is loaded by the
+        same call (else ``ValueError``: the tied weight would be left uninitialised); any other
+        name must be a parameter (a ``.bias`` that is not is ignored)."""
         tied = self.config.get("tie_word_embeddings", False)
+        aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
         own = dict(self.named_parameters())
         loaded: set[str] = set()
+        skipped: dict[str, str] = {}
 
         def inner():
             for name, tensor in weights:
-                if tied and name.startswith("lm_head."):
+                if "rotary_emb.inv_freq" in name:
                     continue
-                if name.startswith("model."):
+                if name in aliases:
+                    skipped[name] = aliases[name]
+                elif name.startswith("model."):
                     yield name[len("model."):], tensor
                 elif name in own:
                     default_weight_loader(own[name], tensor)
                     loaded.add(name)
-                else:
+                elif not name.endswith(".bias"):
                     raise ValueError(f"There is no module or parameter named '{name}' in Qwen2ForCausalLM")
 
         loaded |= {"model." + n for n in self.model.load_weights(inner())}
+        for alias, canonical in skipped.items():
+            if canonical not in loaded:
+                raise ValueError(f"{alias!r} was skipped because it is tied to {canonical!r} in Qwen2ForCausalLM, "
+                                 f"but {canonical!r} was not found in the checkpoint, so the tied weight is "
+                                 "uninitialized.")
         return loaded
