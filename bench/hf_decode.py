@@ -24,9 +24,11 @@ the GPU's for its syncs and copies, the CPU's for the speed. Goals (the rollout 
 not lower than before. ``--label`` names the row (e.g. ``before``, measured on the previous code
 with this script copied there); rows accumulate in ``bench/results/hf_decode.json`` (one per
 label, replaced when rerun). ``--prompts 32 --group 1``: 32 different prompts (left padding, so
-every step has an attention mask) instead of 4 x 8.
+every step has an attention mask) instead of 4 x 8. ``--against REV``: the speed side by side with
+the engine of git revision REV in the same process, called in turn with the same seeds (robust to
+a machine that is not idle; the row's ``speed_ratio`` is this / REV).
 
-    .venv/bin/python bench/hf_decode.py [--label after] [--repeats 3] [--quick]
+    .venv/bin/python bench/hf_decode.py [--label after] [--repeats 3] [--prompts 4 --group 8] [--against REV] [--quick]
 """
 from __future__ import annotations
 
@@ -200,6 +202,52 @@ def _one_policy(engine, prompts, sampling, model, repeats) -> dict:
             "kv_final_bytes": final_kv, "kv_copy_ratio": meter.bytes / final_kv}
 
 
+def interleaved(args) -> dict:
+    """The engine of revision ``args.against`` (its ``chatlearn/models/rollout/hf.py``, loaded from
+    git beside this one) and this one, called in turn ``args.repeats`` x 2 times with a new seed each
+    round (both engines get the same seeds; the order alternates): total generated tokens over total
+    seconds for each, and their ratio. A busy machine slows both alike."""
+    import importlib.util
+    import tempfile
+
+    import torch
+
+    from bench_specs import backend_specs
+    from chatlearn.models.rollout import hf
+    from grpo_vs_trl import model_dir
+
+    source = subprocess.run(["git", "-C", REPO, "show", f"{args.against}:chatlearn/models/rollout/hf.py"],
+                            capture_output=True, text=True, check=True).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+    spec_ = importlib.util.spec_from_file_location("hf_against", f.name)
+    old = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(old)
+    os.unlink(f.name)
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = model_dir(gc.LONG_SPEC, args.cache)
+    _, spec = backend_specs(model, "models.policy.max_prompt_tokens_length=64",
+                            "models.policy.max_response_tokens_length=128",
+                            f"models.policy.generation_batch_size={args.prompts * args.group}")
+    spec = spec.replace(max_response_tokens_length=args.max_new)
+    engines = {args.against: old.HFRollout(spec), "this": hf.HFRollout(spec)}
+    prompts = workload_prompts(model, args.prompts, args.group)
+    done = {k: [0, 0.0] for k in engines}
+    for name, e in engines.items():  # warm-up
+        e.generate(prompts, {"temperature": 1.0, "max_tokens": args.max_new, "seed": 1})
+    for r in range(2 * args.repeats):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            start = time.perf_counter()
+            batch = engines[name].generate(prompts, {"temperature": 1.0, "max_tokens": args.max_new, "seed": 100 + r})
+            done[name][1] += time.perf_counter() - start
+            done[name][0] += sum(_response_lengths(batch))
+    rates = {k: tokens / seconds for k, (tokens, seconds) in done.items()}
+    return {"label": f"interleaved vs {args.against}", "commit": _commit(), "prompts": args.prompts,
+            "group": args.group, "rows": len(prompts), "max_new_tokens": args.max_new, "calls_each": 2 * args.repeats,
+            "tokens_per_s": rates, "generated_tokens": {k: v[0] for k, v in done.items()},
+            "speed_ratio": rates["this"] / rates[args.against]}
+
+
 def _response_lengths(batch) -> list[int]:
     """Generated tokens per sample of a rollout batch (``chatlearn.batch``: offsets, prompt_lens)."""
     import numpy as np
@@ -208,9 +256,13 @@ def _response_lengths(batch) -> list[int]:
 
 
 def _commit() -> str:
+    """The commit measured, ``+changes`` when the package's files differ from it."""
     try:
-        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "chatlearn"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return head + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -223,12 +275,14 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="one timed call, 64 new tokens (a smoke test)")
+    parser.add_argument("--against", default=None,
+                        help="a git revision: its engine and this one in turn, in one process (the CPU speed ratio)")
     parser.add_argument("--results", default=os.path.join(REPO, "bench", "results"))
     parser.add_argument("--cache", default=os.path.join("/tmp", "chatlearn_bench"))
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.max_new = 1, 64
-    row = measure(args)
+    row = interleaved(args) if args.against else measure(args)
     print(json.dumps(row, indent=2))
     if args.quick:
         return
