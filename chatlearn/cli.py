@@ -1,4 +1,4 @@
-"""Command line: ``chatlearn run CONFIG [key.path=value ...] [--dry-run]``,
+"""Command line: ``chatlearn run CONFIG [key.path=value ...] [--dry-run] [--accept-config-changes]``,
 ``chatlearn merge CKPT_DIR OUT_DIR`` (trainer checkpoint -> Hugging Face folder) and
 ``chatlearn plot OUTPUT_DIR`` (PNG plots of a run's metrics)."""
 from __future__ import annotations
@@ -34,6 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true",
                      help="start fresh (implies --no-resume); a run already in output_dir is moved aside to "
                           "OUTPUT_DIR.old-<time>, not deleted")
+    run.add_argument("--accept-config-changes", action="store_true",
+                     help="resume even where the config differs from the checkpoint's in a way that alters "
+                          "training (learning rate, data, group or batch sizes, ...); the accepted keys are "
+                          "recorded in OUTPUT_DIR/configs/history.jsonl. Without it such a resume is refused "
+                          "(harmless changes, such as num_episode or the intervals, need no flag)")
     run.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     ev = sub.add_parser("eval", help="evaluate a model with a YAML config (rollout engine and reward only)",
                         description="Sample eval_data_path with the eval_* parameters and "
@@ -44,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", metavar="PATH", help="evaluate this instead of models.policy.load: a Hugging "
                                                          "Face folder, a run's checkpoints/episode_N, a "
                                                          "sharded trainer checkpoint, or a Hub model id")
+    ev.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier result in OUTPUT_DIR/eval/ (its metrics.json and samples.jsonl are "
+                         "moved to <name>.old-<time>, not deleted); without it chatlearn eval refuses")
+    ev.add_argument("--keep-merged", action="store_true",
+                    help="with a trainer checkpoint (no hf/): keep the merged model in OUTPUT_DIR/eval/merged_model "
+                         "(by default it is deleted once the evaluation ends)")
     ev.add_argument("--verbose", action="store_true",
                     help="show third-party logs on the console too (by default: OUTPUT_DIR/eval/logs/)")
     ev.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
@@ -122,17 +133,13 @@ def _eval(args) -> int:
     with ThirdPartyLogs() as logs:
         cfg = load_config(args.config, args.overrides)
         logs.attach(os.path.join(cfg.runtime_args.output_dir, "eval"))
-        evaluate_only(cfg, checkpoint=args.checkpoint)
+        evaluate_only(cfg, checkpoint=args.checkpoint, overwrite=args.overwrite, keep_merged=args.keep_merged)
     return 0
 
 
 def _run(args) -> int:
     from chatlearn.config.load import load_run
-    from omegaconf import OmegaConf
-
-    from chatlearn.logging.sinks import changed_config, config_yaml
-    from chatlearn.runtime.rundir.lock import RunLock, describe
-    from chatlearn.runtime.rundir.output_dir import check_start, previous_run
+    from chatlearn.runtime.rundir.output_dir import check_start
 
     if args.all and not args.dry_run:
         raise UserError("--all only changes what --dry-run prints: add --dry-run, or leave --all out.")
@@ -147,31 +154,15 @@ def _run(args) -> int:
     # a dry run only reads: a run in progress in output_dir is noted, not an error
     check_start(cfg, overwrite=args.overwrite, check_lock=not args.dry_run)
     if args.dry_run:
-        out = cfg.runtime_args.output_dir
-        # the dry run's output: the settings and the plan, as they are
-        if args.all:
-            info("# resolved config, every setting (secrets shown as ***)", bare=True)
-            info(config_yaml(cfg).rstrip(), bare=True)
-        else:
-            changed = changed_config(cfg)
-            info("# settings that differ from the defaults (--all: every setting; secrets shown as ***)",
-                 bare=True)
-            info(OmegaConf.to_yaml(changed).rstrip() if changed else "# (none)", bare=True)
-        info("\n# plan", bare=True)
-        for line in plan.describe():
-            info(line, bare=True)
-        holder = RunLock(out).live_holder()
-        if holder is not None:
-            info(f"# note: {out} is in use by {describe(holder)}; a run now would be refused", bare=True)
-        if args.overwrite and previous_run(out):
-            info(f"# --overwrite: the run in {out} would be moved to {out}.old-<time>", bare=True)
+        _dry_run(args, cfg, plan)
         return 0
     from chatlearn.logging.console import ThirdPartyLogs, failure_hint
     from chatlearn.runtime.driver.run import train
 
     with ThirdPartyLogs() as logs:
         try:
-            train(cfg, plan, debug=args.debug or cfg.runtime_args.debug, overwrite=args.overwrite)
+            train(cfg, plan, debug=args.debug or cfg.runtime_args.debug, overwrite=args.overwrite,
+                  accept_config_changes=args.accept_config_changes)
         except (UserError, KeyboardInterrupt):
             raise
         except Exception as err:
@@ -196,6 +187,43 @@ def _run(args) -> int:
             info(hint, stderr=True, bare=True)
             return 1
     return 0
+
+
+def _dry_run(args, cfg, plan) -> None:
+    """``--dry-run``: the settings, a resumed run's config changes against its checkpoint's (refused as a
+    run would be), and the plan; nothing is written."""
+    from omegaconf import OmegaConf
+
+    from chatlearn.logging.console import warn
+    from chatlearn.logging.sinks import changed_config, config_yaml
+    from chatlearn.runtime.rundir.config_history import check_resume
+    from chatlearn.runtime.rundir.lock import RunLock, describe
+    from chatlearn.runtime.rundir.output_dir import previous_run
+
+    out = cfg.runtime_args.output_dir
+    resumed = check_resume(cfg, args.accept_config_changes)  # the refusal a run would meet, before any output
+    # the dry run's output: the settings and the plan, as they are
+    if args.all:
+        info("# resolved config, every setting (secrets shown as ***)", bare=True)
+        info(config_yaml(cfg).rstrip(), bare=True)
+    else:
+        changed = changed_config(cfg)
+        info("# settings that differ from the defaults (--all: every setting; secrets shown as ***)", bare=True)
+        info(OmegaConf.to_yaml(changed).rstrip() if changed else "# (none)", bare=True)
+    if resumed.warning():
+        warn(resumed.warning())
+    if resumed.changes:
+        info("", bare=True)
+        for line in resumed.report():
+            info(f"# {line}", bare=True)
+    info("\n# plan", bare=True)
+    for line in plan.describe():
+        info(line, bare=True)
+    holder = RunLock(out).live_holder()
+    if holder is not None:
+        info(f"# note: {out} is in use by {describe(holder)}; a run now would be refused", bare=True)
+    if args.overwrite and previous_run(out):
+        info(f"# --overwrite: the run in {out} would be moved to {out}.old-<time>", bare=True)
 
 
 def _merge(args) -> int:

@@ -7,6 +7,8 @@ Layout under ``<output_dir>/checkpoints``::
         trainer/              policy_trainer's sharded state (torch.distributed.checkpoint)
         hf/                   Hugging Face folder of the policy (when save_hf)
         state.json            episode, run id, data sampler state, ...
+        config.yaml           the resolved config the checkpoint was trained with, secrets shown as ***
+                              (compared with a resumed run's: chatlearn.runtime.rundir.config_history)
         manifest.json         every file above, by relative path, with its size in bytes
         COMPLETE              written last
 
@@ -37,6 +39,7 @@ from chatlearn.config.manifest import MANIFEST, manifest_problems
 from chatlearn.errors import UserError
 
 MARKER = "COMPLETE"
+CONFIG = "config.yaml"  # the config a checkpoint was trained with (absent in checkpoints of older versions)
 _NAME = re.compile(r"^episode_(\d+)$")
 
 
@@ -123,8 +126,9 @@ class CheckpointManager:
         found = self.complete()
         return found[-1] if found else None
 
-    def save(self, episode: int, write: Callable[[str], None], state: dict) -> str:
-        """Write a checkpoint: ``write(tmp_dir)`` fills it, then state.json, the marker, the rename."""
+    def save(self, episode: int, write: Callable[[str], None], state: dict, config_text: str | None = None) -> str:
+        """Write a checkpoint: ``write(tmp_dir)`` fills it, then config.yaml (``config_text``, the resolved
+        config as YAML, secrets masked), state.json, the manifest, the marker, the rename."""
         os.makedirs(self.root, exist_ok=True)
         final = os.path.join(self.root, self.name(episode))
         tmp = final + ".tmp"
@@ -134,6 +138,11 @@ class CheckpointManager:
         os.makedirs(tmp)
         write(tmp)
         time.sleep(_test_delay(episode))
+        if config_text is not None:
+            with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
+                f.write(config_text)
+                f.flush()
+                os.fsync(f.fileno())
         with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
             json.dump({"episode": episode, "run_id": self.run_id, **state}, f, indent=1)
             f.flush()

@@ -6,7 +6,8 @@ from __future__ import annotations
 from chatlearn.config.checks import choice as _choice
 from chatlearn.config.plan import resolve_rollout_correction, resolve_schedule
 from chatlearn.config.schema import PolicyTrainer, Reward, RuntimeArgs
-from chatlearn.config.registry import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LR_DECAY_STYLES
+from chatlearn.config.registry import (ADVANTAGE_ESTIMATORS, GROUP_BASELINE_ESTIMATORS, KL_ESTIMATORS,
+                                       LOSS_AGG_MODES, LR_DECAY_STYLES)
 from chatlearn.errors import ConfigError
 
 PREFIX = "models.policy_trainer"
@@ -29,14 +30,7 @@ def validate_algorithm(cfg, total_steps: int) -> None:
         raise ConfigError(f"must be > 1 (the dual-clip bound -A * clip_ratio_c of negative advantages), "
                           f"got {t.clip_ratio_c}; set null to turn dual clip off, or e.g. 3.0 as verl.",
                           key=f"{PREFIX}.clip_ratio_c")
-    group = cfg.models.policy.num_inference_per_prompt
-    if group < 2 and (t.advantage_estimator == "rloo" or t.filter_equal_groups):
-        what = ("advantage_estimator: rloo needs another sample of the same prompt as baseline"
-                if t.advantage_estimator == "rloo" else
-                "filter_equal_groups would drop every group of one sample")
-        raise ConfigError(f"{what}, but models.policy.num_inference_per_prompt is {group}. Sample at least "
-                          "2 responses per prompt.", key=f"{PREFIX}.advantage_estimator"
-                          if t.advantage_estimator == "rloo" else f"{PREFIX}.filter_equal_groups")
+    _check_group_size(t, cfg.models.policy.num_inference_per_prompt)
     opt, key = t.optimizer, f"{PREFIX}.optimizer"
     _choice(opt.lr_decay_style, LR_DECAY_STYLES.names, f"{key}.lr_decay_style")
     if opt.lr_warmup_iters < 0:
@@ -60,6 +54,26 @@ def validate_algorithm(cfg, total_steps: int) -> None:
                           f"(lr_decay_iters: {decay} steps) for lr_decay_style {opt.lr_decay_style!r}. Lower "
                           "lr_warmup_iters / lr_warmup_fraction or raise lr_decay_iters.",
                           key=f"{key}.lr_warmup_iters")
+
+
+def _check_group_size(t, group: int) -> None:
+    """Group-relative advantages need groups: with one sample per prompt the advantages of the
+    estimators of :data:`~chatlearn.config.registry.GROUP_BASELINE_ESTIMATORS` are all 0 (no loss, no
+    gradient), and filter_equal_groups drops every group."""
+    if group >= 2:
+        return
+    if t.advantage_estimator in GROUP_BASELINE_ESTIMATORS:
+        raise ConfigError(
+            f"is {group}, but advantage_estimator: {t.advantage_estimator} ({PREFIX}.advantage_estimator) compares "
+            "each response with the other responses to the same prompt (its group): with one response per prompt "
+            "every advantage is 0, so the loss and the gradient norm are 0 every episode and the policy never "
+            "changes. Sample at least 2 responses per prompt (8-32 is usual), or use an estimator that needs no "
+            "group: reinforce_plus_plus (rewards whitened over the batch) or gae with a critic (models.critic; "
+            "see template/ppo_fsdp.yaml).", key="models.policy.num_inference_per_prompt")
+    if t.filter_equal_groups:
+        raise ConfigError(f"filter_equal_groups would drop every group of one sample, but "
+                          f"models.policy.num_inference_per_prompt is {group}. Sample at least 2 responses per "
+                          "prompt.", key=f"{PREFIX}.filter_equal_groups")
 
 
 def _check_rollout_correction(t, stale_rollouts: bool = False) -> None:

@@ -219,7 +219,7 @@ def _check_runtime(rt: DictConfig) -> None:
     for key in ("num_episode", "sample_per_episode", "train_global_batch_size", "train_micro_batch_size",
                 "num_training_epoch"):
         _positive(rt[key], f"runtime_args.{key}")
-    for key in ("save_episode_interval", "eval_episode_interval", "keep_last_checkpoints"):
+    for key in ("save_episode_interval", "eval_episode_interval", "keep_last_checkpoints", "max_failed_env_episodes"):
         if rt[key] < 0:
             raise ConfigError("must be 0 or a positive number.", key=f"runtime_args.{key}")
     _choice(rt.log_args_dict.wandb_resume, WANDB_RESUME, "runtime_args.log_args_dict.wandb_resume")

@@ -84,6 +84,9 @@ class Registry:
 # models.policy_trainer.advantage_estimator (chatlearn.algorithms.advantages.compute_advantages)
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"),
                                 declared_as="ADVANTAGE_ESTIMATORS", implemented_in="chatlearn.algorithms.advantages")
+# those whose every advantage is 0 with one sample per prompt (models.policy.num_inference_per_prompt 1):
+# refused then by chatlearn.config.algorithm_keys (reinforce_plus_plus and gae learn without groups)
+GROUP_BASELINE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 # models.policy_trainer.kl_estimator (chatlearn.algorithms.kl.kl_penalty)
 KL_ESTIMATORS = Registry("KL estimator", ("k1", "k2", "k3", "low_var_kl"),
                          declared_as="KL_ESTIMATORS", implemented_in="chatlearn.algorithms.kl")

@@ -85,6 +85,9 @@ class RuntimeArgs:
     # asynchronous rollouts (rollout and trainer on different devices): the rollout of the next N episodes
     # runs while an episode trains; no sample trained on is more than N weight versions old (0: on-policy)
     max_staleness: int = 0
+    # multi-turn: stop the run after N training episodes in a row in which the environment, or a tool,
+    # failed on every call (raised, timed out or returned something unusable); 0: never stop
+    max_failed_env_episodes: int = 3
     replay_episode_offset: int = 0
     consumed_samples: int = 0
     max_data_ckpt_nums: Optional[int] = None

@@ -14,7 +14,10 @@ tool call is the model's final answer: the trajectory ends (reward: :meth:`ToolE
 0 unless a subclass says otherwise; the reward functions score the whole trajectory). Otherwise
 each call (at most ``max_tool_calls_per_turn``) runs and its result, or the error, goes back to
 the model as a ``tool`` message: a malformed call, an unknown tool, arguments that do not fit the
-schema, or a tool that raises are the model's mistakes to learn from, not the run's.
+schema, or a tool that raises are the model's mistakes to learn from, not the run's. The rollout
+counts, per tool, the calls that ran and those that raised (:attr:`ToolEnvironment.tool_stats`): a
+tool's first error is shown, and a tool that raises on every call of several episodes stops the run
+(``runtime_args.max_failed_env_episodes``).
 """
 from __future__ import annotations
 
@@ -91,16 +94,27 @@ class Tool:
 
     def __call__(self, arguments: dict) -> str:
         """The result as text; ``error: ...`` text for arguments outside the schema or a raise."""
+        problem = self.check(arguments)
+        return problem if problem is not None else self.call(arguments)[0]
+
+    def check(self, arguments: dict) -> str | None:
+        """``error: ...`` text for arguments outside the schema (the model's mistake: the function
+        does not run); None for arguments that fit."""
         problems = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.path))
-        if problems:
-            where = ".".join(str(p) for p in problems[0].path)
-            return (f"error: invalid arguments for {self.name}" + (f" ({where})" if where else "")
-                    + f": {problems[0].message}")
+        if not problems:
+            return None
+        where = ".".join(str(p) for p in problems[0].path)
+        return (f"error: invalid arguments for {self.name}" + (f" ({where})" if where else "")
+                + f": {problems[0].message}")
+
+    def call(self, arguments: dict) -> tuple[str, Exception | None]:
+        """Run the function on ``arguments`` (checked): its result as text and None, or ``error: ...``
+        text and the exception it raised."""
         try:
             out = awaited(self.fn(**arguments, **self.kwargs))  # an async def tool runs to completion here
         except Exception as err:  # noqa: BLE001 - the tool's failure is the model's answer
-            return f"error: {type(err).__name__}: {err}"
-        return out if isinstance(out, str) else json.dumps(out, ensure_ascii=False, default=str)
+            return f"error: {type(err).__name__}: {err}", err
+        return (out if isinstance(out, str) else json.dumps(out, ensure_ascii=False, default=str)), None
 
 
 class ToolEnvironment(Environment):
@@ -116,6 +130,9 @@ class ToolEnvironment(Environment):
         self.tools = {t.name: t for t in tools}
         self.parser, self.max_calls = parser, int(max_tool_calls_per_turn)
         self.row: dict = {}
+        # per tool that ran: [calls, calls that raised, the first exception]; the rollout reads it to
+        # warn of a tool that fails (chatlearn.runtime.driver.multiturn)
+        self.tool_stats: dict[str, list] = {}
 
     def reset(self, row: dict):
         self.row = row
@@ -143,7 +160,16 @@ class ToolEnvironment(Environment):
         tool = self.tools.get(call.name)
         if tool is None:
             return f"error: unknown tool {call.name!r}; the tools are {', '.join(sorted(self.tools))}"
-        return tool(call.arguments)
+        problem = tool.check(call.arguments)
+        if problem is not None:
+            return problem
+        text, error = tool.call(call.arguments)
+        stats = self.tool_stats.setdefault(call.name, [0, 0, None])
+        stats[0] += 1
+        if error is not None:
+            stats[1] += 1
+            stats[2] = stats[2] if stats[2] is not None else error
+        return text
 
     def final_reward(self, action: str) -> float:
         """The reward of the final answer ``action`` (a turn without tool calls); 0 here: the

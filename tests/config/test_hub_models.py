@@ -119,7 +119,7 @@ def test_eval_checkpoint_and_merge_base_take_hub_ids(hub, tiny_model_dir):
     from chatlearn.runtime.driver.evaluate import resolve_model
 
     snap = add_model(hub, "acme/tiny-chat", tiny_model_dir)
-    assert resolve_model("acme/tiny-chat") == snap
+    assert resolve_model("acme/tiny-chat").folder == snap
     assert _source_folder("ckpt", {}, "acme/tiny-chat") == snap
     with pytest.raises(UserError, match="--checkpoint: 'acme/gone' is not a local path"):
         resolve_model("acme/gone")

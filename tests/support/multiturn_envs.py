@@ -72,3 +72,21 @@ class AsyncEnv(Environment):
         await asyncio.sleep(0.01)
         self.steps = getattr(self, "steps", 0) + 1
         return (None, 1.0, True, {"steps": self.steps}) if self.steps > 1 else ("more", 0.5, False, {})
+
+
+def unreachable_lookup(query: str) -> str:
+    """Look a query up (a service that is down: every call raises)."""
+    raise ConnectionError("lookup service unreachable")
+
+
+_FLAKY = {"calls": 0}
+
+
+def flaky_lookup(query: str) -> str:
+    """Look a query up (every other call raises)."""
+    with LOCK:
+        _FLAKY["calls"] += 1
+        n = _FLAKY["calls"]
+    if n % 2:
+        raise TimeoutError(f"call {n} timed out")
+    return f"result of {query}"

@@ -40,7 +40,7 @@ def dynamic_sampling(run, episode: int, first: EpisodeSamples, sampling: Samplin
         seed = cfg.models.policy.seed + episode + len(rounds) * DYNAMIC_SAMPLING_SEED_STRIDE
         with run.stage(Stage.GENERATE, "policy"):
             batch = sampling.sample(prompts, sampling.params(eval_mode=False, seed=seed),
-                                    f"{what} (dynamic sampling round {len(rounds) + 1})")
+                                    f"{what} (dynamic sampling round {len(rounds) + 1})", episode=episode)
         samples = EpisodeSamples(prompts, batch)
     chosen = fill_groups([varied for _, varied in rounds], needed)
     parts = []

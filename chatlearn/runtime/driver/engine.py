@@ -42,7 +42,7 @@ from chatlearn.logging.console import info, warn
 from chatlearn.logging.metrics import summary_line
 from chatlearn.logging.perf import peak_memory
 from chatlearn.logging.progress import RunProgress
-from chatlearn.logging.sinks import MetricSinks
+from chatlearn.logging.sinks import MetricSinks, config_yaml
 from chatlearn.runtime.cluster.cluster import Cluster
 from chatlearn.runtime.driver.algorithm import Algorithm, ModelCalls, Pass, StepLoop, make_algorithm
 from chatlearn.runtime.driver.dynamic import dynamic_sampling
@@ -89,6 +89,8 @@ class Engine:
         # earlier episodes' samples to train on again, with the columns the algorithm trains on
         self.replay = ReplayBuffer(rt.max_replay_episode, self.algorithm.replay_columns)
         self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
+        # what every checkpoint records as the config it was trained with (as config.yaml, secrets masked)
+        self.config_text = config_yaml(cfg)
         self.metrics = MetricSinks(cfg)
         self.report = EpisodeReport(cfg, plan, self.sampling, self.metrics, groups["policy_trainer"])
         self.weight_push: WeightPush | None = None  # set up on the first push
@@ -205,7 +207,7 @@ class Engine:
         self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
         seed = self.cfg.models.policy.seed + episode
         return self.sampling.sample(prompts, self.sampling.params(eval_mode=False, seed=seed),
-                                    f"the rollouts of episode {episode}")
+                                    f"the rollouts of episode {episode}", episode=episode)
 
     def next_prompts(self) -> Prompts:
         """The episode's prompts from the sampler, each repeated for its group of responses."""
@@ -245,9 +247,9 @@ class Engine:
         return episode == rt.num_episode or (rt.save_episode_interval > 0 and episode % rt.save_episode_interval == 0)
 
     def save_checkpoint(self, episode: int) -> None:
-        """Every trained model's sharded state, the replay buffer, the rollouts ahead and the data
-        sampler, under one step counter, plus a Hugging Face folder of the policy when ``save_hf``
-        (see CheckpointManager)."""
+        """Every trained model's sharded state, the replay buffer, the rollouts ahead, the data
+        sampler and the run's config, under one step counter, plus a Hugging Face folder of the policy
+        when ``save_hf`` (see CheckpointManager)."""
         def write(tmp: str) -> None:
             # the model resident now last (it stays resident for what follows: the policy trainer for the
             # weight push), so that models taking turns move only as much as they must
@@ -262,7 +264,7 @@ class Engine:
                 self.sched.ensure("policy_trainer", [Part.WEIGHTS])
                 self.sched.groups["policy_trainer"].call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
 
-        self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict()})
+        self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict()}, config_text=self.config_text)
 
     def resume(self) -> int:
         """Continue from the newest complete checkpoint; returns its episode (0: none)."""

@@ -3,20 +3,34 @@
 Only the rollout engine and the reward workers are built. Every eval prompt is sampled
 ``eval_num_inference_per_prompt`` times with the ``eval_*`` sampling parameters; each sample is
 written to ``<output_dir>/eval/samples.jsonl`` and the aggregate metrics, per data source and
-overall, to ``<output_dir>/eval/metrics.json``.
+overall, to ``<output_dir>/eval/metrics.json``, headed by what was evaluated: ``checkpoint`` (the
+``--checkpoint`` path as given and its episode, for a run's checkpoint), ``model`` (the folder the
+engine loaded) and ``model_deleted``.
+
+Eval writes nothing outside ``<output_dir>/eval/``. A trainer checkpoint without ``hf/`` is merged
+into ``<output_dir>/eval/merged_model`` (on the storage the run's workers share, where the rollout
+engine can load it), deleted once the evaluation ends, on an error or Ctrl-C too, unless asked to keep
+it. A checkpoint whose save did not finish (no ``COMPLETE``) or that no longer matches its manifest is
+refused before anything loads, and an earlier result in ``<output_dir>/eval/`` is refused unless
+``overwrite`` is asked for, and then moved aside (``metrics.json.old-<time>``), never deleted.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import tempfile
+import re
+import shutil
+import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from chatlearn.checkpoint.manager import MARKER, check_against_manifest
 from chatlearn.config.load import check_data_paths, check_model_folder
+from chatlearn.config.manifest import MANIFEST
 from chatlearn.config.plan import make_eval_plan
 from chatlearn.data.dataset import load_prompts, load_tokenizer
 from chatlearn.errors import UserError
@@ -54,32 +68,137 @@ def aggregate(rewards: np.ndarray, correct: np.ndarray, resp_lens: np.ndarray, t
     return out
 
 
-def resolve_model(path: str) -> str:
-    """A Hugging Face folder to evaluate: a model folder, a run's checkpoint (its ``hf/``), the
-    trainer's sharded checkpoint (merged into a temporary folder), or a Hugging Face Hub model id
-    (resolved into the Hugging Face cache)."""
+MERGED_MODEL = "merged_model"  # OUTPUT_DIR/eval/merged_model: a trainer checkpoint merged for the evaluation
+RESULT_FILES = ("metrics.json", "samples.jsonl")
+_RUN_CHECKPOINT = re.compile(r"^episode_\d+(\.tmp)?$")
+
+
+@dataclass
+class EvalModel:
+    """What ``--checkpoint`` names: ``given`` as the user wrote it, ``folder`` the Hugging Face folder the
+    rollout engine loads, ``episode`` the episode of a run's checkpoint (else None), ``merge_from`` the
+    trainer checkpoint to merge into ``folder`` first (None when ``folder`` exists already)."""
+
+    given: str
+    folder: str
+    episode: int | None = None
+    merge_from: str | None = None
+
+
+def run_checkpoint(path: str) -> str | None:
+    """The run's checkpoint folder (``checkpoints/episode_N``, or an unfinished ``episode_N.tmp``)
+    that ``path`` is, or holds as its ``hf/`` or ``trainer/``; None for any other folder. One is known
+    by its files (COMPLETE, manifest.json, state.json), or by its name with hf/ or trainer/ in it (a
+    save cut short before those files)."""
+    path = os.path.abspath(path)
+    candidates = [path] + ([os.path.dirname(path)] if os.path.basename(path) in ("hf", "trainer") else [])
+    for folder in candidates:
+        if any(os.path.isfile(os.path.join(folder, name)) for name in (MARKER, MANIFEST, "state.json")):
+            return folder
+        if _RUN_CHECKPOINT.match(os.path.basename(folder)) and any(
+                os.path.isdir(os.path.join(folder, name)) for name in ("hf", "trainer")):
+            return folder
+    return None
+
+
+def check_complete(path: str, given: str) -> int | None:
+    """A UserError in one paragraph, naming ``given`` (the ``--checkpoint`` as written), when ``path``
+    (the part to read) is (in) a run's checkpoint whose save did not finish (no ``COMPLETE``, or still
+    named ``.tmp``), or whose files do not match its manifest (only the files under ``path`` count).
+    Returns that checkpoint's episode (None for a folder outside a run)."""
+    folder = run_checkpoint(path)
+    if folder is None:
+        return None
+    check_against_manifest(path, "--checkpoint")  # damage first: the more specific reason
+    if not os.path.isfile(os.path.join(folder, MARKER)) or folder.endswith(".tmp"):
+        why = (f"has no {MARKER} file (a checkpoint gets it last, once every file is written)"
+               if not os.path.isfile(os.path.join(folder, MARKER)) else "is still named .tmp (never renamed)")
+        raise UserError(f"--checkpoint {given!r} is incomplete: {folder!r} {why}, so its save was interrupted "
+                        "(a crash, a kill, a full disk) or is still going on. Nothing was loaded. Evaluate a complete "
+                        "checkpoint of the run (checkpoints/latest names the newest), or wait for the save to end.")
+    return _episode(folder)
+
+
+def _episode(folder: str) -> int | None:
+    """The episode of the run's checkpoint ``folder``: its state.json's, else the one in its name."""
+    try:
+        with open(os.path.join(folder, "state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        state = None
+    if isinstance(state, dict) and "episode" in state and isinstance(state["episode"], int):
+        return state["episode"]
+    digits = re.findall(r"\d+", os.path.basename(folder))
+    return int(digits[-1]) if digits else None
+
+
+def resolve_model(path: str, merged_dir: str = MERGED_MODEL) -> EvalModel:
+    """What to evaluate for ``--checkpoint path``: a model folder, a run's checkpoint (its ``hf/``, or its
+    ``trainer/`` to merge into ``merged_dir``), a sharded trainer checkpoint (merged into ``merged_dir``),
+    or a Hugging Face Hub model id (resolved into the Hugging Face cache). Checks only, writes nothing:
+    an incomplete or damaged checkpoint is refused here, before anything loads."""
     from chatlearn.hub import looks_like_hub_id, snapshot
 
     if looks_like_hub_id(path):
-        return snapshot(path, key="--checkpoint", local_hint="a local model folder or a run's checkpoint").path
-    from chatlearn.checkpoint.manager import check_against_manifest
+        found = snapshot(path, key="--checkpoint", local_hint="a local model folder or a run's checkpoint").path
+        return EvalModel(path, found)
+    for folder in (path, os.path.join(path, "hf")):
+        if os.path.isfile(os.path.join(folder, "config.json")):  # a model folder, or a checkpoint's hf/
+            return EvalModel(path, folder, check_complete(folder, path))
+    if os.path.isdir(os.path.join(path, "trainer")) or os.path.isfile(os.path.join(path, ".metadata")) or (
+            os.path.isdir(path) and run_checkpoint(path) is not None):
+        from chatlearn.checkpoint.merge import find_checkpoint
 
-    if os.path.isfile(os.path.join(path, "config.json")):
-        check_against_manifest(path, "--checkpoint")  # a run's checkpoints/episode_N/hf
-        return path
-    if os.path.isfile(os.path.join(path, "hf", "config.json")):
-        check_against_manifest(os.path.join(path, "hf"), "--checkpoint")
-        return os.path.join(path, "hf")
-    if os.path.isdir(os.path.join(path, "trainer")) or os.path.isfile(os.path.join(path, ".metadata")):
-        from chatlearn.checkpoint.merge import merge_checkpoint
-
-        out = os.path.join(tempfile.mkdtemp(prefix="chatlearn_eval_"), "model")
-        info(f"merging the sharded checkpoint {path} into {out}")
-        merge_checkpoint(path, out)
-        return out
+        ckpt = find_checkpoint(path)
+        episode = check_complete(ckpt, path)
+        return EvalModel(path, os.path.abspath(merged_dir), episode, merge_from=ckpt)
     raise UserError(f"--checkpoint {path!r} is neither a Hugging Face model folder (config.json), a run's "
                     "checkpoint folder (checkpoints/episode_N with hf/ or trainer/), nor a sharded trainer "
                     "checkpoint. Point it at one of those.")
+
+
+def check_no_result(out_dir: str, overwrite: bool) -> None:
+    """A UserError in one paragraph when ``out_dir`` holds the result of an earlier evaluation (unless
+    ``overwrite``): it is never replaced silently."""
+    for name in RESULT_FILES:
+        file = os.path.join(out_dir, name)
+        if os.path.exists(file) and not overwrite:
+            raise UserError(f"{file} already holds the result of an earlier evaluation, and chatlearn eval does not "
+                            "overwrite it. Write this one to another folder (runtime_args.output_dir=NEW_FOLDER), "
+                            f"or pass --overwrite to replace it (the earlier files are then kept as "
+                            f"{name}.old-<time>, nothing is deleted).")
+
+
+def keep_previous(out_dir: str) -> None:
+    """An earlier result in ``out_dir`` (there only with ``overwrite``) moved aside, not deleted: each file
+    to ``<name>.old-<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken), just before the new one is written."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name in RESULT_FILES:
+        file = os.path.join(out_dir, name)
+        if not os.path.exists(file):
+            continue
+        target, n = f"{file}.old-{stamp}", 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{file}.old-{stamp}-{n}"
+        os.replace(file, target)
+        info(f"the earlier result {file} is moved to {target}")
+
+
+def merge_for_eval(model: EvalModel, dtype: str, keep: bool) -> None:
+    """The trainer checkpoint ``model.merge_from`` merged into ``model.folder`` (a leftover of an earlier,
+    killed evaluation there is removed first), in the rollout engine's dtype when it names one."""
+    from chatlearn.checkpoint.merge import DTYPES, merge_checkpoint
+
+    remove_merged(model.folder)
+    after = "kept after the evaluation" if keep else "deleted after the evaluation"
+    info(f"merging the trainer checkpoint {model.merge_from} into {model.folder} ({after})")
+    merge_checkpoint(model.merge_from, model.folder, dtype=dtype if dtype in DTYPES else "float32")
+
+
+def remove_merged(folder: str) -> None:
+    for path in (folder, folder + ".partial"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class Evaluator:
@@ -125,15 +244,40 @@ class Evaluator:
         return samples, metrics
 
 
-def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
-    rt, p = cfg.runtime_args, cfg.models.policy
+def evaluate_only(cfg: DictConfig, checkpoint: str | None = None, *, overwrite: bool = False,
+                  keep_merged: bool = False) -> dict:
+    """Evaluate ``models.policy.load``, or ``checkpoint`` (``--checkpoint``) in its place, into
+    ``<output_dir>/eval/``. An earlier result there is refused unless ``overwrite`` (``--overwrite``: it is
+    then moved aside). A
+    trainer checkpoint is merged into ``<output_dir>/eval/merged_model``, deleted afterwards (also on an
+    error or Ctrl-C) unless ``keep_merged`` (``--keep-merged``): eval writes nothing outside its folder."""
+    rt = cfg.runtime_args
     if not rt.eval_data_path:
         raise UserError("runtime_args.eval_data_path: is not set; chatlearn eval needs the data to evaluate. Set it.")
     eval_data = check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path", subset=rt.eval_data_subset,
                                  split=rt.eval_data_split)
-    if checkpoint:
-        cfg = OmegaConf.merge(cfg, {"models": {"policy": {"load": resolve_model(checkpoint)}}})
-        p = cfg.models.policy
+    out_dir = os.path.join(rt.output_dir, "eval")
+    check_no_result(out_dir, overwrite)
+    model = resolve_model(checkpoint, os.path.join(out_dir, MERGED_MODEL)) if checkpoint else None
+    merged = model is not None and model.merge_from is not None
+    try:
+        if merged:
+            merge_for_eval(model, cfg.models.policy.dtype, keep_merged)
+        if model is not None:
+            cfg = OmegaConf.merge(cfg, {"models": {"policy": {"load": model.folder}}})
+        source = {"checkpoint": {"path": model.given, "episode": model.episode} if model is not None else None,
+                  "model": cfg.models.policy.load, "model_deleted": merged and not keep_merged}
+        return _evaluate(cfg, eval_data, out_dir, source)
+    finally:
+        if merged and not keep_merged:
+            remove_merged(model.folder)
+        elif merged:
+            info(f"the merged model is kept in {model.folder}")
+
+
+def _evaluate(cfg: DictConfig, eval_data: str, out_dir: str, source: dict) -> dict:
+    """Sample and score the evaluation set; ``source`` (what was evaluated) heads ``metrics.json``."""
+    rt, p = cfg.runtime_args, cfg.models.policy
     check_model_folder(p.load, "models.policy.load")
     tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
     multi_turn = MultiTurnLoop(cfg, tokenizer) if p.multi_turn.environment is not None else None
@@ -152,12 +296,12 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None) -> dict:
     plan = make_eval_plan(cfg, len(prompt_set), k)
     with Cluster(cfg, plan) as cluster:
         samples, metrics = Evaluator(cfg, cluster, tokenizer, multi_turn).run(prompt_set, k)
-    out_dir = os.path.join(rt.output_dir, "eval")
     os.makedirs(out_dir, exist_ok=True)
+    keep_previous(out_dir)
     # written whole or not at all: an interrupted eval leaves the previous files as they were
     write_text_atomic(os.path.join(out_dir, "samples.jsonl"), "".join(json.dumps(s) + "\n" for s in samples))
     write_text_atomic(os.path.join(out_dir, "metrics.json"),
-                  json.dumps({"model": p.load, "samples_per_prompt": k, "metrics": metrics}, indent=1))
+                      json.dumps({**source, "samples_per_prompt": k, "metrics": metrics}, indent=1))
     for name, m in metrics.items():
         extra = f" | pass@{k} {m[f'pass@{k}']:.3f}" if k > 1 else ""
         info(f"eval {name}: reward {m['reward_mean']:.3f} | pass@1 {m['pass@1']:.3f}{extra} | "

@@ -15,7 +15,14 @@ prompt or the engine's context), then the environments step on the turns' text i
 says done (``done``), after ``max_turns`` model turns (``max_turns``), when a turn or an
 observation does not fit the token limits (``token_limit``), or when its environment raises or
 returns something unusable (``error``) or overruns (``timeout``); the run goes on, and a warning
-names the first such error. ``finish_reasons`` is 1 for ``done`` only.
+names the first such error. ``finish_reasons`` is 1 for ``done`` only. A tool that raises
+(``builtin:tools``) is the model's answer, not an end: its first error is shown once.
+
+A source that fails on every call of a rollout (the environment: no trajectory got an answer from
+it, every one that called it ended by an error or time-out; a tool: every call raised) gets a loud
+warning; after ``runtime_args.max_failed_env_episodes`` training episodes in a row in which the same
+source failed so (0: never), the run stops naming it and its first error. Evaluation rollouts are
+warned about, never counted.
 
 The batch adds to the single-turn columns ``loss_mask`` (per token) and, per trajectory,
 ``env/reward`` (the discounted sum of the turns' rewards), ``env/turns``, ``env/status`` (index
@@ -121,6 +128,7 @@ class Trajectory:
     last_token: int | None = None
     observation_tokens: int = 0
     info: dict = field(default_factory=dict)
+    answered: int = 0  # steps the environment answered (returned a usable result)
 
     @property
     def response_len(self) -> int:
@@ -166,13 +174,19 @@ class MultiTurnLoop:
         self.context = policy_sequence_length(p)  # the engine's tokens per sequence (and no more than it produces)
         self.calls = EnvCalls(mt.num_workers, mt.step_timeout_s)
         self.timeout = mt.step_timeout_s
+        self.max_failed = cfg.runtime_args.max_failed_env_episodes
+        # source ("environment 'x'", "tool 'y'") -> (training episodes in a row in which it failed on
+        # every call, the first and the last of them, the first error of the first)
+        self.streaks: dict[str, tuple[int, int, int, str]] = {}
+        self.tools_shown: set = set()  # the tools whose first error was shown
 
     # ------------------------------------------------------------------ a rollout
-    def run(self, generate: Callable, prompts, sampling: dict, what: str) -> dict:
+    def run(self, generate: Callable, prompts, sampling: dict, what: str, episode: int | None = None) -> dict:
         """The trajectories of ``prompts`` (a :class:`chatlearn.runtime.driver.sampling.Prompts`, one entry per
         sample) as a batch; ``generate(prompt ids, sampling)`` samples one model turn of each (the
         rollout replicas), with ``sampling``'s settings and its seed plus ``TURN_SEED_STRIDE`` per turn.
-        ``what`` names the rollouts in warnings ("the rollouts of episode 3")."""
+        ``what`` names the rollouts in warnings ("the rollouts of episode 3"); ``episode``: the training
+        episode they belong to (None: an evaluation), counted towards ``max_failed_env_episodes``."""
         trajectories = self.start(prompts)
         for turn in range(self.max_turns):
             active = [t for t in trajectories if t.status is None]
@@ -181,7 +195,7 @@ class MultiTurnLoop:
             self.model_turn(generate, active, sampling, turn)
             self.env_turn([t for t in active if t.status is None], turn)
         self.calls.run([t.env.close for t in trajectories])  # errors and overruns of close are ignored
-        self.warn(trajectories, what)
+        self.warn(trajectories, what, episode)
         return self.batch(trajectories)
 
     def start(self, prompts) -> list[Trajectory]:
@@ -251,6 +265,7 @@ class MultiTurnLoop:
             except BadEnvironmentOutput as err:
                 t.end(ERROR, f"step {t.turns}: {err}")
                 continue
+            t.answered += 1
             t.reward += self.discount ** turn * result.reward
             for k, v in result.info.items():  # summed over the steps
                 t.info[k] = t.info[k] + v if k in t.info else v
@@ -298,12 +313,71 @@ class MultiTurnLoop:
             return ERROR, f"{call}: {describe(out.error)}"
         return None
 
-    def warn(self, trajectories: list[Trajectory], what: str) -> None:
+    def warn(self, trajectories: list[Trajectory], what: str, episode: int | None = None) -> None:
+        """Warn of the environment's and the tools' errors of a rollout (loudly of a source that failed on
+        every call), count the training episodes in a row in which a source failed so, and stop the run
+        at ``max_failed_env_episodes`` of them (see the module docstring)."""
+        failing: dict[str, str] = {}  # source -> its first error, of the sources that failed on every call
+        lines: list[tuple] = []  # (the source of a line about one that failed on every call, or None; the line)
         failed = [(i, t) for i, t in enumerate(trajectories) if t.status in (ERROR, TIMEOUT)]
         if failed:
             i, first = failed[0]
-            console_warn(f"{what}: {len(failed)} of {len(trajectories)} trajectories ended by an error or "
-                         f"time-out of environment {self.name!r} (the first, trajectory {i}: {first.error})")
+            ended = f"{len(failed)} of {len(trajectories)} trajectories ended by an error or time-out"
+            error = f"trajectory {i}: {first.error}"
+            if any(t.answered for t in trajectories):
+                lines.append((None, f"{what}: {ended} of environment {self.name!r} (the first, {error})"))
+            else:
+                source = f"environment {self.name!r}"
+                failing[source] = error
+                lines.append((source, f"{what}: {source} failed on every call: {ended} (the first, {error}) and "
+                                      "none got an answer from it, so this rollout holds no observation or reward "
+                                      "of the environment"))
+        for name, (calls, raised, err) in tool_totals(trajectories).items():
+            said = f"raised on {raised} of {calls} calls (the first: {describe(err)})" if raised else ""
+            if raised == calls:
+                source = f"tool {name!r}"
+                failing[source] = describe(err)
+                lines.append((source, f"{what}: {source} failed on every call: it {said}, so every call of it "
+                                      "got an error back"))
+            elif raised and name not in self.tools_shown:
+                lines.append((None, f"{what}: tool {name!r} {said}; a tool's error goes back to the model as "
+                                    "the call's result and the run goes on (a tool's first error is shown once)"))
+            if raised:
+                self.tools_shown.add(name)
+        if episode is not None:
+            self.count_failures(failing, episode)
+        for source, line in lines:
+            console_warn(line if source is None else line + (self.streak_note(source) if episode is not None else "."))
+        if episode is not None:
+            self.stop_if_failing()
+
+    def count_failures(self, failing: dict, episode: int) -> None:
+        """The streaks after training episode ``episode`` (a source that did not fail on every call
+        breaks its streak; the rollouts of one episode, dynamic sampling's rounds, count once)."""
+        streaks = {}
+        for source, error in failing.items():
+            count, start, last, first = self.streaks[source] if source in self.streaks else (0, episode, None, error)
+            streaks[source] = (count + (last != episode), start, episode, first)
+        self.streaks = streaks
+
+    def streak_note(self, source: str) -> str:
+        if self.max_failed == 0:
+            return "; the run goes on (runtime_args.max_failed_env_episodes: 0)."
+        return (f"; the run stops after {self.max_failed} such episodes in a row "
+                f"(runtime_args.max_failed_env_episodes: {self.max_failed}; {self.streaks[source][0]} so far).")
+
+    def stop_if_failing(self) -> None:
+        """UserError naming the first source that failed on every call of ``max_failed_env_episodes``
+        training episodes in a row."""
+        for source, (count, start, last, first) in self.streaks.items():
+            if 0 < self.max_failed <= count:
+                key = "environment" if source.startswith("environment") else "tools"
+                raise UserError(
+                    f"{source} (models.policy.multi_turn.{key}) failed on every call of {count} episodes in a row "
+                    f"(episodes {start}-{last}), so the run stops (runtime_args.max_failed_env_episodes: "
+                    f"{self.max_failed}): the policy learns nothing from it. Its first error, in episode {start}: "
+                    f"{first}. Fix it (call it on a few data rows by hand), or raise "
+                    "runtime_args.max_failed_env_episodes (0: never stop). The last complete checkpoint is kept.")
 
     # ------------------------------------------------------------------ the batch
     @staticmethod
@@ -330,6 +404,18 @@ class MultiTurnLoop:
             "env/info": np.array([json.dumps(t.info, sort_keys=True) for t in trajectories], dtype=str).reshape(n),
             "env/error": np.array([t.error for t in trajectories], dtype=str).reshape(n),
         }
+
+
+def tool_totals(trajectories: list[Trajectory]) -> dict:
+    """``{tool name: (calls, calls that raised, the first exception)}`` over the trajectories of a rollout
+    with tools (:attr:`chatlearn.env.tools.ToolEnvironment.tool_stats`; {} without tools)."""
+    totals: dict = {}
+    for t in trajectories:
+        stats = getattr(t.env, "tool_stats", None)  # a ToolEnvironment's (a subclass may lack it)
+        for name, (calls, raised, error) in (stats.items() if isinstance(stats, dict) else ()):
+            c, r, e = totals[name] if name in totals else (0, 0, None)
+            totals[name] = (c + calls, r + raised, e if e is not None else error)
+    return {name: v for name, v in totals.items() if v[0]}
 
 
 def env_metrics(batch: dict, prefix: str) -> dict:

@@ -9,7 +9,7 @@ import numpy as np
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, response_mask
 from chatlearn.batch import select_samples
 from chatlearn.logging.console import warn
-from chatlearn.runtime.driver.multiturn import env_metrics, trajectory_fields
+from chatlearn.runtime.driver.multiturn import TOKEN_LIMIT, env_metrics, trajectory_fields
 from chatlearn.runtime.driver.sampling import EpisodeSamples, Sampling
 
 # what a logged sample row reads of a batch (with the env/ columns of a multi-turn one)
@@ -58,6 +58,7 @@ class EpisodeReport:
 
     def __init__(self, cfg, plan, sampling: Sampling, sinks, trainer_group):
         self.cfg, self.plan, self.sampling, self.sinks, self.trainer = cfg, plan, sampling, sinks, trainer_group
+        self.warned_truncated = False  # an episode whose every response was cut: warned once per run
 
     def log_samples(self, episode: int, samples: EpisodeSamples) -> None:
         """Every ``log_samples_interval`` episodes, ``log_samples_num`` decoded rows to the sinks
@@ -99,6 +100,7 @@ class EpisodeReport:
         metrics.update(self.sampling.reward_metrics(scored.parts, prefix="train"))
         metrics.update(mismatch_metrics(batch, self.plan.old_logprob_pass_from, first_step))
         metrics.update(env_metrics(batch, prefix="train"))
+        self.warn_all_truncated(episode, batch)
         warn_at = self.cfg.models.policy.logprob_mismatch_warn
         if warn_at > 0 and metrics["train/logprob_diff_rollout_vs_trainer_mean"] > warn_at:
             warn(f"episode {episode}: rollout and trainer log-probs differ by "
@@ -107,6 +109,26 @@ class EpisodeReport:
                  f"{metrics['train/mismatch_kl']:.2e}): the rollout engine samples from a different "
                  "distribution than the trainer (dtype, kernels, or a failed weight push)")
         return metrics
+
+    def warn_all_truncated(self, episode: int, batch: dict) -> None:
+        """Warn, the first time only, of an episode whose every response was cut at its token limit
+        before it ended (a multi-turn one: every trajectory ended by ``token_limit``)."""
+        if self.warned_truncated:
+            return
+        multi_turn = "env/status" in batch
+        cut = (np.asarray(batch["env/status"]) == TOKEN_LIMIT) if multi_turn else ~np.asarray(
+            batch["finish_reasons"], dtype=bool)
+        if not cut.size or not cut.all():
+            return
+        self.warned_truncated = True
+        longest = self.cfg.models.policy.max_response_tokens_length
+        what = (f"trajectories ran out of tokens (models.policy.max_response_tokens_length {longest}, or "
+                "multi_turn.max_turn_tokens)" if multi_turn else
+                f"responses was cut at models.policy.max_response_tokens_length ({longest})")
+        warn(f"episode {episode}: every one of the {cut.size} {what} before it ended (train/truncated_frac 1): "
+             "the rewards score unfinished answers, often all alike, and the policy learns little or nothing "
+             "(equal rewards in a group give zero advantages). Raise the limit, or ask the prompts for shorter "
+             "answers. (Warned once per run.)")
 
     def evaluation(self, batch: dict, prompts, rewards: np.ndarray, parts: dict) -> dict:
         """``eval/`` metrics of an evaluation set's samples, overall and per data source."""

@@ -95,12 +95,13 @@ class Sampling:
         self.policy, self.reward, self.reward_spec = policy, reward, reward_spec
         self.reward_model = reward_model  # the reward model's group (models.reward.load), or None
 
-    def sample(self, prompts: Prompts, sampling: dict, what: str) -> dict:
+    def sample(self, prompts: Prompts, sampling: dict, what: str, episode: int | None = None) -> dict:
         """The samples of ``prompts``: one response each, or with a multi-turn environment one trajectory
-        each (:class:`~chatlearn.runtime.driver.multiturn.MultiTurnLoop`; ``what`` names them in its warnings)."""
+        each (:class:`~chatlearn.runtime.driver.multiturn.MultiTurnLoop`; ``what`` names them in its warnings,
+        ``episode`` is the training episode they are of, None for an evaluation)."""
         if self.multi_turn is None:
             return self.generate(prompts.ids, sampling)
-        return self.multi_turn.run(self.generate, prompts, sampling, what)
+        return self.multi_turn.run(self.generate, prompts, sampling, what, episode=episode)
 
     def params(self, eval_mode: bool, seed: int) -> dict:
         """The sampling parameters of a generate call: the ``eval_*`` ones for evaluation."""

@@ -6,7 +6,9 @@ unless ``--overwrite`` is given: then the old run is moved aside, whole, to the 
 ``<output_dir>.old-<YYYYmmdd-HHMMSS>`` (nothing is deleted), and the new run starts in an empty
 folder. A resumed run continues the run in the folder (see ``Engine.resume``,
 :mod:`chatlearn.runtime.driver.engine`), after :func:`reconcile_logs` has dropped what the
-interrupted run logged past its checkpoint.
+interrupted run logged past its checkpoint, and only when its config alters nothing its checkpoint
+was trained with, or the change is accepted on purpose (``--accept-config-changes``; the configs a
+run ran with are kept in ``configs/``: :mod:`chatlearn.runtime.rundir.config_history`).
 """
 from __future__ import annotations
 
