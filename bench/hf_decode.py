@@ -129,11 +129,11 @@ def workload_prompts(model: str, prompts: int, group: int) -> list[list[int]]:
     return [list(data.prompt_ids[i]) for i in range(prompts) for _ in range(group)]
 
 
-def measure(args) -> dict:
+def workload(args):
+    """``(model folder, RolloutSpec, prompts)`` of the benchmark's workload, torch threads set."""
     import torch
 
     from bench_specs import backend_specs
-    from chatlearn.models.rollout.hf import HFRollout
     from grpo_vs_trl import model_dir
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -142,9 +142,15 @@ def measure(args) -> dict:
     _, spec = backend_specs(model, "models.policy.max_prompt_tokens_length=64",
                             "models.policy.max_response_tokens_length=128",
                             f"models.policy.generation_batch_size={args.prompts * args.group}")
-    spec = spec.replace(max_response_tokens_length=args.max_new)
+    return model, spec.replace(max_response_tokens_length=args.max_new), workload_prompts(model, args.prompts,
+                                                                                          args.group)
+
+
+def measure(args) -> dict:
+    from chatlearn.models.rollout.hf import HFRollout
+
+    model, spec, prompts = workload(args)
     engine = HFRollout(spec)
-    prompts = workload_prompts(model, args.prompts, args.group)
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_tokens": args.max_new, "seed": 1234}
 
     row = {"label": args.label, "commit": _commit(), "prompts": args.prompts, "group": args.group,
@@ -210,11 +216,7 @@ def interleaved(args) -> dict:
     import importlib.util
     import tempfile
 
-    import torch
-
-    from bench_specs import backend_specs
     from chatlearn.models.rollout import hf
-    from grpo_vs_trl import model_dir
 
     source = subprocess.run(["git", "-C", REPO, "show", f"{args.against}:chatlearn/models/rollout/hf.py"],
                             capture_output=True, text=True, check=True).stdout
@@ -224,14 +226,8 @@ def interleaved(args) -> dict:
     old = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(old)
     os.unlink(f.name)
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = model_dir(gc.LONG_SPEC, args.cache)
-    _, spec = backend_specs(model, "models.policy.max_prompt_tokens_length=64",
-                            "models.policy.max_response_tokens_length=128",
-                            f"models.policy.generation_batch_size={args.prompts * args.group}")
-    spec = spec.replace(max_response_tokens_length=args.max_new)
+    _, spec, prompts = workload(args)
     engines = {args.against: old.HFRollout(spec), "this": hf.HFRollout(spec)}
-    prompts = workload_prompts(model, args.prompts, args.group)
     done = {k: [0, 0.0] for k in engines}
     for name, e in engines.items():  # warm-up
         e.generate(prompts, {"temperature": 1.0, "max_tokens": args.max_new, "seed": 1})

@@ -310,7 +310,9 @@ class _RunningRows:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """``values`` on the device without waiting for it (a pinned copy on CUDA)."""
         t = torch.tensor(values, dtype=torch.long)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def advance(self, tokens: torch.Tensor, ended: torch.Tensor, step: int, cur: int) -> None:
         """After step ``step`` wrote position ``cur``: the rows that ended or spent their budget stop."""
