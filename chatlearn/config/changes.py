@@ -30,6 +30,8 @@ import fnmatch
 import json
 from dataclasses import dataclass
 
+from chatlearn.config.schema import COMPAT_ONLY_KEYS
+
 # the checkpoint's config lacks the key, or the new config does
 ABSENT = "<absent>"
 ESTIMATOR = "models.policy_trainer.advantage_estimator"
@@ -46,7 +48,7 @@ HARMLESS_KEYS = (
     "runtime_args.eval_data_subset", "runtime_args.eval_data_split", "models.policy.eval_*",
     # output, logging, W&B, TensorBoard, console, profiling
     "runtime_args.output_dir", "runtime_args.exp_name", "runtime_args.log_args_dict.*", "runtime_args.debug",
-    "runtime_args.nsys", "runtime_args.profiler_dir", "models.*.log_interval", "models.policy.logprob_mismatch_warn",
+    "models.policy.logprob_mismatch_warn",
     # timeouts
     "runtime_args.ray_connect_timeout_s", "models.reward.timeout_s", "models.policy.multi_turn.step_timeout_s",
     # memory: where the parts of a model live between stages, how the micro-batches are cut
@@ -112,6 +114,8 @@ def config_changes(old: dict, new: dict, non_default: set[str]) -> list[Change]:
 
 def is_harmless(key: str, old: dict, new: dict) -> bool:
     """Whether a change of ``key`` between the configs ``old`` and ``new`` leaves training as it was."""
+    if key in COMPAT_ONLY_KEYS:  # accepted for compatibility, acting on nothing
+        return True
     if not any(fnmatch.fnmatchcase(key, pattern) for pattern in HARMLESS_KEYS):
         return False
     if key == "runtime_args.num_episode":
