@@ -54,6 +54,7 @@ HARMLESS_KEYS = (
     # memory: where the parts of a model live between stages, how the micro-batches are cut
     "models.*.free_gpu_memory.*", "runtime_args.offload_without_gpu", "models.*.use_expandable_segments",
     "models.*.gradient_checkpointing", "runtime_args.train_micro_batch_size", "models.*.train_micro_batch_size",
+    "models.*.packing", "models.*.max_token_in_packing",
 )
 
 
