@@ -217,6 +217,8 @@ def _dry_run(args, cfg, plan) -> None:
         for line in resumed.report():
             info(f"# {line}", bare=True)
     info("\n# plan", bare=True)
+    for line in counts:
+        info(line, bare=True)
     for line in plan.describe():
         info(line, bare=True)
     holder = RunLock(out).live_holder()
@@ -224,6 +226,35 @@ def _dry_run(args, cfg, plan) -> None:
         info(f"# note: {out} is in use by {describe(holder)}; a run now would be refused", bare=True)
     if args.overwrite and previous_run(out):
         info(f"# --overwrite: the run in {out} would be moved to {out}.old-<time>", bare=True)
+
+
+def _dry_run_data(cfg, resumed, accept: bool) -> list[str]:
+    """Read the train and eval data with the policy's tokenizer as a run does
+    (chatlearn.runtime.driver.run.train): a missing or malformed file, a row without the prompt or
+    ground-truth key, prompts all too long, or a data set of another size than the checkpoint's is
+    refused here as it would be there. Returns the lines that count the prompts."""
+    from chatlearn.data.dataset import load_prompts, load_tokenizer
+    from chatlearn.runtime.rundir.config_history import check_prompt_count
+
+    rt, p = cfg.runtime_args, cfg.models.policy
+    tokenizer = load_tokenizer(p.load, trust_remote_code=p.trust_remote_code, key="models.policy.load")
+    tools = None
+    if p.multi_turn.environment is not None:  # the tools the chat template shows change the prompts' lengths
+        from chatlearn.runtime.driver.multiturn import MultiTurnLoop
+
+        tools = MultiTurnLoop(cfg, tokenizer).tool_schemas
+    data = dict(max_prompt_tokens=p.max_prompt_tokens_length, enable_thinking=p.enable_thinking,
+                prompt_key=rt.prompt_key, ground_truth_key=rt.ground_truth_key,
+                ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction, tools=tools)
+    sets = [("train", load_prompts(rt.data_path.split(","), tokenizer, name=rt.data_subset, split=rt.data_split,
+                                   **data))]
+    check_prompt_count(resumed, len(sets[0][1]), accept)
+    if rt.eval_data_path and (rt.eval_episode_interval > 0 or rt.enable_eval_before_training):
+        sets.append(("eval", load_prompts(rt.eval_data_path.split(","), tokenizer, what="runtime_args.eval_data_path",
+                                          name=rt.eval_data_subset, split=rt.eval_data_split, **data)))
+    return [f"{name} data: {len(s)} prompts" + (f" ({s.dropped_too_long} dropped: longer than "
+                                                 "max_prompt_tokens_length)" if s.dropped_too_long else "")
+            for name, s in sets]
 
 
 def _merge(args) -> int:

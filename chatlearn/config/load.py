@@ -160,11 +160,41 @@ def _resolve(cfg: DictConfig) -> None:
                               f"({missing[0]}=...).", key=missing[0])
         OmegaConf.resolve(cfg)
     except (InterpolationKeyError, InterpolationResolutionError, MissingMandatoryValue) as err:
+        unset = re.search(r"Environment variable '([^']+)' not found", str(err))
+        if unset:
+            raise _unset_env(cfg, unset.group(1), err.full_key) from None
         raise ConfigError(f"cannot resolve an interpolation: {_first_line(err)}. "
                           "Check the ${...} reference names an existing key.", key=err.full_key) from None
     except ValidationError as err:
         raise ConfigError(f"an interpolated value has the wrong type: {_first_line(err)}",
                           key=err.full_key) from None
+
+
+def _unset_env(cfg: DictConfig, var: str, failed_key: str | None) -> ConfigError:
+    """The error for ``${oc.env:VAR}`` with VAR unset, naming the key that holds the interpolation
+    (not a key that merely refers to that key, where OmegaConf noticed it)."""
+    holders = [k for k, raw in _raw_strings(cfg) if re.search(r"\$\{oc\.env:\s*" + re.escape(var) + r"\s*[,}]", raw)]
+    key = holders[0] if holders else failed_key
+    also = f" (also in {', '.join(holders[1:])})" if len(holders) > 1 else ""
+    return ConfigError(
+        f"uses the environment variable {var}, which is not set (${{oc.env:{var}}}){also}. Set it "
+        f"(export {var}=...) before running, or give the interpolation a default: ${{oc.env:{var},default}}.",
+        key=key)
+
+
+def _raw_strings(node, prefix: str = "") -> Iterable[tuple[str, str]]:
+    """(dotted key, raw string value) of every leaf of ``node`` whose value is a string, interpolations unresolved."""
+    from omegaconf import ListConfig
+
+    if isinstance(node, (DictConfig, ListConfig)):
+        keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+        for k in keys:
+            key = f"{prefix}.{k}" if isinstance(k, str) else f"{prefix}[{k}]"
+            yield from _raw_strings(node._get_node(k), key.lstrip("."))
+    else:
+        raw = node._value() if node is not None else None
+        if isinstance(raw, str):
+            yield prefix, raw
 
 
 # --------------------------------------------------------------------------- validation
@@ -320,7 +350,13 @@ def _check_trainers(cfg: DictConfig) -> None:
             raise ConfigError(f"must equal num_gpu ({t.num_gpu}) or -1: hybrid sharding is not available "
                               "yet.", key=f"models.{name}.fsdp_size")
         if t.recompute_granularity not in (None, "sel", "selective", "full"):
-            raise ConfigError("must be null, 'sel' or 'full'.", key=f"models.{name}.recompute_granularity")
+            raise ConfigError("must be null, 'sel' (or 'selective') or 'full'.",
+                              key=f"models.{name}.recompute_granularity")
+        if t.recompute_granularity is not None and cfg.runtime_args.train_backend != "megatron":
+            raise ConfigError(f"is {t.recompute_granularity!r}, but it sets Megatron's activation recomputation "
+                              f"and train_backend is {cfg.runtime_args.train_backend!r}. Set it to null; the FSDP "
+                              f"trainer recomputes whole layers with models.{name}.gradient_checkpointing: true.",
+                              key=f"models.{name}.recompute_granularity")
         if t.packing:
             _positive(t.max_token_in_packing, f"models.{name}.max_token_in_packing")
         if t.seq_length is not None and not t.packing:
@@ -360,7 +396,7 @@ def _check_trainer_roles(m: DictConfig) -> None:
 
 
 def _check_reward(cfg: DictConfig) -> None:
-    """The reward workers' CPUs and time limit (and, between them as always, the Ray connect timeout)."""
+    """The reward workers' CPUs and time limit (and, between them as always, the Ray connect and stage timeouts)."""
     r, rt = cfg.models.reward, cfg.runtime_args
     _positive(r.num_cpu, "models.reward.num_cpu")
     _positive(r.cpu_per_process or 1, "models.reward.cpu_per_process")
@@ -526,6 +562,13 @@ def check_model_folder(path: str, key: str) -> None:
             raise ConfigError(f"{path}/{name} {problem}. The file is damaged (a download or copy cut short, or a "
                               "full disk): download or copy the model again (hf download re-fetches a damaged file "
                               "with --force-download).", key=key)
+    mismatch = shape_mismatch(path, conf)
+    if mismatch:
+        raise ConfigError(f"model folder {path!r}: its config.json does not describe its weights: {mismatch}. The "
+                          "config.json was edited or belongs to another model (transformers, vLLM and Megatron "
+                          "build the model from it, then fail to load the weights): restore the config.json that "
+                          "came with these weights, or point load at the folder whose weights it describes.",
+                          key=key)
 
 
 def safetensors_problem(file: str) -> str | None:

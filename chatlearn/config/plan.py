@@ -106,8 +106,13 @@ class Plan:
 
     @property
     def total_steps(self) -> int:
-        """The run's optimizer steps (what the learning-rate schedule spans)."""
-        return sum(self.steps_in_episode(e) for e in range(1, self.num_episode + 1))
+        """The run's optimizer steps (what the learning-rate schedule spans): the sum of
+        :meth:`steps_in_episode` over the episodes, in closed form (num_episode may be huge). Episode e
+        replays min(e - 1, max_replay_episode) earlier episodes (e - 1 when it is negative: all)."""
+        n, cap = self.num_episode, self.max_replay_episode
+        full = n if cap < 0 else min(n, cap + 1)  # episodes 1..full replay every earlier one: 0 + 1 + ... + (full - 1)
+        replayed = full * (full - 1) // 2 + (n - full) * max(cap, 0)
+        return self.steps_per_episode * (n + replayed)
 
     @property
     def old_logprob_pass(self) -> bool:

@@ -93,6 +93,8 @@ class TrainerSpec(_Spec):
     value_loss_coef: float
     # memory and precision
     gradient_checkpointing: bool
+    # Megatron's activation recomputation: full | selective; None: full where gradient_checkpointing, else none
+    recompute_granularity: Optional[str]
     bf16: Optional[bool]  # None: bf16 on CUDA devices that support it, fp32 elsewhere
     meta_init: bool
     # Megatron parallelism (the FSDP backend shards data-parallel only)

@@ -2,6 +2,7 @@
 ``COMPAT_ONLY_KEYS`` true (no key in it is read, every other key is read somewhere)."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import re
@@ -78,13 +79,90 @@ def test_compat_keys_are_schema_keys_read_nowhere():
     assert not read, f"read in chatlearn/, remove from COMPAT_ONLY_KEYS: {read}"
 
 
-def test_every_other_schema_key_is_read_somewhere():
-    code = _sources()
+# Config validation (chatlearn/config/, but for the plan, which lays the run out) checks values; a key read
+# only there is accepted and then ignored, unless validation leaves it one value the run already uses.
+VALIDATION = os.path.join(PACKAGE, "config")
+ACTING_IN_CONFIG = {os.path.join(VALIDATION, "plan.py")}
+# keys read only in config validation, each with why that is the whole of its effect
+VALIDATION_ONLY = {
+    "gpu_per_process": "validation refuses any value but null or 1, one device per process, which is what "
+                       "the cluster places",
+    "fsdp_size": "validation refuses any value but num_gpu or -1: the FSDP trainer shards over all of its ranks",
+    "ulysses_sequence_parallel_size": "validation refuses any value but 1: no sequence parallelism over Ulysses",
+    "max_new_tokens": "an alias: loading copies it into models.policy.max_response_tokens_length, which the "
+                      "rollout reads",
+}
+
+
+def _reads(path: str) -> tuple[set, set]:
+    """The setting names the Python file ``path`` reads, from its syntax tree (comments, docstrings and
+    other strings do not count): attribute loads that are not method calls (``cfg.lr``), subscripts by a
+    constant (``cfg["lr"]``); and the names read as ``prefix + "name"`` (``p[pre + "top_p"]``, the
+    ``eval_`` sampling keys), apart."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    names, suffixes = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in called:
+            names.add(node.attr)
+        elif isinstance(node, ast.Subscript):
+            key = node.slice
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                names.add(key.value)
+            elif (isinstance(key, ast.BinOp) and isinstance(key.op, ast.Add) and isinstance(key.right, ast.Constant)
+                  and isinstance(key.right.value, str)):
+                suffixes.add(key.right.value)
+    return names, suffixes
+
+
+def _package_reads() -> tuple[set, set, set]:
+    """(names read by the code that acts on settings, their ``prefix + "name"`` reads, names read in
+    config validation)."""
+    acting, suffixes, validation = set(), set(), set()
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            path = os.path.join(root, name)
+            if not name.endswith(".py") or path == SCHEMA:
+                continue
+            names, added = _reads(path)
+            if path.startswith(VALIDATION + os.sep) and path not in ACTING_IN_CONFIG:
+                validation |= names
+            else:
+                acting |= names
+                suffixes |= added
+    return acting, suffixes, validation
+
+
+def _acted_on(name: str, acting: set, suffixes: set) -> bool:
+    return name in acting or (name.startswith("eval_") and name[len("eval_"):] in suffixes)
+
+
+def test_every_other_schema_key_reaches_the_code_that_acts_on_it():
+    """Each schema key's value is read (an attribute or subscript, not a word in a comment or string)
+    outside config validation, or is in VALIDATION_ONLY with the reason that suffices."""
+    acting, suffixes, validation = _package_reads()
     schema = open(SCHEMA, encoding="utf-8").read()
     interpolated = set(re.findall(r"\$\{([\w.]+)\}", schema))
-    unread = sorted(k for k in _leaf_keys(Config) if k not in COMPAT_ONLY_KEYS
-                    and k not in interpolated and not _read(k.rsplit(".", 1)[1], code))
-    assert not unread, f"read nowhere: act on them or add them to COMPAT_ONLY_KEYS: {unread}"
+    ignored = sorted(k for k in _leaf_keys(Config) if k not in COMPAT_ONLY_KEYS and k not in interpolated
+                     and k.rsplit(".", 1)[1] not in VALIDATION_ONLY
+                     and not _acted_on(k.rsplit(".", 1)[1], acting, suffixes))
+    assert not ignored, ("accepted, maybe validated, then read by nothing that acts on them: make them act, "
+                         f"refuse other values, or add them to COMPAT_ONLY_KEYS: {ignored}")
+    stale = sorted(n for n in VALIDATION_ONLY if _acted_on(n, acting, suffixes) or n not in validation)
+    assert not stale, f"VALIDATION_ONLY names that are acted on, or not validated: remove them: {stale}"
+
+
+def test_the_guard_reads_syntax_not_words(tmp_path):
+    """A key's name in a comment, a docstring, a string or a method call is not a read of its value."""
+    path = tmp_path / "code.py"
+    path.write_text('"""Uses recompute_granularity."""\n'
+                    "# cfg.recompute_granularity is validated\n"
+                    "x = 'recompute_granularity'\n"
+                    "cfg.recompute_granularity()\n"
+                    "y = cfg.lr + cfg['seed'] + p[pre + 'top_p']\n")
+    names, suffixes = _reads(str(path))
+    assert "recompute_granularity" not in names
+    assert {"lr", "seed"} <= names and suffixes == {"top_p"}
 
 
 @pytest.mark.parametrize("key", ["models.policy_trainer.groupgemm", "runtime_env.pip"])

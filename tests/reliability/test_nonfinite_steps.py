@@ -163,5 +163,32 @@ def test_engine_counts_skipped_steps_in_a_row(capsys):
         loop.nonfinite("policy_trainer", bad, 3, 4)
     message = " ".join(err.value.message.split())
     for word in ("training diverged", "not finite in 2 optimizer steps in a row", "episode 3, optimizer step 4/4",
-                 "max_nonfinite_steps: 2", "OUT/checkpoints", "models.policy_trainer.optimizer.lr"):
+                 "max_nonfinite_steps: 2", "no checkpoint was saved yet (none in OUT/checkpoints)",
+                 "models.policy_trainer.optimizer.lr"):
         assert word in message, message
+
+
+def test_the_divergence_message_names_the_checkpoint_a_rerun_resumes_from(tmp_path):
+    """The checkpoint ``checkpoints/latest`` names (one that exists), not the folder of checkpoints."""
+    import types
+
+    from chatlearn.errors import UserError
+    from chatlearn.runtime.driver.algorithm import StepLoop
+
+    root = tmp_path / "checkpoints"
+    for e in (1, 2, 3):
+        (root / f"episode_00000{e}").mkdir(parents=True)
+        if e < 3:  # episode 3's save never completed
+            (root / f"episode_00000{e}" / "COMPLETE").write_text("ok\n")
+    (root / "latest").write_text("episode_000002\n")
+    cfg = types.SimpleNamespace(
+        models=types.SimpleNamespace(policy_trainer=types.SimpleNamespace(
+            optimizer=types.SimpleNamespace(max_nonfinite_steps=1))),
+        runtime_args=types.SimpleNamespace(output_dir=str(tmp_path)))
+    loop = StepLoop(cfg, types.SimpleNamespace(steps_per_episode=1), calls=None, progress=None)
+    with pytest.raises(UserError) as err:
+        loop.nonfinite("policy_trainer", {"skipped_steps": 1.0, "loss": float("nan"), "grad_norm": 1.0}, 4, 1)
+    message = " ".join(err.value.message.split())
+    named = str(root / "episode_000002")
+    assert f"resumes from the last checkpoint saved, {named} (episode 2)" in message, message
+    assert os.path.isdir(named)

@@ -208,6 +208,14 @@ CASES = [
     ("a truncated safetensors file in the model folder", model_truncated, 2,
      ["models.policy_trainer.load", "cut_model/model.safetensors", "bytes, but its header places",
       "truncated", "download or copy the model again"], ["Traceback"]),
+    ("config.json with another hidden_size than the weights", model_config_edited(hidden_size=256), 2,
+     ["models.policy_trainer.load", "edited_model", "its config.json does not describe its weights",
+      "model.embed_tokens.weight in model.safetensors has shape [320, 128], but config.json (vocab_size 320, "
+      "hidden_size 256) implies [320, 256]", "restore the config.json that came with these weights"],
+     ["Traceback", "# plan"]),
+    ("config.json with more layers than the weights", model_config_edited(num_hidden_layers=4), 2,
+     ["edited_model", "the weights hold 2 layers (layers.0 to layers.1), but config.json has num_hidden_layers 4"],
+     ["Traceback", "# plan"]),
     ("load names a file in the model folder",
      lambda c: run(f"models.policy_trainer.load={os.path.join(c.model, 'config.json')}", dry=True)(c), 2,
      ["models.policy_trainer.load", "is a file", "must be a model folder"], ["Traceback", "does not exist"]),
@@ -241,6 +249,32 @@ CASES = [
     ("a Hub model id not in the cache, offline", run("models.policy_trainer.load=acme/not-cached", dry=True), 2,
      ["models.policy_trainer.load", "'acme/not-cached' is not a local path", "HF_HUB_OFFLINE=1",
       "hf download acme/not-cached"], ["Traceback", "# plan"]),
+    # the dry run reads the data as a run does
+    ("--dry-run with a malformed jsonl line",
+     lambda c: run(f"runtime_args.data_path={c.file('bad/a.jsonl', ARITH + '{not json' + chr(10))}", dry=True)(c),
+     2, ["bad/a.jsonl:2: malformed JSON", "fix or remove that line"], ["Traceback", "# plan"]),
+    ("--dry-run with a row without the prompt key",
+     lambda c: run(f"runtime_args.data_path={c.file('bad/b.jsonl', ARITH + json.dumps({'question': 'x'}) + chr(10))}",
+                   dry=True)(c),
+     2, ["bad/b.jsonl:2: the row has no 'prompt' field (it has: question)", "runtime_args.prompt_key"],
+     ["Traceback", "# plan"]),
+    ("--dry-run with eval data without the ground truth",
+     lambda c: run(f"runtime_args.eval_data_path={c.file('bad/e.jsonl', json.dumps({'prompt': 'x'}) + chr(10))}",
+                   dry=True)(c),
+     2, ["bad/e.jsonl:1: the row has no 'reward_model.ground_truth' field"], ["Traceback", "# plan"]),
+    ("--dry-run counts the prompts it read", run(dry=True), 0,
+     ["# plan", "train data: 64 prompts", "eval data: 16 prompts"], []),
+    # an environment variable the config interpolates is not set
+    ("an unset ${oc.env:VAR} names the key that holds it",
+     lambda c: run("runtime_args.output_dir=${oc.env:CHATLEARN_TEST_UNSET_DIR}/out", dry=True)(c), 2,
+     ["runtime_args.output_dir: uses the environment variable CHATLEARN_TEST_UNSET_DIR, which is not set",
+      "export CHATLEARN_TEST_UNSET_DIR=", "${{oc.env:CHATLEARN_TEST_UNSET_DIR,default}}"],
+     ["Traceback", "log_dir", "# plan"]),
+    ("an unset ${oc.env:VAR} in a reward function's kwargs",
+     lambda c: run("models.reward.functions=[{name: m, path: 'builtin:math', "
+                   "kwargs: {api_key: '${oc.env:CHATLEARN_TEST_UNSET_KEY}'}}]", dry=True)(c), 2,
+     ["models.reward.functions[0].kwargs.api_key: uses the environment variable CHATLEARN_TEST_UNSET_KEY"],
+     ["Traceback"]),
     # 6. secrets are never printed
     ("--dry-run with a secret in a reward function's kwargs", lambda c: run(secret_reward(c), dry=True)(c), 0,
      ["api_key: '***'", "secrets shown as ***"], [SECRET]),
@@ -381,3 +415,30 @@ def test_a_lock_being_written_is_not_taken_over(ctx):
     old = time.time() - 60
     os.utime(os.path.join(ctx.out, "run.lock"), (old, old))
     assert RunLock(ctx.out).live_holder() is None  # left by a run that died while creating it
+
+
+def test_validation_does_not_walk_the_episodes(ctx, monkeypatch):
+    """runtime_args.num_episode=10**9 validates without a step per episode: the run's optimizer steps
+    (what the learning-rate schedule spans) are counted in closed form, replay included."""
+    from chatlearn.config import plan as plan_module
+    from chatlearn.config.load import load_run
+
+    calls = []
+    real = plan_module.Plan.steps_in_episode
+
+    def counted(self, episode):
+        calls.append(episode)
+        assert len(calls) < 100, "validation walks the episodes one by one"
+        return real(self, episode)
+
+    monkeypatch.setattr(plan_module.Plan, "steps_in_episode", counted)
+    for replay in (0, 3, -1):
+        _, plan = load_run(TEMPLATE, ctx.base + ["runtime_args.num_episode=1000000000",
+                                                 f"runtime_args.max_replay_episode={replay}"])
+        n, per = 10**9, plan.steps_per_episode
+        replayed = {0: 0, 3: 0 + 1 + 2 + 3 * (n - 3), -1: n * (n - 1) // 2}[replay]
+        assert plan.total_steps == per * (n + replayed)
+    for n, replay in ((1, 0), (5, 2), (7, -1), (4, 9)):  # the closed form against the sum it replaces
+        _, plan = load_run(TEMPLATE, ctx.base + [f"runtime_args.num_episode={n}",
+                                                 f"runtime_args.max_replay_episode={replay}"])
+        assert plan.total_steps == sum(real(plan, e) for e in range(1, n + 1))

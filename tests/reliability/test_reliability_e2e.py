@@ -248,7 +248,8 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     for word in ("training diverged", "not finite in 3 optimizer steps in a row", "episode 4, optimizer step 1/1",
-                 "max_nonfinite_steps: 3", "models.policy_trainer.optimizer.lr"):
+                 "max_nonfinite_steps: 3", "models.policy_trainer.optimizer.lr",
+                 f"the last checkpoint saved, {out / 'checkpoints' / 'episode_000003'} (episode 3)"):
         assert word in err, err
     warned = " ".join(proc.stdout.split())
     assert "warning: episode 2, optimizer step 1/1: loss nan" in warned and "the step was skipped" in warned

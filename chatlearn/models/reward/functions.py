@@ -27,8 +27,11 @@ the wrong number of values or a value that is not a finite number stops the run 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import os
+import threading
 import traceback
 from typing import TYPE_CHECKING, Callable
 
@@ -75,6 +78,41 @@ def _numbers(value, n: int, what: str, path: str) -> np.ndarray:
                             f"which is not a finite number. {fix}.")
         out[i] = float(v)
     return out
+
+
+class _ProcessExit(BaseException):
+    """``os._exit(code)`` called by a reward function: raised in its place (see :func:`_exits_refused`)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _exits_refused():
+    """While a reward function runs in this thread of this process, ``os._exit`` raises
+    :class:`_ProcessExit` instead of ending the reward worker (whose death Ray would report as a
+    crash or the OOM killer, without the function's name). Other threads, and child processes the
+    function forks (multiprocessing ends each with ``os._exit``), exit as usual."""
+    real, pid, thread = os._exit, os.getpid(), threading.get_ident()
+
+    def refuse(code):
+        if os.getpid() != pid or threading.get_ident() != thread:
+            real(code)
+        raise _ProcessExit(code)
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
+def _exit_error(entry: str, how: str, code) -> UserError:
+    return UserError(f"the reward worker exited while scoring: {entry} called {how}({code!r}), which "
+                     f"ends the worker's process (exit code {code!r}), so the run stops. A reward function must return one "
+                     "number per sample; report a failed sample with a score (such as 0.0), or raise an "
+                     "exception to stop the run with its message.")
 
 
 class RewardManager(Reward):
@@ -131,5 +169,6 @@ class RewardManager(Reward):
         driver calls the entries one at a time (and sums them as :meth:`score` does), so that a time
         limit knows which function overran."""
         name, path, weight, kwargs, fn = self.entries[index]
-        parts = self.call(path, fn, kwargs, batch, len(batch["responses"]))
+        entry = f"reward function {name!r} (models.reward.functions[{index}], {path!r})"
+        parts = self.call(path, fn, kwargs, batch, len(batch["responses"]), entry)
         return {"score": weight * parts["score"], "metrics": {f"{name}/{k}": v for k, v in parts.items()}}

@@ -30,6 +30,7 @@ import ray
 
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages, token_kl
 from chatlearn.batch import columns, select_samples
+from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.names import Part, Stage
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
@@ -133,6 +134,20 @@ class StepLoop:
         means["skipped_steps"] = float(skipped)
         return Trained({f"{prefix}{k}": v for k, v in means.items()}, first)
 
+    def last_good_checkpoint(self) -> str:
+        """Where a rerun resumes from, in words: the checkpoint ``checkpoints/latest`` names (the newest
+        complete one), or that none was saved yet."""
+        root = os.path.join(self.cfg.runtime_args.output_dir, "checkpoints")
+        try:
+            found = CheckpointManager(root, keep=0).latest()
+        except UserError:  # an unreadable pointer: the newest complete folder is not known
+            found = None
+        if found is None:
+            return (f"no checkpoint was saved yet (none in {root}), so a rerun starts over (with --no-resume "
+                    "or --overwrite if metrics were written)")
+        episode, path = found
+        return f"a rerun resumes from the last checkpoint saved, {path} (episode {episode})"
+
     def nonfinite(self, model: str, step: dict, episode: int, index: int) -> bool:
         """Whether the trainer skipped this step (``skipped_steps``: its loss or gradient norm was not
         finite); warns, counts the skipped steps in a row, and stops the run when they reach
@@ -152,8 +167,7 @@ class StepLoop:
                 f"training diverged: the loss or the gradient norm was not finite in {in_a_row} "
                 f"optimizer steps in a row (the last: {where}; {values}), so the run stops "
                 f"({key}: {limit}). The skipped steps changed no "
-                f"weight, so no checkpoint holds their gradients; the newest in "
-                f"{os.path.join(self.cfg.runtime_args.output_dir, 'checkpoints')} resumes the run. Lower "
+                f"weight, so no checkpoint holds their gradients; {self.last_good_checkpoint()}. Lower "
                 f"models.{model}.optimizer.lr, look for extreme rewards or data, or raise "
                 "max_nonfinite_steps to ride out rarer ones.")
         warn(f"{where}: {values}: not finite, so the step was skipped (weights, optimizer "

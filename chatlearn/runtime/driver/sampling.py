@@ -3,6 +3,7 @@
 episode's samples are once scored (:class:`Scored`, :class:`EpisodeSamples`)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -167,6 +168,8 @@ class Sampling:
                                                  timeout=self.reward_spec.timeout_s or None)
             except CallTimeout as late:
                 raise self.reward_timeout(late, f, entry, shares, len(texts), what) from None
+            except ray.exceptions.RayActorError as died:  # the function ended the process: name it
+                raise self.reward_worker_died(died, f, entry, what) from None
             for total, out, part in zip(totals, outs, parts):
                 total += part["score"]
                 out["metrics"].update(part["metrics"])
@@ -245,6 +248,19 @@ class Sampling:
             f"return within {late.timeout:g} s (models.reward.timeout_s) while scoring {what} ({where}), so the "
             "run stops; the stuck reward worker was killed. Make the function return sooner (give what it "
             "waits on a time limit of its own), or raise models.reward.timeout_s (0: no limit).")
+
+    @staticmethod
+    def reward_worker_died(err: BaseException, index: int, entry: dict, what: str) -> UserError:
+        """The error for a reward worker whose process ended while a reward function ran: the function
+        named, not Ray's guesses (the OOM killer, ``ray stop``); Ray's own account is in the logs folder."""
+        pid = re.search(r"^\s*pid: (\d+)", str(err), re.M)
+        log = f" (its output: logs/worker-{pid.group(1)}.log in runtime_args.output_dir)" if pid else ""
+        return UserError(
+            f"the reward worker{' (process ' + pid.group(1) + ')' if pid else ''} exited while scoring {what}: "
+            f"reward function {entry['name']!r} (models.reward.functions[{index}], {entry['path']!r}) was running "
+            "and the process ended without a Python error (exit code not known: os._exit or exit() in native "
+            f"code, a crash, or a kill){log}, so the run stops. Make the function return one number per "
+            "sample (a failed sample can score 0.0), or raise an exception to stop the run with its message.")
 
     @staticmethod
     def reward_metrics(parts: dict[str, np.ndarray], prefix: str) -> dict:

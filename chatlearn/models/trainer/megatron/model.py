@@ -47,7 +47,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def transformer_config(arch: HFArch, *, tp: int, pp: int, sequence_parallel: bool,
-                       params_dtype: torch.dtype, cpu_init: bool, recompute: bool):
+                       params_dtype: torch.dtype, cpu_init: bool, recompute: str | None):
     """The megatron-core ``TransformerConfig`` of ``arch``.
 
     Fusions that need compiled extensions (softmax, rope, gradient accumulation) are off;
@@ -66,8 +66,12 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, sequence_parallel: boo
     if arch.num_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size {pp} must divide the number of layers "
                          f"({arch.num_layers})")
-    extra = ({"recompute_granularity": "full", "recompute_method": "uniform",
-              "recompute_num_layers": 1} if recompute else {})
+    if recompute not in (None, "full", "selective"):
+        raise ValueError(f"recompute must be None, 'full' or 'selective', not {recompute!r}")
+    # full: every layer's input kept, the whole layer recomputed in backward (one layer per unit);
+    # selective: only the core attention (megatron-core's default recompute_modules) is recomputed
+    extra = ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+             if recompute == "full" else {"recompute_granularity": "selective"} if recompute == "selective" else {})
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_heads,

@@ -55,6 +55,7 @@ worker must start with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (checked:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterable, Iterator
@@ -140,6 +141,15 @@ def check_cuda_device_max_connections(device: torch.device, tp: int) -> None:
             f"{value!r}): start the worker with it in its environment")
 
 
+def recompute_of(spec) -> str | None:
+    """The activation recomputation of a trainer (``transformer_config``'s ``recompute``): none for a
+    frozen model; ``recompute_granularity`` (full or selective) where set, else full where
+    ``gradient_checkpointing``."""
+    if not spec.trainable:
+        return None
+    return spec.recompute_granularity or ("full" if spec.gradient_checkpointing else None)
+
+
 def _init_model_parallel(tp: int, pp: int) -> None:
     from megatron.core import parallel_state as ps
 
@@ -181,7 +191,8 @@ class MegatronTrainer(Trainer):
         max_token_in_packing, seq_length, logprob_chunk_tokens and the loss and learning-rate schedule
         fields) plus tensor_model_parallel_size, pipeline_model_parallel_size, sequence_parallel and
         use_distributed_optimizer; not share_prompt. bf16 applies on CUDA only (fp32 otherwise);
-        gradient_checkpointing recomputes every layer (full recompute); trust_remote_code is
+        gradient_checkpointing recomputes every layer (full recompute) unless recompute_granularity
+        says otherwise (:func:`recompute_of`); trust_remote_code is
         not used (the architecture is read from config.json). ``role`` critic: the critic (and its
         cliprange_value and value_loss_coef)."""
         from megatron.core import parallel_state as ps
@@ -217,7 +228,7 @@ class MegatronTrainer(Trainer):
         self.config = transformer_config(
             self.arch, tp=self.tp, pp=self.pp, sequence_parallel=bool(spec.sequence_parallel),
             params_dtype=self.dtype, cpu_init=self.device.type == "cpu",
-            recompute=self.trainable and bool(spec.gradient_checkpointing))
+            recompute=recompute_of(spec))
         local_vocab = self.arch.padded_vocab(self.tp) // self.tp
         self.vocab_start = self.tp_rank * local_vocab
         self.vocab_valid = max(0, min(local_vocab, self.arch.vocab_size - self.vocab_start))
