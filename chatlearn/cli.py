@@ -199,9 +199,12 @@ def _dry_run(args, cfg, plan) -> None:
     from chatlearn.runtime.rundir.config_history import check_resume
     from chatlearn.runtime.rundir.lock import RunLock, describe
     from chatlearn.runtime.rundir.output_dir import previous_run
+    from chatlearn.runtime.rundir.preflight import check_paths
 
     out = cfg.runtime_args.output_dir
     resumed = check_resume(cfg, args.accept_config_changes)  # the refusal a run would meet, before any output
+    check_paths(cfg, plan)  # every path the run writes is writable, with room for a checkpoint (as a run checks)
+    counts = _dry_run_data(cfg, resumed, args.accept_config_changes)  # the data, read and checked as a run does
     # the dry run's output: the settings and the plan, as they are
     if args.all:
         info("# resolved config, every setting (secrets shown as ***)", bare=True)

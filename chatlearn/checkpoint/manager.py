@@ -13,8 +13,10 @@ Layout under ``<output_dir>/checkpoints``::
         COMPLETE              written last
 
 A checkpoint is written into ``episode_N.tmp`` and renamed once complete, so a crash leaves
-either the previous checkpoints untouched plus a stray ``.tmp`` folder (removed on the next
-save) or the new one complete. Only the newest ``keep`` checkpoints of the current run are
+either the previous checkpoints untouched plus a stray ``.tmp`` folder (removed on resume and on
+the next save) or the new one complete. A save that fails (a full disk) removes its ``.tmp``
+folder itself; a write the disk refused, here or in a trainer worker, is one paragraph naming
+the checkpoint (chatlearn.errors.write_refusal). Only the newest ``keep`` checkpoints of the current run are
 kept: each checkpoint records the id of the run that wrote it (a resumed run keeps the id of
 the checkpoint it resumed from), and retention never deletes a checkpoint of another run, nor
 the one just saved, so ``latest`` always names a checkpoint that exists.
@@ -36,7 +38,7 @@ import uuid
 from typing import Callable
 
 from chatlearn.config.manifest import MANIFEST, manifest_problems
-from chatlearn.errors import UserError
+from chatlearn.errors import UserError, disk_error, write_refusal
 
 MARKER = "COMPLETE"
 CONFIG = "config.yaml"  # the config a checkpoint was trained with (absent in checkpoints of older versions)
@@ -129,14 +131,48 @@ class CheckpointManager:
     def save(self, episode: int, write: Callable[[str], None], state: dict, config_text: str | None = None) -> str:
         """Write a checkpoint: ``write(tmp_dir)`` fills it, then config.yaml (``config_text``, the resolved
         config as YAML, secrets masked), state.json, the manifest, the marker, the rename."""
-        os.makedirs(self.root, exist_ok=True)
         final = os.path.join(self.root, self.name(episode))
         tmp = final + ".tmp"
-        for entry in os.listdir(self.root):  # leftovers of an interrupted save
-            if entry.endswith(".tmp"):
-                shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
-        os.makedirs(tmp)
-        write(tmp)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            self.remove_leftovers()
+            os.makedirs(tmp)
+            write(tmp)
+            self._finish(episode, tmp, final, state, config_text)
+        except BaseException as err:
+            # a save that fails leaves no partial checkpoint for a resume to trip on (nor its space taken)
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.remove_leftovers()  # and a pointer cut short (latest.tmp)
+            refused = disk_error(err)
+            if refused is not None:
+                raise write_refusal(f"checkpoint {final}", refused, path=tmp) from err
+            raise
+        if self.keep > 0:
+            # this run's older checkpoints, newest first; the one just saved counts as the first kept
+            older = [path for ep, path in reversed(self.complete()) if ep < episode and self._is_ours(path)]
+            for path in older[self.keep - 1:]:
+                shutil.rmtree(path, ignore_errors=True)
+        return final
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove the ``.tmp`` folders of saves that were cut short (a crash, a full disk); returns them.
+        They are never loaded (only a complete, renamed checkpoint is), only in the way."""
+        if not os.path.isdir(self.root):
+            return []
+        found = [os.path.join(self.root, e) for e in sorted(os.listdir(self.root)) if e.endswith(".tmp")]
+        for path in found:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        return found
+
+    def _finish(self, episode: int, tmp: str, final: str, state: dict, config_text: str | None) -> None:
+        """After the models' state is in ``tmp``: config.yaml, state.json, the manifest, the marker, the
+        rename and the ``latest`` pointer."""
         time.sleep(_test_delay(episode))
         if config_text is not None:
             with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
@@ -162,12 +198,6 @@ class CheckpointManager:
             os.fsync(f.fileno())
         os.replace(pointer + ".tmp", pointer)
         _fsync_dir(self.root)
-        if self.keep > 0:
-            # this run's older checkpoints, newest first; the one just saved counts as the first kept
-            older = [path for ep, path in reversed(self.complete()) if ep < episode and self._is_ours(path)]
-            for path in older[self.keep - 1:]:
-                shutil.rmtree(path, ignore_errors=True)
-        return final
 
     @staticmethod
     def read_state(path: str) -> dict:

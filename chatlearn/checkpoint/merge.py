@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from chatlearn.checkpoint import megatron_format, sharded
 from chatlearn.checkpoint.manager import check_against_manifest
 from chatlearn.checkpoint.megatron_mapping import HFArch, mappings, to_hf
-from chatlearn.errors import UserError
+from chatlearn.errors import UserError, disk_error, write_refusal
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -582,8 +582,12 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked above)
         os.replace(tmp, out_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        refused = disk_error(err)  # a full disk, a read-only or foreign folder: one paragraph
+        if refused is not None:
+            raise write_refusal(f"the merged model {out_dir}", refused, path=tmp,
+                                then="then run the same command again", other="output folder") from err
         raise
     return {"out_dir": out_dir, "dtype": dtype, "num_tensors": len(entries),
             "total_bytes": total, "shards": names, "copied": copied,

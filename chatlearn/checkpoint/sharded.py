@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from chatlearn.errors import UserError
+from chatlearn.errors import DISK_ERRNOS, UserError, disk_error
 
 FORMAT = "chatlearn-fsdp-dcp"
 VERSION = 1
@@ -133,6 +133,38 @@ def restore_rng_state(state: dict, device: torch.device | None = None) -> None:
 
 
 # --------------------------------------------------------------------------- metadata
+
+
+def refused_write(path: str, err: BaseException) -> OSError | None:
+    """The write the disk refused behind a failed save into ``path``, if that is what failed. A library
+    may lose the errno (torch's zip writer reports a short write as ``unexpected pos``), so when
+    ``err`` names none, the folder is asked again: one byte appended to its largest file (a file-size
+    limit) and a 1 MiB file (a full disk, a quota, a read-only or foreign folder), both undone."""
+    found = disk_error(err)
+    if found is not None or not os.path.isdir(path):
+        return found
+    files = [os.path.join(root, n) for root, _, names in os.walk(path) for n in names]
+    largest = max(files, key=lambda f: os.path.getsize(f), default=None)
+    for file, data in ((largest, b"\0"), (os.path.join(path, ".write-probe"), b"\0" * 2**20)):
+        if file is None:
+            continue
+        try:
+            fd = os.open(file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as probe:
+            return probe if probe.errno in DISK_ERRNOS else None
+        size = os.fstat(fd).st_size
+        try:
+            os.write(fd, data)
+        except OSError as probe:
+            if probe.errno in DISK_ERRNOS:
+                probe.filename = file
+                return probe
+        finally:
+            os.ftruncate(fd, size)
+            os.close(fd)
+            if size == 0:
+                os.unlink(file)
+    return None
 
 
 def write_meta(path: str, meta: dict) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+from chatlearn.errors import disk_error, write_refusal
 from chatlearn.logging.console import warn
 
 
@@ -87,6 +88,50 @@ def open_append(path: str):
     """``path`` opened for appending rows (text, UTF-8), a torn last line dropped first."""
     drop_torn_tail(path)
     return open(path, "a", encoding="utf-8")
+
+
+class RowFile:
+    """``path`` for appending rows, each :meth:`write` whole or not at all: the rows are encoded first and
+    appended in one unbuffered write, fsynced when ``fsync``; a write that fails (a full disk) is cut
+    back to the size before it, so no torn row is left, and a write the disk refused is a
+    :class:`~chatlearn.errors.UserError` naming the file. Nothing is buffered, so closing cannot fail
+    on the rows of a failed write. A torn last line left by a crash is dropped on opening."""
+
+    def __init__(self, path: str, fsync: bool = True):
+        self.path, self.fsync = path, fsync
+        try:
+            drop_torn_tail(path)
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise _refusal(path, err) from err
+
+    def write(self, text: str) -> None:
+        data = memoryview(text.encode("utf-8"))
+        size = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError as err:
+            try:
+                os.ftruncate(self._fd, size)
+            except OSError:
+                pass
+            raise _refusal(self.path, err) from err
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _refusal(path: str, err: OSError) -> Exception:
+    """A write the disk refused as one paragraph naming ``path``; any other error as it is."""
+    if disk_error(err) is None:
+        return err
+    return write_refusal(path, err, then="then run the same command again: it resumes from the last complete "
+                         "checkpoint and writes the rows again")
 
 
 def _episode(line: str) -> int | None:

@@ -24,22 +24,21 @@ class MetricsWriter:
     def __init__(self, output_dir: str):
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._file = jsonl.open_append(self.path)
+        self._file = jsonl.RowFile(self.path)
 
     def write(self, episode: int, metrics: dict) -> None:
+        """One row, appended whole or not at all (see jsonl.RowFile)."""
         row = {"episode": episode, WALL: round(time.time(), 3)}
         for k, v in sorted(metrics.items()):
             v = float(v)
             row[k] = v if math.isfinite(v) else None
         self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
 
     def truncate_after(self, episode: int) -> None:
         """Drop rows past ``episode`` (written by a run that crashed after its last checkpoint)."""
         self._file.close()
         jsonl.truncate_after(self.path, episode)
-        self._file = jsonl.open_append(self.path)
+        self._file = jsonl.RowFile(self.path)
 
     def close(self) -> None:
         self._file.close()
@@ -56,11 +55,10 @@ class SamplesWriter:
 
     def write(self, episode: int, rows: list[dict]) -> None:
         if self._file is None:
-            self._file = jsonl.open_append(self.path)
+            self._file = jsonl.RowFile(self.path)
         wall = round(time.time(), 3)
+        # the episode's rows in one write: all of them or none (see jsonl.RowFile)
         self._file.write("".join(json.dumps({"episode": episode, WALL: wall, **row}) + "\n" for row in rows))
-        self._file.flush()
-        os.fsync(self._file.fileno())
 
     def truncate_after(self, episode: int) -> None:
         if self._file is not None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 from chatlearn.config.names import Stage
-from chatlearn.errors import UserError
+from chatlearn.errors import UserError, disk_error, write_refusal
 from chatlearn.logging.console import info
 
 # stage times of an episode, stacked bottom to top in the order the episode runs them
@@ -287,6 +288,25 @@ def _stage_times(runs: list[Run], axes, save, colours) -> None:
                     label=run.label)
         ax.legend(fontsize="small")
     save(fig, "time_per_stage")
+
+
+def save_figure(fig, path: str) -> None:
+    """``fig`` as a PNG at ``path``, whole or not at all (a temporary file renamed over it); a write the
+    disk refused is one paragraph naming the file."""
+    folder = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}")  # the same name, in a folder beside it
+    tmp = os.path.join(folder, os.path.basename(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+        os.rmdir(folder)
+    except BaseException as err:
+        shutil.rmtree(folder, ignore_errors=True)
+        refused = disk_error(err)
+        if refused is not None:
+            raise write_refusal(f"the plot {path}", refused,
+                                then="then draw the plots again with `chatlearn plot OUTPUT_DIR`") from err
+        raise
 
 
 def plot_after_run(output_dir: str) -> None:

@@ -144,6 +144,20 @@ def model_truncated(c: Ctx) -> list:
     return run(f"models.policy_trainer.load={folder}", dry=True)(c)
 
 
+def model_config_edited(**changes):
+    """A copy of the test model folder whose config.json was edited after its weights were written; --dry-run."""
+    def setup(c: Ctx) -> list:
+        folder = os.path.join(c.tmp, "edited_model")
+        shutil.copytree(c.model, folder)
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        config.update(changes)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f)
+        return run(f"models.policy_trainer.load={folder}", dry=True)(c)
+    return setup
+
+
 # id, argv(ctx), exit code, words the output must hold ({out}: the output folder, {pid}: the holder's),
 # words it must not hold
 CASES = [

@@ -723,8 +723,15 @@ class FSDPTrainer(Trainer):
         # (creating the state here would change the first step's Adam bias correction).
         stepped = self.optimizer is not None and bool(self.optimizer.state)
         state = self._checkpoint_state(with_optimizer=stepped)
-        dcp.save(state, checkpoint_id=path)
-        sharded.save_rng_state(path, self.rank, rng)
+        try:
+            dcp.save(state, checkpoint_id=path)
+            sharded.save_rng_state(path, self.rank, rng)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            # a full disk: the OSError (DCP's writer may have lost it), named by the driver
+            refused = None if isinstance(err, KeyboardInterrupt) else sharded.refused_write(path, err)
+            if refused is not None:
+                raise refused from None
+            raise
         if self.rank == 0:
             tensors = {name: {"shape": list(t.shape), "dtype": sharded.dtype_name(t.dtype)}
                        for name, t in state[sharded.MODEL_KEY].items()}

@@ -27,6 +27,7 @@ from chatlearn.runtime.rundir.config_history import check_prompt_count, check_re
 from chatlearn.runtime.rundir.lock import RunLock
 from chatlearn.runtime.rundir.output_dir import check_start, move_aside, previous_run, reconcile_logs
 from chatlearn.runtime.rundir.output_dir import refusal as output_refusal
+from chatlearn.runtime.rundir.preflight import check_paths
 
 
 def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = False,
@@ -39,6 +40,7 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
     rt, p = cfg.runtime_args, cfg.models.policy
     started, started_wall = time.monotonic(), time.time()
     check_start(cfg, overwrite)  # before loading anything: refusals come first
+    check_paths(cfg, plan)  # every folder the run writes: a folder, writable, room for a checkpoint
     resumed = check_resume(cfg, accept_config_changes)
     if resumed.warning():
         warn(resumed.warning())

@@ -60,7 +60,8 @@ class Timeline:
 
     def __init__(self, path: str | None):
         self.events: list[dict] = []
-        self._file = open(path, "a", encoding="utf-8") if path else None
+        # each event whole or not at all; not fsynced (many per episode): see chatlearn.logging.jsonl.RowFile
+        self._file = RowFile(path, fsync=False) if path else None
         self.episode = 0
 
     def begin(self, episode: int) -> None:
@@ -74,7 +75,6 @@ class Timeline:
         self.events.append(event)
         if self._file:
             self._file.write(json.dumps(event) + "\n")
-            self._file.flush()
 
     def close(self) -> None:
         if self._file:

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.errors import UserError
 from chatlearn.logging import jsonl
+from chatlearn.logging.console import info
 from chatlearn.runtime.rundir.lock import RunLock
 
 # what a run leaves in its output folder (a folder with only config.yaml holds no results)
@@ -117,11 +118,15 @@ def reconcile_logs(cfg: DictConfig) -> None:
     past the checkpoint it resumes from (metrics, timeline and samples; all of them when there is none: the run
     starts over),
     and any row torn by the crash, so that no episode appears twice and no new row is glued to a
-    torn one. Each file is rewritten atomically (see chatlearn.logging.jsonl)."""
+    torn one. Each file is rewritten atomically (see chatlearn.logging.jsonl). The ``.tmp`` folders of
+    checkpoint saves cut short are removed first."""
     rt = cfg.runtime_args
+    ckpt = CheckpointManager(os.path.join(rt.output_dir, "checkpoints"), rt.keep_last_checkpoints)
+    for path in ckpt.remove_leftovers():  # saves cut short (a crash, a full disk): never loaded, only in the way
+        if os.path.basename(path).startswith("episode_"):
+            info(f"removed {path}, a checkpoint whose save was cut short (resume loads only complete ones)")
     # the checkpoint resume will load: a damaged newest one is passed over (and named then)
-    found = CheckpointManager(os.path.join(rt.output_dir, "checkpoints"),
-                              rt.keep_last_checkpoints).latest_usable(warn=lambda msg: None)
+    found = ckpt.latest_usable(warn=lambda msg: None)
     last = found[0] if found is not None else -1
     for name in ("metrics.jsonl", "timeline.jsonl", "samples.jsonl"):
         jsonl.truncate_after(os.path.join(rt.output_dir, name), last)
