@@ -119,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         info(_paragraph(f"error: {err.message}"), stderr=True, bare=True)
         return err.exit_code
     except KeyboardInterrupt:
+        from chatlearn.runtime.cluster.watchdog import stall_message
+
+        if stall_message():  # the watchdog interrupted a driver that did not end after a stall
+            info(_paragraph(f"error: {stall_message()}"), stderr=True, bare=True)
+            return 1
         code = exit_code()
         info("terminated (SIGTERM)" if code != 130 else "interrupted", stderr=True, bare=True)
         return code
@@ -172,6 +177,12 @@ def _run(args) -> int:
             if terminated():  # the job was stopped: what failed after it (its workers) went the same way
                 raise Terminated() from None
             hint = failure_hint(err, cfg.runtime_args.output_dir) if logs.path else ""
+            stalled = _stalled(err, hint)
+            if stalled:  # the watchdog stopped a stalled stage, or a collective timed out: one paragraph
+                if args.debug:
+                    traceback.print_exc()
+                info(_paragraph(f"error: {stalled}"), stderr=True, bare=True)
+                return 1
             dead = dead_worker_message(err)
             if dead:  # a worker died: which model and rank, not a traceback of the driver
                 if args.debug:
@@ -187,6 +198,14 @@ def _run(args) -> int:
             info(hint, stderr=True, bare=True)
             return 1
     return 0
+
+
+def _stalled(err: BaseException, hint: str) -> str | None:
+    """The paragraph of a run the watchdog stopped (a stalled worker or stage), or of a collective that
+    timed out (in the error, or in the dead worker's log ``hint``); None for any other failure."""
+    from chatlearn.runtime.cluster.watchdog import collective_timeout_message, stall_message
+
+    return stall_message() or collective_timeout_message(err, hint)
 
 
 def _dry_run(args, cfg, plan) -> None:

@@ -50,10 +50,11 @@ HARMLESS_KEYS = (
     "runtime_args.output_dir", "runtime_args.exp_name", "runtime_args.log_args_dict.*", "runtime_args.debug",
     "models.policy.logprob_mismatch_warn",
     # timeouts
-    "runtime_args.ray_connect_timeout_s", "models.reward.timeout_s", "models.policy.multi_turn.step_timeout_s",
+    "runtime_args.ray_connect_timeout_s", "runtime_args.stage_timeout_s", "models.reward.timeout_s",
+    "models.policy.multi_turn.step_timeout_s",
     # memory: where the parts of a model live between stages, how the micro-batches are cut
     "models.*.free_gpu_memory.*", "runtime_args.offload_without_gpu", "models.*.use_expandable_segments",
-    "models.*.gradient_checkpointing", "runtime_args.train_micro_batch_size", "models.*.train_micro_batch_size",
+    "models.*.gradient_checkpointing", "models.*.recompute_granularity", "runtime_args.train_micro_batch_size", "models.*.train_micro_batch_size",
     "models.*.packing", "models.*.max_token_in_packing",
 )
 

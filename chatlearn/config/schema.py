@@ -116,6 +116,8 @@ class RuntimeArgs:
     validate_param_sync: bool = False
     policy_to_regroup_queue: str = "global_barrier"
     ray_connect_timeout_s: float = 30.0  # with RAY_ADDRESS: seconds to wait for the cluster to answer
+    # the deadline of a stage on the workers: max(this, 5 x the longest that stage has taken); 0: none
+    stage_timeout_s: float = 600.0
     # logging
     log_args_dict: LogArgs = field(default_factory=LogArgs)
 

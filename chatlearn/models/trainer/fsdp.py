@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import types
+from datetime import timedelta
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
@@ -76,9 +77,20 @@ def init_distributed() -> torch.device:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
+        timeout = collective_timeout()
+        dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                **({"timeout": timeout} if timeout is not None else {}))
     return device
+
+
+def collective_timeout() -> timedelta | None:
+    """How long a collective of this process's groups may wait for the other ranks before it fails
+    (NCCL, with its asynchronous error handling, then takes the process down; gloo raises):
+    ``CHATLEARN_COLLECTIVE_TIMEOUT_S`` of the rendezvous environment the driver gives the ranks
+    (4 x ``runtime_args.stage_timeout_s``); None: torch's default."""
+    name = "CHATLEARN_COLLECTIVE_TIMEOUT_S"
+    seconds = float(os.environ[name]) if name in os.environ else 0.0
+    return timedelta(seconds=seconds) if seconds > 0 else None
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -125,6 +137,11 @@ def _token_logprobs(model, input_ids, attention_mask, position_ids, rows, cols,
     prev = cols - 1 if prev_cols is None else prev_cols
     return chunked_logprobs_entropy(hidden[rows, prev], head.weight, input_ids[rows, cols],
                                     temperature, chunk, with_entropy, bias=head.bias)
+
+
+def _full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter: gathered from the ranks for a DTensor (a collective)."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def _value_head(model) -> torch.nn.Module:

@@ -1,9 +1,11 @@
 """A model's Ray actors, created on their devices, with calls fanned out to all of them."""
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
+import weakref
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -59,6 +61,8 @@ class CallTimeout(Exception):
 # actor id (hex) -> (model, index) of every actor started by create_group: Ray names a dead actor
 # only by its class ("Worker") and id; this says which model and rank it was
 _ROLES: dict[str, tuple[str, int]] = {}
+# actor id (hex) -> handle of the same actors, while a handle lives (the watchdog kills them on a stall)
+_ACTORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def role_of(actor_id: str | None) -> str | None:
@@ -102,6 +106,7 @@ class WorkerGroup:
         self.actors = actors
         self.target = target
         self.activity: Activity | None = None  # set by the engine to account busy time
+        self.watchdog = None  # set by the scheduler: the deadline of each call (chatlearn.runtime.cluster.watchdog)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -116,22 +121,31 @@ class WorkerGroup:
 
     def call(self, method: str, *args, **kwargs) -> tuple[list, float]:
         """Results of every actor, and the longest time any of them took."""
-        outs = ray.get(self.call_async(method, *args, **kwargs))
+        with self._watched(method):
+            outs = ray.get(self.call_async(method, *args, **kwargs))
         return self._done(method, outs)
+
+    def _watched(self, method: str):
+        """A call outside any watched stage gets a deadline of its own (the watchdog's)."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.watch(self.name, method, call=True)
 
     def call_each(self, method: str, per_actor_args: list[tuple], timeout: float | None = None
                   ) -> tuple[list, float]:
         """Actor i runs ``method(*per_actor_args[i])``. With ``timeout`` (seconds), a :class:`CallTimeout`
         naming the actors still running once it has passed; a call that fails raises at once."""
         refs = [self._remote(a, method, *args) for a, args in zip(self.actors, per_actor_args)]
-        if timeout:
-            pending, deadline = list(refs), time.monotonic() + timeout
-            while pending:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    raise CallTimeout([refs.index(r) for r in pending], timeout)
-                ray.get(ready)  # the error of a failed call, now
-        return self._done(method, ray.get(refs))
+        with self._watched(method):
+            if timeout:
+                pending, deadline = list(refs), time.monotonic() + timeout
+                while pending:
+                    ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                    if not ready:
+                        raise CallTimeout([refs.index(r) for r in pending], timeout)
+                    ray.get(ready)  # the error of a failed call, now
+            outs = ray.get(refs)
+        return self._done(method, outs)
 
     def _done(self, method: str, outs: list) -> tuple[list, float]:
         seconds = max((s for _, s in outs), default=0.0)
@@ -209,6 +223,7 @@ def start_actors(name: str, factory: str, *, num_actors: int, pg: PlacementGroup
                 placement_group=pg, placement_group_bundle_index=bundles[i * k])
         actor = ray.remote(Worker).options(**opts).remote(threads, factory.split(":")[0], name != "reward")
         _ROLES[actor._actor_id.hex()] = (name, i)
+        _ACTORS[actor._actor_id.hex()] = actor
         actors.append(actor)
     return actors
 
@@ -234,7 +249,9 @@ def create_group(name: str, factory: str, spec, *, num_actors: int, pg: Placemen
     envs: list[dict] = [{} for _ in actors]
     if distributed:
         addr, port = ray.get(actors[0].address.remote())
+        from chatlearn.runtime.cluster.watchdog import collective_env
+
         envs = [{"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(i), "WORLD_SIZE": str(num_actors),
-                 "LOCAL_RANK": "0"} for i in range(num_actors)]
+                 "LOCAL_RANK": "0", **collective_env()} for i in range(num_actors)]
     ray.get([a.setup.remote(factory, spec, e) for a, e in zip(actors, envs)])
     return WorkerGroup(name, actors)

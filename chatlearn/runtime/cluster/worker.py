@@ -22,8 +22,17 @@ class Worker:
         ``uses_torch``: False for the reward workers, which then never import torch or
         transformers (seconds of CPU at every start, taken from the models starting beside them)."""
         from chatlearn.logging.console import setup_worker
+        from chatlearn.logging.startup import process_start_time
 
+        # this process's start-up (startup_times): its start, this actor's creation (Ray's worker has
+        # started and connected), ready for setup, each object's build
+        self.times: dict = {"started": process_start_time(), "created": time.time(), "ready": None, "build": {}}
         setup_worker()  # third-party output to the run's logs/ folder (before importing them)
+        from chatlearn.runtime.cluster.watchdog import start_heartbeat
+
+        # the method running now and since when: what the heartbeat tells the driver's watchdog
+        self.running: tuple[str, float] | None = None
+        start_heartbeat(self.doing)
         # The process environment was set by Ray before start (chatlearn.runtime.cluster.worker_env); it is
         # recorded as found, so that tests can check what the process started with.
         self.start_env = dict(os.environ)
@@ -114,13 +123,21 @@ class Worker:
         """:meth:`call` on the further object ``target`` (a fused rollout replica)."""
         return self._run(self.objs[target], method, args, kwargs)
 
-    @staticmethod
-    def _run(obj, method: str, args, kwargs):
+    def _run(self, obj, method: str, args, kwargs):
         start = time.perf_counter()
-        out = getattr(obj, method)(*args, **kwargs)
-        if inspect.isgenerator(out):
-            out = list(out)
+        self.running = (method, start)
+        try:
+            out = getattr(obj, method)(*args, **kwargs)
+            if inspect.isgenerator(out):
+                out = list(out)
+        finally:
+            self.running = None
         return out, time.perf_counter() - start
+
+    def doing(self) -> tuple[str | None, float]:
+        """The method this process runs now and for how many seconds (None, 0: none)."""
+        running = self.running
+        return (running[0], round(time.perf_counter() - running[1], 1)) if running else (None, 0.0)
 
     def push_weights_local(self, target: str, bucket_bytes: int) -> int:
         """The weight push of a fused rollout: this trainer rank's weights into the replica ``target``

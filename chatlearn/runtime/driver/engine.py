@@ -43,7 +43,9 @@ from chatlearn.logging.metrics import summary_line
 from chatlearn.logging.perf import peak_memory
 from chatlearn.logging.progress import RunProgress
 from chatlearn.logging.sinks import MetricSinks, config_yaml
+from chatlearn.logging.startup import clock
 from chatlearn.runtime.cluster.cluster import Cluster
+from chatlearn.runtime.cluster.watchdog import Watchdog
 from chatlearn.runtime.driver.algorithm import Algorithm, ModelCalls, Pass, StepLoop, make_algorithm
 from chatlearn.runtime.driver.dynamic import dynamic_sampling
 from chatlearn.runtime.driver.instrument import EpisodeRun, Instrument
@@ -69,7 +71,8 @@ class Engine:
         rt, m = cfg.runtime_args, cfg.models
         self.out = rt.output_dir
         self.timeline = Timeline(os.path.join(self.out, "timeline.jsonl"))
-        self.sched = Scheduler(plan, self.timeline, offload_without_gpu=rt.offload_without_gpu)
+        self.sched = Scheduler(plan, self.timeline, offload_without_gpu=rt.offload_without_gpu,
+                               watchdog=Watchdog(rt.stage_timeout_s))
         # Each model is built once the models before it have left the devices they share with it.
         # The rollout engine comes last: it sizes its KV cache from the memory left free.
         order = [n for n in ("policy_trainer", "critic", "ref_policy", "reward_model", "reward", "policy")
@@ -322,12 +325,14 @@ class Engine:
         return metrics
 
     def log(self, episode: int, metrics: dict) -> None:
-        metrics = {**metrics, **peak_memory(self.sched.groups), **self.sched.take_gpu_peaks()}
+        with self.sched.watchdog.watch("all models", "peak memory", call=True):  # asks every worker
+            metrics = {**metrics, **peak_memory(self.sched.groups), **self.sched.take_gpu_peaks()}
         self.metrics.write(episode, metrics)
         self.progress.finish(episode, summary_line(episode, self.cfg.runtime_args.num_episode, metrics))
 
     def close(self) -> None:
         """Stop the rollout thread and close the progress display and the run's files."""
+        self.sched.watchdog.close()
         if self.pipeline is not None:
             self.pipeline.close()
         self.progress.close()

@@ -34,7 +34,8 @@ def overhead(busy: float, episode: float) -> dict:
 
 
 class StageTimer:
-    """Times stages (``time/<stage>``) and the turns inside them (``time/transitions``)."""
+    """Times stages (``time/<stage>``) and the turns inside them (``time/transitions``); each stage has
+    a deadline (the scheduler's watchdog, ``runtime_args.stage_timeout_s``)."""
 
     def __init__(self, sched: Scheduler, progress: RunProgress | None = None):
         self.sched, self.progress = sched, progress
@@ -48,18 +49,20 @@ class StageTimer:
         if self.progress is not None:
             self.progress.stage(stage)
         start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._add(model, stage, time.perf_counter() - start)
+        with self.sched.watchdog.watch(model, stage):
+            try:
+                yield
+            finally:
+                self._add(model, stage, time.perf_counter() - start)
 
     def timed(self, model: str, stage: Stage, fn, *args):
         """``fn(*args)`` timed as a stage, for stages run on a worker thread (no progress label)."""
         start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self._add(model, stage, time.perf_counter() - start)
+        with self.sched.watchdog.watch(model, stage):
+            try:
+                return fn(*args)
+            finally:
+                self._add(model, stage, time.perf_counter() - start)
 
     def _add(self, model: str, stage: Stage, seconds: float) -> None:
         with self._lock:

@@ -21,7 +21,9 @@ from typing import Callable, Iterable
 from chatlearn.config.names import MODEL_PARTS, Part
 from chatlearn.config.plan import Plan
 from chatlearn.logging.console import info, warn
+from chatlearn.logging.jsonl import RowFile
 from chatlearn.runtime.cluster.group import WorkerGroup
+from chatlearn.runtime.cluster.watchdog import Watchdog
 
 
 def movable_parts(name: str, free_gpu_memory) -> set[Part]:
@@ -89,8 +91,10 @@ class Scheduler:
     engine never touches ``resident`` or calls a model's ``offload``/``onload`` itself.
     """
 
-    def __init__(self, plan: Plan, timeline: Timeline, *, offload_without_gpu: bool):
+    def __init__(self, plan: Plan, timeline: Timeline, *, offload_without_gpu: bool, watchdog: Watchdog | None = None):
         self.plan, self.timeline = plan, timeline
+        # the deadline of each build, stage and call (runtime_args.stage_timeout_s); 0 or None: none
+        self.watchdog = watchdog or Watchdog(0)
         # Without a GPU the devices are logical and every part lives in host memory: moving a part
         # "to the host" frees nothing another model could use, so by default nothing moves there
         # (runtime_args.offload_without_gpu: move as on GPUs, to rehearse a GPU run's schedule).
@@ -114,7 +118,9 @@ class Scheduler:
         holds no device part, such as the reward workers, has none). Returns the group."""
         with self._lock:
             self._vacate(name)
-            group = build()
+            with self.watchdog.watch(name, "build", build=True):
+                group = build()
+            group.watchdog = self.watchdog
             self.groups[name] = group
             if name not in MODEL_PARTS:
                 return group
@@ -172,7 +178,7 @@ class Scheduler:
     def _move(self, name: str, action: str, parts: list[str]) -> None:
         if not parts:
             return
-        with self._lock:
+        with self._lock, self.watchdog.watch(name, action, call=True):  # the move and its memory record
             self._locked_move(name, action, parts)
 
     def _locked_move(self, name: str, action: str, parts: list[str]) -> None:
@@ -192,7 +198,7 @@ class Scheduler:
                              seconds=round(seconds, 6), resident=self.snapshot(), **self._gpu_memory(name))
 
     def stage(self, name: str, stage: str, seconds: float) -> None:
-        with self._lock:
+        with self._lock, self.watchdog.watch(name, stage, call=True):  # GPU memory is read from the workers
             self.timeline.record(kind="stage", model=name, stage=stage, seconds=round(seconds, 6),
                                  resident=self.snapshot(), **self._gpu_memory(name))
 

@@ -134,7 +134,9 @@ def _rank_group(members: tuple):
 
     if not (dist.is_available() and dist.is_initialized()) or len(members) == dist.get_world_size():
         return None
-    return dist.new_group(list(members))
+    from chatlearn.models.trainer.fsdp import collective_timeout
+
+    return dist.new_group(list(members), timeout=collective_timeout())  # as the default group's
 
 
 def _share_among_ranks(buf: torch.Tensor, group) -> None:

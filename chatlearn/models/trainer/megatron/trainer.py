@@ -84,7 +84,7 @@ from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
 from chatlearn.models.stash import release_device_memory
-from chatlearn.models.trainer.fsdp import init_distributed
+from chatlearn.models.trainer.fsdp import collective_timeout, init_distributed
 from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
 from chatlearn.models.trainer.megatron.model import (
     HFCheckpoint,
@@ -164,7 +164,9 @@ def _init_model_parallel(tp: int, pp: int) -> None:
     if world % (tp * pp):
         raise ValueError(f"MegatronTrainer: {world} ranks do not divide into "
                          f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}")
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    timeout = collective_timeout()  # its groups time out as the default group does
+    minutes = {"distributed_timeout_minutes": math.ceil(timeout.total_seconds() / 60)} if timeout is not None else {}
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **minutes)
 
 
 @dataclass
