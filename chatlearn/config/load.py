@@ -23,7 +23,9 @@ from chatlearn.config.checks import choice as _choice
 from chatlearn.config.checks import positive as _positive
 from chatlearn.config.data_sources import resolve_data_sources
 from chatlearn.config.env_entries import check_multi_turn
+from chatlearn.config.lora_keys import check_lora
 from chatlearn.config.manifest import manifest_problems
+from chatlearn.config.model_shapes import shape_mismatch
 from chatlearn.config.plan import Plan, make_plan
 from chatlearn.config.ppo_keys import check_ppo, check_reward_model_folder, check_reward_model_keys, uses_critic
 from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
@@ -217,6 +219,7 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     check_reward_model_keys(cfg)
     _check_colocation(cfg.runtime_args)
     _check_paths(cfg)
+    check_lora(cfg)  # reads the policy trainer's model folder (resolved by _check_paths)
     # imports each reward function, the environment and the tools, so a bad path stops the run before
     # anything starts
     check_functions(OmegaConf.to_container(cfg.models.reward, resolve=True),

@@ -71,6 +71,9 @@ class Plan:
     placements: dict[str, ModelPlacement] = field(default_factory=dict)
     # ref_policy exists only for a KL term (models.policy_trainer.kl_coef > 0), as in verl
     uses_ref: bool = True
+    # with LoRA (models.policy_trainer.lora.rank > 0) the reference is the policy trainer's base weights: its
+    # log-probs come from the trainer with the adapters disabled, and no ref_policy model is started
+    ref_from_trainer: bool = False
     # runtime_args.max_replay_episode: earlier episodes whose samples an episode trains on too
     # (0: none, -1: all); num_episode, to count the run's optimizer steps
     max_replay_episode: int = 0
@@ -143,7 +146,10 @@ class Plan:
             where = (f"{pl.num_actors} actor(s) on device group {pl.device_group}" if pl.device_group >= 0
                      else f"{pl.num_actors} CPU actor(s), {pl.cpus_per_actor:g} CPU each")
             lines.append(f"  {name}: {where}")
-        if not self.uses_ref:
+        if self.ref_from_trainer:
+            lines.append("  ref_policy: not started (LoRA: policy_trainer gives the reference log-probs with its "
+                         "adapters disabled)")
+        elif not self.uses_ref:
             lines.append("  ref_policy: not started (models.policy_trainer.kl_coef is 0: no KL term needs it)")
         if self.uses_reward_model:
             lines.append("  reward_model: scores every sample (models.reward.load), beside the reward functions")
@@ -278,7 +284,7 @@ def make_plan(cfg: DictConfig) -> Plan:
 
     if uses_critic:
         _check_critic_sizes(cfg, spe, gbs)
-    uses_ref = t.kl_coef > 0
+    uses_ref, ref_from_trainer = _reference(t)
     uses_rm = m.reward.load is not None
     groups, sizes = _device_groups(cfg, uses_ref, uses_critic, uses_rm)
     placements: dict[str, ModelPlacement] = {}
@@ -301,7 +307,14 @@ def make_plan(cfg: DictConfig) -> Plan:
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
                 max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol),
                 fused_rollout=_fused_rollout(cfg, groups, replicas), uses_critic=uses_critic,
-                uses_reward_model=uses_rm)
+                uses_reward_model=uses_rm, ref_from_trainer=ref_from_trainer)
+
+
+def _reference(t) -> tuple[bool, bool]:
+    """``(uses_ref, ref_from_trainer)``: a KL term (``kl_coef`` > 0) needs the reference log-probs, from the
+    ref_policy model, or with LoRA (``lora.rank`` > 0) from the policy trainer with its adapters disabled."""
+    kl, lora = t.kl_coef > 0, t.lora.rank > 0
+    return kl and not lora, kl and lora
 
 
 def _check_critic_sizes(cfg, spe: int, gbs: int) -> None:

@@ -227,7 +227,22 @@ class TrainerModel(ModelBase):
 
 
 @dataclass
+class Lora:
+    """``models.policy_trainer.lora``: low-rank adapters (peft's LoRA) instead of full fine-tuning (FSDP trainer;
+    chatlearn/models/trainer/lora.py). rank 0: off."""
+
+    rank: int = 0  # r of the adapters; 0: no adapters, every weight is trained
+    alpha: float = 16.0  # the update is B @ A x alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input (training only)
+    # module-name suffixes that get adapters (q_proj, v_proj, ...), or the string all-linear (every linear layer
+    # but the output head), as peft's LoraConfig.target_modules
+    target_modules: Any = "all-linear"
+    modules_to_save: List[str] = field(default_factory=list)  # modules trained in full (e.g. embed_tokens, lm_head)
+
+
+@dataclass
 class PolicyTrainer(TrainerModel):
+    lora: Lora = field(default_factory=Lora)
     trainable: bool = True
     num_gpu: int = 1
     gpu_per_process: Optional[int] = 1

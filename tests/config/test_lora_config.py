@@ -1,0 +1,123 @@
+"""models.policy_trainer.lora: the refusals before any process starts (one paragraph naming the key and
+the fix), the spec, and the plan that serves the reference log-probs from the policy trainer."""
+from __future__ import annotations
+
+import pytest
+
+from chatlearn.config.load import load_run
+from chatlearn.errors import ConfigError
+
+GRPO = "template/grpo_fsdp.yaml"
+HF = "runtime_args.rollout_backend=hf"
+ON = "models.policy_trainer.lora.rank=8"
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+
+
+def _refused(*overrides) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_run(GRPO, list(overrides))
+    return info.value
+
+
+def test_off_by_default_and_on_with_a_rank():
+    from chatlearn.models.specs import TrainerSpec
+
+    cfg, plan = load_run(GRPO, [HF])
+    assert cfg.models.policy_trainer.lora.rank == 0
+    assert TrainerSpec.from_config(cfg, "policy_trainer", plan).lora is None
+    cfg, plan = load_run(GRPO, [HF, ON, "models.policy_trainer.lora.target_modules=[q_proj,v_proj]",
+                                "models.policy_trainer.lora.alpha=16"])
+    lora = TrainerSpec.from_config(cfg, "policy_trainer", plan).lora
+    assert (lora.rank, lora.alpha, lora.target_modules) == (8, 16.0, ("q_proj", "v_proj"))
+    assert TrainerSpec.from_config(cfg, "ref_policy", plan).lora is None
+
+
+def test_the_reference_comes_from_the_policy_trainer():
+    _, plan = load_run(GRPO, [HF, "models.policy_trainer.kl_coef=0.1"])
+    assert plan.uses_ref and not plan.ref_from_trainer and "ref_policy" in plan.placements
+    _, plan = load_run(GRPO, [HF, ON, "models.policy_trainer.kl_coef=0.1"])
+    assert plan.ref_from_trainer and not plan.uses_ref
+    assert "ref_policy" not in plan.placements
+    assert any("adapters disabled" in line for line in plan.describe())
+
+
+def test_target_modules_that_match_nothing():
+    err = _refused(HF, ON, "models.policy_trainer.lora.target_modules=[qkv_proj]")
+    assert err.key == "models.policy_trainer.lora.target_modules"
+    assert "matches no linear layer" in str(err) and "q_proj" in str(err)  # names the model's layers
+    err = _refused(HF, ON, "models.policy_trainer.lora.target_modules=[q_proj,lm_head]")  # tied to the embeddings
+    assert err.key == "models.policy_trainer.lora.target_modules" and "tie_word_embeddings" in str(err)
+    err = _refused(HF, ON, "models.policy_trainer.lora.target_modules=everything")
+    assert err.key == "models.policy_trainer.lora.target_modules"
+
+
+def test_rank_larger_than_a_matched_layer():
+    # assets/tiny_qwen2: hidden 128, 2 key-value heads of 32: k_proj is 128 -> 64
+    err = _refused(HF, "models.policy_trainer.lora.rank=100", "models.policy_trainer.lora.target_modules=[k_proj]")
+    assert err.key == "models.policy_trainer.lora.rank"
+    assert "k_proj" in str(err) and "at most 64" in str(err)
+    load_run(GRPO, [HF, "models.policy_trainer.lora.rank=100", "models.policy_trainer.lora.target_modules=[q_proj]"])
+
+
+def test_megatron_sglang_vllm_and_the_critic_are_refused():
+    err = _refused(HF, ON, "runtime_args.train_backend=megatron")
+    assert err.key == "runtime_args.train_backend" and "FSDP trainer only" in str(err)
+    for backend in ("vllm", "sglang"):
+        err = _refused(f"runtime_args.rollout_backend={backend}", ON)
+        assert err.key == "runtime_args.rollout_backend" and "only hf takes" in str(err), backend
+    err = _refused(HF, ON, "models.policy_trainer.advantage_estimator=gae")
+    assert err.key == "models.policy_trainer.advantage_estimator" and "critic" in str(err)
+
+
+def test_bad_values_and_modules_to_save():
+    assert _refused(HF, "models.policy_trainer.lora.rank=-1").key == "models.policy_trainer.lora.rank"
+    assert _refused(HF, ON, "models.policy_trainer.lora.alpha=0").key == "models.policy_trainer.lora.alpha"
+    assert _refused(HF, ON, "models.policy_trainer.lora.dropout=1").key == "models.policy_trainer.lora.dropout"
+    err = _refused(HF, ON, "models.policy_trainer.lora.modules_to_save=[score]")
+    assert err.key == "models.policy_trainer.lora.modules_to_save" and "score" in str(err)
+    for tied in ("embed_tokens", "lm_head"):  # assets/tiny_qwen2 ties them
+        err = _refused(HF, ON, f"models.policy_trainer.lora.modules_to_save=[{tied}]")
+        assert err.key == "models.policy_trainer.lora.modules_to_save" and "tie_word_embeddings" in str(err)
+    load_run(GRPO, [HF, ON, "models.policy_trainer.lora.modules_to_save=[norm]"])
+
+
+def test_the_reference_pass_calls_the_trainer_with_adapters_disabled(monkeypatch):
+    """GRPO's reference pass goes to policy_trainer.ref_logprobs (its weights made resident) under LoRA,
+    to ref_policy.compute_logprobs without."""
+    import numpy as np
+
+    from chatlearn.config.names import Stage
+    from chatlearn.runtime.driver import algorithm
+
+    calls = []
+
+    class Group:
+        def __init__(self, name):
+            self.name = name
+
+        def call(self, method, *args):
+            calls.append((self.name, method))
+            return [np.zeros(3, np.float32)], None
+
+    class Sched:
+        groups = {n: Group(n) for n in ("policy_trainer", "ref_policy")}
+
+        def ensure(self, model, parts):
+            calls.append((model, "ensure"))
+
+    monkeypatch.setattr(algorithm.ray, "put", lambda x: x)
+    batch = {"tokens": np.zeros(3, np.int64), "prompt_lens": np.ones(1, np.int64), "offsets": np.array([0, 3])}
+    for overrides, expected in (([ON], ("policy_trainer", "ref_logprobs")), ([], ("ref_policy", "compute_logprobs"))):
+        cfg, plan = load_run(GRPO, [HF, "models.policy_trainer.kl_coef=0.1", *overrides])
+        calls.clear()
+        grpo = algorithm.GRPO(cfg, plan, algorithm.ModelCalls(Sched(), 1.0), steps=None)
+        ref = grpo.passes()[0]
+        assert (ref.stage, ref.model, ref.column) == (Stage.REF_LOGPROBS, expected[0], "ref_logprobs")
+        ref.compute(batch)
+        assert calls == [(expected[0], "ensure"), expected], calls
