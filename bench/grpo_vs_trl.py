@@ -14,8 +14,8 @@ peak memory of all the run's processes together (``proc_memory.py``), mean rewar
 runs ``--repeats`` times, interleaved (A B C A B C ...); medians are reported, with the ratio
 chatlearn / TRL. Results: ``bench/results/grpo_vs_trl.json`` and ``.md`` (also printed).
 
-    .venv/bin/python bench/grpo_vs_trl.py [--workloads tiny,medium,long]
-        [--systems chatlearn-vllm,chatlearn-hf,trl] [--repeats 3] [--quick]
+    .venv/bin/python bench/grpo_vs_trl.py [--workloads short,tiny,medium,long,long_mb]
+        [--systems chatlearn-vllm,chatlearn-hf,trl] [--repeats 2] [--quick]
         [--results bench/results] [--cache /tmp/chatlearn_bench] [--keep-runs]
 
 ``--quick``: one repetition and a few steps (a smoke test; its numbers mean little). Torch
@@ -209,6 +209,9 @@ def run_chatlearn(w: gc.Workload, model: str, backend: str, episodes: int, warmu
     result = {**res, **gc.chatlearn_steps(rows, arrivals, w.sample_per_episode, warmup)}
     result["breakdown"] = gc.mean_breakdown(rows, events, warmup)
     result["first_step_done_s"] = arrivals[min(arrivals)] - res["start"] if arrivals else None
+    # from the last metrics row to the process's exit: plots, Ray and the workers stopping
+    result["after_last_step_s"] = res["wall_s"] - (arrivals[max(arrivals)] - res["start"]) if arrivals else None
+    result["startup"] = gc.chatlearn_startup(rows)
     result.pop("start")
     return result
 
@@ -235,6 +238,8 @@ def run_trl(w: gc.Workload, cfg, model: str, trl_kwargs: dict, episodes: int, wa
     result = {**res, **gc.trl_steps(raw["step_ends"], raw["train_start"], raw["gens"], steps, warmup)}
     # perf_counter is CLOCK_MONOTONIC on Linux: the child's times are on the harness's clock
     result["first_step_done_s"] = raw["step_ends"][steps - 1] - start if len(raw["step_ends"]) >= steps else None
+    result["after_last_step_s"] = res["wall_s"] - (raw["step_ends"][-1] - start) if raw["step_ends"] else None
+    result["startup"] = gc.trl_startup(raw, start)
     result["prompts_match_chatlearn"] = check_trl_prompts(raw["gens"], expected, model,
                                                          trl_kwargs["chat_template_kwargs"]["enable_thinking"])
     result["trl_built_config"] = raw["config"]
@@ -248,7 +253,7 @@ def run_trl(w: gc.Workload, cfg, model: str, trl_kwargs: dict, episodes: int, wa
 
 SUMMARY_KEYS = ("samples_per_s", "tokens_per_s", "step_s", "episode_samples_per_s", "episode_tokens_per_s",
                 "peak_rss_mb", "peak_pss_mb", "cpu_s", "reward_last", "response_len_mean", "first_step_done_s",
-                "wall_s", "max_processes")
+                "after_last_step_s", "wall_s", "max_processes")
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -263,9 +268,9 @@ def summarise(runs: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="tiny,medium,long")
+    parser.add_argument("--workloads", default=",".join(gc.WORKLOADS))
     parser.add_argument("--systems", default=",".join(gc.SYSTEMS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 repetition, few steps: a smoke test")
     parser.add_argument("--results", default=os.path.join(BENCH, "results"))
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "chatlearn_bench"),
@@ -401,10 +406,16 @@ def summarise_workload(runs: dict[str, list[dict]]) -> dict:
     ok = {s: [r for r in rs if "error" not in r] for s, rs in runs.items()}
     med = {s: summarise(rs) for s, rs in ok.items()}
     ratios = {s: {k: gc.ratio(med[s][k], med["trl"][k]) for k in
-                  ("samples_per_s", "tokens_per_s", "peak_rss_mb", "peak_pss_mb", "cpu_s", "first_step_done_s")}
+                  ("samples_per_s", "tokens_per_s", "peak_rss_mb", "peak_pss_mb", "cpu_s", "first_step_done_s",
+                   "wall_s")}
               for s in med if s != "trl" and "trl" in med}
+    for s in ratios:  # the whole command as a speed: TRL's seconds / chatlearn's (above 1: chatlearn is done first)
+        ratios[s]["whole_command_speed"] = gc.ratio(med["trl"]["wall_s"], med[s]["wall_s"])
+    startup = {s: gc.medians([r["startup"] for r in rs if r.get("startup")],
+                             gc.startup_order({k for r in rs for k in r.get("startup") or {}}))
+               for s, rs in ok.items()}
     breakdown = {s: gc.medians([r["breakdown"] for r in rs], list(gc.SHOWN)) for s, rs in ok.items() if s != "trl"}
-    out = {"median": med, "ratio_vs_trl": ratios, "breakdown": breakdown}
+    out = {"median": med, "ratio_vs_trl": ratios, "breakdown": breakdown, "startup": startup}
     if ok.get("trl"):
         out["trl_prompts_match_chatlearn"] = all(r["prompts_match_chatlearn"] for r in ok["trl"])
     return out

@@ -6,8 +6,8 @@ SPEC holds ``model`` (folder), ``data_path``, ``prompt_key``, ``max_prompt_token
 ``reward`` (MathReward's correct/incorrect scores), ``out`` (result JSON) and ``trl`` (GRPOConfig
 keyword arguments, see ``grpo_compare.trl_config_kwargs``). The prompts are chatlearn's training
 rows in file order, without those chatlearn drops as longer than ``max_prompt_tokens``; the reward
-is chatlearn's ``MathReward`` on the decoded completion. The result records the time of every
-optimizer step's end, and per generated batch its samples, generated tokens, mean reward and
+is chatlearn's ``MathReward`` on the decoded completion. The result records when the imports and
+the trainer's set-up were done and the time of every optimizer step's end, and per generated batch its samples, generated tokens, mean reward and
 prompts (to check the order against chatlearn's).
 """
 from __future__ import annotations
@@ -53,6 +53,8 @@ def main() -> None:
 
     from chatlearn.models.reward.math_reward import MathReward
 
+    imports_done = time.perf_counter()
+
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     dataset = Dataset.from_list(load_rows(spec, tokenizer))
     scorer = MathReward(spec["reward"])
@@ -82,12 +84,14 @@ def main() -> None:
     t0 = time.perf_counter()
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=math_reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Clock()])
-    setup_s = time.perf_counter() - t0
+    setup_done = time.perf_counter()
+    setup_s = setup_done - t0
     trainer.train()
     built = {k: getattr(args, k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps",
                                           "generation_batch_size", "steps_per_generation", "num_iterations")}
     with open(spec["out"], "w") as f:
-        json.dump({"train_start": marks["train_start"], "step_ends": step_ends, "gens": gens, "setup_s": setup_s,
+        json.dump({"imports_done": imports_done, "setup_done": setup_done,
+                   "train_start": marks["train_start"], "step_ends": step_ends, "gens": gens, "setup_s": setup_s,
                    "torch_threads": torch.get_num_threads(), "config": built,
                    "num_prompts": len(dataset)}, f)
 

@@ -144,13 +144,17 @@ def _eval(args) -> int:
 
 def _run(args) -> int:
     from chatlearn.config.load import load_run
+    from chatlearn.logging.startup import clock
     from chatlearn.runtime.rundir.output_dir import check_start
+
+    clock().mark("imports")
 
     if args.all and not args.dry_run:
         raise UserError("--all only changes what --dry-run prints: add --dry-run, or leave --all out.")
     fresh = args.no_resume or args.overwrite
     overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if fresh else [])
     cfg, plan = load_run(args.config, overrides)  # the plan validation computed
+    clock().mark("config")
     from chatlearn.config.schema import compat_warning
 
     ignored = compat_warning(cfg)

@@ -101,6 +101,32 @@ def workers_stream_to_driver() -> bool:
     return verbose() or not os.environ.get(ENV_LOG_DIR)
 
 
+def raylet_lines_to_log() -> None:
+    """Ray's driver prints the errors the cluster publishes (``(raylet) A worker died ...``, naming the
+    OOM killer as a possible cause of any death) straight to the console, beside chatlearn's own
+    paragraph about the same worker. Where the workers' output goes to the run's logs folder
+    (:func:`workers_stream_to_driver` false), those lines go to the driver's log as well
+    (``<output_dir>/logs/driver.log``, logger ``ray``). Ray's ``print_to_stdstream`` (Ray 2.40 to
+    2.60: ``ray._private.worker``, looked up at each call by its error listener) is wrapped once."""
+    try:
+        import ray._private.worker as ray_worker
+    except ImportError:
+        return
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or getattr(original, "chatlearn_routed", False):
+        return
+
+    def routed(data, ignore_prefix: bool = False):
+        if isinstance(data, dict) and data.get("pid") == "raylet" and not workers_stream_to_driver():
+            for line in data.get("lines") or []:
+                logging.getLogger("ray").warning("(raylet) %s", line)
+            return None
+        return original(data, ignore_prefix)
+
+    routed.chatlearn_routed = True
+    ray_worker.print_to_stdstream = routed
+
+
 class ThirdPartyLogs:
     """Routes the driver's third-party logging to ``<output_dir>/logs/driver.log`` for a run.
 

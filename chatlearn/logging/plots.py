@@ -172,6 +172,11 @@ def _kl_title(runs: list[Run]) -> str:
     return "KL(policy || reference)" + (f", {' / '.join(estimators)} estimate" if estimators else "")
 
 
+# the axes' place in an 8 x 4.5 inch figure: room for a title, tick labels of up to 8 characters and
+# an axis label
+MARGINS = {"left": 0.12, "right": 0.97, "bottom": 0.11, "top": 0.93}
+
+
 def write_plots(output_dir: str) -> list[str]:
     """Write ``<output_dir>/plots/*.png`` from the run's metrics; returns the files written."""
     return plot_runs([output_dir], os.path.join(output_dir, "plots"))
@@ -193,11 +198,13 @@ def plot_runs(folders: list[str], plot_dir: str) -> list[str]:
     def save(fig, name: str) -> None:
         path = os.path.join(plot_dir, f"{name}.png")
         FigureCanvasAgg(fig)
-        fig.savefig(path, dpi=100)
+        save_figure(fig, path)
         written.append(path)
 
     def axes(title: str, ylabel: str):
-        fig = Figure(figsize=(8, 4.5), layout="constrained")
+        # fixed margins: a constrained layout measures every text once more and took 40% of the drawing
+        fig = Figure(figsize=(8, 4.5))
+        fig.subplots_adjust(**MARGINS)
         ax = fig.add_subplot()
         ax.set(title=title, xlabel="episode", ylabel=ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -275,6 +282,7 @@ def _stage_times(runs: list[Run], axes, save, colours) -> None:
             right.plot(xs, ys, linestyle="none", marker="D", color="black", markersize=4)
             right.set_ylabel("eval seconds")
             right.set_ylim(bottom=0)
+            fig.subplots_adjust(right=MARGINS["right"] - 0.05)  # room for the right-hand scale
             handles += right.lines
             labels += ["eval (right-hand scale)"]
         ax.legend(handles, labels, fontsize="small", ncols=min(len(labels), 4))

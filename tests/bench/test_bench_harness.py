@@ -219,17 +219,37 @@ def test_result_files_carry_no_path_of_this_machine(tmp_path):
 def test_readme_table_is_the_recorded_results():
     """README.md's benchmark table is what bench/grpo_vs_trl.py --readme makes of
     bench/results/grpo_vs_trl.json, and that file has the layout the README and tools read:
-    workloads.<name>.ratio_vs_trl.<system>.{samples_per_s, peak_rss_mb, peak_pss_mb} for every
-    chatlearn system on tiny, medium and long."""
+    workloads.<name>.ratio_vs_trl.<system>.{samples_per_s, peak_pss_mb, first_step_done_s,
+    whole_command_speed} for every chatlearn system on every workload of the benchmark, and each
+    system's start-up phases."""
     import json
 
     with open(os.path.join(REPO, "bench", "results", "grpo_vs_trl.json")) as f:
         report = json.load(f)
-    assert {"tiny", "medium", "long"} <= set(report["workloads"])
+    assert set(gc.WORKLOADS) <= set(report["workloads"])
     for name, wl in report["workloads"].items():
         for system in ("chatlearn-vllm", "chatlearn-hf"):
             ratios = wl["ratio_vs_trl"][system]
-            assert all(isinstance(ratios[k], float) for k in ("samples_per_s", "peak_rss_mb", "peak_pss_mb")), name
+            assert all(isinstance(ratios[k], float) for k in ("samples_per_s", "peak_rss_mb", "peak_pss_mb",
+                                                              "first_step_done_s", "whole_command_speed")), name
+            assert {"imports", "ray", "models", "first_episode", "total"} <= set(wl["startup"][system]), name
+        assert {"imports", "setup", "first_episode"} <= set(wl["startup"]["trl"]), name
+        assert wl["settings"] and all(a == b for a, b in wl["settings"].values()), name  # both sides', alike
     with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     assert gc.replace_readme_table(readme, gc.readme_table(report)) == readme
+
+
+def test_startup_phases_of_both_systems():
+    """chatlearn's start-up comes from its first ``perf/startup/*`` row; TRL's from the marks its runner
+    records on the harness's clock, its first episode ending with the last optimizer step of the
+    first generated batch."""
+    rows = [{"episode": 0, "eval/reward_mean": 0.1},
+            {"episode": 1, "perf/startup/imports_s": 1.5, "perf/startup/ray_s": 2.0, "perf/startup/total_s": 9.0,
+             "perf/startup/policy_trainer/process_s": 4.0, "perf/overhead_share": 0.1},
+            {"episode": 2, "perf/startup/total_s": 99.0}]
+    assert gc.chatlearn_startup(rows) == {"imports": 1.5, "ray": 2.0, "total": 9.0, "policy_trainer/process": 4.0}
+    raw = {"imports_done": 14.0, "setup_done": 17.0, "train_start": 17.5, "step_ends": [19.0, 20.0, 22.0],
+           "config": {"steps_per_generation": 4, "gradient_accumulation_steps": 2}}
+    out = gc.trl_startup(raw, start=10.0)
+    assert out == pytest.approx({"imports": 4.0, "setup": 3.0, "to_train": 0.5, "first_episode": 2.5, "total": 10.0})

@@ -271,3 +271,30 @@ def test_no_module_of_chatlearn_uses_the_builtin_print():
                       and isinstance(node.value, ast.Name) and node.value.id == "builtins"]
     assert not found, ("the builtin print is used here; write through chatlearn.logging.console.info / warn "
                        "instead: " + ", ".join(found))
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_rays_raylet_error_lines_go_to_the_log(tmp_path, monkeypatch, capfd, verbose):
+    """Ray's driver prints the cluster's error messages ("(raylet) A worker died ... OOM killer")
+    through ``ray._private.worker.print_to_stdstream``; a run that writes its workers' output to its
+    logs folder sends them to driver.log instead (chatlearn's own paragraph names the worker), and
+    ``--verbose`` keeps them on the console. Other streams pass through unchanged."""
+    import ray._private.worker as ray_worker
+
+    monkeypatch.delenv("CHATLEARN_LOG_DIR", raising=False)
+    monkeypatch.setenv("CHATLEARN_VERBOSE", "1" if verbose else "0")
+    monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored after
+    with console.ThirdPartyLogs() as logs:
+        logs.attach(str(tmp_path / "out"))
+        console.raylet_lines_to_log()
+        console.raylet_lines_to_log()  # once only
+        ray_worker.print_to_stdstream({"lines": ["A worker died or was killed while executing a task "
+                                                 "by an unexpected system error (OOM killer?)"],
+                                       "pid": "raylet", "is_err": False}, ignore_prefix=False)
+        ray_worker.print_to_stdstream({"lines": ["a worker's own line"], "pid": 1234, "ip": "10.0.0.1",
+                                       "task_name": "Worker", "is_err": True}, ignore_prefix=False)
+    out = capfd.readouterr()
+    text = (tmp_path / "out" / "logs" / "driver.log").read_text()
+    assert ("A worker died" in out.out + out.err) == verbose
+    assert ("(raylet) A worker died" in text) != verbose
+    assert "a worker's own line" in out.err

@@ -95,6 +95,19 @@ def test_every_logged_metric_is_documented(run):
         # no GPU: the colocated models' turns move nothing (runtime_args.offload_without_gpu is off)
         assert r["sched/transitions"] == 0 and r["sched/bytes_moved"] == 0
     assert "no GPU: colocated models keep" in run["stdout"]
+    # where the start-up went: the first training episode's row only, phases that add up to the total
+    first, second = run["rows"][1], run["rows"][2]
+    phases = {k for k in first if k.startswith("perf/startup/")}
+    assert {f"perf/startup/{p}_s" for p in ("imports", "config", "data", "ray", "models", "eval_before",
+                                            "first_episode", "total")} <= phases, phases
+    assert {"perf/startup/policy_trainer/process_s", "perf/startup/policy_trainer/build_s",
+            "perf/startup/reward/process_s"} <= phases
+    consecutive = [v for k, v in first.items() if k.startswith("perf/startup/") and k.count("/") == 2
+                   and k != "perf/startup/total_s"]
+    assert sum(consecutive) == pytest.approx(first["perf/startup/total_s"], abs=0.01)
+    assert first["perf/startup/first_episode_s"] > 0 and first["perf/startup/models_s"] > 0
+    assert not any(k.startswith("perf/startup/") for k in second)
+    assert "start-up to the end of the first episode" in run["stdout"]
 
 
 @pytest.mark.slow

@@ -309,6 +309,27 @@ def test_a_reward_function_that_never_returns_times_out(tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_a_reward_function_that_calls_os_exit_is_named(tmp_path):
+    """A reward function that ends its process: exit 2 naming the function and the exit code; no word of
+    the OOM killer and no line of Ray's on the console."""
+    out = tmp_path / "out"
+    path = tmp_path / "quitting_reward.py"
+    path.write_text("import os\n\n\ndef score(*, prompts, responses, ground_truths, data_sources, extra):\n"
+                    "    os._exit(3)\n")
+    reward = f"models.reward.functions=[{{name: quits, path: '{path}:score'}}]"
+    proc = subprocess.run(command(out, reward, "runtime_args.num_episode=1"), cwd=REPO, capture_output=True,
+                          text=True, timeout=500)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for word in ("the reward worker exited while scoring", "reward function 'quits' (models.reward.functions[0],",
+                 "quitting_reward.py:score", "called os._exit(3)", "exit code 3"):
+        assert word in err, err
+    console = proc.stdout + proc.stderr
+    assert "OOM" not in console and "(raylet)" not in console and "Traceback" not in console, console[-3000:]
+
+
+@pytest.mark.timeout(600)
 def test_ctrl_c_while_a_reward_function_is_stuck(tmp_path):
     """The first Ctrl-C stops a run blocked in a reward function (no time limit): exit 130."""
     out = tmp_path / "out"

@@ -49,6 +49,7 @@ from chatlearn.config.reward_entries import (  # noqa: F401
 )
 from chatlearn.errors import UserError
 from chatlearn.models.base import Reward
+from chatlearn.models.reward import math_reward
 
 if TYPE_CHECKING:
     from chatlearn.models.specs import RewardSpec
@@ -127,11 +128,23 @@ class RewardManager(Reward):
             fn = load_function(e["path"], key=key, base_dir=spec.base_dir)
             check_signature(fn, e["path"], dict(e["kwargs"]), key)
             self.entries.append((e["name"], e["path"], float(e["weight"]), dict(e["kwargs"]), fn))
+        if any(getattr(fn, "__module__", None) == math_reward.__name__ for *_, fn in self.entries):
+            # math-verify (sympy, its LaTeX parser) takes about a second to import: imported now, on a
+            # thread, while the other models are built and the first responses sampled, instead of
+            # inside the first episode's reward stage
+            threading.Thread(target=math_reward.warm_math_verify, name="warm-math-verify", daemon=True).start()
 
-    def call(self, path: str, fn: Callable, kwargs: dict, batch: dict, n: int) -> dict[str, np.ndarray]:
-        """Run one function on the batch; its per-sample outputs by key (``score`` and the logged keys)."""
+    def call(self, path: str, fn: Callable, kwargs: dict, batch: dict, n: int,
+             entry: str = "") -> dict[str, np.ndarray]:
+        """Run one function on the batch; its per-sample outputs by key (``score`` and the logged keys).
+        ``entry``: the function as the config names it (for the error of a function that ends the process)."""
         try:
-            out = fn(**batch, **kwargs)
+            with _exits_refused():
+                out = fn(**batch, **kwargs)
+        except _ProcessExit as stop:
+            raise _exit_error(entry or f"reward function {path!r}", "os._exit", stop.code) from None
+        except SystemExit as stop:  # sys.exit() or exit(): Ray would end the worker
+            raise _exit_error(entry or f"reward function {path!r}", "sys.exit", stop.code) from None
         except Exception as err:  # the user's code: report what it raised and where
             frames = _user_frames(err)
             raise UserError(f"reward function {path!r} raised {_describe(err)}"

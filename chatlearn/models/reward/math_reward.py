@@ -78,6 +78,20 @@ def _parsed(ground_truth: str, timeout: int | None):
     return parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=timeout)
 
 
+def warm_math_verify() -> None:
+    """Import math-verify and parse once (its first parse builds the LaTeX grammar): the first
+    reward stage of a run then does not wait for it."""
+    from math_verify import parse
+
+    parser = logging.getLogger("math_verify.parser")
+    level = parser.level
+    parser.setLevel(logging.ERROR)  # its warning that a parse without timeout could hang: this one cannot
+    try:
+        parse("\\boxed{\\frac{1}{2}}", parsing_timeout=None)
+    finally:
+        parser.setLevel(level)
+
+
 def math_reward(*, prompts: list[str], responses: list[str], ground_truths: list, data_sources: list[str],
                 extra: list[dict], correct_score: float, incorrect_score: float) -> list[float]:
     """``builtin:math``: correct_score where the last ``\\boxed{}`` of the response equals the ground truth

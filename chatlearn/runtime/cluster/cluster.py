@@ -18,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from chatlearn.config import registry
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
-from chatlearn.logging.console import info, ray_init_options, workers_stream_to_driver
+from chatlearn.logging.console import info, ray_init_options, raylet_lines_to_log, workers_stream_to_driver
 from chatlearn.logging.gpu_memory import visible_gpu_count
 from chatlearn.models.specs import RewardModelSpec, RewardSpec, RolloutSpec, TrainerSpec
 from chatlearn.runtime.cluster.group import WorkerGroup, create_group, start_actors
@@ -164,6 +164,7 @@ class Cluster:
                              **ray_init_options())
             self.started_ray = True
             stop_on_sigterm()  # ray.init replaced the driver's SIGTERM handler with its own
+            raylet_lines_to_log()  # Ray's "(raylet) A worker died ..." beside chatlearn's own paragraph: to the log
         have = {"GPU": 0, "CPU": 0, **ray.cluster_resources()}
         if have["GPU"] < plan.total_devices:
             raise UserError(
@@ -246,6 +247,11 @@ class Cluster:
                              actors=actors, **kwargs)
         self.groups[name], self.specs[name] = group, spec
         return group
+
+    def startup_times(self) -> dict[str, list[dict]]:
+        """Per model, each process's :meth:`~chatlearn.runtime.cluster.worker.Worker.startup_times`."""
+        refs = {name: [a.startup_times.remote(g.target) for a in g.actors] for name, g in self.groups.items()}
+        return {name: ray.get(r, timeout=60) for name, r in refs.items()}
 
     def _create_fused_rollout(self) -> WorkerGroup:
         """``runtime_args.fuse_rollout``: rollout replica i built in policy trainer rank i's process (the

@@ -46,6 +46,7 @@ class Worker:
         self.objs: dict = {}  # name -> a further object of this process (a fused rollout replica)
         if preload:
             importlib.import_module(preload)
+        self.times["ready"] = time.time()
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port (rank 0 hosts the process group's rendezvous)."""
@@ -60,6 +61,7 @@ class Worker:
         """Build the backend from its spec (a ``TrainerSpec``, ``RolloutSpec``, ``RewardModelSpec`` or ``RewardSpec`` of
         :mod:`chatlearn.models.specs`, its device settings resolved here); ``target``: as a further
         object of that name (a fused rollout replica)."""
+        began = time.time()
         os.environ.update(env or {})  # torch.distributed rendezvous (rank, world, address)
         from chatlearn.models.specs import RewardModelSpec, RolloutSpec, TrainerSpec, resolve_for_device
 
@@ -80,6 +82,16 @@ class Worker:
         # the rendezvous files its backend created (vLLM's vllm_dist_*): removed when this run ends,
         # or by the next start on this node if this process is killed first
         record_owned(temp_files() - before)
+        self.times["build"][target or "self"] = time.time() - began
+
+    def startup_times(self, target: str | None = None) -> dict:
+        """Seconds this process spent starting (``process``: from its start to ready for ``setup``, the
+        interpreter and the backend's imports; ``ray_worker``: the part before this actor was created,
+        Ray's worker starting and connecting) and building its object ``target`` (``build``; None:
+        its own): :class:`chatlearn.logging.startup.StartupClock`."""
+        return {"process": self.times["ready"] - self.times["started"],
+                "ray_worker": self.times["created"] - self.times["started"],
+                "build": self.times["build"][target or "self"] if (target or "self") in self.times["build"] else None}
 
     def release_temp_files(self) -> int:
         """Remove the temporary files this process recorded (the run is ending normally)."""

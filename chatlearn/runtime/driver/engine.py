@@ -106,13 +106,21 @@ class Engine:
     def train(self) -> dict:
         rt = self.cfg.runtime_args
         last: dict = {}
+        startup = clock()
         start = self.resume() + 1 if rt.enable_resume_training else 1
+        if start > 1:
+            startup.mark("resume")
         if start == 1 and rt.enable_eval_before_training and self.eval_set is not None:
             self.progress.begin(0)
             last = self.evaluate()
             self.log(0, last)
+            startup.mark("eval_before")
         for episode in range(start, rt.num_episode + 1):
             metrics = self.episode(episode)
+            if episode == start:  # where this process's start-up went, up to its first episode's end
+                startup.mark("first_episode")
+                metrics.update(startup.metrics())
+                info(startup.line())
             final = episode == rt.num_episode
             if self.eval_set is not None and rt.eval_episode_interval > 0 and (
                     episode % rt.eval_episode_interval == 0 or final):

@@ -20,6 +20,7 @@ from chatlearn.errors import UserError
 from chatlearn.logging.console import attach_logs, info, warn
 from chatlearn.logging.metrics import run_summary
 from chatlearn.logging.plots import plot_after_run, read_metrics
+from chatlearn.logging.startup import clock
 from chatlearn.runtime.cluster.cluster import Cluster
 from chatlearn.runtime.driver.engine import Engine
 from chatlearn.runtime.driver.multiturn import MultiTurnLoop
@@ -80,8 +81,14 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
         warn_repeated_prompts(len(train_set), plan)
         for line in plan.describe():
             info(line)
+        startup = clock()
+        startup.mark("data")
         with Cluster(cfg, plan) as cluster:
+            startup.mark("ray")
             engine = Engine(cfg, plan, cluster, tokenizer, train_set, eval_set, multi_turn)
+            startup.mark("models")
+            for name, times in cluster.startup_times().items():
+                startup.add_model(name, times)
             try:
                 last = engine.train()
             finally:
