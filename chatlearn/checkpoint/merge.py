@@ -540,6 +540,11 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
     check_against_manifest(ckpt, "checkpoint")
     megatron = _checkpoint_format(ckpt) == megatron_format.FORMAT
     meta = megatron_format.read_meta(ckpt, {}) if megatron else sharded.read_meta(ckpt)
+    if not megatron and isinstance(meta, dict) and meta.get("lora"):
+        raise UserError(
+            f"the checkpoint {ckpt} holds LoRA adapters (models.policy_trainer.lora), not a whole model: its "
+            "merged model is the hf/ folder the run saved beside it (models.policy_trainer.save_hf: true). "
+            "chatlearn merge does not yet put adapters onto their base model; evaluate or load that hf/ folder.")
     src = _source_folder(ckpt, meta, hf_config)
     out_dir = os.path.abspath(out_dir)
     _check_out_dir(out_dir)

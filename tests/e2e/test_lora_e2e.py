@@ -54,3 +54,9 @@ def test_lora_run(tmp_path):
     with safe_open(str(ckpt / "hf" / "model.safetensors"), framework="pt") as f:
         names = list(f.keys())
     assert "model.layers.0.self_attn.q_proj.weight" in names and not [n for n in names if "lora" in n]
+    # chatlearn merge of an adapter checkpoint: refused in one paragraph pointing at the merged hf/ folder
+    merged = subprocess.run([sys.executable, "-m", "chatlearn.cli", "merge", str(ckpt), str(out / "merged")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    said = " ".join(merged.stderr.split())
+    assert merged.returncode == 2 and "holds LoRA adapters" in said and "Traceback" not in said, merged.stderr
+    assert not (out / "merged").exists()
