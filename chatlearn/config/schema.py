@@ -10,6 +10,8 @@ then follows the key it names unless the user sets it.
 """
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -557,15 +559,29 @@ COMPAT_ONLY_KEYS: Dict[str, str] = {
 }
 
 
+@functools.lru_cache(maxsize=1)
+def _raw_defaults() -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+
+
+def raw_defaults() -> dict:
+    """The schema's defaults as plain containers, interpolations unresolved (``${...}`` strings), a
+    required key as ``"???"``: built once per process (building the structured config takes a
+    quarter of a second) and copied for each caller."""
+    return copy.deepcopy(_raw_defaults())
+
+
 def compat_warning(cfg) -> Optional[str]:
     """One warning naming the compatibility-only keys that ``cfg`` sets away from their default;
     None when there are none. A default that is an interpolation is resolved within ``cfg``."""
     from omegaconf import OmegaConf
 
-    raw_defaults = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+    defaults_tree = raw_defaults()
     values, defaults = {}, {}
     for i, key in enumerate(COMPAT_ONLY_KEYS):
-        raw = raw_defaults
+        raw = defaults_tree
         for part in key.split("."):
             raw = raw[part]
         values[f"k{i}"] = OmegaConf.select(cfg, key, default=raw, throw_on_missing=False)

@@ -68,10 +68,10 @@ def changed_config(cfg: DictConfig) -> dict:
     :func:`config_yaml`). A default that interpolates another key (``${runtime_args.seed}``) is taken
     with the value that key has in ``cfg``; a required key (no default) always counts as set; lists
     are compared whole."""
-    from chatlearn.config.schema import Config
+    from chatlearn.config.schema import raw_defaults
 
     final = OmegaConf.to_container(cfg, resolve=True)
-    raw = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+    raw = raw_defaults()
     context = OmegaConf.create(final)
     missing = object()
 
