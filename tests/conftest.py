@@ -22,6 +22,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Under pytest-xdist (tools/run_tests.sh) each test process gets a temporary folder of its own, and
+# with it the runs it starts: their Ray sessions (Ray takes TMPDIR), rendezvous files and leftover
+# records, so that a test's checks of what a run left behind see only its own. Short: Ray's socket
+# paths live under it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+
+    _tmp = os.path.join(tempfile.gettempdir(), f"clt-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(_tmp, exist_ok=True)
+    os.environ["TMPDIR"] = _tmp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _environment_per_module():

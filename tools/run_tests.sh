@@ -4,7 +4,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh || exit 1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-.venv/bin/python -m pytest tests --durations=30 "$@"
+# Two test processes (pytest-xdist, one per core; a test file stays in one process, so its shared runs
+# are made once): most of a run's time is single-threaded start-up and waiting, which the other process
+# fills. CHATLEARN_TEST_WORKERS=0 runs everything in this process.
+WORKERS=${CHATLEARN_TEST_WORKERS:-2}
+if [ "$WORKERS" -gt 0 ]; then
+  PARALLEL=(-n "$WORKERS" --dist loadfile)
+else
+  PARALLEL=()
+fi
+.venv/bin/python -m pytest tests "${PARALLEL[@]}" --durations=30 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests" >&2

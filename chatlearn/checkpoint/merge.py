@@ -513,6 +513,15 @@ def _copy_hf_files(src: str, out: str, dtype: str, value_head: bool = False) -> 
     return copied
 
 
+def _refuse_adapters(ckpt: str, meta) -> None:
+    """A checkpoint of a LoRA run holds only its adapters: refused, pointing at its merged hf/ folder."""
+    if isinstance(meta, dict) and meta.get("lora"):
+        raise UserError(
+            f"the checkpoint {ckpt} holds LoRA adapters (models.policy_trainer.lora), not a whole model: its "
+            "merged model is the hf/ folder the run saved beside it (models.policy_trainer.save_hf: true). "
+            "chatlearn merge does not yet put adapters onto their base model; evaluate or load that hf/ folder.")
+
+
 def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
                      dtype: str = "float32", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                      trust_remote_code: bool = False, log: Callable[[str], None] | None = None) -> dict:
@@ -540,11 +549,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
     check_against_manifest(ckpt, "checkpoint")
     megatron = _checkpoint_format(ckpt) == megatron_format.FORMAT
     meta = megatron_format.read_meta(ckpt, {}) if megatron else sharded.read_meta(ckpt)
-    if not megatron and isinstance(meta, dict) and meta.get("lora"):
-        raise UserError(
-            f"the checkpoint {ckpt} holds LoRA adapters (models.policy_trainer.lora), not a whole model: its "
-            "merged model is the hf/ folder the run saved beside it (models.policy_trainer.save_hf: true). "
-            "chatlearn merge does not yet put adapters onto their base model; evaluate or load that hf/ folder.")
+    _refuse_adapters(ckpt, None if megatron else meta)
     src = _source_folder(ckpt, meta, hf_config)
     out_dir = os.path.abspath(out_dir)
     _check_out_dir(out_dir)

@@ -23,6 +23,7 @@ import pytest
 import runs
 
 from conftest import REPO
+from test_reliability_e2e import ctrl_c_reaches_it
 
 RUN = ["runtime_args.num_episode=1", "runtime_args.sample_per_episode=16", "runtime_args.train_global_batch_size=16",
        "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
@@ -205,7 +206,8 @@ def test_the_merged_model_is_deleted_on_ctrl_c(ckpt, tmp_path, tmpdir_env):
     out, tmpdir = tmp_path / "out", tmpdir_env
     proc = subprocess.Popen(eval_command(out, ckpt["path"], ckpt["data"]), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmpdir)},
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=ctrl_c_reaches_it)
     merged = [out / "eval" / "merged_model" / "config.json"] + [p / "model" / "config.json" for p in
                                                                tmpdir.glob("chatlearn_eval_*")]
     deadline = time.time() + 120

@@ -27,9 +27,17 @@ def command(out, *extra):
             f"runtime_args.output_dir={out}", *extra]
 
 
+def ctrl_c_reaches_it():
+    """For a child the tests stop with SIGINT: a shell that starts a job in the background ignores
+    SIGINT for it (and Python then never raises KeyboardInterrupt), so a suite started that way would
+    see exit 0 instead of 130. The child gets the default disposition back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(out, *extra, env=None):
     return subprocess.Popen(command(out, *extra), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+                            text=True, env={**os.environ, **(env or {})}, start_new_session=True,
+                            preexec_fn=ctrl_c_reaches_it)
 
 
 def episodes(path):

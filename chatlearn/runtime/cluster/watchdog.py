@@ -262,9 +262,13 @@ class Watchdog:
             _thread.interrupt_main()
 
     def close(self) -> None:
-        """The run is ending: stop looking, and drop its heartbeats from Ray's store."""
+        """The run is ending: stop looking, and drop its heartbeats from Ray's store. Not after a SIGTERM:
+        a job stopped as a whole (Slurm) has lost Ray's GCS with it, and a call to it would wait 60 s
+        and then end the process with Ray's error instead of the run's exit code 143."""
+        from chatlearn.runtime.cluster.signals import terminated
+
         self._closed.set()
-        if self.floor > 0:
+        if self.floor > 0 and not terminated():
             with contextlib.suppress(Exception):
                 forget_heartbeats(list(self.actors()))
 
