@@ -138,6 +138,17 @@ def set_cpu_env_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
+def prestart() -> None:
+    """Run by the replica's process while it waits for its ``setup`` (``Worker``'s preload, while the
+    other models are built): vLLM's CPU environment defaults, then vLLM's engine modules imported,
+    seconds of the engine's build moved to where they overlap other work. No device is touched and
+    nothing is built here (``torch.set_num_threads`` still acts: vLLM replaces it only when its CPU
+    worker starts)."""
+    set_cpu_env_defaults()
+    import vllm.v1.engine.core_client  # noqa: F401  (the engine core and its client)
+    from vllm import LLM, SamplingParams  # noqa: F401  (vllm's lazy attributes, the heavy part)
+
+
 def pack_weights(weights: list[tuple[str, torch.Tensor]], blob_bytes: int = 1 << 30) -> list[bytes]:
     """(name, tensor) pairs as safetensors blobs of about ``blob_bytes`` each.
 

@@ -17,8 +17,9 @@ class Worker:
     :meth:`call_on`; the process's own object stays ``obj``."""
 
     def __init__(self, threads: int, preload: str | None = None, uses_torch: bool = True):
-        """``preload``: the backend's module, imported now, while the process waits for its
-        ``setup`` (the other models are built meanwhile); nothing touches a device here.
+        """``preload``: the backend's module, imported now (and its ``prestart()`` run, if it has one),
+        while the process waits for its ``setup`` (the other models are built meanwhile); nothing
+        touches a device here.
         ``uses_torch``: False for the reward workers, which then never import torch or
         transformers (seconds of CPU at every start, taken from the models starting beside them)."""
         from chatlearn.logging.console import setup_worker
@@ -44,8 +45,10 @@ class Worker:
             hf_logging.disable_progress_bar()  # per-file loading bars would flood the run's log
         self.obj = None
         self.objs: dict = {}  # name -> a further object of this process (a fused rollout replica)
-        if preload:
-            importlib.import_module(preload)
+        if preload:  # a backend's module may also say what to do before its setup (``prestart()``)
+            hook = getattr(importlib.import_module(preload), "prestart", None)
+            if hook is not None:
+                hook()
         self.times["ready"] = time.time()
 
     def address(self) -> tuple[str, int]:

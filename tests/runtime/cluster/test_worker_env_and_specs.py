@@ -172,6 +172,10 @@ import os, time
 open(os.path.join(os.environ["MARKS"], f"imported-{os.getpid()}"), "w").write(str(time.time()))
 
 
+def prestart():
+    open(os.path.join(os.environ["MARKS"], f"prestarted-{os.getpid()}"), "w").write(str(time.time()))
+
+
 class Thing:
     def __init__(self, cfg):
         open(os.path.join(os.environ["MARKS"], f"built-{os.getpid()}"), "w").write(str(time.time()))
@@ -180,8 +184,8 @@ class Thing:
 
 @pytest.mark.timeout(180)
 def test_started_actors_import_their_backend_before_the_model_is_built(tmp_path):
-    """``start_actors`` (Cluster.prestart) starts the processes, which import the backend's module and
-    wait; ``create_group`` then builds the backend in those same processes, named by model and rank
+    """``start_actors`` (Cluster.prestart) starts the processes, which import the backend's module, run
+    its ``prestart()`` and wait; ``create_group`` then builds the backend in those same processes, named by model and rank
     from the start (a process that dies while waiting is named too)."""
     from chatlearn.runtime.cluster.group import create_group, role_of, start_actors
 
@@ -195,7 +199,7 @@ def test_started_actors_import_their_backend_before_the_model_is_built(tmp_path)
         actors = start_actors("probe", "preload_probe:Thing", **args)
         assert [role_of(a._actor_id.hex()) for a in actors] == ["probe rank 0", "probe rank 1"]
         deadline = time.time() + 120
-        while len(list(marks.glob("imported-*"))) < 2:  # imported while nothing has asked for the model
+        while len(list(marks.glob("prestarted-*"))) < 2:  # imported while nothing has asked for the model
             assert time.time() < deadline, list(marks.iterdir())
             time.sleep(0.1)
         assert not list(marks.glob("built-*"))
@@ -203,5 +207,31 @@ def test_started_actors_import_their_backend_before_the_model_is_built(tmp_path)
         assert group.actors == actors
         imported = {p.name.split("-")[1] for p in marks.glob("imported-*")}
         assert {p.name.split("-")[1] for p in marks.glob("built-*")} == imported
+        assert {p.name.split("-")[1] for p in marks.glob("prestarted-*")} == imported  # the module's prestart()
     finally:
         ray.shutdown()
+
+
+def test_vllm_prestart_imports_the_engine_without_building_it():
+    """The vLLM replica's process imports vLLM's engine while it waits for its ``setup`` (the heavy part
+    of the engine's build, overlapping the other models' builds): the module alone imports no vLLM,
+    ``prestart()`` imports ``vllm.LLM``'s module and sets the CPU defaults, and builds nothing."""
+    import subprocess
+    import sys
+
+    code = """
+import os, sys
+os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+import chatlearn.models.rollout.vllm as rollout
+assert "vllm.entrypoints.llm" not in sys.modules, "imported before prestart"
+rollout.prestart()
+assert "vllm.entrypoints.llm" in sys.modules and "vllm.v1.engine.core_client" in sys.modules
+assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+import torch
+torch.set_num_threads(1)
+assert torch.get_num_threads() == 1  # vLLM's CPU worker has not replaced it yet
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
