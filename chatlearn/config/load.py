@@ -411,6 +411,9 @@ def _check_reward(cfg: DictConfig) -> None:
     if rt.stage_timeout_s < 0:
         raise ConfigError(f"must be >= 0 (seconds; 0: no limit), got {rt.stage_timeout_s!r}.",
                           key="runtime_args.stage_timeout_s")
+    if rt.weight_push_check_tolerance is not None and not rt.weight_push_check_tolerance > 0:
+        raise ConfigError(f"must be > 0 (nats) or null (by precision), got {rt.weight_push_check_tolerance!r}.",
+                          key="runtime_args.weight_push_check_tolerance")
     if r.num_cpu % (r.cpu_per_process or 1):
         raise ConfigError(f"num_cpu ({r.num_cpu}) must be divisible by cpu_per_process ({r.cpu_per_process}).",
                           key="models.reward.num_cpu")

@@ -120,6 +120,11 @@ class RuntimeArgs:
     ray_connect_timeout_s: float = 30.0  # with RAY_ADDRESS: seconds to wait for the cluster to answer
     # the deadline of a stage on the workers: max(this, 5 x the longest that stage has taken); 0: none
     stage_timeout_s: float = 600.0
+    # after every weight push, every rollout replica's log-probs of a fixed probe are compared with the
+    # trainer's: a push that did not land stops the run (chatlearn/runtime/driver/landing.py)
+    weight_push_check: bool = True
+    # the largest gap allowed (nats); null: by precision (float32 0.01, float16 0.25, bfloat16 0.5)
+    weight_push_check_tolerance: Optional[float] = None
     # logging
     log_args_dict: LogArgs = field(default_factory=LogArgs)
 

@@ -131,6 +131,20 @@ class Trainer(Model):
             micro, self._logprob_stats = self._micro_batches(batch, self.spec.logprob_micro_batch_size)
             return self._logprob_pass(batch, micro, temperature, with_entropy)
 
+    def probe_logprobs(self, batch: Batch) -> dict:
+        """The trainer's side of the check that a weight push landed (``chatlearn.runtime.driver.landing``):
+        ``{"logprobs": float32 [T] of :meth:`compute_logprobs` at temperature 1, "dtype": the precision it
+        computes in}``. A collective; :meth:`logprob_stats` keep the episode's pass, not this one."""
+        kept = self.__dict__.get("_logprob_stats")
+        try:
+            found = self.compute_logprobs(batch, 1.0)
+        finally:
+            if kept is None:
+                self.__dict__.pop("_logprob_stats", None)
+            else:
+                self._logprob_stats = kept
+        return {"logprobs": np.asarray(found, dtype=np.float32), "dtype": "bfloat16" if self.spec.bf16 else "float32"}
+
     def ref_logprobs(self, batch: Batch, temperature: float = 1.0):
         """The reference log-probs of a trainer that trains adapters (LoRA): :meth:`compute_logprobs`
         with the adapters disabled, i.e. under the base weights the run started from (the reference
@@ -482,6 +496,14 @@ class Rollout(Model):
         """Drop the mappings of :meth:`attach_weight_slots` (after the push, before the trainer
         frees the slots)."""
         raise self._no_slots("detach_weight_slots")
+
+    def probe_logprobs(self, tokens: list[int]) -> dict:
+        """The rollout's side of the check that a weight push landed (``chatlearn.runtime.driver.landing``):
+        ``{"logprobs": float32 [len(tokens) - 1], "dtype": the engine's dtype}``, the log-prob of each token
+        after the first given the ones before it under the raw logits (temperature 1, no penalties). It
+        draws no random numbers and leaves no cached KV of ``tokens`` for the next generation."""
+        raise NotImplementedError(f"{type(self).__name__}.probe_logprobs: this rollout backend cannot check "
+                                  "that a weight push landed; set runtime_args.weight_push_check=false")
 
     def _no_slots(self, method: str) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__}.{method}: this rollout backend does not map CUDA IPC "

@@ -76,7 +76,9 @@ def test_four_models_colocated_on_two_devices(tmp_path):
                if e["kind"] == "transition" and e["episode"] == episode]
         assert got == EXPECTED, (episode, got)
         assert [r for r in rows if r["episode"] == episode][0]["sched/transitions"] == len(EXPECTED)
-    # two-step wake of the rollout engine: weights, the push, then the KV cache
+    # two-step wake of the rollout engine: weights, the push, then the KV cache; the KV cache is woken
+    # inside the push's stage (a stage's event is written at its end), after the transfer, for the
+    # landing check's probe (runtime_args.weight_push_check, on by default)
     ep3 = [e for e in events if e["episode"] == 3]
     order = [(e["kind"], e.get("model"), e.get("action") or e.get("stage"), tuple(e.get("parts", ())))
              for e in ep3]

@@ -83,6 +83,8 @@ def test_short_run(backend, tmp_path):
         # rollout engine and trainer agree on the log-probs of the sampled tokens: in episode 1 on the
         # initial weights, afterwards on the weights pushed at the end of the previous episode
         assert r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, r
+        # every push landed (chatlearn/runtime/driver/landing.py): the probe's gap, far within float32's 0.01
+        assert r["sync/landing_gap_max"] < 1e-4 and r["perf/weight_push_check_s"] > 0, r
     assert rows[2]["train/kl"] > 0  # the policy moved away from the reference
 
     # log_samples_interval=2: five decoded samples of episode 2, one per prompt (16 prompts of 4 responses)

@@ -520,6 +520,16 @@ class HFRollout(Rollout):
         return ([new_tokens[i, :length[i]] for i in range(n)], [token_lp[i, :length[i]] for i in range(n)],
                 [bool(f) for f in finished])
 
+    @torch.no_grad()
+    def probe_logprobs(self, tokens: list[int]) -> dict:
+        """``Rollout.probe_logprobs``: one forward of ``tokens`` without a cache (nothing sampled, no RNG)."""
+        if self._offloaded:
+            raise RuntimeError("HFRollout.probe_logprobs: weights are offloaded; call onload first")
+        ids = torch.tensor([[int(t) for t in tokens]], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        found = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+        return {"logprobs": found.cpu().numpy().astype(np.float32), "dtype": str(self.spec.dtype)}
+
     # -- weights ----------------------------------------------------------------------
 
     def begin_weight_update(self) -> None:

@@ -359,6 +359,27 @@ class SGLangRollout(Rollout):
             finished.append(FINISH_REASONS[reason])
         return pack_samples(prompts, responses, logprobs, finished)
 
+    def probe_logprobs(self, tokens: list[int]) -> dict:
+        """``Rollout.probe_logprobs``: SGLang's input-token log-probs of one greedy request of one token
+        (``return_logprob=True, logprob_start_len=0``: ``meta_info["input_token_logprobs"]``, one
+        ``(logprob, token_id, text)`` per input token, the first ``None``; ``log_softmax`` of the raw
+        logits, ``LogitsProcessor``: temperature 1 and top-p 1 for a greedy request). A request that
+        wants log-probs from position 0 matches no cached prefix; a greedy batch draws no random
+        numbers; the cache is flushed before the next generation."""
+        if self._released:
+            raise RuntimeError(f"SGLangRollout.probe_logprobs: {sorted(self._released)} offloaded; call onload first")
+        tokens = [int(t) for t in tokens]
+        if self._stale_cache:
+            self.engine.flush_cache()
+        out = self.engine.generate(input_ids=[tokens], sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}],
+                                   return_logprob=True, logprob_start_len=0)[0]
+        steps = out["meta_info"]["input_token_logprobs"]
+        if [int(s[1]) for s in steps] != tokens:
+            raise RuntimeError("SGLang probe: input_token_logprobs do not match the input ids")
+        self._stale_cache = True  # the probe's prefix is cached
+        return {"logprobs": np.asarray([float(s[0]) for s in steps[1:]], dtype=np.float32),
+                "dtype": str(self.spec.dtype)}
+
     # -- weights ----------------------------------------------------------------------
 
     def begin_weight_update(self) -> None:

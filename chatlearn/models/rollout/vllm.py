@@ -736,6 +736,24 @@ class VLLMRollout(Rollout):
             finished.append(FINISH_REASONS[comp.finish_reason])
         return pack_samples(prompts, responses, logprobs, finished)
 
+    def probe_logprobs(self, tokens: list[int]) -> dict:
+        """``Rollout.probe_logprobs``: vLLM's prompt log-probs of one greedy request of one token
+        (``prompt_logprobs=0``: the prompt token's own, ``log_softmax`` of the raw logits in float32 in every
+        ``logprobs_mode``, vLLM 0.32 ``gpu_model_runner._get_prompt_logprobs_dict``). Such a request skips
+        reading the prefix cache (``SamplingParams.skip_reading_prefix_cache``), and a batch of greedy
+        requests draws no random numbers (``Sampler.sample``); the blocks it cached are dropped after it."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self._asleep or self._awaiting_push:
+            raise RuntimeError("VLLMRollout.probe_logprobs: the weights or the KV cache are not on")
+        tokens = [int(t) for t in tokens]
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        found = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(tokens) if i > 0]
+        self.llm.reset_prefix_cache()
+        return {"logprobs": np.asarray(found, dtype=np.float32), "dtype": str(self.spec.dtype)}
+
     # -- weights ----------------------------------------------------------------------
 
     def begin_weight_update(self) -> None:

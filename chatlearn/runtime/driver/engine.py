@@ -49,6 +49,7 @@ from chatlearn.runtime.cluster.watchdog import Watchdog
 from chatlearn.runtime.driver.algorithm import Algorithm, ModelCalls, Pass, StepLoop, make_algorithm
 from chatlearn.runtime.driver.dynamic import dynamic_sampling
 from chatlearn.runtime.driver.instrument import EpisodeRun, Instrument
+from chatlearn.runtime.driver.landing import LandingCheck, probe_tokens
 from chatlearn.runtime.driver.multiturn import MultiTurnLoop
 from chatlearn.runtime.driver.observe import EpisodeReport
 from chatlearn.runtime.driver.overlap import RolloutPipeline, kept_rollouts
@@ -97,6 +98,12 @@ class Engine:
         self.metrics = MetricSinks(cfg)
         self.report = EpisodeReport(cfg, plan, self.sampling, self.metrics, groups["policy_trainer"])
         self.weight_push: WeightPush | None = None  # set up on the first push
+        # runtime_args.weight_push_check: every push is checked to have landed (chatlearn/runtime/driver/landing.py)
+        self.landing = (LandingCheck(probe_tokens(train_set.prompt_ids[0] if len(train_set) else [],
+                                                  len(tokenizer), m.policy.max_prompt_tokens_length),
+                                     plan.trainer_dp, rt.weight_push_check_tolerance, m.policy.load,
+                                     rt.rollout_backend)
+                        if rt.weight_push_check else None)
         # runtime_args.max_staleness > 0: the rollouts of the next episodes run beside training
         self.pipeline = (RolloutPipeline(plan.max_staleness, lambda episode: self.next_prompts(), self.produce,
                                           lambda rows: Prompts.of(self.train_set, rows, self.plan.group_size))
@@ -181,7 +188,7 @@ class Engine:
         # that left the policy as it was, a critic warm-up, pushes nothing)
         if "policy_trainer" in trains:
             with run.stage(Stage.WEIGHT_PUSH, "policy"):
-                metrics.update(self.push_weights())
+                metrics.update(self.push_weights(f"after episode {episode}"))
         self.sched.ensure("policy", [Part.KV_CACHE])
         policy_first = first_steps["policy_trainer"] if "policy_trainer" in first_steps else {}  # not in warm-up
         metrics.update(self.report.metrics(episode, samples, policy_first))
@@ -236,18 +243,25 @@ class Engine:
             return done
         return pool.submit(run.timed, p.model, p.stage, p.compute, batch)
 
-    def push_weights(self) -> dict:
+    def push_weights(self, when: str) -> dict:
         """Wake the rollout engine's weights (the trainer's stay beside them) and stream the trainer's
         weights into every rollout replica (``WeightPush``: buckets, transport chosen by placement,
-        set up on the first push); returns ``sync/*`` metrics. The KV cache is woken after it."""
+        set up on the first push); returns ``sync/*`` metrics. The KV cache is woken after it. With
+        ``runtime_args.weight_push_check`` the push is checked to have landed (:class:`LandingCheck`:
+        the trainer's probe before the push, the replicas' once their KV cache is back); ``when``
+        names the push in its error."""
         if self.pipeline is not None:  # the rollout engine changes weights between generate calls, never in one
             self.pipeline.drain()
         self.sched.ensure("policy_trainer", [Part.WEIGHTS])  # resident already, unless another trained model ran last
+        expected = self.landing.trainer_side(self.sched.groups["policy_trainer"]) if self.landing else None
         self.sched.ensure("policy", [Part.WEIGHTS], keep={"policy_trainer": [Part.WEIGHTS]})
         if self.weight_push is None:
             self.weight_push = WeightPush(self.sched.groups["policy_trainer"], self.sched.groups["policy"],
                                           self.plan, self.cfg)
         pushed = self.weight_push.push()
+        if self.landing is not None:
+            self.sched.ensure("policy", [Part.KV_CACHE])
+            pushed.update(self.landing.rollout_side(self.sched.groups["policy"], expected, when))
         if self.pipeline is not None:
             self.pipeline.pushed()
         return pushed
@@ -300,7 +314,7 @@ class Engine:
         self.sampler.load_state_dict(state["sampler"])
         self.replay.load(path)
         # the rollout engine still holds the initial weights: give it the checkpoint's
-        self.push_weights()
+        self.push_weights(f"on resuming from {path}")
         if self.pipeline is not None:
             self.pipeline.load(path)
             self.pipeline.pushed(version=episode)

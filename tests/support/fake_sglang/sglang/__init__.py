@@ -29,6 +29,11 @@ Behaviour copied from SGLang and relied on by the tests:
   dropped by ``flush_cache()``, by ``update_weights_from_tensor(flush_cache=True)`` and by
   releasing ``kv_cache``. Pushing weights with ``flush_cache=False`` and not flushing
   leaves stale KV in use, as in SGLang.
+* ``return_logprob`` with ``logprob_start_len`` s >= 0 (``None`` or -1: the last input token only, here
+  none): ``meta_info["input_token_logprobs"]`` holds one ``(logprob, token_id, None)`` per token of
+  ``input_ids[s:]``, the first ``None`` (``scheduler_output_processor_mixin``: the first is always
+  padded with None), ``log_softmax`` of the float32 logits (``LogitsProcessor``, temperature 1 for a
+  greedy request); such a request matches no cached prefix past s (``Req.init_next_round_input``).
 * ``release_memory_occupation(tags)`` frees the tagged storage for real ("weights":
   parameter storages resized to 0; "kv_cache": the cache). Resumed weights are restored
   only with ``enable_weights_cpu_backup``; without it they come back as NaN (SGLang gives
@@ -232,20 +237,28 @@ class Engine:
             raise ValueError("sampling_params must be one dict or one per prompt")
         rids = rid if isinstance(rid, list) else [rid] * len(batch)
         flags = return_logprob if isinstance(return_logprob, list) else [return_logprob] * len(batch)
-        outs = [self._one(list(map(int, ids)), SamplingParams(**sp), bool(lp), r or f"req-{i}")
-                for i, (ids, sp, lp, r) in enumerate(zip(batch, params, flags, rids))]
+        starts = logprob_start_len if isinstance(logprob_start_len, list) else [logprob_start_len] * len(batch)
+        outs = [self._one(list(map(int, ids)), SamplingParams(**sp), bool(lp), r or f"req-{i}", start)
+                for i, (ids, sp, lp, r, start) in enumerate(zip(batch, params, flags, rids, starts))]
         return outs[0] if single else outs
 
     def _forward(self, ids: list[int], past):
         out = self.model(torch.tensor([ids]), past_key_values=past, use_cache=True)
         return out.logits[0, -1].float(), out.past_key_values
 
-    def _one(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str) -> dict:
+    def _one(self, prompt: list[int], sp: SamplingParams, return_logprob: bool, rid: str,
+             logprob_start_len: Optional[int] = None) -> dict:
         import copy
 
         max_new = self._admitted_new_tokens(prompt, sp.max_new_tokens)
         key = tuple(prompt)
-        if key in self._prefix_cache:
+        start = _input_logprob_start(prompt, return_logprob, logprob_start_len)
+        input_lps = None
+        if start < len(prompt) - 1:  # input log-probs wanted: no cached prefix past their start
+            logits, past, input_lps = self._forward_with_input_logprobs(prompt, start)
+            self._prefix_cache[key] = (logits, copy.deepcopy(past))
+            cached = 0
+        elif key in self._prefix_cache:
             logits, past = self._prefix_cache[key]
             past, cached = copy.deepcopy(past), len(prompt)
         else:
@@ -270,9 +283,21 @@ class Engine:
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(prompt),
                 "completion_tokens": len(out_ids), "cached_tokens": cached}
         if return_logprob:
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = ([] if input_lps is None else  # one per prompt[start:], the first None
+                                            [(lp, t, None) for lp, t in zip([None, *input_lps], prompt[start:])])
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(out_lps, out_ids)]
         return {"output_ids": out_ids, "meta_info": meta}
+
+    @torch.no_grad()
+    def _forward_with_input_logprobs(self, prompt: list[int], start: int):
+        """The prompt's forward (no cached prefix, as SGLang caps the prefix it matches at the request's
+        ``logprob_start_len``: ``Req.init_next_round_input``) with the input-token log-probs of
+        ``prompt[start + 1:]``: ``log_softmax`` of the float32 logits (``LogitsProcessor``; temperature 1,
+        top-p 1 for a greedy request). Returns (the last logits, the KV, the log-probs)."""
+        out = self.model(torch.tensor([prompt]), use_cache=True)
+        logits = out.logits[0].float()
+        lps = torch.log_softmax(logits[start:-1], -1).gather(1, torch.tensor(prompt[start + 1:])[:, None])[:, 0]
+        return logits[-1], out.past_key_values, [float(x) for x in lps]
 
     def _admitted_new_tokens(self, prompt: list[int], max_new_tokens: int) -> int:
         """The request's checks on its way in (without allow_auto_truncate) and the new tokens it may
@@ -405,3 +430,14 @@ class Engine:
         self._alive = False
         self._prefix_cache.clear()
         self.model = None
+
+
+def _input_logprob_start(prompt: list, return_logprob: bool, logprob_start_len: Optional[int]) -> int:
+    """Where a request's input-token log-probs start: ``logprob_start_len`` (SGLang's default, None or
+    -1, is ``len(input_ids) - 1``: output log-probs only), as ``TokenizerManager`` sets it; without
+    ``return_logprob`` none. A start past the prompt is refused as SGLang's scheduler aborts it."""
+    if not return_logprob or logprob_start_len is None or logprob_start_len == -1:
+        return len(prompt) - 1
+    if not 0 <= logprob_start_len < len(prompt):
+        raise ValueError(f"logprob_start_len ({logprob_start_len}) is larger than the input length ({len(prompt)})")
+    return int(logprob_start_len)

@@ -62,6 +62,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     # set by __post_init__ and by the engine (update_from_generation_config), not inputs
@@ -85,6 +86,8 @@ class SamplingParams:
             self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.logprobs is True:
             self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
         self._verify_args()
         if self.temperature < _SAMPLING_EPS:
             # Zero temperature means greedy sampling.
@@ -136,6 +139,9 @@ class SamplingParams:
             raise VLLMValidationError(f"logprobs must be non-negative or -1, got {self.logprobs}.",
                                       parameter="logprobs", value=self.logprobs)
         assert isinstance(self.stop_token_ids, list)
+        if self.prompt_logprobs is not None and self.prompt_logprobs != -1 and self.prompt_logprobs < 0:
+            raise VLLMValidationError(f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs}.",
+                                      parameter="prompt_logprobs", value=self.prompt_logprobs)
         if not all(isinstance(st_id, int) for st_id in self.stop_token_ids):
             raise VLLMValidationError(f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
         assert isinstance(self.stop, list)
