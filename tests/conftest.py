@@ -35,6 +35,26 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
+# The files that take longest, longest first (several minutes each on 2 loaded cores). Under
+# pytest-xdist (tools/run_tests.sh: --dist loadfile --no-loadscope-reorder) a process that is free takes
+# the next file in collection order: these start first, then the other files with end-to-end runs (tests
+# marked slow), then the rest, so that no long file starts last and keeps one process busy alone at the end.
+LONGEST_FIRST = ("e2e/test_placement.py", "e2e/test_ppo_e2e.py", "reliability/test_reliability_e2e.py",
+                 "e2e/test_megatron_e2e.py", "e2e/test_eval.py", "models/rollout/test_rollout_tp.py")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def order(item):
+        name = os.path.relpath(item.path, HERE).replace(os.sep, "/")
+        return rank.get(name, len(rank) + (item.path not in slow))
+
+    items.sort(key=order)  # stable: a file's tests keep their order
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _environment_per_module():
     """What a test module leaves in ``os.environ`` does not reach the next modules and the runs they

@@ -6,10 +6,11 @@ bash tools/setup.sh || exit 1
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # Two test processes (pytest-xdist, one per core; a test file stays in one process, so its shared runs
 # are made once): most of a run's time is single-threaded start-up and waiting, which the other process
-# fills. CHATLEARN_TEST_WORKERS=0 runs everything in this process.
+# fills. Files go out in collection order, the longest first (tests/conftest.py), not xdist's order by
+# number of tests. CHATLEARN_TEST_WORKERS=0 runs everything in this process.
 WORKERS=${CHATLEARN_TEST_WORKERS:-2}
 if [ "$WORKERS" -gt 0 ]; then
-  PARALLEL=(-n "$WORKERS" --dist loadfile)
+  PARALLEL=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 else
   PARALLEL=()
 fi

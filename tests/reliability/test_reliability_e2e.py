@@ -1,5 +1,6 @@
 """Faults with real runs of the embedded default (shortened): a SIGKILL after a checkpoint with
-rows past it and a torn last line, then resume; two runs into one folder at once; --overwrite."""
+rows past it and a torn last line, then resume; two runs into one folder at once (and Ctrl-C);
+--overwrite."""
 from __future__ import annotations
 
 import collections
@@ -108,32 +109,6 @@ def test_kill_after_a_checkpoint_torn_rows_then_resume(tmp_path):
     assert manifest_problems(str(out / "checkpoints" / "episode_000004")) == []  # written again, whole
 
 
-@pytest.mark.timeout(900)
-def test_two_runs_into_one_folder_and_ctrl_c(tmp_path):
-    """A second run into a folder in use is refused naming the first; Ctrl-C releases the lock."""
-    out = tmp_path / "out"
-    first = start(out, "runtime_args.num_episode=50")
-    try:
-        wait_for(first, lambda: (out / "metrics.jsonl").exists(), "the first run started training")
-        lock = json.loads((out / "run.lock").read_text())
-        assert lock["pid"] == first.pid and lock["host"] == socket.gethostname()
-        second = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=200)
-        assert second.returncode == 2, second.stderr[-3000:]
-        err = " ".join(second.stderr.split())
-        assert "Traceback" not in err
-        for word in (str(out), f"in use by process {first.pid} on host {socket.gethostname()}",
-                     f"started {lock['started']}", "Wait for that run to finish"):
-            assert word in err, err
-        os.killpg(first.pid, signal.SIGINT)
-        first.wait(timeout=120)
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
-    assert first.returncode == 130
-    assert not (out / "run.lock").exists()
-
-
 def session_processes(sid):
     """Processes still alive in the run's session (the driver and everything it started)."""
     out = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
@@ -148,7 +123,7 @@ def test_sigterm_stops_like_ctrl_c(tmp_path, to):
     job (Slurm) stops the run like Ctrl-C: exit 143, no traceback, the lock released, no process of
     the run left behind, the last complete checkpoint kept."""
     out = tmp_path / "out"
-    proc = start(out, "runtime_args.num_episode=50")
+    proc = start(out, "runtime_args.num_episode=50", "runtime_args.save_episode_interval=1")
     try:
         wait_for(proc, lambda: (out / "checkpoints" / "latest").exists(), "the first checkpoint")
         (os.kill if to == "driver" else os.killpg)(proc.pid, signal.SIGTERM)
@@ -211,7 +186,8 @@ def test_overwrite_moves_the_old_run_aside(tmp_path):
     """--no-resume into a used folder is refused; --overwrite moves the old run aside, whole, and the
     new run's keep-last-N and ``latest`` see only its own checkpoints."""
     out = tmp_path / "out"
-    finish(out, "runtime_args.save_episode_interval=1", "runtime_args.keep_last_checkpoints=0")
+    finish(out, "runtime_args.num_episode=2", "runtime_args.save_episode_interval=1",
+           "runtime_args.keep_last_checkpoints=0")
     old_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
     refused = subprocess.run(command(out, "--no-resume"), cwd=REPO, capture_output=True, text=True, timeout=200)
     assert refused.returncode == 2 and "already holds a run" in refused.stderr, refused.stderr[-3000:]
@@ -337,15 +313,26 @@ def test_a_reward_function_that_calls_os_exit_is_named(tmp_path):
     assert "OOM" not in console and "(raylet)" not in console and "Traceback" not in console, console[-3000:]
 
 
-@pytest.mark.timeout(600)
-def test_ctrl_c_while_a_reward_function_is_stuck(tmp_path):
-    """The first Ctrl-C stops a run blocked in a reward function (no time limit): exit 130."""
+@pytest.mark.timeout(900)
+def test_a_second_run_into_a_folder_in_use_and_ctrl_c_while_a_reward_function_is_stuck(tmp_path):
+    """A second run into a folder in use is refused naming the first (held in its reward function, no
+    time limit, for as long as that takes); then the first Ctrl-C stops the first run: exit 130, the lock
+    released."""
     out = tmp_path / "out"
     reward, marker = stuck_reward(tmp_path)
     proc = start(out, reward, "models.reward.timeout_s=0")
     try:
         wait_for(proc, marker.exists, "the reward function was called")
-        time.sleep(1)
+        lock = json.loads((out / "run.lock").read_text())
+        assert lock["pid"] == proc.pid and lock["host"] == socket.gethostname()
+        second = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=200)
+        assert second.returncode == 2, second.stderr[-3000:]
+        err = " ".join(second.stderr.split())
+        assert "Traceback" not in err
+        for word in (str(out), f"in use by process {proc.pid} on host {socket.gethostname()}",
+                     f"started {lock['started']}", "Wait for that run to finish"):
+            assert word in err, err
+        assert proc.poll() is None  # still in the reward function
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
     finally:

@@ -200,9 +200,10 @@ def test_vllm_tp2_generates_and_every_rank_takes_every_bucket(vllm_tp2, model_di
 
 # -- Ray: a replica actor over N bundles -------------------------------------------------------
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_four_devices():
-    """A local Ray with 4 (logical, without a GPU) devices and a placement group of 4 bundles."""
+    """A local Ray with 4 (logical, without a GPU) devices and a placement group of 4 bundles, started once
+    for this file's tests (each kills the actors it starts)."""
     from ray.util.placement_group import placement_group
 
     gpus = torch.cuda.device_count() or 4
@@ -222,24 +223,31 @@ def test_tp_replica_actor_sees_the_devices_of_its_bundles(ray_four_devices):
 
     pg = ray_four_devices
     env = worker_env("rollout", "vllm", 1)
-    # one device per actor (as trainer ranks, and rollouts without tensor parallelism): Ray's choice
-    single = create_group("single", "collections:OrderedDict", {}, num_actors=4, pg=pg, bundles=[0, 1, 2, 3],
-                          gpu_fraction=0.3, cpus=0, threads=1, distributed=False, env=env)
-    per_bundle = [ray.get(a.environment.remote())["CUDA_VISIBLE_DEVICES"] for a in single.actors]
-    assert len(set(per_bundle)) == 4
-    assert all("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES" not in ray.get(a.environment.remote())
-               for a in single.actors)
-    # two replicas of 2 devices each, bundles in a non-trivial order: each sees its bundles' devices
-    spanning = create_group("policy", "collections:OrderedDict", {}, num_actors=2, pg=pg, bundles=[1, 0, 3, 2],
-                            gpu_fraction=0.3, cpus=0, threads=1, distributed=False, env=env, devices_per_actor=2)
-    envs = [ray.get(a.environment.remote()) for a in spanning.actors]
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == [f"{per_bundle[1]},{per_bundle[0]}",
-                                                         f"{per_bundle[3]},{per_bundle[2]}"]
-    assert all(e["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1" for e in envs)
-    assert all(e["NCCL_CUMEM_ENABLE"] == env["NCCL_CUMEM_ENABLE"] for e in envs)  # the group's env is kept
-    with pytest.raises(ValueError, match="need a placement group"):
-        create_group("policy", "collections:OrderedDict", {}, num_actors=1, pg=None, bundles=[0, 1],
-                     gpu_fraction=0.3, cpus=0, threads=1, distributed=False, env=env, devices_per_actor=2)
+    started = []
+    try:
+        # one device per actor (as trainer ranks, and rollouts without tensor parallelism): Ray's choice
+        single = create_group("single", "collections:OrderedDict", {}, num_actors=4, pg=pg, bundles=[0, 1, 2, 3],
+                              gpu_fraction=0.3, cpus=0, threads=1, distributed=False, env=env)
+        started += single.actors
+        per_bundle = [ray.get(a.environment.remote())["CUDA_VISIBLE_DEVICES"] for a in single.actors]
+        assert len(set(per_bundle)) == 4
+        assert all("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES" not in ray.get(a.environment.remote())
+                   for a in single.actors)
+        # two replicas of 2 devices each, bundles in a non-trivial order: each sees its bundles' devices
+        spanning = create_group("policy", "collections:OrderedDict", {}, num_actors=2, pg=pg, bundles=[1, 0, 3, 2],
+                                gpu_fraction=0.3, cpus=0, threads=1, distributed=False, env=env, devices_per_actor=2)
+        started += spanning.actors
+        envs = [ray.get(a.environment.remote()) for a in spanning.actors]
+        assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == [f"{per_bundle[1]},{per_bundle[0]}",
+                                                             f"{per_bundle[3]},{per_bundle[2]}"]
+        assert all(e["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1" for e in envs)
+        assert all(e["NCCL_CUMEM_ENABLE"] == env["NCCL_CUMEM_ENABLE"] for e in envs)  # the group's env is kept
+        with pytest.raises(ValueError, match="need a placement group"):
+            create_group("policy", "collections:OrderedDict", {}, num_actors=1, pg=None, bundles=[0, 1],
+                         gpu_fraction=0.3, cpus=0, threads=1, distributed=False, env=env, devices_per_actor=2)
+    finally:
+        for actor in started:  # the bundles' devices are free again for the next test
+            ray.kill(actor)
 
 
 def generate_and_push_through_ray(pg, model_dirs: dict, device: str) -> None:
