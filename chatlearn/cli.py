@@ -1,5 +1,6 @@
 """Command line: ``chatlearn run CONFIG [key.path=value ...] [--dry-run] [--accept-config-changes]``,
-``chatlearn merge CKPT_DIR OUT_DIR`` (trainer checkpoint -> Hugging Face folder) and
+``chatlearn merge CKPT_DIR OUT_DIR`` (trainer checkpoint -> Hugging Face folder; a LoRA checkpoint -> peft's
+adapter folder, or with ``--merged`` the merged model) and
 ``chatlearn plot OUTPUT_DIR`` (PNG plots of a run's metrics)."""
 from __future__ import annotations
 
@@ -47,33 +48,23 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("config", help="YAML config, e.g. template/grpo_fsdp.yaml")
     ev.add_argument("overrides", nargs="*", help="overrides such as models.policy.eval_num_inference_per_prompt=8")
     ev.add_argument("--checkpoint", metavar="PATH", help="evaluate this instead of models.policy.load: a Hugging "
-                                                         "Face folder, a run's checkpoints/episode_N, a "
+                                                         "Face folder, a peft adapter folder (merged onto its base "
+                                                         "first), a run's checkpoints/episode_N, a "
                                                          "sharded trainer checkpoint, or a Hub model id")
     ev.add_argument("--overwrite", action="store_true",
                     help="replace an earlier result in OUTPUT_DIR/eval/ (its metrics.json and samples.jsonl are "
                          "moved to <name>.old-<time>, not deleted); without it chatlearn eval refuses")
     ev.add_argument("--keep-merged", action="store_true",
-                    help="with a trainer checkpoint (no hf/): keep the merged model in OUTPUT_DIR/eval/merged_model "
-                         "(by default it is deleted once the evaluation ends)")
+                    help="with a trainer checkpoint (no hf/) or an adapter folder: keep the merged model in "
+                         "OUTPUT_DIR/eval/merged_model (by default it is deleted once the evaluation ends)")
+    ev.add_argument("--base", metavar="DIR",
+                    help="with LoRA adapters (a folder with adapter_config.json, or a LoRA run's checkpoint without "
+                         "hf/): their base model folder (default: the adapter config's base_model_name_or_path, or "
+                         "the folder the checkpoint records)")
     ev.add_argument("--verbose", action="store_true",
                     help="show third-party logs on the console too (by default: OUTPUT_DIR/eval/logs/)")
     ev.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
-    merge = sub.add_parser("merge", help="turn a trainer checkpoint into a Hugging Face model folder",
-                           description="Merge a trainer checkpoint (FSDP or Megatron, any number of ranks) into a "
-                                       "Hugging Face model folder: safetensors shards, config, tokenizer.")
-    merge.add_argument("ckpt_dir", help="checkpoint folder written by the trainer (or a run's checkpoint "
-                                        "folder holding it under trainer/)")
-    merge.add_argument("out_dir", help="new Hugging Face model folder to write")
-    merge.add_argument("--hf-config", metavar="DIR", help="take config.json and the tokenizer files from "
-                                                          "DIR, a model folder or a Hugging Face Hub id "
-                                                          "(default: the folder the trainer loaded)")
-    merge.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                       help="dtype of the written weights (default: float32, as trained)")
-    merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
-    merge.add_argument("--trust-remote-code", action="store_true",
-                       help="allow running the Python code of the model's config.json (auto_map); never "
-                            "taken from the checkpoint itself")
-    merge.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    _merge_parser(sub)
     plot = sub.add_parser("plot", help="plot a run's metrics, or compare runs",
                           description="Write PNG plots of OUTPUT_DIR/metrics.jsonl into OUTPUT_DIR/plots/; with "
                                       "several runs, overlay them (one colour per run) into --out.")
@@ -83,6 +74,36 @@ def _parser() -> argparse.ArgumentParser:
                       help="where to write the PNG files (default: RUN/plots; required with several runs)")
     plot.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return parser
+
+
+def _merge_parser(sub) -> None:
+    """``chatlearn merge``'s arguments."""
+    merge = sub.add_parser("merge", help="turn a trainer checkpoint into a Hugging Face model folder",
+                           description="Merge a trainer checkpoint (FSDP or Megatron, any number of ranks) into a "
+                                       "Hugging Face model folder: safetensors shards, config, tokenizer. A LoRA "
+                                       "run's checkpoint (adapters only) gives peft's adapter folder "
+                                       "(adapter_config.json, adapter_model.safetensors; PeftModel.from_pretrained "
+                                       "loads it onto the base), or with --merged the merged model.")
+    merge.add_argument("ckpt_dir", help="checkpoint folder written by the trainer (or a run's checkpoint "
+                                        "folder holding it under trainer/)")
+    merge.add_argument("out_dir", help="new Hugging Face model folder to write")
+    merge.add_argument("--hf-config", metavar="DIR", help="take config.json and the tokenizer files from "
+                                                          "DIR, a model folder or a Hugging Face Hub id "
+                                                          "(default: the folder the trainer loaded)")
+    merge.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                       help="dtype of the written weights (default: float32, as trained; LoRA: the adapters as "
+                            "trained, the merged model in the base model's dtype)")
+    merge.add_argument("--merged", action="store_true",
+                       help="LoRA checkpoint: write the merged Hugging Face model (each adapted weight W + B @ A x "
+                            "alpha / rank, config and tokenizer of the base) instead of the adapter folder")
+    merge.add_argument("--base", metavar="DIR",
+                       help="LoRA checkpoint: the base model folder the adapters were trained on (default: the "
+                            "folder the checkpoint records; it must still be the same model)")
+    merge.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)")
+    merge.add_argument("--trust-remote-code", action="store_true",
+                       help="allow running the Python code of the model's config.json (auto_map); never "
+                            "taken from the checkpoint itself")
+    merge.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +159,8 @@ def _eval(args) -> int:
     with ThirdPartyLogs() as logs:
         cfg = load_config(args.config, args.overrides)
         logs.attach(os.path.join(cfg.runtime_args.output_dir, "eval"))
-        evaluate_only(cfg, checkpoint=args.checkpoint, overwrite=args.overwrite, keep_merged=args.keep_merged)
+        evaluate_only(cfg, checkpoint=args.checkpoint, overwrite=args.overwrite, keep_merged=args.keep_merged,
+                      base=args.base)
     return 0
 
 
@@ -288,8 +310,9 @@ def _merge(args) -> int:
 
     out = merge_checkpoint(args.ckpt_dir, args.out_dir, hf_config=args.hf_config, dtype=args.dtype,
                            max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
-                           log=lambda msg: info(msg, bare=True))
-    info(f"wrote {out['out_dir']}: {out['num_tensors']} tensors, {out['total_bytes'] / 1e6:.1f} MB "
+                           base=args.base, merged=args.merged, log=lambda msg: info(msg, bare=True))
+    what = "peft adapter folder, " if out.get("adapter") else ""
+    info(f"wrote {out['out_dir']}: {what}{out['num_tensors']} tensors, {out['total_bytes'] / 1e6:.1f} MB "
          f"({out['dtype']}) in {len(out['shards'])} shard(s), in {out['seconds']:.1f}s", bare=True)
     return 0
 

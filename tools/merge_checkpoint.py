@@ -4,7 +4,9 @@
 Same as ``chatlearn merge``::
 
     python tools/merge_checkpoint.py CKPT_DIR OUT_DIR [--hf-config DIR]
-        [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
+        [--dtype float32|bfloat16|float16] [--max-shard-size 5GB] [--merged] [--base DIR]
+
+(``--merged``, ``--base``: a LoRA checkpoint, written as peft's adapter folder unless ``--merged``.)
 """
 import os
 import sys

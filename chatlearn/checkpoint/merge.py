@@ -27,6 +27,9 @@ QKV split per query group, fused gate/up split, vocabulary padding cut. Peak mem
 one full parameter. The shapes are checked up front from the safetensors headers. A Megatron
 critic's checkpoint (``role`` critic in its metadata) gives the token-classification folder, its
 value head ``output_layer`` written as ``score.weight`` / ``score.bias``.
+
+A LoRA checkpoint (adapters only) is written as peft's adapter folder, or as the merged model, by
+:mod:`chatlearn.checkpoint.adapters`, with the helpers here.
 """
 from __future__ import annotations
 
@@ -513,64 +516,18 @@ def _copy_hf_files(src: str, out: str, dtype: str, value_head: bool = False) -> 
     return copied
 
 
-def _refuse_adapters(ckpt: str, meta) -> None:
-    """A checkpoint of a LoRA run holds only its adapters: refused, pointing at its merged hf/ folder."""
-    if isinstance(meta, dict) and meta.get("lora"):
-        raise UserError(
-            f"the checkpoint {ckpt} holds LoRA adapters (models.policy_trainer.lora), not a whole model: its "
-            "merged model is the hf/ folder the run saved beside it (models.policy_trainer.save_hf: true). "
-            "chatlearn merge does not yet put adapters onto their base model; evaluate or load that hf/ folder.")
-
-
-def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
-                     dtype: str = "float32", max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-                     trust_remote_code: bool = False, log: Callable[[str], None] | None = None) -> dict:
-    """Write the Hugging Face folder ``out_dir`` from the trainer checkpoint ``ckpt_dir``.
-
-    ``hf_config``: the folder to take config.json and the tokenizer files from (default: the
-    one the trainer loaded, recorded in the checkpoint). ``dtype``: float32, bfloat16 or
-    float16 (floating tensors are cast to it). ``max_shard_size``: bytes per safetensors
-    file, as ``save_pretrained``'s. ``trust_remote_code``: allow running the Python code a
-    model folder names in its config.json (``auto_map``); the value recorded in the
-    checkpoint is never used for that. ``out_dir`` must not exist or be empty; it is written
-    under a temporary name and renamed when complete.
-
-    Returns a summary: out_dir, dtype, num_tensors, total_bytes, shards (file names),
-    copied (other files), seconds. Bad input raises a UserError.
-    """
-    start = time.monotonic()
-    log = log or (lambda msg: None)
-    if dtype not in DTYPES:
-        raise UserError(f"dtype {dtype!r} is not supported. Choose one of {', '.join(DTYPES)}.")
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors files are little-endian; this machine is not")
-    max_bytes = parse_size(max_shard_size)
-    ckpt = find_checkpoint(ckpt_dir)
-    check_against_manifest(ckpt, "checkpoint")
-    megatron = _checkpoint_format(ckpt) == megatron_format.FORMAT
-    meta = megatron_format.read_meta(ckpt, {}) if megatron else sharded.read_meta(ckpt)
-    _refuse_adapters(ckpt, None if megatron else meta)
-    src = _source_folder(ckpt, meta, hf_config)
-    out_dir = os.path.abspath(out_dir)
-    _check_out_dir(out_dir)
-    value_head = False
-    if megatron:
-        source = _MegatronSource(ckpt, meta, src)
-        value_head = source.value_head
-        entries = _plan(ckpt, meta, src, DTYPES[dtype], source.found, source.problems,
-                        trust_remote_code=trust_remote_code)
-        read = source.read
-    else:
-        found = _dcp_found(ckpt)
-        value_head = is_value_model(meta, found)
-        entries = _plan(ckpt, meta, src, DTYPES[dtype], found, trust_remote_code=trust_remote_code)
-        reader = sharded.SafeFileSystemReader(ckpt)
-        read = lambda e: _read_tensor(reader, e)  # noqa: E731
+def write_folder(out_dir: str, entries: list[_Entry], read: Callable[[_Entry], torch.Tensor], src: str,
+                 dtype: str, max_bytes: int, *, value_head: bool = False, what: str = "",
+                 log: Callable[[str], None]) -> dict:
+    """The Hugging Face folder ``out_dir`` (absolute, checked empty): ``entries`` (each read by ``read``)
+    in safetensors shards of at most ``max_bytes``, config.json and the other files of ``src``. Written
+    under ``out_dir.partial`` and renamed when complete; a write the disk refuses is one paragraph.
+    Returns out_dir, dtype, num_tensors, total_bytes, shards (file names), copied (other files)."""
     shards = _split(entries, max_bytes)
     names = ([WEIGHTS_NAME] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     total = sum(e.nbytes for e in entries)
-    log(f"merging {len(entries)} tensors ({total / 1e6:.1f} MB as {dtype}) from {ckpt} "
+    log(f"merging {len(entries)} tensors ({total / 1e6:.1f} MB as {dtype}) from {what} "
         f"into {len(shards)} shard(s)")
 
     tmp = out_dir + ".partial"
@@ -589,16 +546,94 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
                 json.dump(index, f, indent=2, sort_keys=True)
                 f.write("\n")
         copied = _copy_hf_files(src, tmp, dtype, value_head=value_head)
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)  # empty (checked above)
-        os.replace(tmp, out_dir)
+        finish_folder(tmp, out_dir)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        refused = disk_error(err)  # a full disk, a read-only or foreign folder: one paragraph
-        if refused is not None:
-            raise write_refusal(f"the merged model {out_dir}", refused, path=tmp,
-                                then="then run the same command again", other="output folder") from err
+        raise_write_refusal(err, out_dir, tmp, "the merged model")
         raise
     return {"out_dir": out_dir, "dtype": dtype, "num_tensors": len(entries),
-            "total_bytes": total, "shards": names, "copied": copied,
-            "seconds": time.monotonic() - start}
+            "total_bytes": total, "shards": names, "copied": copied}
+
+
+def finish_folder(tmp: str, out_dir: str) -> None:
+    """The complete folder ``tmp`` renamed to ``out_dir`` (absent, or empty: checked before)."""
+    if os.path.isdir(out_dir):
+        os.rmdir(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def raise_write_refusal(err: BaseException, out_dir: str, tmp: str, what: str) -> None:
+    """One paragraph for a write of ``what`` the disk refused (a full disk, a read-only or foreign
+    folder); returns for any other failure."""
+    refused = disk_error(err)
+    if refused is not None:
+        raise write_refusal(f"{what} {out_dir}", refused, path=tmp,
+                            then="then run the same command again", other="output folder") from err
+
+
+def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = None,
+                     dtype: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                     trust_remote_code: bool = False, base: str | None = None, merged: bool = False,
+                     log: Callable[[str], None] | None = None) -> dict:
+    """Write the Hugging Face folder ``out_dir`` from the trainer checkpoint ``ckpt_dir``.
+
+    ``hf_config``: the folder to take config.json and the tokenizer files from (default: the
+    one the trainer loaded, recorded in the checkpoint). ``dtype``: float32 (the default), bfloat16 or
+    float16 (floating tensors are cast to it). ``max_shard_size``: bytes per safetensors
+    file, as ``save_pretrained``'s. ``trust_remote_code``: allow running the Python code a
+    model folder names in its config.json (``auto_map``); the value recorded in the
+    checkpoint is never used for that. ``out_dir`` must not exist or be empty; it is written
+    under a temporary name and renamed when complete.
+
+    A checkpoint of a LoRA run (``models.policy_trainer.lora``: adapters only) gives peft's adapter
+    folder, or with ``merged`` the merged model (in the base model's dtype unless ``dtype`` names one);
+    ``base``: its base model folder when it is no longer where the checkpoint records it
+    (:mod:`chatlearn.checkpoint.adapters`).
+
+    Returns a summary: out_dir, dtype, num_tensors, total_bytes, shards (file names),
+    copied (other files), seconds. Bad input raises a UserError.
+    """
+    start = time.monotonic()
+    log = log or (lambda msg: None)
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"dtype {dtype!r} is not supported. Choose one of {', '.join(DTYPES)}.")
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors files are little-endian; this machine is not")
+    max_bytes = parse_size(max_shard_size)
+    ckpt = find_checkpoint(ckpt_dir)
+    check_against_manifest(ckpt, "checkpoint")
+    megatron = _checkpoint_format(ckpt) == megatron_format.FORMAT
+    meta = megatron_format.read_meta(ckpt, {}) if megatron else sharded.read_meta(ckpt)
+    if not megatron and isinstance(meta, dict) and meta.get("lora"):
+        from chatlearn.checkpoint import adapters  # noqa: PLC0415 (it reads this module's helpers)
+
+        if hf_config is not None:
+            raise UserError(f"--hf-config does not apply to checkpoint {ckpt!r}: it holds LoRA adapters, whose "
+                            "config, tokenizer and weights come from their base model. Pass --base DIR to name "
+                            "the base model folder instead.")
+        out = adapters.merge_lora_checkpoint(ckpt, meta, os.path.abspath(out_dir), base=base, merged=merged,
+                                             dtype=dtype, max_bytes=max_bytes, trust_remote_code=trust_remote_code,
+                                             log=log)
+        return {**out, "seconds": time.monotonic() - start}
+    if base is not None:
+        raise UserError(f"--base names the base model of LoRA adapters, and checkpoint {ckpt!r} holds a whole "
+                        "model, not adapters. Leave --base out (--hf-config DIR names the folder to take "
+                        "config.json and the tokenizer from).")
+    dtype = dtype or "float32"
+    src = _source_folder(ckpt, meta, hf_config)
+    out_dir = os.path.abspath(out_dir)
+    _check_out_dir(out_dir)
+    if megatron:
+        source = _MegatronSource(ckpt, meta, src)
+        value_head = source.value_head
+        entries = _plan(ckpt, meta, src, DTYPES[dtype], source.found, source.problems,
+                        trust_remote_code=trust_remote_code)
+        read = source.read
+    else:
+        found = _dcp_found(ckpt)
+        value_head = is_value_model(meta, found)
+        entries = _plan(ckpt, meta, src, DTYPES[dtype], found, trust_remote_code=trust_remote_code)
+        reader = sharded.SafeFileSystemReader(ckpt)
+        read = lambda e: _read_tensor(reader, e)  # noqa: E731
+    out = write_folder(out_dir, entries, read, src, dtype, max_bytes, value_head=value_head, what=ckpt, log=log)
+    return {**out, "seconds": time.monotonic() - start}

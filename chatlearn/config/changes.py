@@ -56,6 +56,8 @@ HARMLESS_KEYS = (
     "models.*.free_gpu_memory.*", "runtime_args.offload_without_gpu", "models.*.use_expandable_segments",
     "models.*.gradient_checkpointing", "models.*.recompute_granularity", "runtime_args.train_micro_batch_size", "models.*.train_micro_batch_size",
     "models.*.packing", "models.*.max_token_in_packing",
+    # how the weight push carries LoRA's update (the adapters or the merged weights: the same rollout weights)
+    "models.policy_trainer.lora.push",
 )
 
 

@@ -7,15 +7,17 @@ The layers the adapters go on are read from the model's module tree built on the
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from chatlearn.errors import ConfigError
 
 KEY = "models.policy_trainer.lora"
 ALL_LINEAR = "all-linear"
-# The rollout backends that take the trained adapters. Only the transformers engine so far: it receives
-# the merged weights (base + B @ A x alpha / rank) through the ordinary weight push. vLLM and SGLang
-# load adapters through their own LoRA APIs, which the push does not drive yet.
-ADAPTER_ROLLOUTS = ("hf",)
+# The rollout backends that take the trained adapters: all three. The push sends the adapters alone
+# (lora.push: adapters) and the rollout loads W + B @ A x alpha / rank through its ordinary weight load
+# (chatlearn/models/rollout/lora_push.py), or it sends the merged weights (lora.push: merged).
+ADAPTER_ROLLOUTS = ("hf", "vllm", "sglang")
+PUSH_MODES = ("adapters", "merged")
 
 
 def lora_on(cfg) -> bool:
@@ -28,9 +30,8 @@ def check_lora_rollout(rollout_backend: str) -> None:
     if rollout_backend not in ADAPTER_ROLLOUTS:
         raise ConfigError(
             f"LoRA (models.policy_trainer.lora.rank > 0) is not supported with runtime_args.rollout_backend "
-            f"{rollout_backend!r} yet: only {', '.join(ADAPTER_ROLLOUTS)} takes the trained adapters (their merged "
-            "weights reach it through the weight push); pushing adapters into vLLM or SGLang is not implemented. "
-            "Set runtime_args.rollout_backend=hf, or models.policy_trainer.lora.rank=0 (full fine-tuning).",
+            f"{rollout_backend!r}: only {', '.join(ADAPTER_ROLLOUTS)} take the trained adapters. Set "
+            "runtime_args.rollout_backend to one of them, or models.policy_trainer.lora.rank=0 (full fine-tuning).",
             key="runtime_args.rollout_backend")
 
 
@@ -54,6 +55,7 @@ def check_lora(cfg) -> None:
                           f"not for train_backend {rt.train_backend!r}. Set runtime_args.train_backend=fsdp, or "
                           "models.policy_trainer.lora.rank=0.", key="runtime_args.train_backend")
     check_lora_rollout(rt.rollout_backend)
+    _check_push(cfg)
     if cfg.models.policy_trainer.advantage_estimator == "gae":
         raise ConfigError("LoRA (models.policy_trainer.lora.rank > 0) does not train the PPO critic: "
                           "advantage_estimator gae (models.critic) with adapters is not supported. Use a "
@@ -67,6 +69,22 @@ def check_lora(cfg) -> None:
     targets = _targets(lora.target_modules)
     check_lora_model(cfg.models.policy_trainer.load, bool(cfg.models.policy_trainer.trust_remote_code),
                      int(lora.rank), targets, [str(m) for m in lora.modules_to_save])
+
+
+def _check_push(cfg) -> None:
+    """``lora.push`` is a known mode; with ``adapters`` the rollout starts from the base model the trainer
+    adapts (it keeps every weight but the adapted layers' from its own ``load`` folder)."""
+    push = cfg.models.policy_trainer.lora.push
+    if push not in PUSH_MODES:
+        raise ConfigError(f"is {push!r}; set adapters (the weight push sends the adapters alone and the rollout "
+                          "merges them onto its base weights) or merged (every weight, merged by the trainer).",
+                          key=f"{KEY}.push")
+    base, rollout = str(cfg.models.policy_trainer.load), str(cfg.models.policy.load)
+    if push == "adapters" and os.path.realpath(base) != os.path.realpath(rollout):
+        raise ConfigError(f"is adapters, but models.policy.load ({rollout!r}) is not models.policy_trainer.load "
+                          f"({base!r}): the rollout keeps its own weights outside the adapted layers, so it must "
+                          "start from the base model the adapters train on. Load the same folder in both, or set "
+                          f"{KEY}.push=merged (every weight is pushed).", key=f"{KEY}.push")
 
 
 def _targets(value):

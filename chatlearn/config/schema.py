@@ -245,6 +245,9 @@ class Lora:
     # but the output head), as peft's LoraConfig.target_modules
     target_modules: Any = "all-linear"
     modules_to_save: List[str] = field(default_factory=list)  # modules trained in full (e.g. embed_tokens, lm_head)
+    # what the weight push sends: adapters (A, B and the modules_to_save copies; the rollout merges them onto
+    # the base weights it reads from the base folder) or merged (every weight, W + B @ A x alpha / rank)
+    push: str = "adapters"
 
 
 @dataclass

@@ -274,6 +274,12 @@ class Trainer(Model):
         groups), gathered group by group; a collective: every rank iterates to the end. The
         tensors are copies (never views of the weights); the weights must be onloaded."""
 
+    def push_view(self):
+        """What the weight push sends: an object with :meth:`weight_specs`, :meth:`export_tensors`,
+        ``rank`` and ``device``; and, for a push of LoRA adapters alone, ``manifest`` (the FSDP trainer's
+        ``lora.push: adapters``). The trainer itself by default."""
+        return self
+
     def export_weights(self, bucket_mb: int) -> Iterator[Bucket]:
         """All weights as ``[(hf_name, np.ndarray), ...]`` buckets of about ``bucket_mb`` MiB,
         planned as the weight push plans them (``chatlearn.models.weight_buckets.plan_buckets``).
@@ -468,6 +474,12 @@ class Rollout(Model):
     def begin_weight_update(self) -> None:
         """Open an update of the weights; the weights must be onloaded (the KV cache may be off:
         the scheduler pushes between the two wake steps)."""
+
+    def begin_partial_weight_update(self, modules: list[str]) -> None:
+        """Open an update that loads only the weights of ``modules`` (Hugging Face module names, each loaded
+        whole: a LoRA adapter push, ``chatlearn.models.rollout.lora_push``); every other weight stays as it is.
+        An engine that loads weights one by one needs nothing more than :meth:`begin_weight_update`."""
+        self.begin_weight_update()
 
     @abc.abstractmethod
     def load_weight_bucket(self, weights: list) -> None:

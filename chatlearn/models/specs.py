@@ -49,6 +49,7 @@ class LoraSpec(_Spec):
     dropout: float
     target_modules: object  # "all-linear" or a tuple of module-name suffixes
     modules_to_save: tuple
+    push: str  # "adapters" or "merged": what the weight push sends
 
     @classmethod
     def from_config(cls, lora) -> "LoraSpec | None":
@@ -58,7 +59,7 @@ class LoraSpec(_Spec):
         targets = lora.target_modules
         return cls(rank=int(lora.rank), alpha=float(lora.alpha), dropout=float(lora.dropout),
                    target_modules=targets if isinstance(targets, str) else tuple(str(t) for t in targets),
-                   modules_to_save=tuple(str(m) for m in lora.modules_to_save))
+                   modules_to_save=tuple(str(m) for m in lora.modules_to_save), push=str(lora.push))
 
 
 # models.*.recompute_granularity as the config spells it -> as megatron-core does

@@ -65,14 +65,37 @@ def test_rank_larger_than_a_matched_layer():
     load_run(GRPO, [HF, "models.policy_trainer.lora.rank=100", "models.policy_trainer.lora.target_modules=[q_proj]"])
 
 
-def test_megatron_sglang_vllm_and_the_critic_are_refused():
+def test_megatron_and_the_critic_are_refused_every_rollout_engine_is_taken():
     err = _refused(HF, ON, "runtime_args.train_backend=megatron")
     assert err.key == "runtime_args.train_backend" and "FSDP trainer only" in str(err)
-    for backend in ("vllm", "sglang"):
-        err = _refused(f"runtime_args.rollout_backend={backend}", ON)
-        assert err.key == "runtime_args.rollout_backend" and "only hf takes" in str(err), backend
+    for backend in ("vllm", "sglang"):  # the adapter push reaches every engine (lora_push.py)
+        cfg, _ = load_run(GRPO, [f"runtime_args.rollout_backend={backend}", ON])
+        assert cfg.models.policy_trainer.lora.push == "adapters"
     err = _refused(HF, ON, "models.policy_trainer.advantage_estimator=gae")
     assert err.key == "models.policy_trainer.advantage_estimator" and "critic" in str(err)
+
+
+def test_push_mode_and_the_base_the_rollout_starts_from(tmp_path):
+    import shutil
+
+    err = _refused(HF, ON, "models.policy_trainer.lora.push=deltas")
+    assert err.key == "models.policy_trainer.lora.push" and "merged" in str(err)
+    # adapters: the rollout keeps its own weights outside the adapted modules, so it must load the base
+    other = shutil.copytree("assets/tiny_qwen2", tmp_path / "other")
+    err = _refused(HF, ON, f"models.policy.load={other}")
+    assert err.key == "models.policy_trainer.lora.push" and "push=merged" in str(err)
+    load_run(GRPO, [HF, ON, f"models.policy.load={other}", "models.policy_trainer.lora.push=merged"])
+
+
+def test_the_push_mode_is_a_harmless_change_on_resume():
+    """lora.push changes how the update reaches the rollout, not the weights it reaches."""
+    from chatlearn.config.changes import config_changes
+
+    old = {"models": {"policy_trainer": {"lora": {"push": "merged", "rank": 4}}}}
+    new = {"models": {"policy_trainer": {"lora": {"push": "adapters", "rank": 8}}}}
+    changes = config_changes(old, new, {"models.policy_trainer.lora.push", "models.policy_trainer.lora.rank"})
+    assert [(c.key, c.harmless) for c in changes] == [("models.policy_trainer.lora.push", True),
+                                                     ("models.policy_trainer.lora.rank", False)]
 
 
 def test_bad_values_and_modules_to_save():
@@ -121,3 +144,37 @@ def test_the_reference_pass_calls_the_trainer_with_adapters_disabled(monkeypatch
         assert (ref.stage, ref.model, ref.column) == (Stage.REF_LOGPROBS, expected[0], "ref_logprobs")
         ref.compute(batch)
         assert calls == [(expected[0], "ensure"), expected], calls
+
+
+def test_the_lora_template_is_the_default_with_adapters():
+    """template/grpo_lora.yaml (README's LoRA demo) validates, trains rank-16 adapters on the hf rollout at
+    10x the default's learning rate for 40 episodes, and is template/grpo_fsdp.yaml in every other key: the two
+    stay in step."""
+    from omegaconf import OmegaConf
+
+    cfg, plan = load_run("template/grpo_lora.yaml", [])
+    lora = cfg.models.policy_trainer.lora
+    assert (lora.rank, lora.alpha, lora.target_modules) == (16, 32.0, "all-linear")
+    assert cfg.runtime_args.rollout_backend == "hf" and "ref_policy" not in plan.placements
+    assert cfg.runtime_args.num_episode == 40 and cfg.runtime_args.eval_episode_interval == 20
+    default, _ = load_run(GRPO, [HF])
+    assert cfg.models.policy_trainer.optimizer.lr == 10 * default.models.policy_trainer.optimizer.lr
+
+    def flat(c):
+        out = {}
+
+        def walk(prefix, node):
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+            else:
+                out[prefix] = node
+        walk("", OmegaConf.to_container(c, resolve=True))
+        return out
+
+    mine, theirs = flat(cfg), flat(default)
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    allowed = ("runtime_args.exp_name", "runtime_args.output_dir", "runtime_args.log_args_dict.",
+               "runtime_args.num_episode", "runtime_args.save_episode_interval",
+               "models.policy_trainer.optimizer.lr", "models.critic.optimizer.lr", "models.policy_trainer.lora.")
+    assert [k for k in differ if not k.startswith(allowed)] == []

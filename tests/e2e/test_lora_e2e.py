@@ -2,9 +2,11 @@
 
 One run checks: the plan starts no ref_policy (the trainer gives the reference log-probs with its
 adapters disabled), the adapters learn (non-zero gradient norm, the policy moves away from the
-reference), the rollout generates with the trained adapters (the merged weights pushed after episode 1:
-episode 2's rollout and trainer log-probs agree), the checkpoint holds only the adapters, and the HF
-folder is the merged model."""
+reference), the rollout generates with the trained adapters (the adapters alone pushed after episode 1 and
+merged by the rollout onto its base weights: episode 2's rollout and trainer log-probs agree; sync/bytes is a
+fraction of sync/full_bytes), the checkpoint holds only the adapters, the HF
+folder is the merged model, and ``chatlearn merge`` of the checkpoint gives peft's adapter folder and (``--merged``)
+the merged model, which ``chatlearn eval`` scores alike."""
 from __future__ import annotations
 
 import json
@@ -26,7 +28,7 @@ RUN = ["runtime_args.num_episode=2", "runtime_args.sample_per_episode=16", "runt
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(700)  # the run (380 s at most), then two merges and two evaluations
 def test_lora_run(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *RUN,
@@ -43,6 +45,8 @@ def test_lora_run(tmp_path):
         assert r["train/grad_norm"] > 0, r
         assert "time/ref_logprobs" in r, r
         assert r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, r
+    pushes = [r for r in rows if "sync/bytes" in r]
+    assert pushes and all(0 < r["sync/bytes"] * 5 < r["sync/full_bytes"] for r in pushes), pushes  # adapters alone
     assert train[0]["train/kl"] == 0  # episode 1: the adapters start at B = 0, the policy is the base
     assert train[1]["train/kl"] > 1e-6  # episode 2: trained adapters (also in the rollout, checked above)
     ckpt = out / "checkpoints" / "episode_000002"
@@ -54,9 +58,37 @@ def test_lora_run(tmp_path):
     with safe_open(str(ckpt / "hf" / "model.safetensors"), framework="pt") as f:
         names = list(f.keys())
     assert "model.layers.0.self_attn.q_proj.weight" in names and not [n for n in names if "lora" in n]
-    # chatlearn merge of an adapter checkpoint: refused in one paragraph pointing at the merged hf/ folder
-    merged = subprocess.run([sys.executable, "-m", "chatlearn.cli", "merge", str(ckpt), str(out / "merged")],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    said = " ".join(merged.stderr.split())
-    assert merged.returncode == 2 and "holds LoRA adapters" in said and "Traceback" not in said, merged.stderr
-    assert not (out / "merged").exists()
+    merge_and_evaluate(ckpt, tmp_path)
+
+
+EVAL = ["runtime_args.rollout_backend=hf", "models.policy.eval_num_inference_per_prompt=2",
+        "models.policy.max_response_tokens_length=16"]
+
+
+def merge_and_evaluate(ckpt, tmp_path):
+    """The run's LoRA checkpoint through ``chatlearn merge`` (peft's adapter folder, and ``--merged``) and
+    ``chatlearn eval`` of both folders, on the first 16 prompts of the eval set: the same samples and scores."""
+    from chatlearn.cli import main
+
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["merge", str(ckpt), str(adapter)]) == 0
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
+    assert main(["merge", str(ckpt), str(merged), "--merged"]) == 0
+    data = tmp_path / "eval.jsonl"
+    with open(os.path.join(REPO, "assets", "arith", "eval.jsonl"), encoding="utf-8") as f:
+        data.write_text("".join(f.readlines()[:16]))
+    results = {}
+    for name, folder in (("adapter", adapter), ("merged", merged)):
+        cmd = [sys.executable, "-m", "chatlearn.cli", "eval", "template/grpo_fsdp.yaml", *EVAL,
+               f"runtime_args.eval_data_path={data}", f"runtime_args.output_dir={tmp_path / ('eval_' + name)}",
+               "--checkpoint", str(folder)]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        ev = tmp_path / f"eval_{name}" / "eval"
+        results[name] = (json.loads((ev / "metrics.json").read_text()),
+                         [json.loads(line) for line in (ev / "samples.jsonl").read_text().splitlines()])
+    (m_adapter, s_adapter), (m_merged, s_merged) = results["adapter"], results["merged"]
+    assert m_adapter["metrics"] == m_merged["metrics"]
+    assert [s["response"] for s in s_adapter] == [s["response"] for s in s_merged] and len(s_adapter) == 32
+    assert m_adapter["model_deleted"] and not (tmp_path / "eval_adapter" / "eval" / "merged_model").exists()

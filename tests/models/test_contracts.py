@@ -163,7 +163,7 @@ def test_every_method_the_runtime_calls_is_declared_on_its_base():
     found = {name for name, _, _ in calls}
     # the scan sees the calls it is meant to see (else it would check nothing)
     assert {"generate", "score_one", "compute_logprobs", "train", "save_checkpoint", "load_checkpoint",
-            "logprob_stats", "offload", "onload", "weight_specs", "export_tensors", "device", "rank",
+            "logprob_stats", "offload", "onload", "push_view", "device", "rank",
             "begin_weight_update", "load_weight_bucket", "finish_weight_update",
             "attach_weight_slots", "load_weight_slot", "detach_weight_slots"} <= found, found
     undeclared = []

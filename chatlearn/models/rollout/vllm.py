@@ -308,6 +308,17 @@ class WorkerExtension:
             _keep_out_of_reload(self.model_runner.get_model())
             initialize_layerwise_reload(self.model_runner.get_model())
 
+    def chatlearn_begin_partial_reload(self, modules: list) -> None:
+        """Open a streamed update of the weights of ``modules`` alone (Hugging Face module names, each
+        loaded whole: a LoRA adapter push). ``layerwise``: every other layer is left out of the reload
+        (:func:`_keep_only_in_reload`), so it keeps its tensors, silently; ``load_weights``: as a full one."""
+        if self.chatlearn_weight_path() == "layerwise":
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(self.vllm_config):
+                _keep_only_in_reload(self.model_runner.get_model(), modules)
+        self.chatlearn_begin_reload()
+
     def chatlearn_load_bucket(self, weights: list) -> None:
         """Feed one bucket (see ``unpack_weights``) to the open update.
 
@@ -477,6 +488,36 @@ def _keep_out_of_reload(model: torch.nn.Module) -> None:
             continue
         info = get_layerwise_info(layer)
         if info.can_load():  # already in a reload
+            continue
+        info.load_numel_total = 0
+        info.kernel_tensors = (params, buffers)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+
+
+def _keep_only_in_reload(model: torch.nn.Module, modules: list) -> None:
+    """Leave out of the next layerwise reload every layer with tensors that is not one of ``modules`` nor
+    inside one (marked as :func:`_keep_out_of_reload` marks a layer: nothing to load, its own tensors put
+    back); attention layers are vLLM's to finalize. A module name that matches no layer of vLLM's model
+    (a model vLLM names otherwise than Hugging Face) is refused: its weights would load into a layer that
+    the reload leaves unprocessed."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    def inside(name: str) -> bool:
+        return any(name == m or name.startswith(m + ".") for m in modules)
+
+    named = dict(model.named_modules())
+    unknown = [m for m in modules if m not in named]
+    if unknown:
+        raise KeyError(f"LoRA adapter push: vLLM's {type(model).__name__} has no module {unknown[0]!r}; "
+                       "set models.policy_trainer.lora.push=merged")
+    for name, layer in named.items():
+        params = {k: v for k, v in layer._parameters.items() if v is not None}
+        buffers = {k: v for k, v in layer._buffers.items() if v is not None}
+        if not (params or buffers) or inside(name) or is_deferred_attention_layer(layer):
+            continue
+        info = get_layerwise_info(layer)
+        if info.can_load():
             continue
         info.load_numel_total = 0
         info.kernel_tensors = (params, buffers)
@@ -762,6 +803,17 @@ class VLLMRollout(Rollout):
         if Part.WEIGHTS in self._asleep:
             raise RuntimeError("VLLMRollout: weights are offloaded; onload them before a push")
         self.llm.collective_rpc("chatlearn_begin_reload")
+
+    def begin_partial_weight_update(self, modules: list[str]) -> None:
+        """Start a streamed update of the weights of ``modules`` alone (a LoRA adapter push): every
+        worker leaves the other layers out of its reload. On the CPU, weights woken empty after an
+        offload (``onload``) are first reloaded from the model folder, which is the base the adapters
+        train on (``models.policy.load`` is ``models.policy_trainer.load`` with ``lora.push: adapters``)."""
+        if Part.WEIGHTS in self._asleep:
+            raise RuntimeError("VLLMRollout: weights are offloaded; onload them before a push")
+        if self._awaiting_push:  # CPU: woken empty, and this push brings only some modules: the rest from the folder
+            self.llm.collective_rpc("chatlearn_reload_from_folder")
+        self.llm.collective_rpc("chatlearn_begin_partial_reload", args=(list(modules),))
 
     def load_weight_bucket(self, weights: list) -> None:
         """Load one bucket of ``(hf_name, tensor)`` views into the open update (a tied

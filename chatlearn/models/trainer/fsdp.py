@@ -181,6 +181,43 @@ def _token_values(model, input_ids, attention_mask, position_ids, rows, cols,
     return _value_head(model)(hidden[rows, prev]).float().squeeze(-1), None
 
 
+def bf16_compute(bf16: bool | None, device_type: str) -> bool:
+    """Whether the trainer computes in bfloat16 (FSDP2's ``MixedPrecisionPolicy``: parameters
+    all-gathered as bfloat16, gradients reduced in float32): ``bf16`` on a CUDA device. On the CPU
+    ``bf16`` is off (resolved to false there): float32."""
+    return bool(bf16) and device_type == "cuda"
+
+
+def param_dtype(trainable: bool, lora: bool, bf16: bool | None, device_type: str) -> torch.dtype:
+    """dtype the model is loaded in, and the one its frozen parameters are stored in.
+
+    float32 for a fully trained model on every device: these are the master weights Adam updates;
+    with bfloat16 compute (:func:`bf16_compute`) FSDP2 all-gathers them as bfloat16 and reduces
+    gradients in float32. With bfloat16 compute a frozen reference model (``trainable`` false) and
+    the frozen base of a LoRA model (``lora``) are stored in bfloat16, the dtype they compute in
+    anyway (the same log-probs, half the memory); the LoRA adapters and the copies of
+    ``modules_to_save``, the only parameters that train, are made float32 by
+    :func:`chatlearn.models.trainer.lora.wrap` (FSDP2 requires one dtype among the trainable
+    parameters of a group only). Without bfloat16 compute (the CPU): float32.
+    """
+    if bf16_compute(bf16, device_type) and (lora or not trainable):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _set_config_dtype(folder: str, dtype: str) -> None:
+    """Set ``dtype`` in the ``config.json`` of ``folder``: ``save_pretrained`` writes the dtype of the
+    model's first parameter there, which with LoRA is the base's (bfloat16 with ``bf16`` on CUDA) while
+    ``save_hf`` writes the merged weights in float32 (``from_pretrained(dtype="auto")`` reads it)."""
+    file = os.path.join(folder, "config.json")
+    with open(file, encoding="utf-8") as f:
+        config = json.load(f)
+    config["dtype"] = dtype
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 class FSDPTrainer(Trainer):
     """FSDP2 trainer of a Hugging Face causal LM (``trainable``: policy_trainer; else
     ref_policy: frozen, no optimizer, forward only), or, with ``spec.role`` critic, of the
@@ -217,17 +254,8 @@ class FSDPTrainer(Trainer):
 
     # ------------------------------------------------------------------ setup
     def _param_dtype(self) -> torch.dtype:
-        """dtype the parameters are stored in.
-
-        float32 for a trainable model on every device: these are the master weights Adam
-        updates; on CUDA with ``bf16`` the FSDP2 ``MixedPrecisionPolicy`` all-gathers them as
-        bfloat16 for compute and reduces gradients in float32. A frozen reference model on
-        CUDA with ``bf16`` is stored in bfloat16, the dtype it computes in anyway (same
-        log-probs, half the memory). On CPU ``bf16`` is off: float32.
-        """
-        if not self.trainable and self.spec.bf16 and self.device.type == "cuda":
-            return torch.bfloat16
-        return torch.float32
+        """dtype the model is loaded and its frozen parameters are stored in (:func:`param_dtype`)."""
+        return param_dtype(self.trainable, self.spec.lora is not None, self.spec.bf16, self.device.type)
 
     def _build_model(self) -> torch.nn.Module:
         """The sharded model. With ``meta_init`` every rank builds it on the meta device from
@@ -241,7 +269,8 @@ class FSDPTrainer(Trainer):
         step), for the same numbers. Checkpoints are the same DCP folders either way (DCP
         reshards plain tensors and DTensors alike), so a run resumes on any number of ranks.
         With ``bf16`` on CUDA one rank is still wrapped: FSDP2's ``MixedPrecisionPolicy``
-        gives the bfloat16 compute copies of the float32 master weights.
+        gives the bfloat16 compute copies of the float32 master weights (with LoRA: of the
+        float32 adapters; the frozen base is stored in bfloat16, :func:`param_dtype`).
 
         The critic (``role`` critic) is ``AutoModelForTokenClassification`` with ``num_labels=1``
         (:meth:`_auto_class`): from a causal LM's folder the backbone loads and the value head is
@@ -251,7 +280,7 @@ class FSDPTrainer(Trainer):
         spec = self.spec
         critic = spec.role == "critic"
         dtype = self._param_dtype()
-        mixed = bool(spec.bf16) and self.device.type == "cuda"
+        mixed = bf16_compute(spec.bf16, self.device.type)
         self.sharded = self.world > 1 or mixed
         loaded = None
         if spec.meta_init and self.sharded:
@@ -728,11 +757,27 @@ class FSDPTrainer(Trainer):
             yield lora_lib.adapter_name(n), (full if self.rank == 0 else None)
             del full
 
+    def push_view(self):
+        """What the weight push sends (``chatlearn.runtime.weight_push.stream``): this trainer's merged or
+        full weights, or with LoRA and ``lora.push: adapters`` the trained tensors alone and the manifest
+        the rollout merges them by (:class:`~chatlearn.models.trainer.lora.AdapterPush`)."""
+        if self.merged is None or self.spec.lora.push != "adapters":
+            return self
+
+        def prepare() -> None:
+            self._require_weights()
+            self._reshard()
+
+        return lora_lib.AdapterPush(self.merged, lambda: dict(self.model.named_parameters()), _full_tensor,
+                                    prepare, self.rank, self.device, self.spec.load)
+
     def save_hf(self, path: str) -> None:
         """Write a Hugging Face folder at ``path`` (rank 0 writes; a collective): weights,
         config, and the other files of the ``load`` folder (tokenizer, chat template). The
         critic's is a token-classification folder with one label (``save_pretrained``), which
-        ``AutoModelForTokenClassification.from_pretrained`` and this trainer load as is."""
+        ``AutoModelForTokenClassification.from_pretrained`` and this trainer load as is. With LoRA
+        the merged weights, in float32 (the base's bfloat16 copy plus the adapters' update, not rounded
+        back to bfloat16), and ``config.json`` says float32."""
         self._require_weights()
         self._reshard()
         if self.merged is not None:  # LoRA: the merged weights under the base model's names
@@ -744,6 +789,8 @@ class FSDPTrainer(Trainer):
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             self.model.save_pretrained(path, state_dict=state)
+            if self.merged is not None:  # float32 merged weights, whatever the base is stored in
+                _set_config_dtype(path, "float32")
             src = self.spec.load
             for name in os.listdir(src):
                 file = os.path.join(src, name)

@@ -4,9 +4,10 @@
 :func:`wrap` injects the adapters with ``peft.get_peft_model`` before the model is sharded; the trainer
 keeps computing with the Hugging Face model itself (now holding the adapter layers), and the
 ``PeftModel`` around it only for ``disable_adapter()`` (the reference log-probs: the base weights are
-the reference). peft freezes every base weight (``requires_grad`` False, its dtype unchanged); only
-the adapters (``lora_A``, ``lora_B``) and the copies of ``modules_to_save`` train, and only they reach
-the optimizer and the checkpoint.
+the reference). peft freezes every base weight (``requires_grad`` False, its dtype unchanged: bfloat16
+with ``bf16`` on CUDA, :func:`chatlearn.models.trainer.fsdp.param_dtype`); only the adapters (``lora_A``,
+``lora_B``) and the copies of ``modules_to_save`` train, in float32, and only they reach the optimizer and
+the checkpoint.
 
 Parameter names inside the trainer (the Hugging Face model with adapters injected)::
 
@@ -23,13 +24,16 @@ the adapter tensors alone under peft's names (:func:`adapter_name`: those of
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+
+# the base model's identity and peft's names: what the checkpoint layer's merge reads back too
+from chatlearn.checkpoint.adapters import base_identity
+from chatlearn.checkpoint.adapters import peft_name as adapter_name  # noqa: F401  (re-exported: lora_lib.adapter_name)
 
 ADAPTER = "default"  # peft's adapter name
 _BASE = ".base_layer."
@@ -42,7 +46,10 @@ def wrap(model: torch.nn.Module, spec, seed: int):
     place; returns the ``PeftModel`` around it (for ``disable_adapter``). The adapters' initial values
     (A: peft's Kaiming-uniform; B: zero, so the model computes what it did before) are drawn from a
     generator seeded with ``seed`` alone: the same on every rank and whichever way the model was built
-    (the caller's generator is left as it was)."""
+    (the caller's generator is left as it was).
+
+    Every trained parameter is float32 (:func:`float32_trained`) whatever the base is stored in (bfloat16
+    with ``bf16`` on CUDA): the adapters are the only master weights Adam updates."""
     from peft import LoraConfig, get_peft_model
 
     targets = spec.target_modules if isinstance(spec.target_modules, str) else list(spec.target_modules)
@@ -51,7 +58,20 @@ def wrap(model: torch.nn.Module, spec, seed: int):
                         bias="none", task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return get_peft_model(model, config)
+        peft_model = get_peft_model(model, config)
+    float32_trained(model)
+    return peft_model
+
+
+@torch.no_grad()
+def float32_trained(model: torch.nn.Module) -> None:
+    """Make every trained parameter of ``model`` float32 in place (frozen ones keep their dtype).
+    peft's ``autocast_adapter_dtype`` upcasts A and B of a bfloat16 model itself, not the copies of
+    ``modules_to_save`` (peft 0.21: ``cast_adapter_dtype`` walks the tuner layers only; those copies are
+    ``deepcopy`` of the bfloat16 module)."""
+    for _, p in trained_params(model):
+        if p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)
 
 
 def base_name(name: str) -> str | None:
@@ -60,12 +80,6 @@ def base_name(name: str) -> str | None:
     if _A in name or _B in name or _ORIGINAL in name:
         return None
     return name.replace(_BASE, ".").replace(_SAVED, ".")
-
-
-def adapter_name(name: str) -> str:
-    """peft's name of a trained parameter (``get_peft_model_state_dict``): ``base_model.model.`` in
-    front, the adapter's name left out (``q_proj.lora_A.weight``, ``lm_head.weight``)."""
-    return "base_model.model." + name.replace(f".{ADAPTER}.", ".").replace(".modules_to_save.", ".")
 
 
 @dataclass(frozen=True)
@@ -130,22 +144,6 @@ def trained_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def base_identity(load: str) -> dict:
-    """What identifies the base model a LoRA checkpoint was trained on: its folder and a sha256 of
-    ``config.json``, the safetensors index and the weight files' names and sizes (no weight is read)."""
-    digest = hashlib.sha256()
-    folder = os.path.abspath(load) if os.path.isdir(load) else load
-    if os.path.isdir(load):
-        for name in sorted(os.listdir(load)):
-            path = os.path.join(load, name)
-            if name in ("config.json",) or name.endswith(".index.json"):
-                with open(path, "rb") as f:
-                    digest.update(name.encode() + b"\0" + f.read())
-            elif name.endswith((".safetensors", ".bin")):
-                digest.update(f"{name}\0{os.path.getsize(path)}".encode())
-    return {"folder": folder, "sha256": digest.hexdigest()}
-
-
 def spec_record(spec) -> dict:
     """The adapter settings a checkpoint records (JSON)."""
     targets = spec.target_modules if isinstance(spec.target_modules, str) else list(spec.target_modules)
@@ -178,5 +176,66 @@ def resume_problem(saved: dict | None, spec, load: str) -> str | None:
 
 
 def json_record(spec, load: str) -> dict:
-    """The checkpoint metadata of the adapters: their settings and the base model's identity."""
-    return {**spec_record(spec), "base": base_identity(load)}
+    """The checkpoint metadata of the adapters: their settings (and the dropout, which ``chatlearn merge``
+    writes into peft's adapter config) and the base model's identity."""
+    return {**spec_record(spec), "dropout": float(spec.dropout), "base": base_identity(load)}
+
+
+def adapter_push_name(entry: MergedEntry, which: str) -> str:
+    """The name an adapter push sends A (``which`` "A") or B of ``entry`` under: the base weight's module,
+    then ``lora_A.weight`` / ``lora_B.weight`` (``model.layers.0.self_attn.q_proj.lora_A.weight``)."""
+    return f"{entry.name.rsplit('.', 1)[0]}.lora_{which}.weight"
+
+
+class AdapterPush:
+    """What the weight push reads from a LoRA trainer with ``lora.push: adapters``
+    (``chatlearn.runtime.weight_push.stream``): the same two methods as the trainer's full view, over the
+    trained tensors alone (A and B of every adapted layer, under :func:`adapter_push_name`; the trained copy
+    of each ``modules_to_save`` module under the base model's name), float32; and :attr:`manifest`, what the
+    receiving side needs to rebuild the merged weights (``chatlearn.models.rollout.lora_push``).
+
+    ``params()``: the trainer's parameters by name; ``full(p)``: the whole tensor of one (a collective for a
+    sharded one); ``prepare()``: run before an export (weights onloaded, resharded)."""
+
+    def __init__(self, merged: Merged, params: Callable[[], dict], full: Callable, prepare: Callable[[], None],
+                 rank: int, device, base: str):
+        self.merged, self.params, self.full, self.prepare = merged, params, full, prepare
+        self.rank, self.device = rank, device
+        shapes = {n: tuple(p.shape) for n, p in params().items()}
+        self.sources: dict[str, str] = {}  # pushed name -> trainer parameter
+        layers, saved = [], []
+        for e in merged.entries:
+            if e.lora_a is not None:
+                a, b = adapter_push_name(e, "A"), adapter_push_name(e, "B")
+                self.sources[a], self.sources[b] = e.lora_a, e.lora_b
+                layers.append([e.name, a, b, e.scaling, e.fan_in_fan_out])
+            elif _SAVED in e.param:
+                self.sources[e.name] = e.param
+                saved.append(e.name)
+        self.specs = [(n, "float32", shapes[p], i) for i, (n, p) in enumerate(self.sources.items())]
+        full_bytes = sum(4 * _numel(shapes[e.param]) for e in merged.entries)
+        self.manifest = {"base": os.path.abspath(base) if os.path.isdir(base) else base, "layers": layers,
+                         "saved": saved, "full_bytes": full_bytes}
+
+    def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
+        return list(self.specs)
+
+    @torch.no_grad()
+    def export_tensors(self, names) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(pushed name, full float32 tensor on rank 0, None elsewhere)`` of the names asked for, in
+        :meth:`weight_specs` order (a collective, as the trainer's ``export_tensors``)."""
+        self.prepare()
+        params, wanted = self.params(), set(names)
+        for name, pname in self.sources.items():
+            if name not in wanted:
+                continue
+            full = self.full(params[pname]).detach().float()
+            yield name, (full if self.rank == 0 else None)
+            del full
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -7,7 +7,9 @@ overall, to ``<output_dir>/eval/metrics.json``, headed by what was evaluated: ``
 ``--checkpoint`` path as given and its episode, for a run's checkpoint), ``model`` (the folder the
 engine loaded) and ``model_deleted``.
 
-Eval writes nothing outside ``<output_dir>/eval/``. A trainer checkpoint without ``hf/`` is merged
+Eval writes nothing outside ``<output_dir>/eval/``. A trainer checkpoint without ``hf/`` (a LoRA run's: its
+adapters put onto their base model), and an adapter folder (peft's ``adapter_config.json``, onto the base it
+names or ``--base``), are merged
 into ``<output_dir>/eval/merged_model`` (on the storage the run's workers share, where the rollout
 engine can load it), deleted once the evaluation ends, on an error or Ctrl-C too, unless asked to keep
 it. A checkpoint whose save did not finish (no ``COMPLETE``) or that no longer matches its manifest is
@@ -77,12 +79,14 @@ _RUN_CHECKPOINT = re.compile(r"^episode_\d+(\.tmp)?$")
 class EvalModel:
     """What ``--checkpoint`` names: ``given`` as the user wrote it, ``folder`` the Hugging Face folder the
     rollout engine loads, ``episode`` the episode of a run's checkpoint (else None), ``merge_from`` the
-    trainer checkpoint to merge into ``folder`` first (None when ``folder`` exists already)."""
+    trainer checkpoint (or, ``adapter``, peft's adapter folder) to merge into ``folder`` first (None when
+    ``folder`` exists already)."""
 
     given: str
     folder: str
     episode: int | None = None
     merge_from: str | None = None
+    adapter: bool = False
 
 
 def run_checkpoint(path: str) -> str | None:
@@ -133,12 +137,16 @@ def _episode(folder: str) -> int | None:
 
 
 def resolve_model(path: str, merged_dir: str = MERGED_MODEL) -> EvalModel:
-    """What to evaluate for ``--checkpoint path``: a model folder, a run's checkpoint (its ``hf/``, or its
-    ``trainer/`` to merge into ``merged_dir``), a sharded trainer checkpoint (merged into ``merged_dir``),
-    or a Hugging Face Hub model id (resolved into the Hugging Face cache). Checks only, writes nothing:
-    an incomplete or damaged checkpoint is refused here, before anything loads."""
+    """What to evaluate for ``--checkpoint path``: a model folder, peft's adapter folder (``adapter_config.json``:
+    merged onto its base into ``merged_dir``), a run's checkpoint (its ``hf/``, or its ``trainer/`` to merge
+    into ``merged_dir``), a sharded trainer checkpoint (merged into ``merged_dir``), or a Hugging Face Hub
+    model id (resolved into the Hugging Face cache). Checks only, writes nothing: an incomplete or damaged
+    checkpoint is refused here, before anything loads."""
+    from chatlearn.checkpoint.adapters import ADAPTER_CONFIG
     from chatlearn.hub import looks_like_hub_id, snapshot
 
+    if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):  # before config.json: some adapter folders hold one
+        return EvalModel(path, os.path.abspath(merged_dir), check_complete(path, path), merge_from=path, adapter=True)
     if looks_like_hub_id(path):
         found = snapshot(path, key="--checkpoint", local_hint="a local model folder or a run's checkpoint").path
         return EvalModel(path, found)
@@ -185,15 +193,21 @@ def keep_previous(out_dir: str) -> None:
         info(f"the earlier result {file} is moved to {target}")
 
 
-def merge_for_eval(model: EvalModel, dtype: str, keep: bool) -> None:
-    """The trainer checkpoint ``model.merge_from`` merged into ``model.folder`` (a leftover of an earlier,
-    killed evaluation there is removed first), in the rollout engine's dtype when it names one."""
+def merge_for_eval(model: EvalModel, dtype: str, keep: bool, base: str | None = None) -> None:
+    """The trainer checkpoint or adapter folder ``model.merge_from`` merged into ``model.folder`` (a leftover
+    of an earlier, killed evaluation there is removed first), in the rollout engine's dtype when it names
+    one (else float32; LoRA adapters: their base model's dtype). ``base`` (``--base``): LoRA adapters'
+    base model folder, in place of the one they record."""
+    from chatlearn.checkpoint.adapters import merge_adapter_folder
     from chatlearn.checkpoint.merge import DTYPES, merge_checkpoint
 
     remove_merged(model.folder)
     after = "kept after the evaluation" if keep else "deleted after the evaluation"
-    info(f"merging the trainer checkpoint {model.merge_from} into {model.folder} ({after})")
-    merge_checkpoint(model.merge_from, model.folder, dtype=dtype if dtype in DTYPES else "float32")
+    what = "the adapter folder" if model.adapter else "the trainer checkpoint"
+    info(f"merging {what} {model.merge_from} into {model.folder} ({after})")
+    merge = merge_adapter_folder if model.adapter else merge_checkpoint
+    kwargs = {} if model.adapter else {"merged": True}
+    merge(model.merge_from, model.folder, dtype=dtype if dtype in DTYPES else None, base=base, **kwargs)
 
 
 def remove_merged(folder: str) -> None:
@@ -245,12 +259,13 @@ class Evaluator:
 
 
 def evaluate_only(cfg: DictConfig, checkpoint: str | None = None, *, overwrite: bool = False,
-                  keep_merged: bool = False) -> dict:
+                  keep_merged: bool = False, base: str | None = None) -> dict:
     """Evaluate ``models.policy.load``, or ``checkpoint`` (``--checkpoint``) in its place, into
     ``<output_dir>/eval/``. An earlier result there is refused unless ``overwrite`` (``--overwrite``: it is
     then moved aside). A
     trainer checkpoint is merged into ``<output_dir>/eval/merged_model``, deleted afterwards (also on an
-    error or Ctrl-C) unless ``keep_merged`` (``--keep-merged``): eval writes nothing outside its folder."""
+    error or Ctrl-C) unless ``keep_merged`` (``--keep-merged``): eval writes nothing outside its folder. ``base``
+    (``--base``): the base model of LoRA adapters that are merged (an adapter folder, a LoRA checkpoint)."""
     rt = cfg.runtime_args
     if not rt.eval_data_path:
         raise UserError("runtime_args.eval_data_path: is not set; chatlearn eval needs the data to evaluate. Set it.")
@@ -260,9 +275,14 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None, *, overwrite: 
     check_no_result(out_dir, overwrite)
     model = resolve_model(checkpoint, os.path.join(out_dir, MERGED_MODEL)) if checkpoint else None
     merged = model is not None and model.merge_from is not None
+    if base is not None and not merged:
+        what = f"--checkpoint {checkpoint!r} is a whole model" if model is not None else "no --checkpoint is given"
+        raise UserError(f"--base names the base model of LoRA adapters to merge, and {what}: there is nothing to put "
+                        "onto it. Leave --base out, or pass --checkpoint with an adapter folder (adapter_config.json) "
+                        "or a LoRA run's checkpoint.")
     try:
         if merged:
-            merge_for_eval(model, cfg.models.policy.dtype, keep_merged)
+            merge_for_eval(model, cfg.models.policy.dtype, keep_merged, base)
         if model is not None:
             cfg = OmegaConf.merge(cfg, {"models": {"policy": {"load": model.folder}}})
         source = {"checkpoint": {"path": model.given, "episode": model.episode} if model is not None else None,

@@ -46,6 +46,8 @@ class WeightPush:
         self.transport = transport
         self.buckets: list[BucketIndex] | None = None
         self.slot_plan: SlotPlan | None = None  # cuda_ipc
+        self.adapters: dict | None = None  # LoRA adapter push: the trainer's manifest (stream.adapter_manifest)
+        self.fused_asked = False  # fuse_rollout: the manifest was asked for
 
     def _setup(self) -> None:
         trainers, replicas = self.trainer.actors, self.rollout.actors
@@ -57,9 +59,13 @@ class WeightPush:
                 nodes = ray.get([a.address.remote() for a in [trainers[0], *replicas]])
                 if any(host != nodes[0][0] for host, _ in nodes[1:]):
                     self.transport = "broadcast"
+        self.adapters = info["adapters"]
+        self._adapter_transport()
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown weight-sync transport {self.transport!r}; use one of {TRANSPORTS}")
         self.buckets = plan_buckets(info["specs"], self._bucket_bytes())
+        if self.adapters is not None:  # every replica merges the adapters it receives
+            ray.get([r.sync.remote("expect_adapters", self.adapters) for r in self.rollout.actors])
         addr = None
         if self.transport == "broadcast":
             host, port = ray.get(trainers[0].address.remote())
@@ -77,6 +83,13 @@ class WeightPush:
         ray.get([r.sync.remote("open_receiver", self.transport, self.buckets, attach)
                  for r in replicas])
         ray.get(trainers[0].sync.remote("release_names"))
+
+    def _adapter_transport(self) -> None:
+        """A LoRA adapter push goes over host shared memory where a full push would map CUDA IPC slots:
+        the adapters are a few MB (one device-to-host copy by trainer rank 0), no GPU slot is made and
+        freed per push, and the replica merges them in its own process (``lora_push.AdapterMerge``)."""
+        if self.adapters is not None and self.transport == "cuda_ipc":
+            self.transport = "shm"
 
     def _plan_slots(self) -> SlotPlan:
         """``cuda_ipc``: ask every trainer rank and replica for its GPUs (:func:`plan_slots`); the
@@ -139,19 +152,26 @@ class WeightPush:
         ray.get([r.sync.remote("finish") for r in replicas])
         if ipc:
             self._close_ipc()
-        return _push_metrics(sum(b.nbytes for b in self.buckets), time.perf_counter() - start)
+        return _push_metrics(sum(b.nbytes for b in self.buckets), time.perf_counter() - start, self.adapters)
 
     def _push_in_process(self) -> dict:
         """``runtime_args.fuse_rollout``: each trainer rank loads the replica in its own process
         (``chatlearn.runtime.weight_push.stream.local_push``, one call on every rank)."""
         start = time.perf_counter()
         loaded = ray.get([a.push_weights_local.remote("policy", self._bucket_bytes()) for a in self.trainer.actors])
-        return _push_metrics(loaded[0], time.perf_counter() - start)
+        if not self.fused_asked:  # once: whether the trainer pushes adapters (for sync/full_bytes)
+            self.adapters = ray.get(self.trainer.actors[0].sync.remote("specs"))["adapters"]
+            self.fused_asked = True
+        return _push_metrics(loaded[0], time.perf_counter() - start, self.adapters)
 
     def _bucket_bytes(self) -> int:
         return int(float(self.cfg.runtime_args.coalesced_buffer_mb) * 2 ** 20)
 
 
-def _push_metrics(nbytes: int, seconds: float) -> dict:
-    """``sync/bytes`` (per replica) and ``sync/push_gbps`` (1 GB = 1e9 bytes) of one push."""
-    return {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}
+def _push_metrics(nbytes: int, seconds: float, adapters: dict | None = None) -> dict:
+    """``sync/bytes`` (per replica) and ``sync/push_gbps`` (1 GB = 1e9 bytes) of one push; with a LoRA
+    adapter push also ``sync/full_bytes``, what a push of the merged weights would have sent."""
+    out = {"sync/bytes": float(nbytes), "sync/push_gbps": nbytes / max(seconds, 1e-9) / 1e9}
+    if adapters is not None:
+        out["sync/full_bytes"] = float(adapters["full_bytes"])
+    return out

@@ -292,12 +292,27 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------ actor-side endpoint
 
+def push_view(trainer):
+    """What a push sends from ``trainer``: its ``push_view()`` (the LoRA trainer's adapters alone, with a
+    ``manifest``), or the trainer itself (a trainer without that method: every weight)."""
+    return trainer.push_view() if hasattr(trainer, "push_view") else trainer
+
+
+def adapter_manifest(view) -> dict | None:
+    """The manifest of an adapter push (``chatlearn.models.rollout.lora_push``), None for a full one."""
+    return getattr(view, "manifest", None)
+
+
+def _merge_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def gather_bucket(trainer, index: BucketIndex, buf, held: Callable | None = None) -> None:
     """Gather bucket ``index`` of ``trainer``'s weights (``export_tensors``: a collective of its ranks)
     into ``buf`` on rank 0, laid out as :func:`bucket_views` reads it; the other ranks' ``buf`` is left
     as it is. ``held(tensor)``: told of each full tensor before it is copied and dropped."""
     views = dict(bucket_views(index, buf)) if trainer.rank == 0 else {}
-    for name, tensor in trainer.export_tensors(index.names):
+    for name, tensor in push_view(trainer).export_tensors(index.names):
         if tensor is not None:
             if held is not None:
                 held(tensor)
@@ -329,10 +344,13 @@ class Endpoint:
         self.group_members: tuple | None = None
         self.engine_maps = False  # cuda_ipc receiver: the engine's workers hold the mappings
         self.peak_live_bytes = 0  # trainer side: max bytes of slots + gathered tensors alive
+        self.merge = None  # rollout side, LoRA adapter push: the AdapterMerge the buckets go through
 
     # -- trainer side
     def specs(self) -> dict:
-        return {"specs": self.obj.weight_specs(), "device": torch.device(self.obj.device).type}
+        view = push_view(self.obj)
+        return {"specs": view.weight_specs(), "device": torch.device(self.obj.device).type,
+                "adapters": adapter_manifest(view)}
 
     def sender_gpu(self) -> str:
         """The UUID of this trainer rank's GPU (``cuda_ipc``: :func:`plan_slots`)."""
@@ -459,7 +477,17 @@ class Endpoint:
             self.slots = [torch.empty(size, dtype=torch.uint8, device=device)]
             self.group = _new_broadcast_group(host, port, rank, world, device.type)
 
+    def expect_adapters(self, manifest: dict) -> None:
+        """LoRA adapter push: every later push brings the adapters of ``manifest`` and is merged here
+        (:class:`chatlearn.models.rollout.lora_push.AdapterMerge`)."""
+        from chatlearn.models.rollout.lora_push import AdapterMerge
+
+        self.merge = AdapterMerge(manifest, _merge_device())
+
     def begin(self) -> None:
+        if self.merge is not None:
+            self.merge.begin(self.obj)
+            return
         self.obj.begin_weight_update()
 
     def recv(self, k: int, slot: int, *_after) -> None:
@@ -475,11 +503,17 @@ class Endpoint:
         else:
             s = self.slots[slot]
             buf = (s.tensor if isinstance(s, ShmSlot) else s)[:index.nbytes]
-        self.obj.load_weight_bucket(bucket_views(index, buf))
+        if self.merge is not None:
+            self.merge.take(self.obj, bucket_views(index, buf))
+        else:
+            self.obj.load_weight_bucket(bucket_views(index, buf))
         if self.transport == "cuda_ipc":
             device_stream(buf.device).synchronize()  # read out before the sender may refill the slot
 
     def finish(self) -> None:
+        if self.merge is not None:
+            self.merge.finish(self.obj)
+            return
         self.obj.finish_weight_update()
 
     def close_receiver(self) -> None:
@@ -498,20 +532,42 @@ def local_push(trainer, rollout, bucket_bytes: int) -> int:
     rank runs this at once (a collective). Bucket by bucket, as planned for the streamed push, the
     ranks gather the full tensors (``export_tensors``: on rank 0); with one rank the replica loads them
     as they are (no copy beyond its own), with several rank 0 packs the bucket into one buffer and
-    broadcasts it over the trainers' process group, and each rank's replica loads the views. Returns
+    broadcasts it over the trainers' process group, and each rank's replica loads the views. A LoRA
+    adapter push (the view's ``manifest``) goes through an ``AdapterMerge`` kept on the rollout. Returns
     the bytes loaded."""
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    buckets = plan_buckets(trainer.weight_specs(), bucket_bytes)
-    rollout.begin_weight_update()
+    view = push_view(trainer)
+    buckets = plan_buckets(view.weight_specs(), bucket_bytes)
+    merge = _local_merge(rollout, adapter_manifest(view))
+    if merge is not None:
+        begin, finish = (lambda: merge.begin(rollout)), (lambda: merge.finish(rollout))
+        load = lambda weights: merge.take(rollout, weights)  # noqa: E731
+    else:
+        begin, load, finish = rollout.begin_weight_update, rollout.load_weight_bucket, rollout.finish_weight_update
+    begin()
     for index in buckets:
         if world == 1:
-            rollout.load_weight_bucket([(name, t) for name, t in trainer.export_tensors(index.names)])
+            load([(name, t) for name, t in view.export_tensors(index.names)])
             continue
         buf = torch.empty(index.nbytes, dtype=torch.uint8, device=torch.device(trainer.device))
         gather_bucket(trainer, index, buf)
         dist.broadcast(buf, src=0)
-        rollout.load_weight_bucket(bucket_views(index, buf))
-    rollout.finish_weight_update()
+        load(bucket_views(index, buf))
+    finish()
     return sum(b.nbytes for b in buckets)
+
+
+def _local_merge(rollout, manifest: dict | None):
+    """The ``AdapterMerge`` of a fused replica for ``manifest`` (made on its first adapter push and kept on
+    the rollout object), or None for a full push."""
+    if manifest is None:
+        return None
+    merge = rollout.__dict__.get("_chatlearn_adapter_merge")
+    if merge is None:
+        from chatlearn.models.rollout.lora_push import AdapterMerge
+
+        merge = AdapterMerge(manifest, _merge_device())
+        rollout.__dict__["_chatlearn_adapter_merge"] = merge
+    return merge

@@ -19,7 +19,7 @@ from chatlearn.models.specs import LoraSpec
 from tests.models.trainer.test_fsdp_trainer import (TEMPERATURE, add_logprobs, hf_logprobs, make_batch,
                                                     make_tiny_model, run_ranks, trainer_spec)
 
-LORA = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=())
+LORA = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", modules_to_save=(), push="adapters")
 
 
 def lora_spec(path: str, **over):

@@ -1,0 +1,145 @@
+"""The receiving side of a LoRA adapter push (``models.policy_trainer.lora.push: adapters``), engine-neutral.
+
+The trainer sends only what trains (``chatlearn.models.trainer.lora.AdapterPush``): A and B of every adapted
+layer (``<module>.lora_A.weight`` [r, in], ``<module>.lora_B.weight`` [out, r], float32) and the trained copy of
+each ``modules_to_save`` module under its own name, with a manifest: per adapted layer its base weight's name,
+A's and B's names, the scale alpha / r and peft's ``fan_in_fan_out``; the names sent whole; the base model's
+folder. :class:`AdapterMerge` takes the update in place of the engine:
+
+* ``begin``: opens the engine's update, limited to the modules the push touches
+  (``Rollout.begin_partial_weight_update``: vLLM's layerwise reload leaves every other layer as it is);
+* ``take``: the pushed buckets; the modules sent whole are loaded at once, A and B are kept (copies: the
+  bucket views are only valid during the call; they are the adapters' size);
+* ``finish``: for every *group* (the module that holds an adapted layer: ``model.layers.0.self_attn`` for
+  ``model.layers.0.self_attn.q_proj``), every base tensor of the group is read from the base folder's
+  safetensors (memory-mapped, one group at a time), the adapted ones merged in float32 as the trainer's merged
+  export computes them (``W + (B @ A) x scaling``, transposed for ``fan_in_fan_out``), and loaded through the
+  engine's own ``load_weight_bucket``; then the engine's update is closed. A group is loaded whole because
+  vLLM and SGLang fuse sibling projections (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``): a fused
+  parameter is complete only with all of its parts.
+
+The rollout started from the same base folder (``lora_keys._check_push``), and the base weights never change,
+so every weight outside the groups is already what a full push of the merged weights would load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+CHUNK_BYTES = 256 * 2 ** 20  # base + merged tensors handed to the engine per load_weight_bucket call
+_BLOCK = re.compile(r"\.\d+(\.|$)")  # a module inside a numbered block (a decoder layer)
+
+
+def group_of(module: str, adapted: bool) -> str:
+    """The module loaded whole around ``module``: the parent of an adapted layer inside a numbered block (its
+    siblings may be fused with it), else the module itself (a top-level head, embedding or norm)."""
+    parent = module.rsplit(".", 1)[0] if "." in module else ""
+    return parent if adapted and _BLOCK.search(parent + ".") else module
+
+
+def _module(weight: str) -> str:
+    return weight.rsplit(".", 1)[0]
+
+
+def _in_groups(name: str, groups: list[str]) -> bool:
+    return any(name == g or name.startswith(g + ".") for g in groups)
+
+
+class BaseWeights:
+    """The tensors of a Hugging Face safetensors folder by name, read on demand (memory-mapped files)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as f:
+                self.files = dict(json.load(f)["weight_map"])
+        else:
+            from safetensors import safe_open
+
+            self.files = {}
+            for fname in sorted(os.listdir(folder)):
+                if fname.endswith(".safetensors"):
+                    with safe_open(os.path.join(folder, fname), framework="pt") as f:
+                        self.files.update({k: fname for k in f.keys()})
+        if not self.files:
+            raise FileNotFoundError(f"LoRA adapter push: no safetensors weights in the base folder {folder!r}")
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def read(self, names: list[str]):
+        """``(name, tensor)`` of ``names`` in the order given, file by file opened once."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.files[n], []).append(n)
+        out = {}
+        for fname, group in by_file.items():
+            with safe_open(os.path.join(self.folder, fname), framework="pt") as f:
+                for n in group:
+                    out[n] = f.get_tensor(n)
+        return [(n, out[n]) for n in names]
+
+
+class AdapterMerge:
+    """One rollout replica's side of adapter pushes (module docstring); made once from the manifest and
+    reused by every push."""
+
+    def __init__(self, manifest: dict, device: torch.device | None = None):
+        self.layers = {w: (a, b, float(s), bool(t)) for w, a, b, s, t in manifest["layers"]}
+        self.saved = list(manifest["saved"])
+        self.full_bytes = int(manifest["full_bytes"])
+        self.device = device or torch.device("cpu")
+        self.base = BaseWeights(manifest["base"])
+        groups = {group_of(_module(w), True) for w in self.layers}
+        groups |= {group_of(_module(w), False) for w in self.saved}
+        self.groups = sorted(groups)
+        missing = [w for w in self.layers if w not in self.base.files]
+        if missing:
+            raise KeyError(f"LoRA adapter push: the base folder {manifest['base']!r} has no weight {missing[0]!r}")
+        names = self.base.names()
+        # per group, the base tensors loaded at finish (those sent whole are loaded as they arrive)
+        self.plan = [[n for n in names if _in_groups(n, [g]) and n not in self.saved] for g in self.groups]
+        self.adapters: dict[str, torch.Tensor] = {}
+
+    def begin(self, rollout) -> None:
+        self.adapters = {}
+        rollout.begin_partial_weight_update(list(self.groups))
+
+    def take(self, rollout, weights) -> None:
+        """One pushed bucket of ``(name, tensor)`` views: copies of A and B are kept, the rest loaded now."""
+        whole = []
+        for name, t in weights:
+            if name.endswith((".lora_A.weight", ".lora_B.weight")):
+                self.adapters[name] = t.to(self.device, copy=True)
+            else:
+                whole.append((name, t))
+        if whole:
+            rollout.load_weight_bucket(whole)
+
+    @torch.no_grad()
+    def finish(self, rollout) -> None:
+        """Merge and load every group (module docstring), then close the engine's update."""
+        chunk, size = [], 0
+        for names in self.plan:
+            for name, base in self.base.read(names):
+                tensor = self._merged(name, base) if name in self.layers else base
+                chunk.append((name, tensor))
+                size += tensor.numel() * tensor.element_size()
+            if size >= CHUNK_BYTES:
+                rollout.load_weight_bucket(chunk)
+                chunk, size = [], 0
+        if chunk:
+            rollout.load_weight_bucket(chunk)
+        self.adapters = {}
+        rollout.finish_weight_update()
+
+    def _merged(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        a_name, b_name, scaling, fan_in_fan_out = self.layers[name]
+        delta = (self.adapters[b_name] @ self.adapters[a_name]) * scaling
+        return base.to(self.device, torch.float32) + (delta.T if fan_in_fan_out else delta)
