@@ -550,7 +550,8 @@ def test_hf_reserved_kv_cache_moves_only_the_rows_that_move(hf):
     for a, b, ptr, rows in zip(ours.layers, ref.layers, buffers, untouched):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert a._k.data_ptr() == ptr and a._k.shape[0] == 6  # the buffers stay: nothing allocated
-        assert torch.equal(a._k[[0, 2, 3]], rows)
+        # bit for bit: past the written positions the reserved buffer holds whatever memory held (NaN bits too)
+        assert torch.equal(a._k[[0, 2, 3]].view(torch.int32), rows.view(torch.int32))
     step = torch.randn((4,) + shape[1:2] + (1,) + shape[3:], generator=g)
     for layer in range(len(ours.layers)):  # the next step writes the 4 remaining rows
         got, want = ours.update(step, step, layer), ref.update(step, step, layer)
