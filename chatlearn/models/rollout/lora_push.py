@@ -23,11 +23,11 @@ so every weight outside the groups is already what a full push of the merged wei
 """
 from __future__ import annotations
 
-import json
-import os
 import re
 
 import torch
+
+from chatlearn.models.hf_folder import HFCheckpoint
 
 CHUNK_BYTES = 256 * 2 ** 20  # base + merged tensors handed to the engine per load_weight_bucket call
 _BLOCK = re.compile(r"\.\d+(\.|$)")  # a module inside a numbered block (a decoder layer)
@@ -48,44 +48,6 @@ def _in_groups(name: str, groups: list[str]) -> bool:
     return any(name == g or name.startswith(g + ".") for g in groups)
 
 
-class BaseWeights:
-    """The tensors of a Hugging Face safetensors folder by name, read on demand (memory-mapped files)."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-        index = os.path.join(folder, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index, encoding="utf-8") as f:
-                self.files = dict(json.load(f)["weight_map"])
-        else:
-            from safetensors import safe_open
-
-            self.files = {}
-            for fname in sorted(os.listdir(folder)):
-                if fname.endswith(".safetensors"):
-                    with safe_open(os.path.join(folder, fname), framework="pt") as f:
-                        self.files.update({k: fname for k in f.keys()})
-        if not self.files:
-            raise FileNotFoundError(f"LoRA adapter push: no safetensors weights in the base folder {folder!r}")
-
-    def names(self) -> list[str]:
-        return list(self.files)
-
-    def read(self, names: list[str]):
-        """``(name, tensor)`` of ``names`` in the order given, file by file opened once."""
-        from safetensors import safe_open
-
-        by_file: dict[str, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self.files[n], []).append(n)
-        out = {}
-        for fname, group in by_file.items():
-            with safe_open(os.path.join(self.folder, fname), framework="pt") as f:
-                for n in group:
-                    out[n] = f.get_tensor(n)
-        return [(n, out[n]) for n in names]
-
-
 class AdapterMerge:
     """One rollout replica's side of adapter pushes (module docstring); made once from the manifest and
     reused by every push."""
@@ -95,14 +57,15 @@ class AdapterMerge:
         self.saved = list(manifest["saved"])
         self.full_bytes = int(manifest["full_bytes"])
         self.device = device or torch.device("cpu")
-        self.base = BaseWeights(manifest["base"])
+        self.base = HFCheckpoint(manifest["base"])
         groups = {group_of(_module(w), True) for w in self.layers}
         groups |= {group_of(_module(w), False) for w in self.saved}
         self.groups = sorted(groups)
-        missing = [w for w in self.layers if w not in self.base.files]
+        names = self.base.names()
+        known = set(names)
+        missing = [w for w in self.layers if w not in known]
         if missing:
             raise KeyError(f"LoRA adapter push: the base folder {manifest['base']!r} has no weight {missing[0]!r}")
-        names = self.base.names()
         # per group, the base tensors loaded at finish (those sent whole are loaded as they arrive)
         self.plan = [[n for n in names if _in_groups(n, [g]) and n not in self.saved] for g in self.groups]
         self.adapters: dict[str, torch.Tensor] = {}

@@ -25,6 +25,7 @@ the adapter tensors alone under peft's names (:func:`adapter_name`: those of
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -213,7 +214,7 @@ class AdapterPush:
                 self.sources[e.name] = e.param
                 saved.append(e.name)
         self.specs = [(n, "float32", shapes[p], i) for i, (n, p) in enumerate(self.sources.items())]
-        full_bytes = sum(4 * _numel(shapes[e.param]) for e in merged.entries)
+        full_bytes = sum(4 * math.prod(shapes[e.param]) for e in merged.entries)
         self.manifest = {"base": os.path.abspath(base) if os.path.isdir(base) else base, "layers": layers,
                          "saved": saved, "full_bytes": full_bytes}
 
@@ -232,10 +233,3 @@ class AdapterPush:
             full = self.full(params[pname]).detach().float()
             yield name, (full if self.rank == 0 else None)
             del full
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

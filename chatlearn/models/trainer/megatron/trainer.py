@@ -83,11 +83,11 @@ from chatlearn.checkpoint.merge import value_head_config
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
+from chatlearn.models.hf_folder import HFCheckpoint
 from chatlearn.models.stash import release_device_memory
 from chatlearn.models.trainer.fsdp import collective_timeout, init_distributed
 from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
 from chatlearn.models.trainer.megatron.model import (
-    HFCheckpoint,
     build_gpt_model,
     canonical_name,
     initial_value_head,
