@@ -346,5 +346,26 @@ def _paragraph(text: str) -> str:
     return textwrap.fill(" ".join(text.split()), width=100, break_long_words=False, break_on_hyphens=False)
 
 
+def entry() -> None:
+    """The ``chatlearn`` command: :func:`main`, then, after ``run`` and ``eval``, the process ends at once
+    once its output is flushed. Every file of the run is closed by then; what is left is the
+    interpreter's teardown of the libraries a run without Ray loaded into this process (torch, vLLM:
+    seconds of native destructors and thread pools on a CPU machine), which does nothing for the user."""
+    ends = len(sys.argv) > 1 and sys.argv[1] in ("run", "eval")
+    if ends:
+        from chatlearn.runtime.cluster import local
+
+        local.PROCESS_ENDS_WITH_RUN = True  # a run without Ray leaves its models to the end of the process
+    code = main()
+    if ends:
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -5,6 +5,7 @@ Batch sizes are named for what they count: *prompts* or *samples* (a prompt time
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
@@ -92,6 +93,9 @@ class Plan:
     multi_turn: str | None = None
     # runtime_args.fuse_rollout: the rollout replicas live in the policy trainer's processes
     fused_rollout: bool = False
+    # runtime_args.single_process: the models run in the driver's process, the reward workers in
+    # processes of their own; no Ray
+    single_process: bool = False
     # models.critic exists only for advantage_estimator: gae (PPO)
     uses_critic: bool = False
     # models.reward.load: a reward model scores the samples on devices (placement reward_model)
@@ -153,6 +157,9 @@ class Plan:
             lines.append("  ref_policy: not started (models.policy_trainer.kl_coef is 0: no KL term needs it)")
         if self.uses_reward_model:
             lines.append("  reward_model: scores every sample (models.reward.load), beside the reward functions")
+        if self.single_process:
+            lines.append("processes: the models in this (the driver's) process, the reward workers in processes "
+                         "of their own; no Ray (runtime_args.single_process)")
         lines += [
             f"prompts per episode: {self.prompts_per_episode} x {self.group_size} samples each "
             f"= {self.samples_per_episode} samples",
@@ -297,6 +304,7 @@ def make_plan(cfg: DictConfig) -> Plan:
                                  else ModelPlacement(name, num, g, list(range(num))))
     if "reward" not in placements:
         placements["reward"] = reward_cpu_placement(m.reward)
+    fused = _fused_rollout(cfg, groups, replicas)
     return Plan(group_size=n, prompts_per_episode=spe // n, samples_per_episode=spe, trainer_dp=dp,
                 samples_per_step=gbs, samples_per_rank_per_step=per_rank, micro_batches_per_step=per_rank // micro,
                 steps_per_episode=spe // gbs * rt.num_training_epoch, rollout_replicas=replicas,
@@ -306,8 +314,8 @@ def make_plan(cfg: DictConfig) -> Plan:
                 old_from_rollout=t.old_logprobs == "rollout",
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
                 max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol),
-                fused_rollout=_fused_rollout(cfg, groups, replicas), uses_critic=uses_critic,
-                uses_reward_model=uses_rm, ref_from_trainer=ref_from_trainer)
+                fused_rollout=fused, uses_critic=uses_critic, uses_reward_model=uses_rm,
+                ref_from_trainer=ref_from_trainer, single_process=_single_process(cfg, placements, fused))
 
 
 def _reference(t) -> tuple[bool, bool]:
@@ -350,11 +358,51 @@ def make_eval_plan(cfg: DictConfig, num_prompts: int, samples_per_prompt: int) -
     pol = cfg.models.policy
     _check_rollout_parallel(pol, cfg.runtime_args.rollout_backend)
     rollout = rollout_placement(pol, 0)
+    placements = {"policy": rollout, "reward": reward_cpu_placement(cfg.models.reward)}
     return Plan(group_size=samples_per_prompt, prompts_per_episode=num_prompts,
                 samples_per_episode=num_prompts * samples_per_prompt, trainer_dp=1, samples_per_step=1,
                 samples_per_rank_per_step=1, micro_batches_per_step=1, steps_per_episode=0,
                 rollout_replicas=rollout.num_actors, device_groups=[["policy"]], devices_per_group=[pol.num_gpu],
-                placements={"policy": rollout, "reward": reward_cpu_placement(cfg.models.reward)})
+                placements=placements, single_process=_single_process(cfg, placements, False))
+
+
+def _single_process(cfg, placements: dict, fused: bool) -> bool:
+    """``runtime_args.single_process`` for this layout: whether the run's models are built in the
+    driver's process (no Ray; the reward workers in processes of their own). They can be where every
+    model but the reward workers lives in one process on this machine: one FSDP trainer rank with its
+    fused rollout replica and, if any other model, the reference model colocated with it (the two
+    then share the process's one-rank process group and take turns), or an evaluation's one rollout replica of
+    tensor parallel 1 whose engine runs in the calling process (:func:`fusable_rollout`); and no
+    ``RAY_ADDRESS`` (a cluster to join)."""
+    rt, key = cfg.runtime_args, "runtime_args.single_process"
+    if rt.single_process is False:
+        return False
+    models = sorted(n for n in placements if n != "reward")
+    why = None
+    if os.environ.get("RAY_ADDRESS"):
+        why = "RAY_ADDRESS is set: the run joins that Ray cluster"
+    elif placements["reward"].device_group >= 0:
+        why = "the reward workers have devices (models.reward.num_gpu)"
+    elif models == ["policy"]:
+        pl = placements["policy"]
+        why = (f"the rollout has {pl.num_actors} replica(s) of tensor parallel {pl.devices_per_actor}"
+               if pl.num_actors * pl.devices_per_actor != 1 else fusable_rollout(rt.rollout_backend))
+    elif models not in (["policy", "policy_trainer"], ["policy", "policy_trainer", "ref_policy"]):
+        others = [m for m in models if m not in ("policy", "policy_trainer", "ref_policy")]
+        why = f"the run places {', '.join(others)} beside the policy"
+    elif "ref_policy" in models and (placements["ref_policy"].num_actors != 1 or placements["ref_policy"].device_group
+                                     != placements["policy_trainer"].device_group):
+        why = "ref_policy is not one rank on the policy trainer's device (runtime_args.colocation)"
+    elif not fused:
+        why = "the rollout is not fused into the trainer's process (runtime_args.fuse_rollout)"
+    elif placements["policy_trainer"].num_actors != 1:
+        why = f"the trainer has {placements['policy_trainer'].num_actors} ranks"
+    elif rt.train_backend != "fsdp":
+        why = f"train_backend {rt.train_backend} keeps process-wide parallel state (FSDP only)"
+    if why is not None and rt.single_process:
+        raise ConfigError(f"is true, but the run's models cannot all live in the driver's process: {why}. Set it "
+                          "to null (one process where it can be) or false.", key=key)
+    return why is None
 
 
 def fusable_rollout(backend: str) -> str | None:

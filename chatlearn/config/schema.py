@@ -106,6 +106,11 @@ class RuntimeArgs:
     # colocated with policy_trainer, one replica per trainer rank, an engine that runs in the trainer's
     # process: hf, vLLM's CPU build); true: required; false: separate processes
     fuse_rollout: Optional[bool] = None
+    # Every model of the run in the driver's own process, without Ray: where all but the reward
+    # workers live in one process on this machine (one trainer rank with its fused rollout replica, or
+    # an evaluation's one rollout replica; no RAY_ADDRESS). The reward workers stay processes of their
+    # own. null: where it can be; true: required; false: Ray always
+    single_process: Optional[bool] = None
     # Without a GPU (logical devices), colocated models keep every part in memory between turns
     # (host memory is all there is: moving frees nothing); true: they move as on GPUs.
     offload_without_gpu: bool = False

@@ -241,6 +241,13 @@ def attach_logs(output_dir: str) -> str | None:
     return _active.attach(output_dir) if _active is not None else None
 
 
+def reroute_logs() -> None:
+    """Route the loggers libraries set up since the run's logs were attached (a library imported
+    later, as by the models built in the driver's process of a run without Ray) as the others."""
+    if _active is not None and _active.path is not None:
+        _active._sweep()
+
+
 _redirected = False
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import numpy as np
-import ray
 
 
 def throughput(batch: dict, metrics: dict, epochs: int, generated: int | None = None) -> dict:
@@ -27,11 +26,13 @@ def throughput(batch: dict, metrics: dict, epochs: int, generated: int | None = 
 
 def peak_memory(groups: dict) -> dict:
     """``memory/<model>_peak_mb``: the largest peak over a model's actors, where they report one."""
+    from chatlearn.runtime.cluster.local import get
+
     names = sorted(groups)
     refs = {name: [actor.memory.remote() for actor in groups[name].actors] for name in names}
     out = {}
     for name in names:
-        peaks = [r["peak_mb"] for r in ray.get(refs[name]) if r.get("peak_mb") is not None]
+        peaks = [r["peak_mb"] for r in get(refs[name]) if r.get("peak_mb") is not None]
         if peaks:
             out[f"memory/{name}_peak_mb"] = max(peaks)
     return out

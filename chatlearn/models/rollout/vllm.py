@@ -777,6 +777,12 @@ class VLLMRollout(Rollout):
             finished.append(FINISH_REASONS[comp.finish_reason])
         return pack_samples(prompts, responses, logprobs, finished)
 
+    def shutdown(self) -> None:
+        """Stop the engine: its core, its workers and the torch.distributed groups it joined (vLLM's
+        ``EngineCoreClient.shutdown``). A run without Ray calls it as it ends (the engine then lived in
+        the driver's process); a Ray worker's process ends instead."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def probe_logprobs(self, tokens: list[int]) -> dict:
         """``Rollout.probe_logprobs``: vLLM's prompt log-probs of one greedy request of one token
         (``prompt_logprobs=0``: the prompt token's own, ``log_softmax`` of the raw logits in float32 in every

@@ -7,8 +7,10 @@ joins that cluster instead of starting a local one.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
+import sys
 import urllib.parse
 
 import ray
@@ -18,10 +20,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from chatlearn.config import registry
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
-from chatlearn.logging.console import info, ray_init_options, raylet_lines_to_log, workers_stream_to_driver
+from chatlearn.logging.console import (info, ray_init_options, raylet_lines_to_log, reroute_logs,
+                                       workers_stream_to_driver)
 from chatlearn.logging.gpu_memory import visible_gpu_count
 from chatlearn.models.specs import RewardModelSpec, RewardSpec, RolloutSpec, TrainerSpec
 from chatlearn.runtime.cluster.group import WorkerGroup, create_group, start_actors
+from chatlearn.runtime.cluster import local
+from chatlearn.runtime.cluster.local import InlineActor, ProcessActor, get, kill
 from chatlearn.runtime.cluster.leftovers import clean_leftovers, mark_driver
 from chatlearn.runtime.cluster.signals import stop_on_sigterm, terminated
 from chatlearn.runtime.cluster.worker_env import worker_env
@@ -124,7 +129,9 @@ def lean_local_head(log_monitor: bool = False):
 
 
 class Cluster:
-    """Starts (or joins) Ray, reserves the devices of the plan, and creates each model's actors."""
+    """Starts (or joins) Ray, reserves the devices of the plan, and creates each model's actors; with
+    ``plan.single_process``, no Ray: the models are built in this process and the reward workers in
+    processes of their own (:mod:`chatlearn.runtime.cluster.local`)."""
 
     def __init__(self, cfg: DictConfig, plan: Plan):
         self.cfg, self.plan = cfg, plan
@@ -134,10 +141,23 @@ class Cluster:
         self.specs: dict[str, object] = {}  # the spec each created model was built from
         # prestart: (group arguments, actors) of models whose processes run ahead of their creation
         self._started: dict[str, tuple] = {}
+        self.local = plan.single_process
+        self._restore: tuple | None = None  # a run without Ray: the environment and threads to put back
 
     def __enter__(self) -> "Cluster":
         plan, m = self.plan, self.cfg.models
         reward_cpus = m.reward.num_cpu
+        if self.local:
+            clean_leftovers()  # of earlier runs whose driver was killed
+            mark_driver()  # the reward workers' processes carry this driver's pid
+            torch = sys.modules.get("torch")
+            self._restore = (dict(os.environ), torch.get_num_threads() if torch is not None else None)
+            stop_on_sigterm()
+            # what the driver holds so far (the prompts, the config, its imports) lives through the run:
+            # the collector stops scanning it, as it would in a process of the models' own (vLLM's
+            # engine collects twice while it loads, seconds over a driver's heap)
+            gc.freeze()
+            return self
         if not ray.is_initialized():
             clean_leftovers()  # of earlier runs whose driver was killed
             os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # plain "(Worker pid=...)" prefixes in logs
@@ -181,13 +201,21 @@ class Cluster:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:  # a normal end: workers remove their temporary files (vLLM's rendezvous files)
             try:
-                ray.get([a.release_temp_files.remote() for g in self.groups.values() for a in g.actors],
-                        timeout=30)
+                get([a.release_temp_files.remote() for g in self.groups.values() for a in g.actors],
+                    timeout=30)
             except Exception:  # noqa: BLE001 - cleanup only; a later start removes what is left
                 pass
         for actor in [a for g in self.groups.values() for a in g.actors] + [
                 a for _, started in self._started.values() for a in started]:
-            ray.kill(actor)
+            if isinstance(actor, ProcessActor) or (isinstance(actor, InlineActor) and exc is None
+                                                    and not local.PROCESS_ENDS_WITH_RUN):
+                actor.stop()
+            else:
+                kill(actor)
+        if self.local:
+            if not local.PROCESS_ENDS_WITH_RUN:
+                self._leave_process()
+            return
         # Removing the placement group is a call to the GCS that blocks until Ray gives up on it
         # (60 s, then the process is killed) when the GCS is gone, as after a SIGTERM to the whole
         # job. A local Ray we started goes with ray.shutdown(), and Ray removes a job's placement
@@ -196,6 +224,22 @@ class Cluster:
             remove_placement_group(self.pg)
         if self.started_ray:
             ray.shutdown()
+
+    def _leave_process(self) -> None:
+        """A run without Ray ends: its process group goes, its models are freed, and the environment
+        and torch's threads are what they were before it (the driver may run more)."""
+        self.groups.clear()
+        self._started.clear()
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        gc.unfreeze()
+        gc.collect()
+        env, threads = self._restore
+        os.environ.clear()
+        os.environ.update(env)
+        if threads is not None:
+            sys.modules["torch"].set_num_threads(threads)
 
     def device_offset(self, group_index: int) -> int:
         return sum(self.plan.devices_per_group[:group_index])
@@ -209,7 +253,7 @@ class Cluster:
             per = cfg.models.reward.cpu_per_process or 1
             return BACKENDS["reward"], RewardSpec.from_config(cfg), dict(
                 num_actors=pl.num_actors, pg=None, bundles=[], gpu_fraction=0, cpus=per, threads=per,
-                env=worker_env("reward", "reward", per))
+                env=worker_env("reward", "reward", per), place="process" if self.local else "ray")
         sharing = len([x for x in plan.device_groups[pl.device_group] if x in plan.placements
                        and plan.placements[x].device_group == pl.device_group])
         frac = round(1.0 / sharing - 0.005, 2) if sharing > 1 else 1.0
@@ -226,12 +270,17 @@ class Cluster:
             env = worker_env("trainer", backend, threads, cfg.models[name].use_expandable_segments)
         return BACKENDS[backend], spec, dict(num_actors=pl.num_actors, pg=self.pg, bundles=bundles,
                                             gpu_fraction=frac, cpus=0, threads=threads, env=env,
-                                            devices_per_actor=pl.devices_per_actor)
+                                            devices_per_actor=pl.devices_per_actor,
+                                            place="inline" if self.local else "ray")
 
     def prestart(self, names) -> None:
         """Start the processes of every model in ``names`` now (each imports its backend and waits):
         their start-up overlaps, while :meth:`create` still builds the models one after another
-        (on shared devices the order matters: the rollout engine sizes its cache from what is left)."""
+        (on shared devices the order matters: the rollout engine sizes its cache from what is left).
+        Without Ray, the reward workers' processes start first: the models' imports in this process
+        then overlap them."""
+        if self.local:
+            names = sorted(names, key=lambda n: n != "reward")
         for name in names:
             if name == "policy" and self.plan.fused_rollout:
                 continue  # built in the trainer's processes
@@ -246,19 +295,23 @@ class Cluster:
         group = create_group(name, factory, spec, distributed=name not in ("policy", "reward"),
                              actors=actors, **kwargs)
         self.groups[name], self.specs[name] = group, spec
+        if self.local:
+            reroute_logs()  # the loggers of what the model imported into this process
         return group
 
     def startup_times(self) -> dict[str, list[dict]]:
         """Per model, each process's :meth:`~chatlearn.runtime.cluster.worker.Worker.startup_times`."""
         refs = {name: [a.startup_times.remote(g.target) for a in g.actors] for name, g in self.groups.items()}
-        return {name: ray.get(r, timeout=60) for name, r in refs.items()}
+        return {name: get(r, timeout=60) for name, r in refs.items()}
 
     def _create_fused_rollout(self) -> WorkerGroup:
         """``runtime_args.fuse_rollout``: rollout replica i built in policy trainer rank i's process (the
         trainer is built first), reached through the trainer's actors as their object ``policy``."""
         factory, spec, _ = self._group_args("policy")
         actors = self.groups["policy_trainer"].actors
-        ray.get([a.setup.remote(factory, spec, None, "policy") for a in actors])
+        get([a.setup.remote(factory, spec, None, "policy") for a in actors])
         group = WorkerGroup("policy", actors, target="policy")
         self.groups["policy"], self.specs["policy"] = group, spec
+        if self.local:
+            reroute_logs()
         return group

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
@@ -12,6 +13,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from chatlearn.errors import UserError
+from chatlearn.runtime.cluster.local import InlineActor, ProcessActor, WorkerDied, get, wait
 from chatlearn.runtime.cluster.worker import Worker
 from chatlearn.runtime.cluster.worker_env import worker_env
 
@@ -74,8 +76,14 @@ def role_of(actor_id: str | None) -> str | None:
 
 
 def dead_worker_message(err: BaseException) -> str | None:
-    """One paragraph for a Ray actor that died (``RayActorError``): which model and rank, its process
-    and node, and Ray's reason; ``None`` for any other error."""
+    """One paragraph for a Ray actor that died (``RayActorError``) or a worker process of a run without
+    Ray that ended (:class:`~chatlearn.runtime.cluster.local.WorkerDied`): which model and rank, its process
+    and node, and the reason; ``None`` for any other error."""
+    if isinstance(err, WorkerDied):
+        return (f"the {role_of(err.actor_id) or err.role} worker (process {err.pid}) died: {err.reason}. "
+                "The run stopped; the last complete checkpoint is kept and a rerun resumes from it. A worker "
+                "killed without a Python error was usually out of memory or crashed in native code; its own "
+                "output, where it has any, follows.")
     if not isinstance(err, ray.exceptions.RayActorError):
         return None
     text = str(err)
@@ -122,7 +130,7 @@ class WorkerGroup:
     def call(self, method: str, *args, **kwargs) -> tuple[list, float]:
         """Results of every actor, and the longest time any of them took."""
         with self._watched(method):
-            outs = ray.get(self.call_async(method, *args, **kwargs))
+            outs = get(self.call_async(method, *args, **kwargs))
         return self._done(method, outs)
 
     def _watched(self, method: str):
@@ -140,11 +148,11 @@ class WorkerGroup:
             if timeout:
                 pending, deadline = list(refs), time.monotonic() + timeout
                 while pending:
-                    ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                    ready, pending = wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
                     if not ready:
                         raise CallTimeout([refs.index(r) for r in pending], timeout)
-                    ray.get(ready)  # the error of a failed call, now
-            outs = ray.get(refs)
+                    get(ready)  # the error of a failed call, now
+            outs = get(refs)
         return self._done(method, outs)
 
     def _done(self, method: str, outs: list) -> tuple[list, float]:
@@ -200,12 +208,16 @@ def spanning_env(pg: PlacementGroup, bundles: list[int], gpu_fraction: float) ->
 
 def start_actors(name: str, factory: str, *, num_actors: int, pg: PlacementGroup | None, bundles: list[int],
                  gpu_fraction: float, cpus: float, threads: int, env: dict[str, str] | None = None,
-                 devices_per_actor: int = 1) -> list:
+                 devices_per_actor: int = 1, place: str = "ray") -> list:
     """Start the processes of ``name``'s actors (see :func:`create_group`) without building the
     backend: each imports the backend's module and then waits for its ``setup``. Starting every
     model's processes at once overlaps their start-up while the models are still built one after
-    another."""
+    another. ``place``: ``ray`` (Ray actors), ``process`` or ``inline`` (a run without Ray:
+    :mod:`chatlearn.runtime.cluster.local`; inline, the actor is built in this process, whose
+    environment ``env`` then updates)."""
     env = dict(env) if env is not None else worker_env("reward", "reward", threads)
+    if place != "ray":
+        return [_local_actor(name, i, factory, threads, env, place) for i in range(num_actors)]
     k = devices_per_actor
     if k > 1 and (pg is None or len(bundles) != num_actors * k):
         raise ValueError(f"{name}: {num_actors} actor(s) x {k} devices need a placement group and "
@@ -228,10 +240,25 @@ def start_actors(name: str, factory: str, *, num_actors: int, pg: PlacementGroup
     return actors
 
 
+def _local_actor(name: str, index: int, factory: str, threads: int, env: dict[str, str], place: str):
+    preload, uses_torch = factory.split(":")[0], name != "reward"
+    if place == "inline":
+        # vLLM's own console handler would print in the driver's console: its loggers then propagate to
+        # the run's log routing (chatlearn.logging.console) instead
+        os.environ.update({**env, "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "0")})
+        actor = InlineActor(name, threads, preload, uses_torch)
+    else:
+        actor = ProcessActor(name, threads, preload, uses_torch,
+                             {**os.environ, **env, "CHATLEARN_WORKER": f"{name}:{index}"})
+    _ROLES[actor._actor_id.hex()] = (name, index)
+    _ACTORS[actor._actor_id.hex()] = actor
+    return actor
+
+
 def create_group(name: str, factory: str, spec, *, num_actors: int, pg: PlacementGroup | None,
                  bundles: list[int], gpu_fraction: float, cpus: float, threads: int,
                  distributed: bool, env: dict[str, str] | None = None,
-                 devices_per_actor: int = 1, actors: list | None = None) -> WorkerGroup:
+                 devices_per_actor: int = 1, actors: list | None = None, place: str = "ray") -> WorkerGroup:
     """Start ``num_actors`` actors (actor i on bundle ``bundles[i]``) and build the backend in each.
 
     ``distributed``: the actors form one torch.distributed world (trainer ranks); rank 0's node
@@ -245,13 +272,13 @@ def create_group(name: str, factory: str, spec, *, num_actors: int, pg: Placemen
     if actors is None:
         actors = start_actors(name, factory, num_actors=num_actors, pg=pg, bundles=bundles,
                               gpu_fraction=gpu_fraction, cpus=cpus, threads=threads, env=env,
-                              devices_per_actor=devices_per_actor)
+                              devices_per_actor=devices_per_actor, place=place)
     envs: list[dict] = [{} for _ in actors]
     if distributed:
-        addr, port = ray.get(actors[0].address.remote())
+        addr, port = get(actors[0].address.remote())
         from chatlearn.runtime.cluster.watchdog import collective_env
 
         envs = [{"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(i), "WORLD_SIZE": str(num_actors),
                  "LOCAL_RANK": "0", **collective_env()} for i in range(num_actors)]
-    ray.get([a.setup.remote(factory, spec, e) for a, e in zip(actors, envs)])
+    get([a.setup.remote(factory, spec, e) for a, e in zip(actors, envs)])
     return WorkerGroup(name, actors)

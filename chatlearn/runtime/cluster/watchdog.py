@@ -23,6 +23,7 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Callable
 from chatlearn.config.deadlines import CAP_FACTOR, collective_timeout_s, deadline_s, silent_after
 from chatlearn.logging.console import warn
 from chatlearn.runtime.cluster.group import _ACTORS, _ROLES, role_of
+from chatlearn.runtime.cluster.local import LocalActor, kill
 
 HEARTBEAT_S = 2.0
 TICK_S = 1.0
@@ -83,17 +85,25 @@ def start_heartbeat(doing: Callable[[], tuple[str | None, float]]) -> threading.
 
 
 def read_heartbeats(actor_ids: list[str]) -> dict[str, dict | None]:
-    """On the driver: the last heartbeat of each actor (None: none yet)."""
-    from ray.experimental import internal_kv
-
+    """On the driver: the last heartbeat of each actor (None: none yet); a worker of a run without Ray
+    (chatlearn.runtime.cluster.local) answers for itself."""
     out = {}
     for actor in actor_ids:
+        handle = _ACTORS.get(actor)
+        if isinstance(handle, LocalActor):
+            out[actor] = handle.heartbeat()
+            continue
+        from ray.experimental import internal_kv
+
         raw = internal_kv._internal_kv_get(actor.encode(), namespace=NAMESPACE)
         out[actor] = json.loads(raw) if raw else None
     return out
 
 
 def forget_heartbeats(actor_ids: list[str]) -> None:
+    actor_ids = [a for a in actor_ids if not isinstance(_ACTORS.get(a), LocalActor)]
+    if not actor_ids:
+        return
     from ray.experimental import internal_kv
 
     for actor in actor_ids:
@@ -247,19 +257,23 @@ class Watchdog:
         """Record the stall, kill the stopped processes (those on this node by pid: SIGKILL ends a
         stopped process) and every actor of the run, so that the driver's waits end with an error
         the CLI reports as the stall; if the driver still runs ``GRACE_S`` later, interrupt it."""
-        import ray
-
         _STATE["stall"] = stall.message
-        here = ray.util.get_node_ip_address()
+        here = ("local",)  # the node a worker of a run without Ray names
+        if sys.modules.get("ray") is not None:
+            here += (sys.modules["ray"].util.get_node_ip_address(),)
         for beat in stall.stopped:
-            if beat.get("node") == here and "pid" in beat:
+            if beat.get("node") in here and "pid" in beat and int(beat["pid"]) != os.getpid():
                 with contextlib.suppress(OSError):
                     os.kill(int(beat["pid"]), signal.SIGKILL)
         for handle in list(self.actors().values()):
             with contextlib.suppress(Exception):
-                ray.kill(handle)
+                kill(handle)
         if not self._closed.wait(GRACE_S):
             _thread.interrupt_main()
+        if not self._closed.wait(GRACE_S):  # stuck where an interrupt does not reach (native code)
+            sys.stderr.write(f"[chatlearn] error: {stall.message}\n")
+            sys.stderr.flush()
+            os._exit(1)
 
     def close(self) -> None:
         """The run is ending: stop looking, and drop its heartbeats from Ray's store. Not after a SIGTERM:

@@ -16,24 +16,32 @@ class Worker:
     replica is a second object of the process (``setup(..., target="policy")``), reached by
     :meth:`call_on`; the process's own object stays ``obj``."""
 
-    def __init__(self, threads: int, preload: str | None = None, uses_torch: bool = True):
+    def __init__(self, threads: int, preload: str | None = None, uses_torch: bool = True, place: str = "ray"):
         """``preload``: the backend's module, imported now (and its ``prestart()`` run, if it has one),
         while the process waits for its ``setup`` (the other models are built meanwhile); nothing
         touches a device here.
         ``uses_torch``: False for the reward workers, which then never import torch or
-        transformers (seconds of CPU at every start, taken from the models starting beside them)."""
+        transformers (seconds of CPU at every start, taken from the models starting beside them).
+        ``place``: ``ray`` (a Ray actor's process), ``process`` (a process of a run without Ray) or
+        ``inline`` (the driver's own process: its output and environment stay as they are;
+        chatlearn.runtime.cluster.local)."""
         from chatlearn.logging.console import setup_worker
         from chatlearn.logging.startup import process_start_time
 
+        self.place = place
         # this process's start-up (startup_times): its start, this actor's creation (Ray's worker has
-        # started and connected), ready for setup, each object's build
-        self.times: dict = {"started": process_start_time(), "created": time.time(), "ready": None, "build": {}}
-        setup_worker()  # third-party output to the run's logs/ folder (before importing them)
-        from chatlearn.runtime.cluster.watchdog import start_heartbeat
-
+        # started and connected), ready for setup, each object's build; inline: from its creation
+        now = time.time()
+        self.times: dict = {"started": now if place == "inline" else process_start_time(), "created": now,
+                            "ready": None, "build": {}}
+        if place != "inline":
+            setup_worker()  # third-party output to the run's logs/ folder (before importing them)
         # the method running now and since when: what the heartbeat tells the driver's watchdog
         self.running: tuple[str, float] | None = None
-        start_heartbeat(self.doing)
+        if place == "ray":
+            from chatlearn.runtime.cluster.watchdog import start_heartbeat
+
+            start_heartbeat(self.doing)
         # The process environment was set by Ray before start (chatlearn.runtime.cluster.worker_env); it is
         # recorded as found, so that tests can check what the process started with.
         self.start_env = dict(os.environ)
@@ -52,12 +60,15 @@ class Worker:
         self.times["ready"] = time.time()
 
     def address(self) -> tuple[str, int]:
-        """This node's IP and a free port (rank 0 hosts the process group's rendezvous)."""
+        """This node's IP and a free port (rank 0 hosts the process group's rendezvous); without Ray,
+        the loopback address."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0) if self.place != "ray" else ("", 0))
+            port = s.getsockname()[1]
+        if self.place != "ray":
+            return "127.0.0.1", port
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
     def setup(self, factory: str, spec, env: dict[str, str] | None = None, target: str | None = None) -> None:
@@ -95,6 +106,17 @@ class Worker:
         return {"process": self.times["ready"] - self.times["started"],
                 "ray_worker": self.times["created"] - self.times["started"],
                 "build": self.times["build"][target or "self"] if (target or "self") in self.times["build"] else None}
+
+    def close(self) -> None:
+        """Stop this process's objects that hold engines (their ``shutdown()``, fused replicas first) and
+        drop them: a worker in the driver's process (``place`` inline) ends so; a process of its own
+        just ends."""
+        for built in [*self.objs.values(), self.obj]:
+            stop = getattr(built, "shutdown", None)
+            if stop is not None:
+                stop()
+        self.objs.clear()
+        self.obj = None
 
     def release_temp_files(self) -> int:
         """Remove the temporary files this process recorded (the run is ending normally)."""

@@ -4,7 +4,9 @@ CUDA, NCCL and the allocator read their variables once, when CUDA is initialised
 is created: a variable set from inside a worker after ``import torch`` and a first CUDA call comes
 too late, and one set differently in two processes that share a communicator breaks it. So every
 variable below reaches the worker through Ray's ``runtime_env`` (``env_vars``): Ray starts the
-actor's process with them.
+actor's process with them. Without Ray (``runtime_args.single_process``) a reward worker's process is
+started with them, and the models' are set in the driver's process before the models' modules are
+imported into it (``chatlearn.runtime.cluster.group.start_actors``).
 
 * ``OMP_NUM_THREADS``, ``TOKENIZERS_PARALLELISM``: CPU threads of this worker.
 * ``HF_HUB_DISABLE_PROGRESS_BARS=1``: per-file download bars would flood the run's log.

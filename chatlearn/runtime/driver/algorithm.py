@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import ray
 
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages, token_kl
 from chatlearn.batch import columns, select_samples
@@ -35,6 +34,7 @@ from chatlearn.config.names import Part, Stage
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import warn
+from chatlearn.runtime.cluster.local import put
 from chatlearn.runtime.driver.sampling import Scored
 from chatlearn.runtime.driver.scheduler import Scheduler
 
@@ -81,7 +81,7 @@ class ModelCalls:
     def logprobs(self, model: str, batch: dict) -> np.ndarray:
         """Per-token log-probs of the batch's tokens under ``model`` (its weights made resident)."""
         self.sched.ensure(model, [Part.WEIGHTS])
-        outs, _ = self.group(model).call("compute_logprobs", ray.put(columns(batch, SEQUENCE_COLUMNS)),
+        outs, _ = self.group(model).call("compute_logprobs", put(columns(batch, SEQUENCE_COLUMNS)),
                                          self.temperature)
         return outs[0]
 
@@ -89,7 +89,7 @@ class ModelCalls:
         """The reference log-probs from the policy trainer with its adapters disabled (LoRA: the base
         weights are the reference; ``plan.ref_from_trainer``)."""
         self.sched.ensure("policy_trainer", [Part.WEIGHTS])
-        outs, _ = self.group("policy_trainer").call("ref_logprobs", ray.put(columns(batch, SEQUENCE_COLUMNS)),
+        outs, _ = self.group("policy_trainer").call("ref_logprobs", put(columns(batch, SEQUENCE_COLUMNS)),
                                                     self.temperature)
         return outs[0]
 
@@ -97,7 +97,7 @@ class ModelCalls:
         """Per-token values of the batch's response tokens under the critic ``model`` (its weights made
         resident): float32 [T], 0 at the prompt's and the observations' tokens."""
         self.sched.ensure(model, [Part.WEIGHTS])
-        outs, _ = self.group(model).call("compute_values", ray.put(columns(batch, SEQUENCE_COLUMNS)))
+        outs, _ = self.group(model).call("compute_values", put(columns(batch, SEQUENCE_COLUMNS)))
         return outs[0]
 
 
@@ -127,7 +127,7 @@ class StepLoop:
             for s in range(0, samples, per_step):
                 sub = select_samples(columns(batch, step_columns(s)), range(s, s + per_step))
                 self.progress.stage(Stage.TRAIN, f"step {steps + 1}/{total}")
-                outs, _ = self.calls.group(model).call("train", ray.put(sub), self.calls.temperature)
+                outs, _ = self.calls.group(model).call("train", put(sub), self.calls.temperature)
                 step = dict(outs[0])
                 kept = {k: step.pop(k) for k in aside if k in step}
                 if steps == 0:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import ray
 
 from chatlearn.errors import UserError
+from chatlearn.runtime.cluster.local import put
 
 PROBE_TOKENS = 32  # at most, in one sequence
 SPREAD_TOKENS = 8  # of them, ids spread over the vocabulary
@@ -109,7 +109,7 @@ class LandingCheck:
     def trainer_side(self, trainer_group) -> dict:
         """The trainer's probe log-probs (its weights resident): ``{"logprobs", "dtype"}``."""
         start = time.perf_counter()
-        outs, _ = trainer_group.call("probe_logprobs", ray.put(self.trainer_batch()))
+        outs, _ = trainer_group.call("probe_logprobs", put(self.trainer_batch()))
         found = outs[0]
         self.seconds = time.perf_counter() - start
         n = len(self.tokens)

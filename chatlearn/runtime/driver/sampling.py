@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import numpy as np
-import ray
 
 from chatlearn.algorithms.advantages import overlong_penalty
 from chatlearn.batch import concat_batches, select_samples
 from chatlearn.errors import UserError
 from chatlearn.runtime.cluster.group import CallTimeout
+from chatlearn.runtime.cluster.local import died_errors, kill, put
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class Sampling:
         texts = self.responses_text(batch) if texts is None else texts
         prompts = self.prompts_text(batch)
         shares = [s for s in np.array_split(np.arange(len(texts)), len(self.reward)) if len(s)]
-        batches = [ray.put({"prompts": [prompts[i] for i in s], "responses": [texts[i] for i in s],
+        batches = [put({"prompts": [prompts[i] for i in s], "responses": [texts[i] for i in s],
                             "ground_truths": [truths[i] for i in s], "data_sources": [sources[i] for i in s],
                             "extra": [extra[i] for i in s]}) for s in shares]
         entries = self.reward_spec.functions
@@ -168,7 +168,7 @@ class Sampling:
                                                  timeout=self.reward_spec.timeout_s or None)
             except CallTimeout as late:
                 raise self.reward_timeout(late, f, entry, shares, len(texts), what) from None
-            except ray.exceptions.RayActorError as died:  # the function ended the process: name it
+            except died_errors() as died:  # the function ended the process: name it
                 raise self.reward_worker_died(died, f, entry, what) from None
             for total, out, part in zip(totals, outs, parts):
                 total += part["score"]
@@ -214,7 +214,7 @@ class Sampling:
         """The reward model's raw score of each sample (float32 [N]): the conversations
         (:meth:`conversations`) scored by its ranks (a collective; the model made resident by the caller's
         scheduler turn)."""
-        outs, _ = self.reward_model.call("score", ray.put(self.conversations(batch, prompts)))
+        outs, _ = self.reward_model.call("score", put(self.conversations(batch, prompts)))
         return np.asarray(outs[0], np.float32)
 
     def with_model_scores(self, scored: Scored, scores: np.ndarray, prefix: str = "train",
@@ -240,7 +240,7 @@ class Sampling:
         """The error for reward workers that did not return in time; they are killed (a running Python
         function cannot be stopped otherwise; the run's other actors go when the run stops)."""
         for w in late.stuck:
-            ray.kill(self.reward.actors[w])
+            kill(self.reward.actors[w])
         where = "; ".join(f"samples {int(shares[w][0])}-{int(shares[w][-1])} of {n} on reward worker {w}"
                           for w in late.stuck)
         return UserError(

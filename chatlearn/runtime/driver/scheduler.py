@@ -23,6 +23,7 @@ from chatlearn.config.plan import Plan
 from chatlearn.logging.console import info, warn
 from chatlearn.logging.jsonl import RowFile
 from chatlearn.runtime.cluster.group import WorkerGroup
+from chatlearn.runtime.cluster.local import get
 from chatlearn.runtime.cluster.watchdog import Watchdog
 
 
@@ -126,9 +127,7 @@ class Scheduler:
                 return group
             self.resident[name] = set(MODEL_PARTS[name])
             if self.on_gpu is None:  # on GPUs, every turn records the devices' memory
-                import ray
-
-                self.on_gpu = self.track_gpu_memory = bool(ray.get(group.actors[0].device_memory.remote()))
+                self.on_gpu = self.track_gpu_memory = bool(get(group.actors[0].device_memory.remote()))
                 if not self.on_gpu and not self.offload_without_gpu and any(
                         self.plan.colocated_with(m) for m in self.plan.placements if m in MODEL_PARTS):
                     info("no GPU: colocated models keep their weights, optimizer state, gradients and KV cache "
@@ -207,13 +206,11 @@ class Scheduler:
         device group, when GPU memory is tracked; else ``{}``."""
         if not self.track_gpu_memory or name not in self.plan.placements:
             return {}
-        import ray
-
         from chatlearn.logging.gpu_memory import summarize
 
         models = [m for m in self.plan.colocated_with(name) + [name] if m in self.groups]
         refs = {m: [a.device_memory.remote() for a in self.groups[m].actors] for m in models}
-        found = {m: ray.get(r) for m, r in refs.items()}
+        found = {m: get(r) for m, r in refs.items()}
         for model, peaks in summarize(found).items():
             mine = self.gpu_peaks.setdefault(model, {})
             for key, value in peaks.items():

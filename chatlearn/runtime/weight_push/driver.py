@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-import ray
 
 from chatlearn.logging.console import info as console_info
+from chatlearn.runtime.cluster.local import get
 from chatlearn.models.weight_buckets import BucketIndex, SlotPlan, plan_buckets, plan_slots, slot_table
 
 DEPTH = 2  # buckets in flight
@@ -51,12 +51,12 @@ class WeightPush:
 
     def _setup(self) -> None:
         trainers, replicas = self.trainer.actors, self.rollout.actors
-        info = ray.get(trainers[0].sync.remote("specs"))
+        info = get(trainers[0].sync.remote("specs"))
         if self.transport is None:
             self.transport = choose_transport(self.plan, info["device"])
             if self.transport != "broadcast":
                 # shared memory and CUDA IPC reach only processes of trainer rank 0's node
-                nodes = ray.get([a.address.remote() for a in [trainers[0], *replicas]])
+                nodes = get([a.address.remote() for a in [trainers[0], *replicas]])
                 if any(host != nodes[0][0] for host, _ in nodes[1:]):
                     self.transport = "broadcast"
         self.adapters = info["adapters"]
@@ -65,10 +65,10 @@ class WeightPush:
             raise ValueError(f"unknown weight-sync transport {self.transport!r}; use one of {TRANSPORTS}")
         self.buckets = plan_buckets(info["specs"], self._bucket_bytes())
         if self.adapters is not None:  # every replica merges the adapters it receives
-            ray.get([r.sync.remote("expect_adapters", self.adapters) for r in self.rollout.actors])
+            get([r.sync.remote("expect_adapters", self.adapters) for r in self.rollout.actors])
         addr = None
         if self.transport == "broadcast":
-            host, port = ray.get(trainers[0].address.remote())
+            host, port = get(trainers[0].address.remote())
             addr = (host, port, 1 + len(replicas))
         if self.transport == "cuda_ipc":  # GPU slots are opened by each push and freed after it
             self.slot_plan = self._plan_slots()
@@ -76,13 +76,13 @@ class WeightPush:
         senders = [a.sync.remote("open_sender", self.transport, self.buckets, self.depth, addr)
                    for a in trainers]
         if self.transport == "broadcast":  # every member joins the group at the same time
-            ray.get(senders + [r.sync.remote("open_receiver", self.transport, self.buckets, {},
+            get(senders + [r.sync.remote("open_receiver", self.transport, self.buckets, {},
                                               addr, i + 1) for i, r in enumerate(replicas)])
             return
-        attach = ray.get(senders)[0]
-        ray.get([r.sync.remote("open_receiver", self.transport, self.buckets, attach)
+        attach = get(senders)[0]
+        get([r.sync.remote("open_receiver", self.transport, self.buckets, attach)
                  for r in replicas])
-        ray.get(trainers[0].sync.remote("release_names"))
+        get(trainers[0].sync.remote("release_names"))
 
     def _adapter_transport(self) -> None:
         """A LoRA adapter push goes over host shared memory where a full push would map CUDA IPC slots:
@@ -96,33 +96,33 @@ class WeightPush:
         replicas on a GPU without a trainer rank get host shared-memory slots that trainer rank 0
         fills (made here, once, and kept), with one line on the console saying so."""
         trainers, replicas = self.trainer.actors, self.rollout.actors
-        plan = plan_slots(ray.get([a.sync.remote("sender_gpu") for a in trainers]),
-                          ray.get([r.sync.remote("receiver_gpus") for r in replicas]))
+        plan = plan_slots(get([a.sync.remote("sender_gpu") for a in trainers]),
+                          get([r.sync.remote("receiver_gpus") for r in replicas]))
         if plan.shm_replicas:
             console_info(f"weight push (cuda_ipc): rollout replica(s) {list(plan.shm_replicas)} use a GPU with "
                          "no trainer rank, so they read each bucket from host shared memory (one device-to-host "
                          f"copy by trainer rank 0); replica(s) {list(plan.ipc_replicas)} map the trainer ranks' "
                          "GPU slots")
-            attach = ray.get(trainers[0].sync.remote("open_host_slots", self.buckets, self.depth))
-            ray.get([replicas[i].sync.remote("open_receiver", "shm", self.buckets, attach)
+            attach = get(trainers[0].sync.remote("open_host_slots", self.buckets, self.depth))
+            get([replicas[i].sync.remote("open_receiver", "shm", self.buckets, attach)
                      for i in plan.shm_replicas])
-            ray.get(trainers[0].sync.remote("release_names"))
+            get(trainers[0].sync.remote("release_names"))
         return plan
 
     def _open_ipc(self) -> None:
         """Every trainer rank opens its part of the slot plan (all at once: the first push makes
         the broadcast's process group, a collective); the ``ipc_replicas`` map the owners' slots."""
         trainers, replicas = self.trainer.actors, self.rollout.actors
-        table = slot_table(ray.get([a.sync.remote("open_sender", self.transport, self.buckets, self.depth,
+        table = slot_table(get([a.sync.remote("open_sender", self.transport, self.buckets, self.depth,
                                                   None, self.slot_plan) for a in trainers]))
-        ray.get([replicas[i].sync.remote("open_receiver", self.transport, self.buckets, table)
+        get([replicas[i].sync.remote("open_receiver", self.transport, self.buckets, table)
                  for i in self.slot_plan.ipc_replicas])
 
     def _close_ipc(self) -> None:
         """Receivers unmap first, then the ranks free their GPU slots (the host slots stay)."""
         replicas = self.rollout.actors
-        ray.get([replicas[i].sync.remote("close_receiver") for i in self.slot_plan.ipc_replicas])
-        ray.get([a.sync.remote("close_sender") for a in self.trainer.actors])
+        get([replicas[i].sync.remote("close_receiver") for i in self.slot_plan.ipc_replicas])
+        get([a.sync.remote("close_sender") for a in self.trainer.actors])
 
     def push(self) -> dict:
         """One full push; returns ``{"sync/bytes": bytes per replica, "sync/push_gbps": GB/s}``
@@ -136,20 +136,20 @@ class WeightPush:
         ipc = self.transport == "cuda_ipc"
         if ipc:  # the owners' slots, mapped by the replicas on their GPUs
             self._open_ipc()
-        ray.get([r.sync.remote("begin") for r in replicas])
+        get([r.sync.remote("begin") for r in replicas])
         loads: list[list] = []
         sends: list = []
         for k in range(len(self.buckets)):
             slot = k % self.depth
             if k >= self.depth:
-                ray.get(loads[k - self.depth])  # slot is free once every replica has loaded it
+                get(loads[k - self.depth])  # slot is free once every replica has loaded it
             refs = [a.sync.remote("send", k, slot) for a in trainers]
             after = [] if self.transport == "broadcast" else refs  # broadcast: meet in it
             loads.append([r.sync.remote("recv", k, slot, *after) for r in replicas])
             sends += refs
-        ray.get([ref for refs in loads for ref in refs])
-        ray.get(sends)
-        ray.get([r.sync.remote("finish") for r in replicas])
+        get([ref for refs in loads for ref in refs])
+        get(sends)
+        get([r.sync.remote("finish") for r in replicas])
         if ipc:
             self._close_ipc()
         return _push_metrics(sum(b.nbytes for b in self.buckets), time.perf_counter() - start, self.adapters)
@@ -158,9 +158,9 @@ class WeightPush:
         """``runtime_args.fuse_rollout``: each trainer rank loads the replica in its own process
         (``chatlearn.runtime.weight_push.stream.local_push``, one call on every rank)."""
         start = time.perf_counter()
-        loaded = ray.get([a.push_weights_local.remote("policy", self._bucket_bytes()) for a in self.trainer.actors])
+        loaded = get([a.push_weights_local.remote("policy", self._bucket_bytes()) for a in self.trainer.actors])
         if not self.fused_asked:  # once: whether the trainer pushes adapters (for sync/full_bytes)
-            self.adapters = ray.get(self.trainer.actors[0].sync.remote("specs"))["adapters"]
+            self.adapters = get(self.trainer.actors[0].sync.remote("specs"))["adapters"]
             self.fused_asked = True
         return _push_metrics(loaded[0], time.perf_counter() - start, self.adapters)
 

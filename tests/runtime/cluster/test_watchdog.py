@@ -208,3 +208,40 @@ def test_the_trainers_process_group_gets_the_timeout(monkeypatch):
     assert float(out.stdout.split()[-1]) == 80.0
     monkeypatch.setenv("CHATLEARN_COLLECTIVE_TIMEOUT_S", "80")
     assert collective_timeout() == timedelta(seconds=80)
+
+
+def test_a_worker_in_the_driver_s_process_always_answers_so_only_the_cap_stops_it(monkeypatch):
+    """Without Ray (runtime_args.single_process) a model's worker is this process: its heartbeat is read
+    from it directly (its pid, the method it runs), it never falls silent while the watchdog runs, and a
+    stage that hangs there is stopped by the cap, naming the model."""
+    import time
+
+    from chatlearn.runtime.cluster.group import create_group
+    from conftest import HERE
+
+    monkeypatch.syspath_prepend(os.path.join(HERE, "support"))
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the inline worker's environment stays in this test
+    toy = create_group("policy_trainer", "toy_backend:Toy", None, num_actors=1, pg=None, bundles=[], gpu_fraction=0,
+                       cpus=0, threads=1, distributed=False, env={}, place="inline")
+    actor = toy.actors[0]
+    key = actor._actor_id.hex()
+    try:
+        busy = threading.Thread(target=toy.call, args=("sleep", 1.5))
+        busy.start()
+        time.sleep(0.3)
+        beat = watchdog.read_heartbeats([key])[key]
+        assert beat["pid"] == os.getpid() and beat["method"] == "sleep" and beat["node"] == "local"
+        busy.join()
+        clock = Clock()
+        wd = Watchdog(20, actors=lambda: {key: actor}, clock=clock, thread=False)
+        with wd.watch("policy_trainer", "train"):
+            for _ in range(40):
+                clock.now += 2
+                monkeypatch.setattr(time, "monotonic", lambda: clock.now)  # its heartbeat moves with time
+                stall = wd.check()
+                if stall is not None:
+                    break
+        assert stall is not None and "stage train of policy_trainer did not finish within" in stall.message
+        assert "policy_trainer rank 0" in stall.message and not stall.stopped
+    finally:
+        actor.kill()
