@@ -302,8 +302,7 @@ def make_plan(cfg: DictConfig) -> Plan:
             num = m[section(name)].num_gpu
             placements[name] = (rollout_placement(pol, g) if name == "policy"
                                  else ModelPlacement(name, num, g, list(range(num))))
-    if "reward" not in placements:
-        placements["reward"] = reward_cpu_placement(m.reward)
+    placements.setdefault("reward", reward_cpu_placement(m.reward))
     fused = _fused_rollout(cfg, groups, replicas)
     return Plan(group_size=n, prompts_per_episode=spe // n, samples_per_episode=spe, trainer_dp=dp,
                 samples_per_step=gbs, samples_per_rank_per_step=per_rank, micro_batches_per_step=per_rank // micro,

@@ -248,6 +248,56 @@ def reroute_logs() -> None:
         _active._sweep()
 
 
+class NativeOutputToLog:
+    """While open, this process's file descriptors 1 and 2 (what native code and child processes write:
+    C/C++ warnings, prints below Python) go to ``$CHATLEARN_LOG_DIR/worker-<pid>.log``, while Python's
+    ``sys.stdout`` and ``sys.stderr`` go on writing to the console through copies of the old
+    descriptors: a run without Ray builds its models in the driver's process, whose libraries would
+    otherwise print on the console what a worker process's :func:`setup_worker` sends to its log.
+    Nothing changes with ``--verbose`` or without ``CHATLEARN_LOG_DIR``."""
+
+    def __init__(self):
+        self._saved: tuple | None = None
+
+    def __enter__(self) -> "NativeOutputToLog":
+        folder = os.environ.get(ENV_LOG_DIR)
+        if not folder or verbose():
+            return self
+        try:
+            fd = os.open(os.path.join(folder, f"worker-{os.getpid()}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                         0o644)
+        except OSError:
+            return self  # the console it is
+        sys.stdout.flush()
+        sys.stderr.flush()
+        consoles = (os.dup(1), os.dup(2))
+        streams = (sys.stdout, sys.stderr)
+        self._saved = (consoles, streams)
+        sys.stdout = open(consoles[0], "w", buffering=1, encoding=_encoding(streams[0]), closefd=False)
+        sys.stderr = open(consoles[1], "w", buffering=1, encoding=_encoding(streams[1]), closefd=False)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is None:
+            return
+        (out, err), (stdout, stderr) = self._saved
+        self._saved = None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        sys.stdout, sys.stderr = stdout, stderr
+        os.close(out)
+        os.close(err)
+
+
+def _encoding(stream) -> str:
+    return getattr(stream, "encoding", None) or "utf-8"
+
+
 _redirected = False
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from chatlearn.calls import get
+
 
 def throughput(batch: dict, metrics: dict, epochs: int, generated: int | None = None) -> dict:
     """Tokens per second of the generate and train stages, from the stage times in ``metrics``.
@@ -26,8 +28,6 @@ def throughput(batch: dict, metrics: dict, epochs: int, generated: int | None = 
 
 def peak_memory(groups: dict) -> dict:
     """``memory/<model>_peak_mb``: the largest peak over a model's actors, where they report one."""
-    from chatlearn.runtime.cluster.local import get
-
     names = sorted(groups)
     refs = {name: [actor.memory.remote() for actor in groups[name].actors] for name in names}
     out = {}

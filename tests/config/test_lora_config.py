@@ -134,7 +134,7 @@ def test_the_reference_pass_calls_the_trainer_with_adapters_disabled(monkeypatch
         def ensure(self, model, parts):
             calls.append((model, "ensure"))
 
-    monkeypatch.setattr(algorithm.ray, "put", lambda x: x)
+    monkeypatch.setattr(algorithm, "put", lambda x: x)
     batch = {"tokens": np.zeros(3, np.int64), "prompt_lens": np.ones(1, np.int64), "offsets": np.array([0, 3])}
     for overrides, expected in (([ON], ("policy_trainer", "ref_logprobs")), ([], ("ref_policy", "compute_logprobs"))):
         cfg, plan = load_run(GRPO, [HF, "models.policy_trainer.kl_coef=0.1", *overrides])

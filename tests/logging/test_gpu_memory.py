@@ -139,11 +139,10 @@ class _Group:
 
 
 def test_every_turn_records_the_memory_of_the_models_on_that_device_group(tmp_path, monkeypatch):
-    import ray
-
     from chatlearn.config.plan import ModelPlacement, Plan
+    from chatlearn.runtime.driver import scheduler
 
-    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    monkeypatch.setattr(scheduler, "get", lambda refs, timeout=None: refs)
     plan = Plan.__new__(Plan)
     plan.device_groups = [["policy", "policy_trainer"]]
     plan.placements = {name: ModelPlacement(name, 1, 0, [0]) for name in ("policy", "policy_trainer")}

@@ -162,7 +162,9 @@ def test_a_dead_worker_is_named_by_model_and_rank(tmp_path):
     """A trainer process killed mid-run (as the kernel's OOM killer would): the run stops with exit 1
     and one paragraph naming the model, rank and process, then the end of that worker's log."""
     out = tmp_path / "out"
-    proc = start(out, "runtime_args.num_episode=50")
+    # the trainer in a process of its own (Ray): without Ray it is the driver's process (a reward worker's
+    # process that ends is named by test_a_reward_function_that_calls_os_exit_is_named)
+    proc = start(out, "runtime_args.num_episode=50", "runtime_args.single_process=false")
     try:
         wait_for(proc, lambda: (out / "metrics.jsonl").exists(), "the first episode")
         pid = worker_pid(proc.pid, "policy_trainer:0")

@@ -16,7 +16,9 @@ from test_reliability_e2e import session_processes, start, wait_for, worker_pid
 @pytest.mark.timeout(600)
 def test_a_stopped_worker_stops_the_run_naming_model_rank_and_stage(tmp_path):
     out = tmp_path / "out"
-    proc = start(out, "runtime_args.num_episode=50", "runtime_args.stage_timeout_s=10")
+    # the trainer in a process of its own (Ray): without Ray it is the driver's process, which a SIGSTOP
+    # stops whole (tests/runtime/cluster/test_watchdog.py: a stage that hangs in it meets the cap)
+    proc = start(out, "runtime_args.num_episode=50", "runtime_args.stage_timeout_s=10", "runtime_args.single_process=false")
     try:
         wait_for(proc, lambda: (out / "metrics.jsonl").exists(), "the first episode")
         pid = worker_pid(proc.pid, "policy_trainer:0")

@@ -17,17 +17,18 @@ import ray
 from omegaconf import DictConfig
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from chatlearn.calls import get
 from chatlearn.config import registry
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
-from chatlearn.logging.console import (info, ray_init_options, raylet_lines_to_log, reroute_logs,
+from chatlearn.logging.console import (NativeOutputToLog, info, ray_init_options, raylet_lines_to_log, reroute_logs,
                                        workers_stream_to_driver)
 from chatlearn.logging.gpu_memory import visible_gpu_count
 from chatlearn.models.specs import RewardModelSpec, RewardSpec, RolloutSpec, TrainerSpec
-from chatlearn.runtime.cluster.group import WorkerGroup, create_group, start_actors
 from chatlearn.runtime.cluster import local
-from chatlearn.runtime.cluster.local import InlineActor, ProcessActor, get, kill
+from chatlearn.runtime.cluster.group import WorkerGroup, create_group, start_actors
 from chatlearn.runtime.cluster.leftovers import clean_leftovers, mark_driver
+from chatlearn.runtime.cluster.local import InlineActor, ProcessActor, kill
 from chatlearn.runtime.cluster.signals import stop_on_sigterm, terminated
 from chatlearn.runtime.cluster.worker_env import worker_env
 
@@ -143,6 +144,7 @@ class Cluster:
         self._started: dict[str, tuple] = {}
         self.local = plan.single_process
         self._restore: tuple | None = None  # a run without Ray: the environment and threads to put back
+        self._native_output = NativeOutputToLog()
 
     def __enter__(self) -> "Cluster":
         plan, m = self.plan, self.cfg.models
@@ -157,6 +159,8 @@ class Cluster:
             # the collector stops scanning it, as it would in a process of the models' own (vLLM's
             # engine collects twice while it loads, seconds over a driver's heap)
             gc.freeze()
+            # the models' native output (C/C++ warnings) to the run's logs, as a worker process's
+            self._native_output = NativeOutputToLog().__enter__()
             return self
         if not ray.is_initialized():
             clean_leftovers()  # of earlier runs whose driver was killed
@@ -213,6 +217,7 @@ class Cluster:
             else:
                 kill(actor)
         if self.local:
+            self._native_output.__exit__(exc_type, exc, tb)
             if not local.PROCESS_ENDS_WITH_RUN:
                 self._leave_process()
             return

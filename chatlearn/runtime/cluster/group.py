@@ -12,8 +12,9 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from chatlearn.calls import get, wait
 from chatlearn.errors import UserError
-from chatlearn.runtime.cluster.local import InlineActor, ProcessActor, WorkerDied, get, wait
+from chatlearn.runtime.cluster.local import InlineActor, ProcessActor, WorkerDied
 from chatlearn.runtime.cluster.worker import Worker
 from chatlearn.runtime.cluster.worker_env import worker_env
 
@@ -245,7 +246,7 @@ def _local_actor(name: str, index: int, factory: str, threads: int, env: dict[st
     if place == "inline":
         # vLLM's own console handler would print in the driver's console: its loggers then propagate to
         # the run's log routing (chatlearn.logging.console) instead
-        os.environ.update({**env, "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "0")})
+        os.environ.update({"VLLM_CONFIGURE_LOGGING": "0", **os.environ, **env})
         actor = InlineActor(name, threads, preload, uses_torch)
     else:
         actor = ProcessActor(name, threads, preload, uses_torch,

@@ -4,8 +4,8 @@ Where every model of a run lives in one process on one machine (:func:`chatlearn
 Ray's head, its worker processes and the copies through its object store buy nothing: the models are built
 in the driver's own process (:class:`InlineActor`) and the reward workers, which run user code that may
 hang or end its process, in processes of their own started here (:class:`ProcessActor`). Both answer the
-calls the driver makes of a Ray actor: ``actor.method.remote(*args)`` returns a future, and :func:`get`,
-:func:`wait`, :func:`put` and :func:`kill` take Ray's objects and these alike.
+calls the driver makes of a Ray actor: ``actor.method.remote(*args)`` returns a future, and
+``chatlearn.calls`` (``get``, ``wait``, ``put``) and :func:`kill` take Ray's objects and these alike.
 
 What Ray's calls guarantee is kept: one call at a time per actor, in the order made; arguments and
 results are values of their own (dicts and lists copied, numpy arrays handed over read-only, as Ray's
@@ -254,47 +254,6 @@ class ProcessActor(LocalActor):
 
 
 # ---------------------------------------------------------------------------- calls of either kind
-def _is_local(ref) -> bool:
-    return isinstance(ref, futures.Future)
-
-
-def get(refs, timeout: float | None = None):
-    """``ray.get`` of Ray's object refs, or the results of local futures (a list, or one)."""
-    if isinstance(refs, list) and refs and _is_local(refs[0]):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return [r.result(None if deadline is None else max(0.0, deadline - time.monotonic())) for r in refs]
-    if _is_local(refs):
-        return refs.result(timeout)
-    if isinstance(refs, list) and not refs:
-        return []
-    import ray
-
-    return ray.get(refs, timeout=timeout)
-
-
-def wait(refs: list, num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
-    """``ray.wait``: (ready, pending), each in the order of ``refs``."""
-    if not (refs and _is_local(refs[0])):
-        import ray
-
-        return ray.wait(refs, num_returns=num_returns, timeout=timeout)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        done = [r for r in refs if r.done()]
-        left = None if deadline is None else deadline - time.monotonic()
-        if len(done) >= num_returns or (left is not None and left <= 0):
-            break
-        futures.wait([r for r in refs if not r.done()], timeout=left, return_when=futures.FIRST_COMPLETED)
-    ready = done[:num_returns]
-    return ready, [r for r in refs if r not in ready]
-
-
-def put(value):
-    """``ray.put`` while Ray runs in this process; the value itself otherwise (a call hands it over)."""
-    ray = sys.modules.get("ray")
-    return ray.put(value) if ray is not None and ray.is_initialized() else value
-
-
 def kill(actor) -> None:
     """``ray.kill``, or a local actor's :meth:`LocalActor.kill`."""
     if isinstance(actor, LocalActor):

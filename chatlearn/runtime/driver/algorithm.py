@@ -29,12 +29,12 @@ import numpy as np
 
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages, token_kl
 from chatlearn.batch import columns, select_samples
+from chatlearn.calls import put
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.names import Part, Stage
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import warn
-from chatlearn.runtime.cluster.local import put
 from chatlearn.runtime.driver.sampling import Scored
 from chatlearn.runtime.driver.scheduler import Scheduler
 

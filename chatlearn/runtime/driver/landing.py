@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
+from chatlearn.calls import put
 from chatlearn.errors import UserError
-from chatlearn.runtime.cluster.local import put
 
 PROBE_TOKENS = 32  # at most, in one sequence
 SPREAD_TOKENS = 8  # of them, ids spread over the vocabulary

@@ -11,9 +11,10 @@ import numpy as np
 
 from chatlearn.algorithms.advantages import overlong_penalty
 from chatlearn.batch import concat_batches, select_samples
+from chatlearn.calls import put
 from chatlearn.errors import UserError
 from chatlearn.runtime.cluster.group import CallTimeout
-from chatlearn.runtime.cluster.local import died_errors, kill, put
+from chatlearn.runtime.cluster.local import died_errors, kill
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from chatlearn.calls import get
 from chatlearn.config.names import MODEL_PARTS, Part
 from chatlearn.config.plan import Plan
 from chatlearn.logging.console import info, warn
 from chatlearn.logging.jsonl import RowFile
 from chatlearn.runtime.cluster.group import WorkerGroup
-from chatlearn.runtime.cluster.local import get
 from chatlearn.runtime.cluster.watchdog import Watchdog
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 
+from chatlearn.calls import get
 from chatlearn.logging.console import info as console_info
-from chatlearn.runtime.cluster.local import get
 from chatlearn.models.weight_buckets import BucketIndex, SlotPlan, plan_buckets, plan_slots, slot_table
 
 DEPTH = 2  # buckets in flight

@@ -13,9 +13,10 @@ import time
 import numpy as np
 import pytest
 
+from chatlearn.calls import get, put, wait
 from chatlearn.errors import UserError
 from chatlearn.runtime.cluster.group import CallTimeout, WorkerGroup, create_group, dead_worker_message
-from chatlearn.runtime.cluster.local import WorkerDied, get, put, wait
+from chatlearn.runtime.cluster.local import WorkerDied
 from conftest import HERE, REPO
 
 SUPPORT = os.path.join(HERE, "support")
@@ -130,7 +131,8 @@ def test_a_worker_process_ends_with_the_run_and_with_its_driver(tmp_path):
     driver = textwrap.dedent(f"""
         import os, sys
         sys.path[:0] = [{SUPPORT!r}, {REPO!r}]
-        from chatlearn.runtime.cluster.local import ProcessActor, get
+        from chatlearn.calls import get
+        from chatlearn.runtime.cluster.local import ProcessActor
         a = ProcessActor("toy", 1, None, False, {{**os.environ, "PYTHONPATH": {SUPPORT + os.pathsep + REPO!r}}})
         get(a.setup.remote("toy_backend:Toy", None))
         print(get(a.call.remote("pid"))[0], flush=True)

@@ -61,7 +61,7 @@ class Actor:
 def test_adapter_push_expects_adapters_over_shm_and_reports_both_sizes(tmp_path, monkeypatch):
     base = {Q: torch.randn(16, 16), K: torch.randn(16, 16)}
     save_file(base, str(tmp_path / "model.safetensors"))
-    monkeypatch.setattr(wp, "ray", SimpleNamespace(get=lambda x: x))
+    monkeypatch.setattr(wp, "get", lambda x, timeout=None: x)
     trainer, rollouts = AdapterTrainer(str(tmp_path)), [Rollout(), Rollout()]
     cfg = SimpleNamespace(runtime_args=SimpleNamespace(coalesced_buffer_mb=1.0))
     sync = wp.WeightPush(SimpleNamespace(actors=[Actor(trainer)]), SimpleNamespace(actors=[Actor(r) for r in rollouts]),
