@@ -211,9 +211,13 @@ class Cluster:
                 pass
         for actor in [a for g in self.groups.values() for a in g.actors] + [
                 a for _, started in self._started.values() for a in started]:
-            if isinstance(actor, ProcessActor) or (isinstance(actor, InlineActor) and exc is None
-                                                    and not local.PROCESS_ENDS_WITH_RUN):
+            if isinstance(actor, ProcessActor) and exc is None:
                 actor.stop()
+            elif isinstance(actor, InlineActor) and not local.PROCESS_ENDS_WITH_RUN:
+                # its engines shut down before the process group goes (_leave_process): vLLM's own
+                # teardown at the interpreter's exit would find the group gone
+                with contextlib.suppress(Exception) if exc is not None else contextlib.nullcontext():
+                    actor.stop()
             else:
                 kill(actor)
         if self.local:
