@@ -20,8 +20,9 @@ chatlearn / TRL. Results: ``bench/results/grpo_vs_trl.json`` and ``.md`` (also p
 
 ``--quick``: one repetition and a few steps (a smoke test; its numbers mean little). Torch
 threads: chatlearn gives each model process ``os.cpu_count() // devices`` threads (one logical
-device here), so TRL gets ``os.cpu_count()`` threads too. Each chatlearn run starts a Ray of its
-own in a private temp folder (``RAY_TMPDIR``). A failed run is recorded with its log tail and the
+device here), so TRL gets ``os.cpu_count()`` threads too. These one-device jobs run without Ray
+(``runtime_args.single_process``, chatlearn's default where every model fits in one process); a run
+that uses Ray starts one of its own in a private temp folder (``RAY_TMPDIR``). A failed run is recorded with its log tail and the
 others go on; the JSON is rewritten after every run.
 """
 from __future__ import annotations
