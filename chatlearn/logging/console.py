@@ -260,14 +260,9 @@ class NativeOutputToLog:
         self._saved: tuple | None = None
 
     def __enter__(self) -> "NativeOutputToLog":
-        folder = os.environ.get(ENV_LOG_DIR)
-        if not folder or verbose():
+        fd = _worker_log()
+        if fd is None:
             return self
-        try:
-            fd = os.open(os.path.join(folder, f"worker-{os.getpid()}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                         0o644)
-        except OSError:
-            return self  # the console it is
         sys.stdout.flush()
         sys.stderr.flush()
         consoles = (os.dup(1), os.dup(2))
@@ -298,6 +293,18 @@ def _encoding(stream) -> str:
     return getattr(stream, "encoding", None) or "utf-8"
 
 
+def _worker_log() -> int | None:
+    """A descriptor open for appending to ``$CHATLEARN_LOG_DIR/worker-<pid>.log``; None with ``--verbose``,
+    without ``CHATLEARN_LOG_DIR`` or where the file cannot be opened (the console it is)."""
+    folder = os.environ.get(ENV_LOG_DIR)
+    if not folder or verbose():
+        return None
+    try:
+        return os.open(os.path.join(folder, f"worker-{os.getpid()}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        return None
+
+
 _redirected = False
 
 
@@ -307,14 +314,9 @@ def setup_worker() -> None:
     ``$CHATLEARN_LOG_DIR/worker-<pid>.log``. Nothing changes with ``--verbose`` or without
     ``CHATLEARN_LOG_DIR``."""
     global _redirected
-    folder = os.environ.get(ENV_LOG_DIR)
-    if not folder or verbose() or _redirected:
+    fd = None if _redirected else _worker_log()
+    if fd is None:
         return
-    path = os.path.join(folder, f"worker-{os.getpid()}.log")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    except OSError:
-        return  # the console it is
     sys.stdout.flush()
     sys.stderr.flush()
     _redirected = True
