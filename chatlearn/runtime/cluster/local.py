@@ -139,7 +139,8 @@ class InlineActor(LocalActor):
     def heartbeat(self) -> dict:
         """What a Ray worker's heartbeat says (chatlearn.runtime.cluster.watchdog): this process answers
         as long as the watchdog that asks runs."""
-        method, running = self._worker.doing() if self._worker is not None else (None, 0.0)
+        worker = self._worker  # read once: kill() may drop it meanwhile (the watchdog asks from its thread)
+        method, running = worker.doing() if worker is not None else (None, 0.0)
         return {"n": int(time.monotonic() // 2), "pid": os.getpid(), "node": "local", "method": method,
                 "running_s": running}
 
