@@ -65,6 +65,15 @@ def _environment_per_module():
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _shared_runs_folder(tmp_path_factory):
+    """Where the suite's shared finished runs live (tests/support/shared_runs.py): one folder for the
+    whole session, both test processes included."""
+    import shared_runs
+
+    shared_runs.configure(tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     from tiny_model import make_tiny_model

@@ -1,43 +1,21 @@
-"""Exact resume of a LoRA run (models.policy_trainer.lora): SIGKILL during a checkpoint save, rerun with
-the same command, the same learning metrics and the same adapters as an uninterrupted run (the
-full-weight counterpart: tests/e2e/test_resume.py).
+"""Exact resume of a LoRA run (models.policy_trainer.lora): the suite's shared ``lora`` run
+(tests/support/shared_runs.py) copied as a SIGKILL in the middle of its second checkpoint's save leaves
+it (``shared_runs.rewind``), the same command again: the same learning metrics and the same adapters as
+the uninterrupted run (the full-weight counterpart, with a real SIGKILL: tests/e2e/test_resume.py).
 
 What a LoRA run must restore beyond a full-weight one: the adapters alone on top of the base model read
 from ``load`` again, the optimizer state of the adapters only, the random state of the adapters' dropout
 (``lora.dropout`` > 0: every training forward draws from it), the reference log-probs given by the trainer
 with its adapters disabled (a KL term, no ref_policy), and the merged weights pushed into the rollout
-after the resume (episode 2's rollout then samples with episode 1's adapters). Two optimizer steps per
-episode, so the resumed Adam moments and step count matter."""
+after the resume (episode 2's rollout then samples with episode 1's adapters), the Adam moments and
+step count of episode 1's step (episode 2's step starts from them)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import runs
-
-from conftest import REPO
-
-RUN = ["runtime_args.num_episode=2", "runtime_args.sample_per_episode=16", "runtime_args.train_global_batch_size=8",
-       "runtime_args.train_micro_batch_size=8", "models.policy.num_inference_per_prompt=4",
-       "runtime_args.eval_episode_interval=0", "runtime_args.enable_eval_before_training=false",
-       "runtime_args.save_episode_interval=1", "runtime_args.rollout_backend=hf",
-       "models.policy_trainer.kl_coef=0.05", "models.policy_trainer.lora.rank=8",
-       "models.policy_trainer.lora.alpha=16", "models.policy_trainer.lora.dropout=0.1",
-       "models.policy_trainer.optimizer.lr=1e-3"]
-
-
-def command(out):
-    return [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *RUN,
-            f"runtime_args.output_dir={out}"]
-
-
-def finish(out):
-    proc = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=500,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+from shared_runs import finished, rewind
 
 
 def checkpoint_tensors(ckpt) -> dict:
@@ -63,24 +41,22 @@ def checkpoint_tensors(ckpt) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(900)
 def test_lora_sigkill_during_a_save_resumes_exactly(tmp_path):
-    ref = tmp_path / "uninterrupted"
-    finish(ref)
+    whole = finished("lora").check()
+    ref = whole.out
     expected = runs.learning_metrics(ref)
     assert [r["episode"] for r in expected] == [1, 2]
     assert expected[1]["train/kl"] > 0  # episode 2 samples and trains with episode 1's adapters
 
-    # killed while checkpoint 2 is being written (episode 2 trained and logged): checkpoint 1 stays, the rerun
-    # resumes from it and trains episode 2 again
-    out = tmp_path / "killed_in_save"
-    tmp_ckpt = out / "checkpoints" / "episode_000002.tmp"
-    runs.run_and_kill(command(out), lambda: (tmp_ckpt / "trainer").exists(),
-                      env={"CHATLEARN_CHECKPOINT_TEST_DELAY": "5@2", "HF_HUB_OFFLINE": "1"})
-    assert (out / "checkpoints" / "latest").read_text().strip() == "episode_000001"
-    stdout = finish(out)
+    # as killed while checkpoint 2 was being written (episode 2 trained and logged): checkpoint 1 stays, the
+    # rerun resumes from it and trains episode 2 again
+    out = whole.copy_to(tmp_path / "killed_in_save")
+    rewind(out, 1)
+    stdout = whole.rerun(out)
     assert "(episode 1)" in stdout  # resumed from checkpoint 1
     assert runs.learning_metrics(out) == expected
+    assert not (out / "checkpoints" / "episode_000002.tmp").exists()
 
     # the final adapters (and their optimizer state) are the uninterrupted run's, bit for bit
     final = "checkpoints/episode_000002"

@@ -1,15 +1,17 @@
 """End to end: runtime_args.max_staleness=1 on two logical devices (rollout and trainer apart):
 every trained sample is at most one version old (exactly one from episode 2 on), the correction
-resolves to decoupled, and a run killed after a checkpoint resumes to the same metrics as the
-uninterrupted one (the checkpoint keeps the rollout generated ahead)."""
+resolves to decoupled, and a run cut after a checkpoint (a copy of the run left so) resumes to the same
+metrics as the uninterrupted one (the checkpoint keeps the rollout generated ahead)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
-from runs import learning_metrics, metric_rows, run_and_kill, small_eval_set
+from runs import learning_metrics, metric_rows, small_eval_set
+from shared_runs import rewind
 
 from conftest import REPO
 
@@ -48,12 +50,12 @@ def test_stale_rollouts_stay_within_the_bound_and_resume_exactly(tmp_path):
         assert "train/is_masked_frac" in r  # decoupled correction in the loss
         assert r["time/overlapped"] >= 0 and r["time/rollout_wait"] >= 0
 
-    # killed once episode 2 is logged (its checkpoint holds episode 3's rollout), then resumed
+    # as killed once episode 2 was logged and checkpointed, in the middle of episode 3's save (shared_runs.rewind):
+    # checkpoint 2 holds episode 3's rollout, generated ahead, as arrays (no pickle); the rerun resumes from it
     cut = tmp_path / "cut"
-    run_and_kill(command(cut), lambda: len([r for r in metric_rows(cut) if r["episode"] >= 2]) >= 1, ENV)
-    assert len([r for r in metric_rows(cut) if r["episode"] > 0]) < 4
-    kept = [d for d in os.listdir(cut / "checkpoints") if (cut / "checkpoints" / d / "rollouts_ahead.npz").exists()]
-    assert kept, os.listdir(cut / "checkpoints")  # the rollout generated ahead, as arrays (no pickle)
+    shutil.copytree(whole, cut, symlinks=True)
+    rewind(cut, 2)
+    assert (cut / "checkpoints" / "episode_000002" / "rollouts_ahead.npz").exists()
     stdout = finish(cut)
-    assert "resuming from" in stdout
+    assert "resuming from" in stdout and "(episode 2)" in stdout
     assert learning_metrics(cut) == learning_metrics(whole)

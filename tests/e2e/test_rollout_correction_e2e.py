@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+from shared_runs import rewind
 
 from conftest import REPO
 
@@ -68,13 +70,14 @@ def test_corrected_runs_log_and_plot_their_metrics(case, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dynamic_sampling_resumes_exactly(tmp_path):
-    """Three episodes at once, and two then a third resumed from the checkpoint: the same metrics
-    (the extra prompts the rounds drew are part of the saved data position)."""
+    """Three episodes at once, and a copy of that run resumed from its second checkpoint: the same
+    metrics (the extra prompts the rounds drew are part of the saved data position)."""
     dapo = ["runtime_args.dynamic_sampling=true", "runtime_args.dynamic_sampling_max_rounds=4"]
     whole, _ = run(tmp_path / "a", *dapo, episodes=3)
-    run(tmp_path / "b", *dapo, episodes=2)
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    rewind(tmp_path / "b", 2)  # as cut in the middle of checkpoint 3's save
     resumed, stdout = run(tmp_path / "b", *dapo, episodes=3)
-    assert "resuming from" in stdout
+    assert "resuming from" in stdout and "(episode 2)" in stdout
     assert any(r["train/dynamic_sampling_rounds"] > 1 for r in whole)  # the rounds were exercised
 
     def learning(rows):

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from conftest import REPO
+from runs import small_eval_set
 
 SHORT = ["runtime_args.num_episode=2", "runtime_args.sample_per_episode=32",
          "runtime_args.train_global_batch_size=16", "runtime_args.train_micro_batch_size=8",
@@ -30,7 +31,7 @@ def test_two_episodes_with_the_sglang_adapter(tmp_path):
            "PYTHONPATH": os.pathsep.join(p for p in (fake, os.environ.get("PYTHONPATH")) if p)}
     env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
     cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *SHORT,
-           f"runtime_args.output_dir={out}"]
+           f"runtime_args.eval_data_path={small_eval_set(tmp_path)}", f"runtime_args.output_dir={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=580, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("episode")]

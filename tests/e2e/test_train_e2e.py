@@ -1,23 +1,12 @@
-"""End to end: ``chatlearn run`` on the embedded default, shortened, for each rollout backend."""
+"""End to end: ``chatlearn run`` on the embedded default, shortened, for each rollout backend (the suite's
+shared runs ``short_vllm`` and ``short_hf``: tests/support/shared_runs.py; other tests read the same runs)."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-
-from conftest import REPO
-
-SHORT = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=64", "runtime_args.train_global_batch_size=32",
-         "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
-         "runtime_args.eval_episode_interval=2", "runtime_args.save_episode_interval=2",
-         "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01",
-         "runtime_args.log_args_dict.log_samples_interval=2", "runtime_args.log_args_dict.log_samples_num=5",
-         # the parts move between turns as on GPUs (without a GPU they stay by default): the schedule is checked
-         "runtime_args.offload_without_gpu=true"]
-
+from shared_runs import finished
 
 def check_console(stdout: str, stderr: str, out, backend: str) -> None:
     """A quiet, informative console (the mechanisms, --verbose included: tests/logging/test_console.py):
@@ -54,24 +43,17 @@ def read_jsonl(path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
-def test_short_run(backend, tmp_path):
-    from chatlearn.runtime.cluster.leftovers import temp_files
-
-    out = tmp_path / "out"
-    before = temp_files()
-    cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *SHORT,
-           f"runtime_args.rollout_backend={backend}", f"runtime_args.output_dir={out}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=580,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+def test_short_run(backend):
+    run = finished(f"short_{backend}").check()
+    out = run.out
     # one progress line per episode (and one for the eval before training)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("episode")]
-    assert len(lines) == 4, proc.stdout
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("episode")]
+    assert len(lines) == 4, run.stdout
     assert "eval" in lines[0] and "reward" in lines[1]
-    check_console(proc.stdout, proc.stderr, out, backend)
-    assert temp_files() - before == set()  # vLLM's rendezvous files removed at the end of the run
+    check_console(run.stdout, run.stderr, out, backend)
+    assert run.left_temp_files == []  # vLLM's rendezvous files removed at the end of the run
 
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["episode"] for r in rows] == [0, 1, 2, 3]
@@ -105,7 +87,11 @@ def test_short_run(backend, tmp_path):
     AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "episode_000003" / "hf")
     AutoTokenizer.from_pretrained(out / "checkpoints" / "episode_000003" / "hf")
 
-    # every transition recorded; on the shared device only one model computes at a time
+    if backend == "hf":  # no GPU and runtime_args.offload_without_gpu off: the colocated models keep their parts
+        assert all(r["sched/transitions"] == 0 for r in rows[1:]) and "no GPU: colocated models keep" in run.stdout
+        return
+    # runtime_args.offload_without_gpu: the parts move between turns as on GPUs; every transition is
+    # recorded, and on the shared device only one model computes at a time
     events = read_jsonl(out / "timeline.jsonl")
     transitions = [e for e in events if e["kind"] == "transition"]
     assert transitions and all(e["seconds"] >= 0 and e["parts"] for e in transitions)

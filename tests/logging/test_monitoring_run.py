@@ -1,5 +1,6 @@
 """A short run with TensorBoard and W&B (offline) on: what it writes reads back, every metric is
-documented, ``chatlearn plot`` draws it, and the console output suits a pipe and a terminal."""
+documented, ``chatlearn plot`` draws it, and the console output suits a pipe and a terminal. The run
+is the suite's shared ``short_hf`` (tests/support/shared_runs.py); the terminal needs a run of its own."""
 from __future__ import annotations
 
 import glob
@@ -12,10 +13,11 @@ import sys
 import numpy as np
 import pytest
 
+import shared_runs
 from conftest import REPO
 from metrics_doc import undocumented
 
-# the e2e settings (tests/e2e/test_train_e2e.py), 2 episodes, the rollout on transformers
+# the run on a terminal: the shared runs' settings, the rollout on transformers
 SHORT = ["runtime_args.sample_per_episode=64", "runtime_args.train_global_batch_size=32",
          "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
          "models.policy.eval_num_inference_per_prompt=1", "models.policy_trainer.kl_coef=0.01",
@@ -34,21 +36,11 @@ def env_without_wandb_credentials(tmp) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One 2-episode run (eval before training and after the last episode), stdout and stderr piped."""
-    tmp = tmp_path_factory.mktemp("monitoring")
-    out = tmp / "out"
-    cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *SHORT,
-           "runtime_args.num_episode=2", "runtime_args.eval_episode_interval=2",
-           "models.policy_trainer.entropy_coef=0.001", f"runtime_args.output_dir={out}",
-           "runtime_args.log_args_dict.enable_tensorboard=True", "runtime_args.log_args_dict.enable_wandb=True",
-           "runtime_args.log_args_dict.wandb_id=monitoring-test"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=580,
-                          env=env_without_wandb_credentials(str(tmp)))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    with open(out / "metrics.jsonl", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
-    return {"out": out, "stdout": proc.stdout, "rows": rows}
+def run():
+    """The suite's shared ``short_hf`` run (tests/support/shared_runs.py: 3 episodes, eval before training
+    and at episodes 2 and 3, TensorBoard and W&B offline on, stdout and stderr piped)."""
+    finished = shared_runs.finished("short_hf").check()
+    return {"out": finished.out, "stdout": finished.stdout, "rows": finished.rows()}
 
 
 @pytest.mark.slow
@@ -63,8 +55,8 @@ def test_tensorboard_event_files_read_back(run):
     scalars = set(acc.Tags()["scalars"])
     logged = {k for r in run["rows"] for k, v in r.items() if k not in ("episode", "time/wall") and v is not None}
     assert logged == scalars
-    assert [e.step for e in acc.Scalars("eval/reward_mean")] == [0, 2]
-    assert [e.step for e in acc.Scalars("train/reward_mean")] == [1, 2]
+    assert [e.step for e in acc.Scalars("eval/reward_mean")] == [0, 2, 3]
+    assert [e.step for e in acc.Scalars("train/reward_mean")] == [1, 2, 3]
     values = [e.value for e in acc.Scalars("train/kl")]
     assert values == pytest.approx([r["train/kl"] for r in run["rows"][1:]], rel=1e-6)
     assert "config/text_summary" in acc.Tags()["tensors"]
@@ -118,7 +110,7 @@ def test_piped_output_is_plain_lines(run):
     lines = stdout.splitlines()
     assert all(ln.startswith(("[chatlearn] ", "episode ")) or ln.startswith("(") for ln in lines if ln), lines
     episodes = [ln for ln in lines if ln.startswith("episode")]
-    assert [ln.split(" |")[0] for ln in episodes] == ["episode 0/2", "episode 1/2", "episode 2/2"]
+    assert [ln.split(" |")[0] for ln in episodes] == ["episode 0/3", "episode 1/3", "episode 2/3", "episode 3/3"]
     assert "[chatlearn] wandb" not in stdout  # WANDB_MODE=offline is a choice, not a fallback
     assert any(ln.startswith("[chatlearn] plots: ") for ln in lines)
 

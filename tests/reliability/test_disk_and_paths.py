@@ -264,6 +264,7 @@ RUN = ["runtime_args.num_episode=2", "runtime_args.sample_per_episode=8", "runti
        "runtime_args.save_episode_interval=1", "runtime_args.rollout_backend=hf"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_checkpoint_save_meets_a_full_disk_then_the_run_resumes(tmp_path):
     """Episode 2's save: the trainer worker's shard write passes a real file-size limit (EFBIG from the

@@ -25,6 +25,8 @@ import runs
 from conftest import REPO
 from test_reliability_e2e import ctrl_c_reaches_it
 
+pytestmark = pytest.mark.slow  # every test reads a whole run's checkpoint or its evaluation
+
 RUN = ["runtime_args.num_episode=1", "runtime_args.sample_per_episode=16", "runtime_args.train_global_batch_size=16",
        "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
        "runtime_args.enable_eval_before_training=False", "runtime_args.eval_episode_interval=0",

@@ -16,6 +16,8 @@ import pytest
 
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # every test starts whole runs
+
 RUN = ["runtime_args.num_episode=4", "runtime_args.sample_per_episode=16", "runtime_args.train_global_batch_size=16",
        "runtime_args.train_micro_batch_size=16", "models.policy.num_inference_per_prompt=4",
        "runtime_args.enable_eval_before_training=False", "runtime_args.eval_episode_interval=0",

@@ -107,6 +107,7 @@ def error_paragraph(err: str) -> str:
     return flat(message)
 
 
+@pytest.mark.slow  # reads or resumes the module's whole run
 def test_every_checkpoint_records_its_config_with_secrets_masked(trained):
     import yaml
 
@@ -125,6 +126,7 @@ def test_every_checkpoint_records_its_config_with_secrets_masked(trained):
     assert os.path.isfile(os.path.join(out, "configs", history[0]["file"]))
 
 
+@pytest.mark.slow  # reads or resumes the module's whole run
 def test_a_learning_rate_change_is_refused_and_nothing_is_written(trained, out, no_ray, capsys):
     before = snapshot(out)
     for dry in ([], ["--dry-run"]):
@@ -137,6 +139,7 @@ def test_a_learning_rate_change_is_refused_and_nothing_is_written(trained, out, 
         assert snapshot(out) == before  # config.yaml untouched, no lock left, no log row
 
 
+@pytest.mark.slow  # reads or resumes the module's whole run
 def test_an_accepted_change_is_recorded(trained, out, no_ray, stop_at_cluster, capsys):
     metrics = open(os.path.join(out, "metrics.jsonl")).read()
     # --dry-run with the flag: the diff, then the plan; nothing written
@@ -160,6 +163,7 @@ def test_an_accepted_change_is_recorded(trained, out, no_ray, stop_at_cluster, c
     assert not os.path.exists(os.path.join(out, "run.lock"))
 
 
+@pytest.mark.slow  # reads or resumes the module's whole run
 def test_a_harmless_change_is_shown_and_accepted(trained, out, no_ray, stop_at_cluster, capsys):
     assert resume(trained, out, "runtime_args.num_episode=3", "--dry-run") == 0
     text = flat(capsys.readouterr().out)
@@ -175,6 +179,7 @@ def test_a_harmless_change_is_shown_and_accepted(trained, out, no_ray, stop_at_c
     ("models.policy.num_inference_per_prompt=2", "models.policy.num_inference_per_prompt: 4 -> 2"),
     ("runtime_args.sample_per_episode=16", "runtime_args.sample_per_episode: 8 -> 16"),
 ])
+@pytest.mark.slow  # reads or resumes the module's whole run
 def test_a_change_of_data_or_sampling_is_refused(trained, out, no_ray, capsys, change, key):
     if change == "data":  # 9800 prompts, then a file of 5
         change = f"runtime_args.data_path={write_arith(os.path.join(os.path.dirname(out), 'five.jsonl'), 5)}"
@@ -185,6 +190,7 @@ def test_a_change_of_data_or_sampling_is_refused(trained, out, no_ray, capsys, c
     assert snapshot(out) == before
 
 
+@pytest.mark.slow  # reads or resumes the module's whole run
 def test_a_checkpoint_without_a_config_resumes_with_a_warning(trained, out, no_ray, capsys):
     """A checkpoint of an older chatlearn: no config.yaml (nor in its manifest)."""
     for entry in os.listdir(os.path.join(out, "checkpoints")):
@@ -200,6 +206,7 @@ def test_a_checkpoint_without_a_config_resumes_with_a_warning(trained, out, no_r
     assert len(warning) == 1 and "episode_000002" in warning[0], captured.out + captured.err
 
 
+@pytest.mark.slow  # reads or resumes the module's whole run
 def test_the_same_data_path_with_other_contents_is_refused(trained, out, no_ray, capsys):
     """The data file rewritten in place (the checkpoint's sampler counted 9801 prompts, the file holds 9800):
     refused once the data is read, before the folder is locked or written."""

@@ -12,6 +12,8 @@ import pytest
 
 from test_reliability_e2e import session_processes, start, wait_for, worker_pid
 
+pytestmark = pytest.mark.slow  # a whole run
+
 
 @pytest.mark.timeout(600)
 def test_a_stopped_worker_stops_the_run_naming_model_rank_and_stage(tmp_path):

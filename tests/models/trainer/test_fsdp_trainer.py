@@ -1,7 +1,7 @@
 """FSDPTrainer on CPU (gloo): 2 ranks vs 1 rank, against plain transformers, residency,
 weight export and the token-mean normalisation of the GRPO loss.
 
-Two jobs run once per module (2 ranks and 1 rank, spawned processes with a hard
+Two jobs run once per module (2 ranks and 1 rank, processes with a hard
 deadline); the tests compare what they return.
 """
 from __future__ import annotations
@@ -114,7 +114,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_entry(fn, rank, world, port, out, args):
+def _rank_entry(fn, rank, world, port, out, args, env):
+    import rank_processes
+
+    rank_processes.enter(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -129,14 +132,18 @@ def _rank_entry(fn, rank, world, port, out, args):
 
 
 def run_ranks(fn, world: int, out: Path, *args, timeout: float = JOB_TIMEOUT_S) -> list:
-    """Run fn(rank, world, *args) in `world` spawned processes; their results, by rank.
+    """Run fn(rank, world, *args) in `world` new processes (tests/support/rank_processes.py); their
+    results, by rank.
 
     A rank that fails makes the others be killed at once (they would wait forever in a
     collective); so does the deadline.
     """
-    ctx = torch.multiprocessing.get_context("spawn")
+    import rank_processes
+
+    ctx = rank_processes.context()  # forked from a server that has imported torch & co. once
     port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, str(out), args))
+    env = rank_processes.rank_env()
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, port, str(out), args, env))
              for r in range(world)]
     for p in procs:
         p.start()

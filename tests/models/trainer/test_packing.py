@@ -7,10 +7,6 @@ Two jobs (1 and 2 ranks, spawned processes) run once per module.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -257,26 +253,15 @@ def test_packing_with_the_megatron_backend_reaches_both_trainers(paths_overrides
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_short_run_with_packing(tmp_path):
-    """The embedded default, shortened, with packing on (hf rollout)."""
-    import json
+@pytest.mark.timeout(900)
+def test_short_run_with_packing():
+    """The embedded default, shortened, with packing on (hf rollout): the suite's shared ``short_hf`` run
+    (tests/support/shared_runs.py)."""
+    from shared_runs import finished
 
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml",
-           "runtime_args.num_episode=2", "runtime_args.sample_per_episode=64",
-           "runtime_args.train_global_batch_size=32", "runtime_args.train_micro_batch_size=16",
-           "models.policy.num_inference_per_prompt=4", "runtime_args.eval_episode_interval=0",
-           "runtime_args.enable_eval_before_training=false",
-           "runtime_args.rollout_backend=hf", "models.policy_trainer.packing=true",
-           "models.policy_trainer.max_token_in_packing=256", f"runtime_args.output_dir={out}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=580,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    with open(out / "metrics.jsonl", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    assert [r["episode"] for r in rows] == [1, 2]
-    for r in rows:
+    rows = finished("short_hf").check().rows()
+    assert [r["episode"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[1:]:
         assert r["train/pad_token_frac"] == 0.0 and r["perf/logprob_pad_token_frac"] == 0.0
         assert r["train/micro_steps"] >= 1 and r["perf/logprob_micro_steps"] >= 1
         assert np.isfinite(r["train/loss"]) and r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4
