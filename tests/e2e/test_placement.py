@@ -45,14 +45,34 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(out, *overrides, env=None, timeout=560):
-    cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *SHORT,
-           f"runtime_args.eval_data_path={small_eval_set(os.path.dirname(out))}", f"runtime_args.output_dir={out}",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc, read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "timeline.jsonl")
+def command(out, *overrides):
+    return [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_fsdp.yaml", *SHORT,
+            f"runtime_args.eval_data_path={small_eval_set(os.path.dirname(out))}", f"runtime_args.output_dir={out}",
+            *overrides]
+
+
+def run_together(runs, timeout=560):
+    """Runs ``[(out, overrides, env), ...]`` at the same time (independent runs: each its own Ray, or its
+    own place on a shared cluster; most of a run's start-up is waiting, which the others fill); for each,
+    (the finished process, its metrics rows, its timeline events). Every run must succeed."""
+    procs = []
+    try:
+        for out, overrides, env in runs:
+            procs.append((out, subprocess.Popen(command(out, *overrides), cwd=REPO, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE, text=True,
+                                                env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})))
+        done = []
+        for out, proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            proc.stdout, proc.stderr = stdout, stderr
+            assert proc.returncode == 0, f"{out}: " + stdout[-3000:] + stderr[-5000:]
+            done.append((proc, read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "timeline.jsonl")))
+        return done
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 @pytest.mark.slow
@@ -60,7 +80,9 @@ def run(out, *overrides, env=None, timeout=560):
 def test_four_models_colocated_on_two_devices(tmp_path):
     over = ["runtime_args.colocation=[policy,policy_trainer,ref_policy,reward]", "models.policy_trainer.num_gpu=2",
             "runtime_args.rollout_backend=vllm"]
-    proc, rows, events = run(tmp_path / "out", *over)
+    # runtime_args.fuse_rollout=false: the replicas in processes of their own (checked below); both at once
+    (proc, rows, events), (apart, apart_rows, apart_events) = run_together(
+        [(tmp_path / "out", over, None), (tmp_path / "apart", [*over, "runtime_args.fuse_rollout=false"], None)])
     assert "device group 0 (devices 0..1): policy, policy_trainer, ref_policy, reward" in proc.stdout
     # vLLM's CPU build, one replica per trainer rank: each rollout replica runs in its trainer rank's process
     assert "in the processes of policy_trainer (fused" in proc.stdout
@@ -96,7 +118,6 @@ def test_four_models_colocated_on_two_devices(tmp_path):
 
     # runtime_args.fuse_rollout=false: the replicas in processes of their own train exactly alike (the
     # fused push broadcasts rank 0's buckets over the trainers' group, the separate one streams them)
-    apart, apart_rows, apart_events = run(tmp_path / "apart", *over, "runtime_args.fuse_rollout=false")
     assert "in the processes of policy_trainer" not in apart.stdout
     assert learning_metrics(tmp_path / "apart") == learning_metrics(tmp_path / "out")
     # the same turns (what moves does not depend on which process holds the engine)
@@ -145,18 +166,19 @@ def stop_ray_head(head, address):
 def test_placements_train_like_colocated_and_join_a_ray_cluster(tmp_path):
     """The colocated run joins a cluster started with ``ray start --head``; the partial and the
     disaggregated placements (a local Ray each) train exactly like it."""
-    runs = {}
     head, address = start_ray_head()
-    try:
-        runs["colocated"] = run(tmp_path / "colocated", "runtime_args.colocation=[policy,policy_trainer,ref_policy]",
-                                "runtime_args.rollout_backend=hf", env={"RAY_ADDRESS": address}, timeout=280)
+    try:  # the three at once: the colocated one on the started cluster, the others each on a Ray of its own
+        done = run_together([(tmp_path / "colocated", ["runtime_args.colocation=[policy,policy_trainer,ref_policy]",
+                                                       "runtime_args.rollout_backend=hf"], {"RAY_ADDRESS": address})]
+                            + [(tmp_path / name, [f"runtime_args.colocation={coloc}", "runtime_args.rollout_backend=hf"],
+                                None)
+                               for name, coloc in (("partial", "[policy_trainer,ref_policy]"), ("disaggregated", "[]"))],
+                            timeout=400)
     finally:
         stop_ray_head(head, address)
+    runs = dict(zip(("colocated", "partial", "disaggregated"), done))
     assert f"joining the Ray cluster at {address}" in runs["colocated"][0].stdout
     assert [r["episode"] for r in runs["colocated"][1]] == [0, 1, 2, 3]  # the eval before training, then 3 episodes
-    for name, coloc in (("partial", "[policy_trainer,ref_policy]"), ("disaggregated", "[]")):
-        runs[name] = run(tmp_path / name, f"runtime_args.colocation={coloc}", "runtime_args.rollout_backend=hf",
-                         timeout=280)
     # colocated, the transformers engine runs in the trainer's process (runtime_args.fuse_rollout)
     assert "in the processes of policy_trainer (fused" in runs["colocated"][0].stdout
     assert "device group 1 (device 1): policy" in runs["partial"][0].stdout
