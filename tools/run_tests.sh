@@ -28,8 +28,12 @@ if [ "$WORKERS" -gt 0 ]; then
 else
   PARALLEL=()
 fi
-REPORT=$(mktemp -t chatlearn-tests-XXXXXX.xml)
-trap 'rm -f "$REPORT"' EXIT
+# CHATLEARN_TEST_REPORT=FILE keeps pytest's JUnit XML report (every test's time) in FILE
+REPORT=${CHATLEARN_TEST_REPORT:-}
+if [ -z "$REPORT" ]; then
+  REPORT=$(mktemp -t chatlearn-tests-XXXXXX.xml)
+  trap 'rm -f "$REPORT"' EXIT
+fi
 start=$(date +%s)
 .venv/bin/python -m pytest tests "${PARALLEL[@]}" "${SELECT[@]}" --durations=30 --junitxml="$REPORT" "${ARGS[@]}"
 rc=$?

@@ -1,5 +1,6 @@
 """The end of tools/run_tests.sh: the suite's wall time and its ten slowest tests, read from pytest's
-JUnit XML report (each test's time is its set-up, call and teardown together, so a run made by a
+JUnit XML report (``python tools/test_report.py REPORT WALL_SECONDS [N]``: the N slowest, 10 by default;
+each test's time is its set-up, call and teardown together, so a run made by a
 fixture counts in the first test that asks for it)."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ def minutes(seconds: float) -> str:
     return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
 
 
-def main(report: str, wall_s: str) -> int:
+def main(report: str, wall_s: str, top: str = "10") -> int:
     try:
         root = ET.parse(report).getroot()
     except (OSError, ET.ParseError) as e:
@@ -21,11 +22,11 @@ def main(report: str, wall_s: str) -> int:
     total = sum(t for t, _ in cases)
     print(f"[tests] wall time {minutes(float(wall_s))} for {len(cases)} tests ({minutes(total)} of test time "
           "over the test processes)")
-    print("[tests] the ten slowest:")
-    for seconds, name in sorted(cases, reverse=True)[:10]:
+    print(f"[tests] the {'ten' if top == '10' else top} slowest:")
+    for seconds, name in sorted(cases, reverse=True)[:int(top)]:
         print(f"[tests] {seconds:7.1f} s  {name}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:4]))

@@ -14,20 +14,21 @@ from chatlearn.logging.progress import RunProgress, live_wanted
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
-# one short "run" through every stage, the way the engine drives the progress object
+# one short "run" through every stage, the way the engine drives the progress object (each stage is drawn
+# as it begins: a pause of a few refreshes is enough)
 SCRIPT = textwrap.dedent("""
     import time
     from chatlearn.logging.progress import RunProgress
 
     p = RunProgress(2)
-    p.begin(0); p.stage("eval"); time.sleep(0.4); p.finish(0, "episode 0/2 | eval 0.100")
+    p.begin(0); p.stage("eval"); time.sleep(0.1); p.finish(0, "episode 0/2 | eval 0.100")
     for e in (1, 2):
         p.begin(e)
         for s in ("generate", "reward", "ref_logprobs", "old_logprobs"):
-            p.stage(s); time.sleep(0.3)
+            p.stage(s); time.sleep(0.06)
         for i in (1, 2):
-            p.stage("train", f"step {i}/2"); time.sleep(0.3)
-        p.stage("weight_push"); time.sleep(0.3)
+            p.stage("train", f"step {i}/2"); time.sleep(0.06)
+        p.stage("weight_push"); time.sleep(0.06)
         print("a worker log line")
         p.finish(e, f"episode {e}/2 | reward 0.{e}00")
     p.close()

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from shared_runs import finished
 
 from conftest import REPO
 
@@ -189,9 +190,8 @@ def test_a_dead_worker_is_named_by_model_and_rank(tmp_path):
 def test_overwrite_moves_the_old_run_aside(tmp_path):
     """--no-resume into a used folder is refused; --overwrite moves the old run aside, whole, and the
     new run's keep-last-N and ``latest`` see only its own checkpoints."""
-    out = tmp_path / "out"
-    finish(out, "runtime_args.num_episode=2", "runtime_args.save_episode_interval=1",
-           "runtime_args.keep_last_checkpoints=0")
+    out = finished("lora").check().copy_to(tmp_path / "out")  # a finished run (the suite's shared LoRA run)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["episode_000001", "episode_000002", "latest"]
     old_files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
     refused = subprocess.run(command(out, "--no-resume"), cwd=REPO, capture_output=True, text=True, timeout=200)
     assert refused.returncode == 2 and "already holds a run" in refused.stderr, refused.stderr[-3000:]
