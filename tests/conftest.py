@@ -35,12 +35,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
-# The files that take longest, longest first (several minutes each on 2 loaded cores). Under
-# pytest-xdist (tools/run_tests.sh: --dist loadfile --no-loadscope-reorder) a process that is free takes
-# the next file in collection order: these start first, then the other files with end-to-end runs (tests
-# marked slow), then the rest, so that no long file starts last and keeps one process busy alone at the end.
-LONGEST_FIRST = ("e2e/test_placement.py", "e2e/test_ppo_e2e.py", "reliability/test_reliability_e2e.py",
-                 "e2e/test_megatron_e2e.py", "e2e/test_eval.py", "models/rollout/test_rollout_tp.py")
+# The files that take longest, longest first (a minute or more each on 2 loaded cores: docs/testing.md).
+# Under pytest-xdist (tools/run_tests.sh: --dist loadfile --no-loadscope-reorder) a process that is free
+# takes the next file in collection order (and the one after it once fewer than three of its tests are
+# left): these start first, then the other files with end-to-end runs (tests marked slow), then the rest,
+# so that no long file starts last and keeps one process busy alone at the end.
+LONGEST_FIRST = ("e2e/test_ppo_e2e.py", "e2e/test_placement.py", "reliability/test_reliability_e2e.py",
+                 "models/rollout/test_rollout_tp.py", "e2e/test_megatron_e2e.py", "e2e/test_no_ray_e2e.py",
+                 "e2e/test_sglang_e2e.py")
 
 
 @pytest.hookimpl(trylast=True)

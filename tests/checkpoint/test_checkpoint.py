@@ -480,7 +480,24 @@ def test_merge_refuses_bad_input(assets, ckpts, tmp_path):
 # --------------------------------------------------------------------------- command line
 
 
-def _cli(*args, tool=False):
+def _cli(*args, tool=False, process=False):
+    """``chatlearn merge ARGS`` (``tool``: tools/merge_checkpoint.py) in a process of its own (``process``,
+    ``tool``), or through ``chatlearn.cli.main`` in this one (what the command runs, without the seconds of
+    a new interpreter's imports): its exit code, stdout and stderr."""
+    if not (tool or process):
+        import contextlib
+        import io
+        import types
+
+        from chatlearn.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["merge", *(str(a) for a in args)])
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code
+        return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
     cmd = ([sys.executable, str(REPO / "tools" / "merge_checkpoint.py")] if tool else
            [sys.executable, "-m", "chatlearn.cli", "merge"])
@@ -491,7 +508,7 @@ def _cli(*args, tool=False):
 @pytest.mark.timeout(300)
 def test_cli_exit_codes(assets, ckpts, tmp_path):
     ck = ckpts["out"] / "ck2"
-    ok = _cli(ck, tmp_path / "out", "--dtype", "bfloat16", "--max-shard-size", "200KB")
+    ok = _cli(ck, tmp_path / "out", "--dtype", "bfloat16", "--max-shard-size", "200KB", process=True)  # the command
     assert ok.returncode == 0, ok.stderr
     assert "wrote" in ok.stdout and "bfloat16" in ok.stdout
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
