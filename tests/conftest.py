@@ -34,6 +34,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["TMPDIR"] = _tmp
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
+# the environment the suite started with, before any test changed it (tests/support/rank_processes.py)
+START_ENV = dict(os.environ)
+
 
 # The files that take longest, longest first (a minute or more each on 2 loaded cores: docs/testing.md).
 # Under pytest-xdist (tools/run_tests.sh: --dist loadfile --no-loadscope-reorder) a process that is free

@@ -17,14 +17,11 @@ import multiprocessing.forkserver
 import os
 import sys
 
-from conftest import REPO
+from conftest import REPO, START_ENV
 
 PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "transformers", "transformers.models.qwen2.modeling_qwen2", "safetensors.torch",
            "chatlearn.models.trainer.fsdp", "megatron.core", "chatlearn.models.trainer.megatron"]
-# the environment the suite started with (this module is imported while the tests are collected, before
-# any test changes os.environ)
-_START_ENV = dict(os.environ)
 _started = False
 
 
@@ -38,8 +35,8 @@ def context():
         paths = [p for p in sys.path if p and os.path.abspath(p).startswith(REPO)]
         saved = dict(os.environ)
         os.environ.clear()
-        os.environ.update(_START_ENV)
-        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [_START_ENV.get("PYTHONPATH")])])
+        os.environ.update(START_ENV)
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [START_ENV.get("PYTHONPATH")])])
         try:
             multiprocessing.forkserver.ensure_running()
         finally:

@@ -21,6 +21,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from runs import metric_rows, small_eval_set
+
 from conftest import REPO
 
 # the shortened default: 3 episodes of 16 prompts x 4 samples, 2 optimizer steps each, a KL term,
@@ -106,10 +108,7 @@ class FinishedRun:
         return self
 
     def rows(self) -> list:
-        return jsonl(self.out / "metrics.jsonl")
-
-    def events(self) -> list:
-        return jsonl(self.out / "timeline.jsonl")
+        return metric_rows(self.out)
 
     def rerun(self, out, *extra, env: dict | None = None, timeout: float | None = None) -> str:
         """The run's own command (``extra`` overrides added) into ``out``, a copy of it (``copy_to``) to
@@ -127,15 +126,10 @@ class FinishedRun:
         return dst
 
 
-def jsonl(path) -> list:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def rewind(out, episode: int, torn: bool = True) -> None:
+def rewind(out, episode: int) -> None:
     """Make ``out`` (a copy of a finished run) look as a run killed while it wrote the checkpoint after
     ``episode`` does: checkpoint ``episode`` complete and named by ``latest``, the next one a ``.tmp``
-    folder cut short (``torn``; without its ``COMPLETE`` marker and manifest), none after it, and the rows
+    folder cut short (without its ``COMPLETE`` marker and manifest), none after it, and the rows
     of the later episodes still in the logs. The same command then resumes from checkpoint ``episode``:
     it removes the ``.tmp`` folder and trains the later episodes again, replacing their rows. (A real
     SIGKILL in the middle of a save: tests/e2e/test_resume.py.)"""
@@ -145,7 +139,7 @@ def rewind(out, episode: int, torn: bool = True) -> None:
     assert (ckpts / name / "COMPLETE").exists(), sorted(p.name for p in ckpts.iterdir())
     later = sorted(p for p in ckpts.iterdir() if p.name.startswith("episode_") and p.name > name)
     for i, p in enumerate(later):
-        if i == 0 and torn:
+        if i == 0:
             tmp = p.with_name(p.name + ".tmp")
             p.rename(tmp)
             for marker in ("COMPLETE", "manifest.json"):
@@ -168,15 +162,9 @@ def configure(basetemp: pathlib.Path) -> None:
     _ROOT.mkdir(parents=True, exist_ok=True)
 
 
-def eval_set(folder: pathlib.Path, n: int) -> str:
-    path = folder / f"eval{n}.jsonl"
-    with open(os.path.join(REPO, "assets", "arith", "eval.jsonl"), encoding="utf-8") as f:
-        path.write_text("".join(f.readlines()[:n]))
-    return str(path)
-
-
 def command(spec: RunSpec, out: pathlib.Path) -> list:
-    extra = [f"runtime_args.eval_data_path={eval_set(out.parent, spec.eval_prompts)}"] if spec.eval_prompts else []
+    extra = ([f"runtime_args.eval_data_path={small_eval_set(out.parent, spec.eval_prompts)}"] if spec.eval_prompts
+             else [])
     return [sys.executable, "-m", "chatlearn.cli", spec.verb, spec.template, *spec.overrides, *extra,
             f"runtime_args.output_dir={out}"]
 
