@@ -8,6 +8,7 @@ import os
 import pytest
 from shared_runs import finished
 
+
 def check_console(stdout: str, stderr: str, out, backend: str) -> None:
     """A quiet, informative console (the mechanisms, --verbose included: tests/logging/test_console.py):
     third-party output is in <out>/logs/, not repeated on the console; the plain episode lines estimate

@@ -4,7 +4,6 @@ is the suite's shared ``short_hf`` (tests/support/shared_runs.py); the terminal 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import subprocess
