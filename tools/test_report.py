@@ -7,9 +7,7 @@ from __future__ import annotations
 import sys
 import xml.etree.ElementTree as ET
 
-
-def minutes(seconds: float) -> str:
-    return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
+from chatlearn.logging.progress import format_seconds
 
 
 def main(report: str, wall_s: str, top: str = "10") -> int:
@@ -20,7 +18,7 @@ def main(report: str, wall_s: str, top: str = "10") -> int:
         return 1
     cases = [(float(tc.get("time") or 0), f"{tc.get('classname')}::{tc.get('name')}") for tc in root.iter("testcase")]
     total = sum(t for t, _ in cases)
-    print(f"[tests] wall time {minutes(float(wall_s))} for {len(cases)} tests ({minutes(total)} of test time "
+    print(f"[tests] wall time {format_seconds(float(wall_s))} for {len(cases)} tests ({format_seconds(total)} of test time "
           "over the test processes)")
     print(f"[tests] the {'ten' if top == '10' else top} slowest:")
     for seconds, name in sorted(cases, reverse=True)[:int(top)]:

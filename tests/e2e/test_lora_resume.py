@@ -1,6 +1,6 @@
 """Exact resume of a LoRA run (models.policy_trainer.lora): the suite's shared ``lora`` run
 (tests/support/shared_runs.py) copied as a SIGKILL in the middle of its second checkpoint's save leaves
-it (``shared_runs.rewind``), the same command again: the same learning metrics and the same adapters as
+it (``shared_runs.rewound_copy``), the same command again: the same learning metrics and the same adapters as
 the uninterrupted run (the full-weight counterpart, with a real SIGKILL: tests/e2e/test_resume.py).
 
 What a LoRA run must restore beyond a full-weight one: the adapters alone on top of the base model read
@@ -15,7 +15,7 @@ import os
 
 import pytest
 import runs
-from shared_runs import finished, rewind
+from shared_runs import finished, rewound_copy
 
 
 def checkpoint_tensors(ckpt) -> dict:
@@ -51,8 +51,7 @@ def test_lora_sigkill_during_a_save_resumes_exactly(tmp_path):
 
     # as killed while checkpoint 2 was being written (episode 2 trained and logged): checkpoint 1 stays, the
     # rerun resumes from it and trains episode 2 again
-    out = whole.copy_to(tmp_path / "killed_in_save")
-    rewind(out, 1)
+    out = rewound_copy(ref, tmp_path / "killed_in_save", 1)
     stdout = whole.rerun(out)
     assert "(episode 1)" in stdout  # resumed from checkpoint 1
     assert runs.learning_metrics(out) == expected

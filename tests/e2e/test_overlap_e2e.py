@@ -5,13 +5,12 @@ metrics as the uninterrupted one (the checkpoint keeps the rollout generated ahe
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 from runs import learning_metrics, metric_rows, small_eval_set
-from shared_runs import rewind
+from shared_runs import rewound_copy
 
 from conftest import REPO
 
@@ -50,11 +49,9 @@ def test_stale_rollouts_stay_within_the_bound_and_resume_exactly(tmp_path):
         assert "train/is_masked_frac" in r  # decoupled correction in the loss
         assert r["time/overlapped"] >= 0 and r["time/rollout_wait"] >= 0
 
-    # as killed once episode 2 was logged and checkpointed, in the middle of episode 3's save (shared_runs.rewind):
+    # as killed once episode 2 was logged and checkpointed, in the middle of episode 3's save (shared_runs.rewound_copy):
     # checkpoint 2 holds episode 3's rollout, generated ahead, as arrays (no pickle); the rerun resumes from it
-    cut = tmp_path / "cut"
-    shutil.copytree(whole, cut, symlinks=True)
-    rewind(cut, 2)
+    cut = rewound_copy(whole, tmp_path / "cut", 2)
     assert (cut / "checkpoints" / "episode_000002" / "rollouts_ahead.npz").exists()
     stdout = finish(cut)
     assert "resuming from" in stdout and "(episode 2)" in stdout

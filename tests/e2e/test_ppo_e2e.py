@@ -7,13 +7,12 @@ critic. PPO on the Megatron trainers: tests/e2e/test_megatron_e2e.py."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import runs
-from shared_runs import rewind
+from shared_runs import rewound_copy
 from test_placement import read_jsonl
 
 from conftest import REPO
@@ -82,12 +81,10 @@ def test_five_models_take_turns_and_resume_exactly(tmp_path):
     expected = runs.learning_metrics(ref)
     assert [r["episode"] for r in expected] == [0, 1, 2]
 
-    # as killed while checkpoint 2 was written (shared_runs.rewind: its .tmp folder with the critic's folder in
+    # as killed while checkpoint 2 was written (shared_runs.rewound_copy: its .tmp folder with the critic's folder in
     # it; a real SIGKILL in the middle of a save: tests/e2e/test_resume.py): checkpoint 1 stays the latest, and
     # the rerun trains episode 2 again exactly (the critic and its optimizer state included)
-    out = tmp_path / "killed"
-    shutil.copytree(ref, out, symlinks=True)
-    rewind(out, 1)
+    out = rewound_copy(ref, tmp_path / "killed", 1)
     assert (out / "checkpoints" / "episode_000002.tmp" / "critic").is_dir()
     assert "episode 1)" in finish(out)
     assert runs.learning_metrics(out) == expected

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
-from shared_runs import rewind
+from shared_runs import rewound_copy
 
 from conftest import REPO
 
@@ -74,8 +73,7 @@ def test_dynamic_sampling_resumes_exactly(tmp_path):
     metrics (the extra prompts the rounds drew are part of the saved data position)."""
     dapo = ["runtime_args.dynamic_sampling=true", "runtime_args.dynamic_sampling_max_rounds=4"]
     whole, _ = run(tmp_path / "a", *dapo, episodes=3)
-    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
-    rewind(tmp_path / "b", 2)  # as cut in the middle of checkpoint 3's save
+    rewound_copy(tmp_path / "a", tmp_path / "b", 2)  # as cut in the middle of checkpoint 3's save
     resumed, stdout = run(tmp_path / "b", *dapo, episodes=3)
     assert "resuming from" in stdout and "(episode 2)" in stdout
     assert any(r["train/dynamic_sampling_rounds"] > 1 for r in whole)  # the rounds were exercised

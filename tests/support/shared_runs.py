@@ -126,14 +126,15 @@ class FinishedRun:
         return dst
 
 
-def rewind(out, episode: int) -> None:
-    """Make ``out`` (a copy of a finished run) look as a run killed while it wrote the checkpoint after
-    ``episode`` does: checkpoint ``episode`` complete and named by ``latest``, the next one a ``.tmp``
-    folder cut short (without its ``COMPLETE`` marker and manifest), none after it, and the rows
+def rewound_copy(src, dst, episode: int) -> pathlib.Path:
+    """A copy at ``dst`` of the finished run in ``src``, as a run killed while it wrote the checkpoint after
+    ``episode`` leaves its folder: checkpoint ``episode`` complete and named by ``latest``, the next one a
+    ``.tmp`` folder cut short (without its ``COMPLETE`` marker and manifest), none after it, and the rows
     of the later episodes still in the logs. The same command then resumes from checkpoint ``episode``:
     it removes the ``.tmp`` folder and trains the later episodes again, replacing their rows. (A real
     SIGKILL in the middle of a save: tests/e2e/test_resume.py.)"""
-    out = pathlib.Path(out)
+    out = pathlib.Path(dst)
+    shutil.copytree(src, out, symlinks=True)
     ckpts = out / "checkpoints"
     name = f"episode_{episode:06d}"
     assert (ckpts / name / "COMPLETE").exists(), sorted(p.name for p in ckpts.iterdir())
@@ -147,6 +148,7 @@ def rewind(out, episode: int) -> None:
         else:
             shutil.rmtree(p)
     (ckpts / "latest").write_text(name + "\n")
+    return out
 
 
 _ROOT: pathlib.Path | None = None
