@@ -37,16 +37,21 @@ def _stages_named(node: ast.AST) -> list[str]:
 
 
 def test_the_episode_is_one_short_function_with_a_call_per_stage():
-    """The engine's episode names every stage it runs itself, in order; the forward passes between
-    reward and train are the algorithm's (GRPO's: the reference, then the old log-probs)."""
-    episode = _method(PACKAGE / "runtime" / "driver" / "engine.py", "Engine", "episode")
+    """The engine's episode names every stage it runs itself, in order; the reward models' turns are
+    :class:`RewardModels`' (one reward_model stage per model), the forward passes between reward and
+    train are the algorithm's parts' (the policy's: the reference, then the old log-probs; the critic's:
+    its values)."""
+    driver = PACKAGE / "runtime" / "driver"
+    episode = _method(driver / "engine.py", "Engine", "episode")
     assert episode.end_lineno - episode.lineno + 1 <= MAX_EPISODE_LINES
-    assert [s for s in _stages_named(episode) if s != "EVAL"] == ["GENERATE", "REWARD", "REWARD_MODEL", "TRAIN",
-                                                                  "CHECKPOINT", "WEIGHT_PUSH"]
-    passes = _method(PACKAGE / "runtime" / "driver" / "algorithm.py", "GRPO", "passes")
-    assert _stages_named(passes) == ["REF_LOGPROBS", "OLD_LOGPROBS"]
-    # PPO's: GRPO's, then the critic's values (the critic, resident for them, stays to train)
-    assert _stages_named(_method(PACKAGE / "runtime" / "driver" / "algorithm.py", "PPO", "passes")) == ["VALUES"]
+    assert [s for s in _stages_named(episode) if s != "EVAL"] == ["GENERATE", "REWARD", "TRAIN", "CHECKPOINT",
+                                                                  "WEIGHT_PUSH"]
+    assert "score_all" in ast.unparse(episode)  # the reward models' turns, beside the reward workers
+    assert _stages_named(_method(driver / "reward_models.py", "RewardModels", "score_all")) == ["REWARD_MODEL"]
+    assert _stages_named(_method(driver / "algorithm.py", "PolicyUpdate", "passes")) == ["REF_LOGPROBS",
+                                                                                        "OLD_LOGPROBS"]
+    # PPO's: the policy's, then the critic's values (the critic, resident for them, stays to train)
+    assert _stages_named(_method(driver / "algorithm.py", "CriticUpdate", "passes")) == ["VALUES"]
     from chatlearn.config.names import Stage
 
     covered = {"GENERATE", "REWARD", "REWARD_MODEL", "TRAIN", "CHECKPOINT", "WEIGHT_PUSH", "REF_LOGPROBS",

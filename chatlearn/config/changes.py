@@ -30,11 +30,13 @@ import fnmatch
 import json
 from dataclasses import dataclass
 
+from chatlearn.config.algorithms import uses_kind
 from chatlearn.config.schema import COMPAT_ONLY_KEYS
 
 # the checkpoint's config lacks the key, or the new config does
 ABSENT = "<absent>"
 ESTIMATOR = "models.policy_trainer.advantage_estimator"
+ALGORITHM = "models.policy_trainer.algorithm"
 
 # Keys whose change leaves what training computes as it was. ``*`` matches any part of a key.
 HARMLESS_KEYS = (
@@ -105,8 +107,8 @@ def config_changes(old: dict, new: dict, non_default: set[str]) -> list[Change]:
     whose value is not the schema's default (a key ``old`` lacks at its default is no change). The
     critic's keys count only where one of the configs trains a critic (PPO)."""
     before, after = flatten(old), flatten(new)
-    # models.critic exists only for advantage_estimator: gae; its keys follow the policy trainer's otherwise
-    unused = () if "gae" in (_at(old, ESTIMATOR), _at(new, ESTIMATOR)) else ("models.critic.",)
+    # models.critic exists only for an algorithm with a critic (PPO); its keys follow the policy trainer's otherwise
+    unused = () if _trains_critic(old) or _trains_critic(new) else ("models.critic.",)
     changes = []
     for key in sorted(set(before) | set(after)):
         was, now = before.get(key, ABSENT), after.get(key, ABSENT)
@@ -131,7 +133,7 @@ def schedule_follows_num_episode(tree: dict) -> bool:
     """Whether a trained model's learning-rate schedule in the config ``tree`` is measured in the run's
     optimizer steps (num_episode x steps per episode): a decay without ``lr_decay_iters``, or a warmup
     given as a fraction. A key the config lacks counts as not set."""
-    trained = ["policy_trainer"] + (["critic"] if _at(tree, ESTIMATOR) == "gae" else [])
+    trained = ["policy_trainer"] + (["critic"] if _trains_critic(tree) else [])
     for name in trained:
         opt = f"models.{name}.optimizer."
         if _at(tree, opt + "lr_decay_style") not in (None, "constant") and _at(tree, opt + "lr_decay_iters") is None:
@@ -139,6 +141,11 @@ def schedule_follows_num_episode(tree: dict) -> bool:
         if not _at(tree, opt + "lr_warmup_iters") and _at(tree, opt + "lr_warmup_fraction"):
             return True
     return False
+
+
+def _trains_critic(tree: dict) -> bool:
+    """Whether the algorithm of config ``tree`` trains a critic (as written; an older config has no algorithm key)."""
+    return uses_kind(_at(tree, ALGORITHM), _at(tree, ESTIMATOR), "critic")
 
 
 def _at(tree: dict, dotted: str):

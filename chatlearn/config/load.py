@@ -14,15 +14,18 @@ import re
 from typing import Iterable, Sequence
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import (ConfigKeyError, InterpolationKeyError, InterpolationResolutionError,
                               MissingMandatoryValue, OmegaConfBaseException, ValidationError)
 
 from chatlearn.config.algorithm_keys import validate_algorithm
+from chatlearn.config.algorithms import resolve_algorithm
 from chatlearn.config.checks import choice as _choice
 from chatlearn.config.checks import positive as _positive
 from chatlearn.config.data_sources import resolve_data_sources
 from chatlearn.config.env_entries import check_multi_turn
+from chatlearn.config.kinds import (DEFAULT_MODELS, KINDS, REWARD_MODEL, ROLLOUT, check_kinds, kind_named, model_kinds,
+                                   models_of, section)
 from chatlearn.config.lora_keys import check_lora
 from chatlearn.config.manifest import manifest_problems
 from chatlearn.config.model_shapes import shape_mismatch
@@ -41,8 +44,10 @@ def load_run(path: str, overrides: Sequence[str] = ()) -> tuple[DictConfig, Plan
     validation computes (once per start: callers take this one rather than calling make_plan)."""
     cfg = OmegaConf.structured(Config)
     data, cli = _read_yaml(path), _parse_overrides(overrides)
-    cfg = _merge(cfg, data, source=path)
-    cfg = _merge(cfg, cli, source="the command line")
+    (base, named), (cli_base, cli_named) = _split_models(data), _split_models(cli)
+    cfg = _merge(cfg, base, source=path)
+    cfg = _merge(cfg, cli_base, source="the command line")
+    _add_user_models(cfg, [(named, path), (cli_named, "the command line")])
     _apply_aliases(cfg)
     _resolve(cfg)
     plan = validate(cfg, frozenset(_dotted_keys(data)) | frozenset(_dotted_keys(cli)))
@@ -113,6 +118,52 @@ def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
             "(numbers without quotes, booleans as True/False, lists as [a, b]).", key=err.full_key) from None
     except OmegaConfBaseException as err:
         raise ConfigError(f"invalid value in {source}: {_first_line(err)}", key=err.full_key) from None
+
+
+def _split_models(data: DictConfig) -> tuple[DictConfig, dict]:
+    """``data`` without the models of the user's naming (``models.<name>`` other than today's names:
+    chatlearn/config/kinds.py), and those sections by name."""
+    models = data.get("models")
+    if not isinstance(models, DictConfig):
+        return data, {}
+    named = {str(k): models._get_node(k) for k in models.keys() if k not in DEFAULT_MODELS}
+    if not named:
+        return data, {}
+    data = data.copy()
+    with open_dict(data):
+        for name in named:
+            del data.models[name]
+    return data, named
+
+
+def _add_user_models(cfg: DictConfig, sources: list[tuple[dict, str]]) -> None:
+    """Each model of the user's naming into ``cfg.models``: the section of its kind (``kind`` says which; a
+    later source's wins) with what each source sets merged in, in the order the sources first name them."""
+    names = list(dict.fromkeys(name for named, _ in sources for name in named))
+    for name in names:
+        key = f"models.{name}"
+        given = [(named[name], source) for named, source in sources if name in named]
+        for section, source in given:
+            if not isinstance(section, DictConfig):
+                raise ConfigError(f"is {section._value()!r} in {source}; a model is a section of keys, with its "
+                                  "kind (e.g. kind: reward_model, load: path/to/model).", key=key)
+        kinds = [str(s.kind) for s, _ in given if "kind" in s]
+        if not kinds:
+            guess = difflib.get_close_matches(name, list(DEFAULT_MODELS), n=1, cutoff=0.6)
+            hint = f" Did you mean models.{guess[0]}?" if guess else ""
+            named_kinds = ", ".join(k.name for k in KINDS.values() if k.schema is not None)
+            raise ConfigError(f"is not one of the run's models ({', '.join(DEFAULT_MODELS)}) and says no kind.{hint} "
+                              f"To add a model of your own naming, give it a kind: {key}.kind=<{named_kinds}> "
+                              "(docs/config.md, \"Models and their kinds\").", key=f"{key}.kind")
+        kind = kind_named(kinds[-1], f"{key}.kind")
+        if kind.schema is None:
+            raise ConfigError(f"makes a second model of kind {kind.name}, but a run has one {kind.label}: "
+                              f"models.{kind.default_model}. Configure that one, or remove {key}.", key=f"{key}.kind")
+        tree = OmegaConf.create({"models": {name: OmegaConf.structured(kind.schema)}})
+        for section, source in given:
+            tree = _merge(tree, OmegaConf.create({"models": {name: section}}), source)
+        with open_dict(cfg.models):
+            cfg.models[name] = tree.models[name]
 
 
 def _unknown_key(err: ConfigKeyError, cfg: DictConfig, source: str) -> ConfigError:
@@ -209,6 +260,8 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     _check_finite(OmegaConf.to_container(cfg, resolve=True), "")  # first: later checks compare numbers
     _check_backends(cfg.runtime_args)
     _check_runtime(cfg.runtime_args)
+    check_kinds(cfg)
+    resolve_algorithm(cfg, user_keys)
     _check_model_sections(cfg)
     _check_seeds(cfg)
     _check_policy(cfg)
@@ -264,14 +317,16 @@ def _check_runtime(rt: DictConfig) -> None:
 
 
 def _trainer_models(cfg: DictConfig) -> tuple[str, ...]:
-    """The models on the training backend that this config uses (the critic only with PPO)."""
-    return ("policy_trainer", "ref_policy") + (("critic",) if uses_critic(cfg) else ())
+    """The models on the training backend that this config uses (their kind's backend; the critic only with an
+    algorithm that needs one)."""
+    return tuple(name for name, kind in model_kinds(cfg).items()
+                 if kind.backend == "train" and (kind.name != "critic" or uses_critic(cfg)))
 
 
 def _check_model_sections(cfg: DictConfig) -> None:
     """What every device model (policy, policy_trainer, ref_policy, critic) needs: devices and a model to load."""
     m = cfg.models
-    for name in ("policy",) + _trainer_models(cfg):
+    for name in (*models_of(cfg, ROLLOUT), *_trainer_models(cfg)):
         mc = m[name]
         if mc.num_gpu < 1:
             raise ConfigError("must be at least 1 (a logical device on a machine without a GPU).",
@@ -464,8 +519,8 @@ def _check_paths(cfg: DictConfig) -> None:
     # the trainer first: the other models' load follows it by default. A Hub id is resolved once, here in
     # the driver: load becomes the local snapshot folder (what every worker reads), hub_id records the id
     resolved: dict = {}
-    rm = ("reward",) if cfg.models.reward.load is not None else ()
-    for name in (*_trainer_models(cfg), "policy", *rm):
+    rm = models_of(cfg, REWARD_MODEL)
+    for name in (*_trainer_models(cfg), "policy", *(section(n) for n in rm)):
         mc, key = cfg.models[name], f"models.{name}.load"
         if mc.load not in resolved:
             resolved[mc.load] = resolve_model(mc.load, key)
@@ -474,8 +529,8 @@ def _check_paths(cfg: DictConfig) -> None:
             mc.load, mc.hub_id = found.path, found.pinned
         check_model_folder(mc.load, key)
     _check_context_length(cfg)
-    if rm:
-        check_reward_model_folder(cfg, policy_sequence_length(cfg.models.policy))
+    for name in rm:
+        check_reward_model_folder(cfg, name, policy_sequence_length(cfg.models.policy))
     check_output_folder(rt.output_dir, "runtime_args.output_dir")
     la = rt.log_args_dict
     check_output_folder(la.log_dir, "runtime_args.log_args_dict.log_dir")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from chatlearn.config.algorithms import declared
 from chatlearn.errors import ConfigError
 
 KEY = "models.policy_trainer.lora"
@@ -56,11 +57,13 @@ def check_lora(cfg) -> None:
                           "models.policy_trainer.lora.rank=0.", key="runtime_args.train_backend")
     check_lora_rollout(rt.rollout_backend)
     _check_push(cfg)
-    if cfg.models.policy_trainer.advantage_estimator == "gae":
-        raise ConfigError("LoRA (models.policy_trainer.lora.rank > 0) does not train the PPO critic: "
-                          "advantage_estimator gae (models.critic) with adapters is not supported. Use a "
-                          "group-relative estimator (e.g. grpo), or models.policy_trainer.lora.rank=0.",
-                          key="models.policy_trainer.advantage_estimator")
+    t = cfg.models.policy_trainer
+    if declared(t.algorithm, t.advantage_estimator).needs:
+        needs = ", ".join(declared(t.algorithm, t.advantage_estimator).needs)
+        raise ConfigError(f"LoRA (models.policy_trainer.lora.rank > 0) trains the policy alone, but algorithm "
+                          f"{t.algorithm!r} also needs {needs} (models.critic), which adapters do not cover. Use a "
+                          "group-relative algorithm (algorithm: grpo), or models.policy_trainer.lora.rank=0.",
+                          key="models.policy_trainer.algorithm")
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("LoRA needs peft, which is not installed in this Python environment. Install it with "
                           "pip install -e '.[lora]' (on a machine without a GPU add -c "

@@ -1,6 +1,7 @@
 """The run's vocabulary, named once: the parts a model can hold on its devices and the stages of an
 episode. The scheduler, the backends, the timeline, metrics, progress, plots and docs read these
-enums; nothing else spells the names out.
+enums; nothing else spells the names out. Which parts a model holds and which stage it runs is its
+kind's (chatlearn/config/kinds.py).
 
 Both are ``str`` enums: a member equals its value (``Part.WEIGHTS == "weights"``), formats as its
 value and is written to JSON as its value, so timeline files, metric names and backend calls keep
@@ -56,12 +57,3 @@ STAGE_LABELS = {Stage.GENERATE: "generate", Stage.REWARD: "reward", Stage.REWARD
                 Stage.REF_LOGPROBS: "ref log-probs", Stage.OLD_LOGPROBS: "old log-probs", Stage.VALUES: "values",
                 Stage.TRAIN: "train", Stage.CHECKPOINT: "checkpoint",
                 Stage.WEIGHT_PUSH: "weight push", Stage.EVAL: "eval"}
-
-# The parts each placed model holds (the reward workers hold none: they run on CPUs).
-MODEL_PARTS: dict[str, tuple[Part, ...]] = {
-    "policy": (Part.WEIGHTS, Part.KV_CACHE),
-    "policy_trainer": (Part.WEIGHTS, Part.OPTIMIZER, Part.GRADS),
-    "ref_policy": (Part.WEIGHTS,),
-    "critic": (Part.WEIGHTS, Part.OPTIMIZER, Part.GRADS),
-    "reward_model": (Part.WEIGHTS,),
-}

@@ -5,24 +5,15 @@ Batch sizes are named for what they count: *prompts* or *samples* (a prompt time
 """
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
+from chatlearn.config.algorithms import declared
+from chatlearn.config.kinds import CRITIC, REFERENCE, REWARD, REWARD_MODEL, ROLLOUT, Kind, model_kinds, section
 from chatlearn.errors import ConfigError
-
-GPU_MODELS = ("policy", "policy_trainer", "ref_policy", "critic", "reward_model")
-# the models on the training backend (FSDP2 or Megatron)
-TRAINER_MODELS = ("policy_trainer", "ref_policy", "critic")
-# the config section of each placed model: the reward model is models.reward's (load, num_gpu, ...), and
-# runtime_args.colocation names it reward
-SECTIONS = {"reward_model": "reward"}
-
-
-def section(name: str) -> str:
-    """The ``models.<section>`` of placed model ``name``."""
-    return SECTIONS.get(name, name)
 
 
 @dataclass
@@ -96,10 +87,28 @@ class Plan:
     # runtime_args.single_process: the models run in the driver's process, the reward workers in
     # processes of their own; no Ray
     single_process: bool = False
-    # models.critic exists only for advantage_estimator: gae (PPO)
-    uses_critic: bool = False
-    # models.reward.load: a reward model scores the samples on devices (placement reward_model)
-    uses_reward_model: bool = False
+    # the kind of each placed model (chatlearn/config/kinds.py), in the order the config declares them
+    kinds: dict[str, Kind] = field(default_factory=dict)
+    # models.policy_trainer.algorithm, resolved (chatlearn/config/algorithms.py)
+    algorithm: str = "grpo"
+
+    def kind(self, name: str) -> Kind:
+        """The kind of placed model ``name``."""
+        return self.kinds[name]
+
+    def of_kind(self, kind: Kind) -> list[str]:
+        """The placed models of ``kind``, in config order."""
+        return [name for name, k in self.kinds.items() if k is kind]
+
+    @property
+    def uses_critic(self) -> bool:
+        return bool(self.of_kind(CRITIC))
+
+    @property
+    def reward_models(self) -> list[str]:
+        """The reward models that score every sample (``models.reward.load``'s reward_model, those of kind
+        reward_model the user named), in config order."""
+        return self.of_kind(REWARD_MODEL)
 
     def replayed_episodes(self, episode: int) -> int:
         """Earlier episodes whose samples episode ``episode`` (1-based) trains on besides its own."""
@@ -155,8 +164,9 @@ class Plan:
                          "adapters disabled)")
         elif not self.uses_ref:
             lines.append("  ref_policy: not started (models.policy_trainer.kl_coef is 0: no KL term needs it)")
-        if self.uses_reward_model:
-            lines.append("  reward_model: scores every sample (models.reward.load), beside the reward functions")
+        for name in self.reward_models:
+            lines.append(f"  {name}: {REWARD_MODEL.label}, scores every sample (models.{section(name)}), its score "
+                         "weighted and added to the reward functions'")
         if self.single_process:
             lines.append("processes: the models in this (the driver's) process, the reward workers in processes "
                          "of their own; no Ray (runtime_args.single_process)")
@@ -249,23 +259,12 @@ def make_plan(cfg: DictConfig) -> Plan:
         raise ConfigError(f"sample_per_episode ({spe}) must be divisible by train_global_batch_size ({gbs}): "
                           "an episode's samples are split into whole optimizer steps.",
                           key="runtime_args.sample_per_episode")
-    uses_critic = t.advantage_estimator == "gae"
-    for name in TRAINER_MODELS:  # all run on the training backend
-        if name == "critic" and not uses_critic:
-            continue
-        mc = m[name]
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            if mc[key] < 1:
-                raise ConfigError(f"must be a positive integer, got {mc[key]}.", key=f"models.{name}.{key}")
-        model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
-        if mc.num_gpu < model_parallel or mc.num_gpu % model_parallel:
-            raise ConfigError(f"num_gpu ({mc.num_gpu}) must be divisible by tensor_model_parallel_size x "
-                              f"pipeline_model_parallel_size ({mc.tensor_model_parallel_size} x "
-                              f"{mc.pipeline_model_parallel_size}).", key=f"models.{name}.num_gpu")
-        if rt.train_backend == "fsdp" and model_parallel != 1:
-            raise ConfigError("the FSDP backend shards data-parallel only: set tensor_model_parallel_size and "
-                              "pipeline_model_parallel_size to 1, or use train_backend: megatron.",
-                              key=f"models.{name}.tensor_model_parallel_size")
+    algorithm = declared(t.algorithm, t.advantage_estimator)
+    uses_critic = CRITIC.name in algorithm.needs
+    declared_models = model_kinds(cfg)
+    for name, kind in declared_models.items():  # the models on the training backend
+        if kind.backend == "train" and not (kind is CRITIC and not uses_critic):
+            _check_model_parallel(m[name], name, rt.train_backend)
     dp = t.num_gpu // (t.tensor_model_parallel_size * t.pipeline_model_parallel_size)
     if gbs % dp:
         raise ConfigError(f"train_global_batch_size ({gbs}) must be divisible by the trainer's data-parallel size "
@@ -292,17 +291,19 @@ def make_plan(cfg: DictConfig) -> Plan:
     if uses_critic:
         _check_critic_sizes(cfg, spe, gbs)
     uses_ref, ref_from_trainer = _reference(t)
-    uses_rm = m.reward.load is not None
-    groups, sizes = _device_groups(cfg, uses_ref, uses_critic, uses_rm)
+    used = {name: kind for name, kind in declared_models.items()
+            if not (kind is REFERENCE and not uses_ref or kind is CRITIC and not uses_critic)}
+    groups, sizes = _device_groups(cfg, used)
     placements: dict[str, ModelPlacement] = {}
     for g, models in enumerate(groups):
         for name in models:
             if name == "reward" and m.reward.num_gpu == 0:
                 continue
             num = m[section(name)].num_gpu
-            placements[name] = (rollout_placement(pol, g) if name == "policy"
+            placements[name] = (rollout_placement(pol, g) if used[name] is ROLLOUT
                                  else ModelPlacement(name, num, g, list(range(num))))
     placements.setdefault("reward", reward_cpu_placement(m.reward))
+    placements = {name: placements[name] for name in used if name in placements}  # in config order
     fused = _fused_rollout(cfg, groups, replicas)
     return Plan(group_size=n, prompts_per_episode=spe // n, samples_per_episode=spe, trainer_dp=dp,
                 samples_per_step=gbs, samples_per_rank_per_step=per_rank, micro_batches_per_step=per_rank // micro,
@@ -313,8 +314,24 @@ def make_plan(cfg: DictConfig) -> Plan:
                 old_from_rollout=t.old_logprobs == "rollout",
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
                 max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol),
-                fused_rollout=fused, uses_critic=uses_critic, uses_reward_model=uses_rm,
+                fused_rollout=fused, kinds={name: used[name] for name in placements}, algorithm=algorithm.name,
                 ref_from_trainer=ref_from_trainer, single_process=_single_process(cfg, placements, fused))
+
+
+def _check_model_parallel(mc, name: str, backend: str) -> None:
+    """A model on the training backend: its tensor x pipeline parallel size divides its devices (1 on FSDP)."""
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if mc[key] < 1:
+            raise ConfigError(f"must be a positive integer, got {mc[key]}.", key=f"models.{name}.{key}")
+    model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
+    if mc.num_gpu < model_parallel or mc.num_gpu % model_parallel:
+        raise ConfigError(f"num_gpu ({mc.num_gpu}) must be divisible by tensor_model_parallel_size x "
+                          f"pipeline_model_parallel_size ({mc.tensor_model_parallel_size} x "
+                          f"{mc.pipeline_model_parallel_size}).", key=f"models.{name}.num_gpu")
+    if backend == "fsdp" and model_parallel != 1:
+        raise ConfigError("the FSDP backend shards data-parallel only: set tensor_model_parallel_size and "
+                          "pipeline_model_parallel_size to 1, or use train_backend: megatron.",
+                          key=f"models.{name}.tensor_model_parallel_size")
 
 
 def _reference(t) -> tuple[bool, bool]:
@@ -362,7 +379,8 @@ def make_eval_plan(cfg: DictConfig, num_prompts: int, samples_per_prompt: int) -
                 samples_per_episode=num_prompts * samples_per_prompt, trainer_dp=1, samples_per_step=1,
                 samples_per_rank_per_step=1, micro_batches_per_step=1, steps_per_episode=0,
                 rollout_replicas=rollout.num_actors, device_groups=[["policy"]], devices_per_group=[pol.num_gpu],
-                placements=placements, single_process=_single_process(cfg, placements, False))
+                placements=placements, kinds={"policy": ROLLOUT, "reward": REWARD},
+                single_process=_single_process(cfg, placements, False))
 
 
 def _single_process(cfg, placements: dict, fused: bool) -> bool:
@@ -525,41 +543,40 @@ def _check_rollout_parallel(pol, backend: str) -> None:
                           f"rollout replica is one engine on {tp} devices.", key="models.policy.num_gpu")
 
 
-def _device_groups(cfg: DictConfig, uses_ref: bool, uses_critic: bool = False,
-                   uses_rm: bool = False) -> tuple[list[list[str]], list[int]]:
-    """Colocated models form one group; every other device model gets its own group (an unused
-    ref_policy, critic or reward model gets none). With a reward model (``models.reward.load``) the name
-    ``reward`` in the colocation list is the reward model (placed as ``reward_model``); the reward functions'
-    workers then run on CPUs."""
+def _device_groups(cfg: DictConfig, used: dict[str, Kind]) -> tuple[list[list[str]], list[int]]:
+    """Colocated models form one group; every other model on devices (a kind with parts) gets its own
+    group; ``used``: the models the run uses (an unused ref_policy or critic gets none). With a reward
+    model from ``models.reward.load`` the name ``reward`` in the colocation list is that reward model
+    (placed as ``reward_model``); the reward functions' workers then run on CPUs."""
     m = cfg.models
     coloc = list(cfg.runtime_args.colocation)
     key = "runtime_args.colocation"
+    known = model_kinds(cfg)
     for name in coloc:
-        if name not in m:
-            raise ConfigError(f"{name!r} is not a model name; use some of {', '.join(m.keys())}.", key=key)
+        if name not in known:
+            guess = difflib.get_close_matches(str(name), list(known), n=1)
+            hint = f" Did you mean {guess[0]!r}?" if guess else ""
+            raise ConfigError(f"{name!r} is not a model of this config ({', '.join(known)}).{hint} Name the models "
+                              "that share devices, or add the model (models.<name> with its kind).", key=key)
     if len(set(coloc)) != len(coloc):
         raise ConfigError("names a model twice.", key=key)
-    if "critic" in coloc and not uses_critic:
-        raise ConfigError("names critic, but no critic runs: models.policy_trainer.advantage_estimator is "
-                          f"{m.policy_trainer.advantage_estimator!r} (only gae, PPO, uses a critic). Remove critic "
-                          "from the list, or set advantage_estimator: gae.", key=key)
+    if "critic" in coloc and "critic" not in used:
+        raise ConfigError("names critic, but no critic runs: models.policy_trainer.algorithm is "
+                          f"{m.policy_trainer.algorithm!r} (only ppo uses a critic). Remove critic "
+                          "from the list, or set algorithm: ppo.", key=key)
     groups, sizes = [], []
-    if not uses_ref:
-        coloc = [x for x in coloc if x != "ref_policy"]
-    if uses_rm:
+    coloc = [x for x in coloc if x in used]  # an unused ref_policy takes no turns
+    if "reward_model" in used:
         coloc = ["reward_model" if x == "reward" else x for x in coloc]
     members = [x for x in coloc if not (x == "reward" and m.reward.num_gpu == 0)]
     if members:
         groups.append(coloc)
         sizes.append(max(m[section(x)].num_gpu for x in members))
-    used = {"ref_policy": uses_ref, "critic": uses_critic, "reward_model": uses_rm}
-    for name in GPU_MODELS:
-        if not used.get(name, True):
-            continue
-        if name not in coloc:
+    for name, kind in used.items():
+        if kind.on_devices and name not in coloc:
             groups.append([name])
             sizes.append(m[section(name)].num_gpu)
-    if not uses_rm and m.reward.num_gpu > 0 and "reward" not in coloc:
+    if "reward_model" not in used and m.reward.num_gpu > 0 and "reward" not in coloc:
         groups.append(["reward"])
         sizes.append(m.reward.num_gpu)
     return groups, sizes

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+from chatlearn.config.algorithms import declared
 from chatlearn.config.checks import choice as _choice
 from chatlearn.config.checks import positive as _positive
+from chatlearn.config.kinds import REWARD_MODEL, models_of, reward_model_settings, section
 from chatlearn.config.schema import Critic, PolicyTrainer, Reward
 from chatlearn.errors import ConfigError
 
@@ -20,7 +22,9 @@ NORMALIZATIONS = ("none", "batch")
 
 
 def uses_critic(cfg) -> bool:
-    return cfg.models.policy_trainer.advantage_estimator == "gae"
+    """Whether the run's algorithm trains a critic (its declaration needs one: PPO)."""
+    t = cfg.models.policy_trainer
+    return "critic" in declared(t.algorithm, t.advantage_estimator).needs
 
 
 def check_ppo(cfg, user_keys: frozenset = frozenset()) -> None:
@@ -32,14 +36,15 @@ def check_ppo(cfg, user_keys: frozenset = frozenset()) -> None:
         set_critic = [k for k in set_critic if not any(o.startswith(k + ".") for o in set_critic)]  # the leaves
         if set_critic:
             raise ConfigError(
-                f"sets the critic ({', '.join(set_critic[:3])}), but models.policy_trainer.advantage_estimator is "
-                f"{t.advantage_estimator!r}, which uses no critic (group-relative advantages). Set "
-                "advantage_estimator: gae (PPO with the critic), or remove the models.critic section.",
+                f"sets the critic ({', '.join(set_critic[:3])}), but the algorithm is {t.algorithm!r} "
+                f"(models.policy_trainer.algorithm; advantage_estimator {t.advantage_estimator!r}), which uses no "
+                "critic. Set algorithm: ppo (PPO with the critic, advantage_estimator gae), or remove the "
+                "models.critic section.",
                 key=set_critic[0])
         for key in PPO_KEYS:
             if t[key] != getattr(PolicyTrainer, key):
-                raise ConfigError(f"is read only by advantage_estimator: gae (PPO), but advantage_estimator is "
-                                  f"{t.advantage_estimator!r}. Remove it, or set advantage_estimator: gae.",
+                raise ConfigError(f"is read only by PPO (algorithm: ppo, advantage_estimator: gae), but the algorithm "
+                                  f"is {t.algorithm!r}. Remove it, or set algorithm: ppo.",
                                   key=f"{PT}.{key}")
         return
     for key in ("gamma", "lam"):
@@ -77,7 +82,8 @@ def check_ppo(cfg, user_keys: frozenset = frozenset()) -> None:
 
 
 def check_reward_model_keys(cfg) -> None:
-    """The reward model's keys, without reading its folder (see :func:`check_reward_model_folder`)."""
+    """The reward models' keys (``models.reward.load``'s and those of kind reward_model), without reading
+    their folders (see :func:`check_reward_model_folder`)."""
     r, rt = cfg.models.reward, cfg.runtime_args
     if r.load is None:
         for key in REWARD_MODEL_KEYS:
@@ -85,31 +91,36 @@ def check_reward_model_keys(cfg) -> None:
                 raise ConfigError("is read only with a reward model (models.reward.load). Remove it, or set "
                                   "models.reward.load to a sequence-classification model folder.",
                                   key=f"models.reward.{key}")
-        return
-    if r.num_gpu < 1:
-        raise ConfigError("is 0, but models.reward.load runs a reward model, which needs devices: set it, e.g. "
-                          "models.reward.num_gpu=${models.policy_trainer.num_gpu} and name reward in "
-                          "runtime_args.colocation to let it take turns with the other models.",
-                          key="models.reward.num_gpu")
-    if r.gpu_per_process not in (None, 1):
-        raise ConfigError("must be 1: each Ray actor of the reward model drives one device.",
-                          key="models.reward.gpu_per_process")
-    _choice(r.model_normalize, NORMALIZATIONS, "models.reward.model_normalize")
-    _positive(r.model_micro_batch_size, "models.reward.model_micro_batch_size")
-    if rt.dynamic_sampling or rt.max_staleness > 0:
+    names = models_of(cfg, REWARD_MODEL)
+    for name in names:
+        s = reward_model_settings(cfg, name)
+        if s.num_gpu < 1:
+            colocation = "reward" if name == REWARD_MODEL.default_model else name
+            raise ConfigError(f"is 0, but {s.key} runs a reward model, which needs devices: set it, e.g. "
+                              f"{s.key}.num_gpu=${{models.policy_trainer.num_gpu}} and name {colocation} in "
+                              "runtime_args.colocation to let it take turns with the other models.",
+                              key=f"{s.key}.num_gpu")
+        if cfg.models[section(name)].gpu_per_process not in (None, 1):
+            raise ConfigError("must be 1: each Ray actor of the reward model drives one device.",
+                              key=f"{s.key}.gpu_per_process")
+        spelled = "model_" if name == REWARD_MODEL.default_model else ""
+        _choice(s.normalize, NORMALIZATIONS, f"{s.key}.{spelled}normalize")
+        _positive(s.micro_batch_size, f"{s.key}.{spelled}micro_batch_size")
+    if names and (rt.dynamic_sampling or rt.max_staleness > 0):
         key = "runtime_args.dynamic_sampling" if rt.dynamic_sampling else "runtime_args.max_staleness"
-        raise ConfigError("cannot be combined with a reward model (models.reward.load) in this build: the reward "
+        raise ConfigError(f"cannot be combined with a reward model ({', '.join(names)}) in this build: a reward "
                           "model scores an episode's samples as a stage of the episode, not on the rollout thread "
                           "or between sampling rounds. Turn it off, or score with reward functions only.", key=key)
 
 
-def check_reward_model_folder(cfg, longest: int) -> None:
-    """``models.reward.load`` (a resolved local folder) holds a sequence-classification model with one score, a
-    context of at least ``longest`` tokens (prompt + response, the policy's), and a tokenizer that renders a
-    conversation."""
+def check_reward_model_folder(cfg, name: str, longest: int) -> None:
+    """Reward model ``name``'s ``load`` (a resolved local folder) holds a sequence-classification model with one
+    score, a context of at least ``longest`` tokens (prompt + response, the policy's), and a tokenizer that
+    renders a conversation."""
     from chatlearn.config.load import model_context_length  # noqa: PLC0415  (load imports this module)
 
-    r, key = cfg.models.reward, "models.reward.load"
+    r = reward_model_settings(cfg, name)
+    key = f"{r.key}.load"
     with open(os.path.join(r.load, "config.json"), encoding="utf-8") as f:
         conf = json.load(f)
     archs = conf.get("architectures") or []

@@ -11,6 +11,7 @@ then follows the key it names unless the user sets it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -19,7 +20,6 @@ from omegaconf import MISSING
 
 from chatlearn.config import registry
 
-MODEL_NAMES = ("policy", "policy_trainer", "ref_policy", "critic", "reward")
 TRAIN_BACKENDS = registry.TRAIN_BACKENDS.names  # declared in chatlearn.config.registry
 ROLLOUT_BACKENDS = registry.ROLLOUT_BACKENDS.names
 
@@ -143,6 +143,9 @@ class FreeGpuMemory:
 
 @dataclass
 class ModelBase:
+    # the kind of model (chatlearn/config/kinds.py): fixed for today's names (policy: rollout, policy_trainer:
+    # trainer, ref_policy: reference, critic: critic, reward: reward); a model of the user's naming sets it
+    kind: str = MISSING
     num_gpu: int = 0
     num_cpu: int = 0
     gpu_per_process: Optional[int] = None
@@ -257,6 +260,10 @@ class Lora:
 
 @dataclass
 class PolicyTrainer(TrainerModel):
+    kind: str = "trainer"
+    # the algorithm (chatlearn/config/algorithms.py): grpo | ppo | one a plugin registers; null: inferred from
+    # advantage_estimator (gae: ppo, else grpo). Set without advantage_estimator, it trains with its own (ppo: gae)
+    algorithm: Optional[str] = None
     lora: Lora = field(default_factory=Lora)
     trainable: bool = True
     num_gpu: int = 1
@@ -286,6 +293,7 @@ class PolicyTrainer(TrainerModel):
 
 @dataclass
 class RefPolicy(TrainerModel):
+    kind: str = "reference"
     num_gpu: int = "${models.policy_trainer.num_gpu}"  # type: ignore[assignment]
     gpu_per_process: Optional[int] = 1
     load: Optional[str] = "${models.policy_trainer.load}"
@@ -336,6 +344,7 @@ class Critic(TrainerModel):
     does not set is the policy trainer's (optimizer, schedule, parallel sizes, precision, memory, devices);
     a key it sets wins."""
 
+    kind: str = "critic"
     trainable: bool = True
     num_gpu: int = _from_policy_trainer("num_gpu")  # type: ignore[assignment]
     gpu_per_process: Optional[int] = _from_policy_trainer("gpu_per_process")  # type: ignore[assignment]
@@ -405,6 +414,7 @@ class MultiTurn:
 class Policy(ModelBase):
     """The rollout engine (vLLM, SGLang or transformers)."""
 
+    kind: str = "rollout"
     num_gpu: int = "${models.policy_trainer.num_gpu}"  # type: ignore[assignment]
     gpu_per_process: Optional[int] = 1
     load: Optional[str] = "${models.policy_trainer.load}"
@@ -461,6 +471,7 @@ class RewardFunction:
 
 @dataclass
 class Reward(ModelBase):
+    kind: str = "reward"
     num_cpu: int = 2
     cpu_per_process: Optional[int] = 1
     generation_batch_size: int = 256
@@ -480,6 +491,28 @@ class Reward(ModelBase):
     model_weight: float = 1.0
     model_normalize: str = "none"  # none | batch (whitened over the episode's samples: zero mean, unit std)
     model_micro_batch_size: int = 16  # conversations per forward on one device
+    bf16: Optional[bool] = None  # null: bf16 on CUDA devices that support it, fp32 on CPU
+    free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
+
+
+@dataclass
+class RewardModel:
+    """A reward model of the user's naming (``models.<name>: {kind: reward_model, ...}``; any number of them):
+    a sequence-classification model that scores each prompt and response, rendered with its own tokenizer
+    and chat template, on devices of its own or of its colocation group (name it in
+    ``runtime_args.colocation`` to let it take turns); its score x ``weight`` is added to the reward.
+    ``models.reward.load`` is the same with ``model_*`` keys (the reward model ``reward_model``)."""
+
+    kind: str = "reward_model"
+    load: str = MISSING  # a sequence-classification model folder, or Hub model id
+    hub_id: Optional[str] = None  # written by chatlearn: the Hub id load was resolved from, pinned
+    trust_remote_code: bool = False
+    seed: int = "${runtime_args.seed}"  # type: ignore[assignment]
+    num_gpu: int = "${models.policy_trainer.num_gpu}"  # type: ignore[assignment]
+    gpu_per_process: Optional[int] = 1
+    weight: float = 1.0  # its score x weight is added to the reward functions' (and the other models')
+    normalize: str = "none"  # none | batch (whitened over the episode's samples: zero mean, unit std)
+    micro_batch_size: int = 16  # conversations per forward on one device
     bf16: Optional[bool] = None  # null: bf16 on CUDA devices that support it, fp32 on CPU
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
 
@@ -516,8 +549,9 @@ class Config:
 # A user who sets one to a value other than its default is warned at start (chatlearn run and
 # --dry-run). tests/config/test_compat_keys.py keeps this list honest: every key in it is read
 # nowhere in chatlearn/, and every other key is read somewhere.
-_TRAINERS = ("policy_trainer", "ref_policy", "critic")
-_ALL_MODELS = MODEL_NAMES
+# the sections of Models, and those of them on the training backend (a TrainerModel)
+_ALL_MODELS = tuple(f.name for f in dataclasses.fields(Models))
+_TRAINERS = tuple(f.name for f in dataclasses.fields(Models) if issubclass(f.default_factory, TrainerModel))
 COMPAT_ONLY_KEYS: Dict[str, str] = {
     "runtime_args.concurrent_setup": "models are set up one after another",
     "runtime_args.nsys": "GPU profiling switch; no profiler is attached",

@@ -54,8 +54,9 @@ PANELS = (
           ("train/critic/value_loss", "train/critic/value_error")),
     Panel("critic_fit", "Critic: explained variance of the returns, clipped values", "fraction",
           ("train/critic/explained_variance", "train/critic/value_clip_frac")),
-    Panel("reward_model", "Reward model scores (models.reward.load)", "score",
-          ("train/reward_model/score_mean", "eval/reward_model/score_mean")),
+    Panel("reward_model", "Reward model scores (each model of kind reward_model)", "score",
+          ("train/reward_model/score_mean", "eval/reward_model/score_mean", "train/reward_model/<model>/score_mean",
+           "eval/reward_model/<model>/score_mean")),
     Panel("throughput", "Throughput", "tokens / s", ("perf/generate_tokens_per_s", "perf/train_tokens_per_s")),
     Panel("memory", "Peak memory per model", "MiB", ("memory/<model>_peak_mb",)),
 )

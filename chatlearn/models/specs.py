@@ -23,12 +23,11 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from chatlearn.config.kinds import kind_of, reward_model_settings
 from chatlearn.config.plan import resolve_schedule
 from chatlearn.config.reward_entries import resolve_entries
 
 DTYPES = ("float32", "bfloat16", "float16")
-# the role of each trainer-backend model (TrainerSpec.role)
-ROLES = {"policy_trainer": "policy", "ref_policy": "reference", "critic": "critic"}
 
 
 class _Spec:
@@ -145,7 +144,7 @@ class TrainerSpec(_Spec):
                                          plan.total_steps)
         return cls(
             load=t.load, trust_remote_code=t.trust_remote_code, seed=t.seed, trainable=t.trainable,
-            role=ROLES[name], cliprange_value=cfg.models.critic.cliprange_value,
+            role=kind_of(cfg, name).role, cliprange_value=cfg.models.critic.cliprange_value,
             value_loss_coef=cfg.models.critic.value_loss_coef,
             lr=opt.lr, weight_decay=opt.weight_decay, clip_grad=opt.clip_grad, adam_beta1=opt.adam_beta1,
             adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, min_lr=opt.min_lr,
@@ -228,9 +227,9 @@ class RewardSpec(_Spec):
 
 @dataclass(frozen=True)
 class RewardModelSpec(_Spec):
-    """The reward model (``models.reward.load``): a sequence-classification model that scores each
-    conversation (the prompt's messages and the response), rendered with its own tokenizer and chat
-    template, on ``models.reward.num_gpu`` devices (FSDP2, inference only)."""
+    """A reward model (``models.reward.load``, or a model of kind reward_model): a sequence-classification
+    model that scores each conversation (the prompt's messages and the response), rendered with its own
+    tokenizer and chat template, on its ``num_gpu`` devices (FSDP2, inference only)."""
 
     load: str
     trust_remote_code: bool
@@ -241,13 +240,14 @@ class RewardModelSpec(_Spec):
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
-    def from_config(cls, cfg) -> "RewardModelSpec":
-        r = cfg.models.reward
+    def from_config(cls, cfg, name: str) -> "RewardModelSpec":
+        """The spec of reward model ``name`` (chatlearn.config.kinds.reward_model_settings)."""
+        r = reward_model_settings(cfg, name)
         from chatlearn.config.load import model_context_length  # noqa: PLC0415  (config imports this module)
 
         limit = model_context_length(r.load) or 1 << 30
         return cls(load=r.load, trust_remote_code=r.trust_remote_code, seed=r.seed,
-                   micro_batch_size=r.model_micro_batch_size, max_length=limit, bf16=r.bf16)
+                   micro_batch_size=r.micro_batch_size, max_length=limit, bf16=r.bf16)
 
 
 def checkpoint_dtype(model_dir: str) -> str:

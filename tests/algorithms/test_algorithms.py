@@ -481,12 +481,12 @@ def test_warmup_must_end_before_the_decay_and_the_trainer_gets_resolved_steps(pa
 
 
 def test_engine_sets_advantages_and_sample_weights_from_the_config():
-    """GRPO.advantages (the episode's advantage step) with a stand-in for the run's plan."""
+    """GRPO's advantages (the episode's advantage step) with a stand-in for the run's plan."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
 
-    from chatlearn.runtime.driver.algorithm import GRPO
+    from chatlearn.runtime.driver.algorithm import grpo
     from chatlearn.runtime.driver.sampling import Scored
 
     offsets, plen, _ = ragged(9, n=8)
@@ -500,7 +500,7 @@ def test_engine_sets_advantages_and_sample_weights_from_the_config():
                    kl_coef=0.2, kl_estimator="k1")
     cfg = OmegaConf.create({"models": {"policy_trainer": trainer, "reward": {"overlong_buffer_len": 0}}})
     plan = SimpleNamespace(group_size=4, old_from_rollout=False, rollout_correction="none", old_logprob_pass_from=0)
-    metrics = GRPO(cfg, plan, calls=None, steps=None).advantages(batch, Scored(rewards, {}, rewards))
+    metrics = grpo(cfg, plan, calls=None, steps=None).advantages(batch, Scored(rewards, {}, rewards))
     assert set(metrics) == {"train/kl_in_reward_penalty", "train/filtered_group_frac"}
     assert metrics["train/filtered_group_frac"] == 0.5
     np.testing.assert_array_equal(batch["sample_weights"], [0, 0, 0, 0, 1, 1, 1, 1])

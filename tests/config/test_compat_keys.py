@@ -82,7 +82,8 @@ def test_compat_keys_are_schema_keys_read_nowhere():
 # Config validation (chatlearn/config/, but for the plan, which lays the run out) checks values; a key read
 # only there is accepted and then ignored, unless validation leaves it one value the run already uses.
 VALIDATION = os.path.join(PACKAGE, "config")
-ACTING_IN_CONFIG = {os.path.join(VALIDATION, "plan.py")}
+# (kinds.py: what the driver and the reward models' workers read of a reward model, whichever section spells it)
+ACTING_IN_CONFIG = {os.path.join(VALIDATION, "plan.py"), os.path.join(VALIDATION, "kinds.py")}
 # keys read only in config validation, each with why that is the whole of its effect
 VALIDATION_ONLY = {
     "gpu_per_process": "validation refuses any value but null or 1, one device per process, which is what "

@@ -72,7 +72,7 @@ def test_megatron_and_the_critic_are_refused_every_rollout_engine_is_taken():
         cfg, _ = load_run(GRPO, [f"runtime_args.rollout_backend={backend}", ON])
         assert cfg.models.policy_trainer.lora.push == "adapters"
     err = _refused(HF, ON, "models.policy_trainer.advantage_estimator=gae")
-    assert err.key == "models.policy_trainer.advantage_estimator" and "critic" in str(err)
+    assert err.key == "models.policy_trainer.algorithm" and "critic" in str(err)
 
 
 def test_push_mode_and_the_base_the_rollout_starts_from(tmp_path):
@@ -139,7 +139,7 @@ def test_the_reference_pass_calls_the_trainer_with_adapters_disabled(monkeypatch
     for overrides, expected in (([ON], ("policy_trainer", "ref_logprobs")), ([], ("ref_policy", "compute_logprobs"))):
         cfg, plan = load_run(GRPO, [HF, "models.policy_trainer.kl_coef=0.1", *overrides])
         calls.clear()
-        grpo = algorithm.GRPO(cfg, plan, algorithm.ModelCalls(Sched(), 1.0), steps=None)
+        grpo = algorithm.grpo(cfg, plan, algorithm.ModelCalls(Sched(), 1.0), steps=None)
         ref = grpo.passes()[0]
         assert (ref.stage, ref.model, ref.column) == (Stage.REF_LOGPROBS, expected[0], "ref_logprobs")
         ref.compute(batch)

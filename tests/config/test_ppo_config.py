@@ -70,7 +70,7 @@ def test_five_models_on_one_device_group(paths_overrides, reward_model_dir):
     assert plan.devices_per_group == [1]
     assert {n: p.device_group for n, p in plan.placements.items()} == {
         "policy": 0, "policy_trainer": 0, "critic": 0, "ref_policy": 0, "reward_model": 0, "reward": -1}
-    assert plan.uses_reward_model
+    assert plan.reward_models == ["reward_model"] and plan.kind("reward_model").name == "reward_model"
     assert sorted(plan.colocated_with("reward_model")) == ["critic", "policy", "policy_trainer", "ref_policy"]
     assert any("reward_model" in line for line in plan.describe())
 
@@ -83,7 +83,7 @@ def test_reward_model_on_devices_of_its_own(paths_overrides, reward_model_dir):
 
 @pytest.mark.parametrize("overrides, key, words", [
     (["models.policy_trainer.advantage_estimator=grpo"],
-     "models.critic.cliprange_value", "advantage_estimator: gae"),  # the template's critic section
+     "models.critic.cliprange_value", "algorithm: ppo"),  # the template's critic section
     (["models.critic.kl_coef=0.1"], "models.critic.kl_coef", "policy's loss"),
     (["models.critic.cliprange_value=0"], "models.critic.cliprange_value", "> 0"),
     (["models.critic.warmup_episodes=100"], "models.critic.warmup_episodes", "num_episode"),
@@ -100,7 +100,7 @@ def test_ppo_refusals(paths_overrides, overrides, key, words):
 def test_grpo_refuses_critic_and_gae_keys(paths_overrides):
     with pytest.raises(ConfigError) as err:
         load_run(GRPO, paths_overrides + ["runtime_args.colocation=[policy,policy_trainer,critic]"])
-    assert err.value.key == "runtime_args.colocation" and "advantage_estimator: gae" in str(err.value)
+    assert err.value.key == "runtime_args.colocation" and "algorithm: ppo" in str(err.value)
     with pytest.raises(ConfigError) as err:
         load_run(GRPO, paths_overrides + ["models.policy_trainer.gamma=0.9"])
     assert err.value.key == "models.policy_trainer.gamma"

@@ -258,25 +258,26 @@ class Cluster:
         cfg, plan = self.cfg, self.plan
         pl = plan.placements[name]
         threads = max(1, (os.cpu_count() or 1) // max(1, plan.total_devices))
-        if name == "reward":
+        kind = plan.kind(name)
+        if kind.backend == "reward":
             per = cfg.models.reward.cpu_per_process or 1
             return BACKENDS["reward"], RewardSpec.from_config(cfg), dict(
                 num_actors=pl.num_actors, pg=None, bundles=[], gpu_fraction=0, cpus=per, threads=per,
-                env=worker_env("reward", "reward", per), place="process" if self.local else "ray")
+                env=worker_env(kind.worker, "reward", per), place="process" if self.local else "ray")
         sharing = len([x for x in plan.device_groups[pl.device_group] if x in plan.placements
                        and plan.placements[x].device_group == pl.device_group])
         frac = round(1.0 / sharing - 0.005, 2) if sharing > 1 else 1.0
         bundles = [self.device_offset(pl.device_group) + d for d in pl.devices]
-        if name == "policy":
+        if kind.backend == "rollout":
             backend = cfg.runtime_args.rollout_backend
-            spec, env = RolloutSpec.from_config(cfg), worker_env("rollout", backend, threads)
-        elif name == "reward_model":  # FSDP2 inference, whatever the training backend
+            spec, env = RolloutSpec.from_config(cfg), worker_env(kind.worker, backend, threads)
+        elif kind.backend == "reward_model":  # FSDP2 inference, whatever the training backend
             backend = "reward_model"
-            spec, env = RewardModelSpec.from_config(cfg), worker_env("trainer", "fsdp", threads)
+            spec, env = RewardModelSpec.from_config(cfg, name), worker_env(kind.worker, "fsdp", threads)
         else:
             backend = cfg.runtime_args.train_backend
             spec = TrainerSpec.from_config(cfg, name, plan)
-            env = worker_env("trainer", backend, threads, cfg.models[name].use_expandable_segments)
+            env = worker_env(kind.worker, backend, threads, cfg.models[name].use_expandable_segments)
         return BACKENDS[backend], spec, dict(num_actors=pl.num_actors, pg=self.pg, bundles=bundles,
                                             gpu_fraction=frac, cpus=0, threads=threads, env=env,
                                             devices_per_actor=pl.devices_per_actor,
@@ -301,7 +302,7 @@ class Cluster:
         if name == "policy" and self.plan.fused_rollout:
             return self._create_fused_rollout()
         (factory, spec, kwargs), actors = self._started.pop(name, None) or (self._group_args(name), None)
-        group = create_group(name, factory, spec, distributed=name not in ("policy", "reward"),
+        group = create_group(name, factory, spec, distributed=self.plan.kind(name).distributed,
                              actors=actors, **kwargs)
         self.groups[name], self.specs[name] = group, spec
         if self.local:

@@ -27,9 +27,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from chatlearn.config.deadlines import CAP_FACTOR, collective_timeout_s, deadline_s, silent_after
+from chatlearn.config.kinds import DEFAULT_MODELS
 from chatlearn.logging.console import warn
 from chatlearn.runtime.cluster.group import _ACTORS, _ROLES, role_of
 from chatlearn.runtime.cluster.local import LocalActor, kill
@@ -38,7 +39,8 @@ HEARTBEAT_S = 2.0
 TICK_S = 1.0
 GRACE_S = 60.0  # after a stall, the driver's own wait for the run to end before it is interrupted
 NAMESPACE = "chatlearn_heartbeat"
-UNWATCHED = ("reward",)  # models whose calls have their own limit
+# models whose calls have their own limit (their kind's own_deadline: the reward workers, models.reward.timeout_s)
+UNWATCHED = tuple(name for name, kind in DEFAULT_MODELS.items() if kind.own_deadline)
 
 _STATE: dict = {"stall": None, "failed_in": None, "collective_s": None}
 
@@ -137,10 +139,12 @@ class Watchdog:
     run's workers (by default those started from now on); ``read``: their heartbeats; ``clock``:
     seconds; ``thread``: False in tests, which call :meth:`check` themselves."""
 
-    def __init__(self, stage_timeout_s: float, *, actors: Callable[[], dict] | None = None,
+    def __init__(self, stage_timeout_s: float, *, unwatched: Iterable[str] = UNWATCHED,
+                 actors: Callable[[], dict] | None = None,
                  read: Callable[[list[str]], dict] = read_heartbeats, clock: Callable[[], float] = time.monotonic,
                  thread: bool = True):
         self.floor = float(stage_timeout_s)
+        self.unwatched = tuple(unwatched)  # models whose calls have a limit of their own
         before = set(_ACTORS)
         self.actors = actors or (lambda: {a: h for a, h in list(_ACTORS.items()) if a not in before})
         self.read, self.clock = read, clock
@@ -158,7 +162,7 @@ class Watchdog:
     def watch(self, model: str, stage: str, *, call: bool = False, build: bool = False):
         """The block is ``stage`` of ``model`` (``call``: a worker call outside any stage, named by its
         method; ``build``: the model's start-up). Nested blocks on one thread are the outer one's."""
-        if self.floor <= 0 or model in UNWATCHED or getattr(self._local, "busy", False):
+        if self.floor <= 0 or model in self.unwatched or getattr(self._local, "busy", False):
             yield
             return
         key = (model, stage, call)
@@ -190,7 +194,7 @@ class Watchdog:
         if not overdue:
             self.heard.clear()
             return None
-        watched = [a for a in self.actors() if a not in _ROLES or _ROLES[a][0] not in UNWATCHED]
+        watched = [a for a in self.actors() if a not in _ROLES or _ROLES[a][0] not in self.unwatched]
         try:
             beats = self.read(watched)
         except Exception:  # noqa: BLE001 - Ray's store not answering: look again at the next tick

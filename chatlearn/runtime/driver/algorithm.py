@@ -13,14 +13,18 @@ between algorithms is what an :class:`Algorithm` declares:
   optimizer steps over the episode's batch (:class:`StepLoop` runs the steps);
 - ``replay_columns``: what an earlier episode's samples keep to be trained on again.
 
-:class:`GRPO` is the group-relative family (``advantage_estimator``: grpo, dr_grpo, rloo,
-reinforce_plus_plus; every loss option of ``models.policy_trainer``): a reference pass when there is
-a KL term, the old-log-prob pass, group-relative advantages, one trained model (the policy).
+An algorithm is composed of parts (:class:`ComposedAlgorithm`): the policy's update
+(:class:`PolicyUpdate`: the reference and old-log-prob passes, the policy's optimizer steps), an
+advantage estimate (:class:`GroupAdvantages`, :class:`GAEAdvantages`) and, for an actor-critic
+method, the critic's update (:class:`CriticUpdate`). :func:`grpo` and :func:`ppo` compose the two
+built-in algorithms; ``models.policy_trainer.algorithm`` names one, and its declaration
+(:mod:`chatlearn.config.algorithms`) says which function builds it.
 """
 from __future__ import annotations
 
 import abc
 import collections
+import importlib
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,9 +32,11 @@ from typing import Callable
 import numpy as np
 
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages, token_kl
+from chatlearn.algorithms.gae import episode_gae
 from chatlearn.batch import columns, select_samples
 from chatlearn.calls import put
 from chatlearn.checkpoint.manager import CheckpointManager
+from chatlearn.config.algorithms import ALGORITHMS
 from chatlearn.config.names import Part, Stage
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
@@ -209,19 +215,23 @@ class Algorithm(abc.ABC):
         replayed ones)."""
 
 
-class GRPO(Algorithm):
-    """The group-relative policy-gradient family (see the module docstring)."""
+class PolicyUpdate:
+    """The policy's part of an algorithm: the reference pass (with a KL term), the old-log-prob pass and
+    the policy's optimizer steps under the clipped loss of ``models.policy_trainer`` (KL, entropy,
+    rollout correction). ``advantage_column``: the column its loss reads as the advantages (``advantages``
+    per sample, ``token_advantages`` per token)."""
 
-    trained = ("policy_trainer",)
+    model = "policy_trainer"
 
-    def __init__(self, cfg, plan: Plan, calls: ModelCalls, steps: StepLoop):
+    def __init__(self, cfg, plan: Plan, calls: ModelCalls, steps: StepLoop, advantage_column: str):
         self.cfg, self.plan, self.calls, self.steps = cfg, plan, calls, steps
+        self.advantage_column = advantage_column
         # the loss reads the rollout engine's log-probs at every step: they are its old log-probs
         # (old_logprobs: rollout) or the behaviour log-probs of a rollout correction
         self.reads_rollout_logprobs = plan.old_from_rollout or plan.rollout_correction != "none"
         # and the first step reads them to report the mismatch where its own forward gives its old
         # log-probs (old_logprob_pass_from > 0: never with replay, so no replayed episode keeps them)
-        self.replay_columns = (*SEQUENCE_COLUMNS, "old_logprobs", "ref_logprobs", "advantages", "sample_weights",
+        self.replay_columns = (*SEQUENCE_COLUMNS, "old_logprobs", "ref_logprobs", "sample_weights",
                                *(("rollout_logprobs",) if self.reads_rollout_logprobs or plan.old_logprob_pass_from
                                  else ()))
 
@@ -229,11 +239,11 @@ class GRPO(Algorithm):
         """The reference log-probs (with a KL term), then the old log-probs: the reference goes first,
         so that the trainer, once resident for its old log-probs, stays to train."""
         # (LoRA: the policy trainer with its adapters disabled gives them, plan.ref_from_trainer)
-        model, compute = (("policy_trainer", self.calls.base_logprobs) if self.plan.ref_from_trainer
+        model, compute = ((self.model, self.calls.base_logprobs) if self.plan.ref_from_trainer
                           else ("ref_policy", lambda batch: self.calls.logprobs("ref_policy", batch)))
         ref = ([Pass(Stage.REF_LOGPROBS, model, "ref_logprobs", compute)]
                if self.plan.uses_ref or self.plan.ref_from_trainer else [])
-        return [*ref, Pass(Stage.OLD_LOGPROBS, "policy_trainer", "old_logprobs", self.old_logprobs,
+        return [*ref, Pass(Stage.OLD_LOGPROBS, self.model, "old_logprobs", self.old_logprobs,
                            timed=self.plan.old_logprob_pass)]
 
     def old_logprobs(self, batch: dict) -> np.ndarray:
@@ -244,36 +254,23 @@ class GRPO(Algorithm):
         if self.plan.old_from_rollout:  # the rollout engine's stand for them (KL in the reward, replay)
             return np.asarray(batch["rollout_logprobs"], np.float32).copy()
         if cut == 0:
-            return self.calls.logprobs("policy_trainer", batch)
+            return self.calls.logprobs(self.model, batch)
         old = np.full(len(batch["tokens"]), np.nan, np.float32)
         if self.plan.old_logprob_pass:
             old[batch["offsets"][cut]:] = self.calls.logprobs(
-                "policy_trainer", select_samples(columns(batch, SEQUENCE_COLUMNS), range(cut, n)))
+                self.model, select_samples(columns(batch, SEQUENCE_COLUMNS), range(cut, n)))
         return old
 
-    def advantages(self, batch: dict, scored: Scored) -> dict:
-        """Sets ``batch["advantages"]`` and ``batch["sample_weights"]`` from the shaped rewards
-        (``advantage_estimator``, ``filter_equal_groups``, ``kl_in_reward``: see
-        :func:`chatlearn.algorithms.advantages.episode_advantages`); returns their ``train/`` metrics."""
-        t = self.cfg.models.policy_trainer
-        batch["advantages"], batch["sample_weights"], metrics = episode_advantages(
-            batch, scored.shaped, self.plan.group_size, estimator=t.advantage_estimator,
-            filter_equal_groups=t.filter_equal_groups, kl_in_reward=t.kl_in_reward,
-            kl_coef=t.kl_coef, kl_estimator=t.kl_estimator)
-        if self.cfg.models.reward.overlong_buffer_len > 0:
-            metrics["overlong_penalty_mean"] = float(np.mean(scored.shaped - scored.rewards))
-        return {f"train/{k}": v for k, v in metrics.items()}
-
-    def train(self, model: str, batch: dict, episode: int) -> Trained:
+    def train(self, batch: dict, episode: int) -> Trained:
         """The policy's optimizer steps; the first step's own forward (that of the weights that
         generated its samples, when ``plan.old_logprob_pass_from`` > 0) sets aside how far its
         log-probs are from the rollout engine's (:data:`ROLLOUT_MISMATCH`)."""
-        return self.steps.run(model, batch, episode, self.step_columns, aside=ROLLOUT_MISMATCH)
+        return self.steps.run(self.model, batch, episode, self.step_columns, aside=ROLLOUT_MISMATCH)
 
     def step_columns(self, s: int) -> tuple:
         """The columns of the step starting at sample ``s``: the first step's own forward gives its old
         log-probs and reads the rollout engine's to report the mismatch."""
-        keys = (*SEQUENCE_COLUMNS, "old_logprobs", "ref_logprobs", "advantages", "sample_weights")
+        keys = (*SEQUENCE_COLUMNS, "old_logprobs", "ref_logprobs", self.advantage_column, "sample_weights")
         wanted = (keys if s >= self.plan.old_logprob_pass_from
                   else (*(k for k in keys if k != "old_logprobs"), "rollout_logprobs"))
         if self.reads_rollout_logprobs:
@@ -282,41 +279,66 @@ class GRPO(Algorithm):
         return wanted
 
 
-class PPO(GRPO):
-    """PPO with a critic (``advantage_estimator: gae``): the policy's loss is GRPO's (clipped ratio, KL,
-    entropy, rollout correction) with per-token advantages; the critic (``models.critic``) gives each
-    response token a value, Generalized Advantage Estimation turns the episode's rewards (on each
-    sample's last token, less the per-token KL with ``kl_in_reward``) and the values into advantages
-    (whitened with ``whiten_advantages``) and returns, and the critic learns the returns by the clipped
-    value loss (:class:`chatlearn.algorithms.value_loss.ValueLoss`), before the policy steps. The first
-    ``models.critic.warmup_episodes`` episodes train the critic alone.
+class CriticUpdate:
+    """The critic's part (``models.critic``): its values of the samples' tokens as a pass, and its optimizer
+    steps on the returns under the clipped value loss (:class:`chatlearn.algorithms.value_loss.ValueLoss`).
+    The first ``models.critic.warmup_episodes`` episodes train it alone."""
 
-    The passes run reference, old log-probs, values: the policy trainer, resident for its old
-    log-probs, hands the devices to the critic, which stays to train; then the policy trains and
-    stays for the weight push."""
+    model = "critic"
+    replay_columns = ("values",)
 
-    trained = ("critic", "policy_trainer")
-
-    def __init__(self, cfg, plan: Plan, calls: ModelCalls, steps: StepLoop):
-        super().__init__(cfg, plan, calls, steps)
-        self.replay_columns = (*(c for c in self.replay_columns if c != "advantages"), "token_advantages",
-                               "values", "returns")
-
-    def trains(self, episode: int) -> tuple[str, ...]:
-        if episode <= self.cfg.models.critic.warmup_episodes:
-            return ("critic",)
-        return self.trained
+    def __init__(self, cfg, calls: ModelCalls, steps: StepLoop):
+        self.calls, self.steps = calls, steps
+        self.warmup_episodes = cfg.models.critic.warmup_episodes
 
     def passes(self) -> list[Pass]:
-        return [*super().passes(), Pass(Stage.VALUES, "critic", "values",
-                                        lambda batch: self.calls.values("critic", batch))]
+        return [Pass(Stage.VALUES, self.model, "values", lambda batch: self.calls.values(self.model, batch))]
 
-    def advantages(self, batch: dict, scored: Scored) -> dict:
-        """``token_advantages`` and ``returns`` by GAE (:func:`chatlearn.algorithms.gae.episode_gae`) from
-        the shaped rewards and the critic's ``values``; ``sample_weights`` all 1. With ``kl_in_reward`` each
-        token's reward is less ``kl_coef`` times the KL of the old log-probs to the reference's."""
-        from chatlearn.algorithms.gae import episode_gae
+    def train(self, batch: dict, episode: int) -> Trained:
+        return self.steps.run(self.model, batch, episode, lambda s: (*SEQUENCE_COLUMNS, "values", "returns",
+                                                                     "sample_weights"), prefix="train/critic/")
 
+
+def _overlong_metric(cfg, scored: Scored) -> dict:
+    """``train/overlong_penalty_mean`` with DAPO's overlong shaping (``models.reward.overlong_buffer_len``)."""
+    if cfg.models.reward.overlong_buffer_len > 0:
+        return {"train/overlong_penalty_mean": float(np.mean(scored.shaped - scored.rewards))}
+    return {}
+
+
+class GroupAdvantages:
+    """Group-relative advantages (``advantage_estimator``: grpo, dr_grpo, rloo, reinforce_plus_plus, or one a
+    plugin registers; ``filter_equal_groups``, ``kl_in_reward``): per sample, with their weights."""
+
+    columns = ("advantages", "sample_weights")
+    column = "advantages"
+
+    def __init__(self, cfg, plan: Plan):
+        self.cfg, self.plan = cfg, plan
+
+    def __call__(self, batch: dict, scored: Scored) -> dict:
+        """Sets ``batch["advantages"]`` and ``batch["sample_weights"]`` from the shaped rewards (see
+        :func:`chatlearn.algorithms.advantages.episode_advantages`); returns their ``train/`` metrics."""
+        t = self.cfg.models.policy_trainer
+        batch["advantages"], batch["sample_weights"], metrics = episode_advantages(
+            batch, scored.shaped, self.plan.group_size, estimator=t.advantage_estimator,
+            filter_equal_groups=t.filter_equal_groups, kl_in_reward=t.kl_in_reward,
+            kl_coef=t.kl_coef, kl_estimator=t.kl_estimator)
+        return {**{f"train/{k}": v for k, v in metrics.items()}, **_overlong_metric(self.cfg, scored)}
+
+
+class GAEAdvantages:
+    """Generalized Advantage Estimation (``advantage_estimator: gae``): per-token advantages and returns from
+    the shaped rewards (on each sample's last token, less the per-token KL with ``kl_in_reward``) and the
+    critic's ``values``, whitened with ``whiten_advantages``; every sample weighs 1."""
+
+    columns = ("token_advantages", "returns", "sample_weights")
+    column = "token_advantages"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __call__(self, batch: dict, scored: Scored) -> dict:
         t = self.cfg.models.policy_trainer
         kl = None
         if t.kl_in_reward and t.kl_coef > 0:
@@ -330,23 +352,58 @@ class PPO(GRPO):
         # how well the values the critic had before this episode's update predict its returns
         out.update({f"train/critic/{k}": v for k, v in metrics.items()
                     if k in ("values_mean", "returns_mean", "explained_variance")})
-        if self.cfg.models.reward.overlong_buffer_len > 0:
-            out["train/overlong_penalty_mean"] = float(np.mean(scored.shaped - scored.rewards))
-        return out
+        return {**out, **_overlong_metric(self.cfg, scored)}
+
+
+class ComposedAlgorithm(Algorithm):
+    """An algorithm made of parts: the policy's (:class:`PolicyUpdate`), an advantage estimate
+    (:class:`GroupAdvantages`, :class:`GAEAdvantages`) and, for actor-critic methods, the critic's
+    (:class:`CriticUpdate`, trained before the policy and alone during its warm-up). The passes run
+    the policy's (reference, old log-probs), then the critic's values: the policy trainer, resident for
+    its old log-probs, hands the devices to the critic, which stays to train; then the policy trains
+    and stays for the weight push."""
+
+    def __init__(self, name: str, policy: PolicyUpdate, advantages, critic: CriticUpdate | None = None):
+        self.name, self.policy, self.estimate, self.critic = name, policy, advantages, critic
+        self.updates = {u.model: u for u in (critic, policy) if u is not None}
+        self.trained = tuple(self.updates)
+        self.replay_columns = (*policy.replay_columns, *(c for c in advantages.columns if c != "sample_weights"),
+                               *(critic.replay_columns if critic is not None else ()))
+
+    def trains(self, episode: int) -> tuple[str, ...]:
+        if self.critic is not None and episode <= self.critic.warmup_episodes:
+            return (self.critic.model,)
+        return self.trained
+
+    def passes(self) -> list[Pass]:
+        return [*self.policy.passes(), *(self.critic.passes() if self.critic is not None else ())]
+
+    def advantages(self, batch: dict, scored: Scored) -> dict:
+        return self.estimate(batch, scored)
 
     def train(self, model: str, batch: dict, episode: int) -> Trained:
-        if model == "critic":
-            return self.steps.run(model, batch, episode, lambda s: (*SEQUENCE_COLUMNS, "values", "returns",
-                                                                    "sample_weights"), prefix="train/critic/")
-        return super().train(model, batch, episode)
+        return self.updates[model].train(batch, episode)
 
-    def step_columns(self, s: int) -> tuple:
-        return tuple("token_advantages" if c == "advantages" else c for c in super().step_columns(s))
+
+def grpo(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
+    """The group-relative family (``algorithm: grpo``): a reference pass when there is a KL term, the
+    old-log-prob pass, group-relative advantages, one trained model (the policy)."""
+    return ComposedAlgorithm("grpo", PolicyUpdate(cfg, plan, calls, steps, GroupAdvantages.column),
+                             GroupAdvantages(cfg, plan))
+
+
+def ppo(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
+    """PPO with a critic (``algorithm: ppo``): the policy's loss is GRPO's with per-token GAE advantages; the
+    critic learns the returns before the policy steps."""
+    return ComposedAlgorithm("ppo", PolicyUpdate(cfg, plan, calls, steps, GAEAdvantages.column),
+                             GAEAdvantages(cfg), CriticUpdate(cfg, calls, steps))
 
 
 def make_algorithm(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
-    """The algorithm of the run: PPO with a critic for ``advantage_estimator: gae``, else the
-    group-relative family."""
-    if plan.uses_critic:
-        return PPO(cfg, plan, calls, steps)
-    return GRPO(cfg, plan, calls, steps)
+    """The run's algorithm (``plan.algorithm``), built by what its declaration names
+    (:data:`chatlearn.config.algorithms.ALGORITHMS`: a ``"module:function"`` or, from a plugin, the function)."""
+    build = ALGORITHMS.get(plan.algorithm).build
+    if isinstance(build, str):
+        module, _, attr = build.partition(":")
+        build = getattr(importlib.import_module(module), attr)
+    return build(cfg, plan, calls, steps)

@@ -33,9 +33,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from omegaconf import DictConfig
 
 from chatlearn.batch import check
-from chatlearn.checkpoint.manager import CheckpointManager
-from chatlearn.config.names import MODEL_PARTS, Part, Stage
-from chatlearn.config.plan import Plan, section
+from chatlearn.config.kinds import section
+from chatlearn.config.names import Part, Stage
+from chatlearn.config.plan import Plan
 from chatlearn.data.dataset import PromptSampler, PromptSet
 from chatlearn.errors import UserError
 from chatlearn.logging.console import info, warn
@@ -47,19 +47,18 @@ from chatlearn.logging.startup import clock
 from chatlearn.runtime.cluster.cluster import Cluster
 from chatlearn.runtime.cluster.watchdog import Watchdog
 from chatlearn.runtime.driver.algorithm import Algorithm, ModelCalls, Pass, StepLoop, make_algorithm
+from chatlearn.runtime.driver.checkpoints import RunCheckpoints
 from chatlearn.runtime.driver.dynamic import dynamic_sampling
 from chatlearn.runtime.driver.instrument import EpisodeRun, Instrument
 from chatlearn.runtime.driver.landing import LandingCheck, probe_tokens
 from chatlearn.runtime.driver.multiturn import MultiTurnLoop
 from chatlearn.runtime.driver.observe import EpisodeReport
-from chatlearn.runtime.driver.overlap import RolloutPipeline, kept_rollouts
+from chatlearn.runtime.driver.overlap import RolloutPipeline
 from chatlearn.runtime.driver.replay import ReplayBuffer
+from chatlearn.runtime.driver.reward_models import RewardModels
 from chatlearn.runtime.driver.sampling import EpisodeSamples, Prompts, Sampling, Scored
 from chatlearn.runtime.driver.scheduler import Scheduler, Timeline, movable_parts
 from chatlearn.runtime.weight_push.driver import WeightPush
-
-# the folder of each trainable model's sharded state inside a checkpoint
-CHECKPOINT_FOLDERS = {"policy_trainer": "trainer", "critic": "critic"}
 
 
 class Engine:
@@ -73,18 +72,12 @@ class Engine:
         self.out = rt.output_dir
         self.timeline = Timeline(os.path.join(self.out, "timeline.jsonl"))
         self.sched = Scheduler(plan, self.timeline, offload_without_gpu=rt.offload_without_gpu,
-                               watchdog=Watchdog(rt.stage_timeout_s))
-        # Each model is built once the models before it have left the devices they share with it.
-        # The rollout engine comes last: it sizes its KV cache from the memory left free.
-        order = [n for n in ("policy_trainer", "critic", "ref_policy", "reward_model", "reward", "policy")
-                 if n in plan.placements]
-        cluster.prestart(order)  # every process starts now; the models are built in turn below
-        for name in order:  # (ref_policy, critic, reward_model: placed only when the run uses them)
-            movable = movable_parts(name, m[section(name)].free_gpu_memory) if name in MODEL_PARTS else ()
-            self.sched.add(name, lambda name=name: cluster.create(name), movable)
-        groups = self.sched.groups
+                               watchdog=Watchdog(rt.stage_timeout_s, unwatched=[
+                                   n for n in plan.placements if plan.kind(n).own_deadline]))
+        groups = build_models(cfg, plan, cluster, self.sched)
         self.sampling = Sampling(cfg, tokenizer, groups["policy"], groups["reward"], cluster.specs["reward"],
-                                 multi_turn, reward_model=groups.get("reward_model"))
+                                 multi_turn)
+        self.reward_models = RewardModels(cfg, plan.reward_models, groups, self.sampling, self.sched)
         self.progress = RunProgress(rt.num_episode)
         self.instrument = Instrument(self.sched, self.progress, rt.num_training_epoch)
         calls = ModelCalls(self.sched, train_temperature(cfg))
@@ -92,9 +85,6 @@ class Engine:
         self.sampler = PromptSampler(len(train_set), shuffle=rt.data_shuffle, seed=rt.seed)
         # earlier episodes' samples to train on again, with the columns the algorithm trains on
         self.replay = ReplayBuffer(rt.max_replay_episode, self.algorithm.replay_columns)
-        self.ckpt = CheckpointManager(os.path.join(self.out, "checkpoints"), rt.keep_last_checkpoints)
-        # what every checkpoint records as the config it was trained with (as config.yaml, secrets masked)
-        self.config_text = config_yaml(cfg)
         self.metrics = MetricSinks(cfg)
         self.report = EpisodeReport(cfg, plan, self.sampling, self.metrics, groups["policy_trainer"])
         self.weight_push: WeightPush | None = None  # set up on the first push
@@ -108,6 +98,9 @@ class Engine:
         self.pipeline = (RolloutPipeline(plan.max_staleness, lambda episode: self.next_prompts(), self.produce,
                                           lambda rows: Prompts.of(self.train_set, rows, self.plan.group_size))
                          if plan.max_staleness > 0 else None)
+        # the config every checkpoint records (as config.yaml, secrets masked)
+        self.checkpoints = RunCheckpoints(cfg, plan, self.sched, self.algorithm.trained, self.replay, self.pipeline,
+                                          self.sampler, config_yaml(cfg))
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -148,23 +141,20 @@ class Engine:
         batch = samples.batch
         passes = self.algorithm.passes()
         # The reward workers (CPU) score beside the forward passes; a pass whose model shares no
-        # devices with a trained model runs beside the others too. A reward model scores first,
-        # taking its turn on its devices.
+        # devices with a trained model runs beside the others too. The reward models score first,
+        # each taking its turn on its devices.
         with _closing(ThreadPoolExecutor(max_workers=1 + len(passes))) as pool:
             scoring = None if samples.scored is not None else run.background(
                 pool, Stage.REWARD, "reward", self.sampling.scored, batch, samples.prompts,
                 f"the rollouts of episode {episode}")
-            if self.sampling.reward_model is not None:
-                with run.stage(Stage.REWARD_MODEL, "reward_model"):
-                    self.sched.ensure("reward_model", MODEL_PARTS["reward_model"])
-                    batch["reward_model_scores"] = self.sampling.model_scores(batch, samples.prompts)
+            model_scores = self.reward_models.score_all(batch, samples.prompts, run)
             started = [(p, self.start_pass(p, batch, run, pool)) for p in passes]
             for p, result in started:
                 batch[p.column] = result.result()
             if scoring is not None:
                 samples.scored = scoring.result()
-        if "reward_model_scores" in batch:  # its score, weighted, added to the functions' rewards
-            samples.scored, rm_metrics = self.sampling.with_model_scores(samples.scored, batch["reward_model_scores"])
+        if model_scores:  # each model's score, weighted, added to the functions' rewards
+            samples.scored, rm_metrics = self.reward_models.add(samples.scored, model_scores)
             samples.metrics.update(rm_metrics)
 
         metrics = {**samples.metrics, **self.algorithm.advantages(batch, samples.scored)}
@@ -175,14 +165,14 @@ class Engine:
         trains = self.algorithm.trains(episode)
         for model in trains:
             with run.stage(Stage.TRAIN, model):
-                self.sched.ensure(model, MODEL_PARTS[model])
+                self.sched.take_turn(model)
                 trained = self.algorithm.train(model, train_batch, episode)
             metrics.update(trained.metrics)
             first_steps[model] = trained.first_step
         self.replay.add(batch)  # before the checkpoint, which keeps it for the episodes that follow
-        if self.should_save(episode):  # the last trained model is still resident with its optimizer state
+        if self.checkpoints.due(episode):  # the last trained model is still resident with its optimizer state
             with run.stage(Stage.CHECKPOINT, trains[-1]):
-                self.save_checkpoint(episode)
+                self.checkpoints.save(episode)
 
         # new weights into the rollout engine: its weights first, the push, then its KV cache (an episode
         # that left the policy as it was, a critic warm-up, pushes nothing)
@@ -266,55 +256,14 @@ class Engine:
             self.pipeline.pushed()
         return pushed
 
-    # ------------------------------------------------------------------ checkpoints
-    def should_save(self, episode: int) -> bool:
-        rt = self.cfg.runtime_args
-        return episode == rt.num_episode or (rt.save_episode_interval > 0 and episode % rt.save_episode_interval == 0)
-
-    def save_checkpoint(self, episode: int) -> None:
-        """Every trained model's sharded state, the replay buffer, the rollouts ahead, the data
-        sampler and the run's config, under one step counter, plus a Hugging Face folder of the policy
-        when ``save_hf`` (see CheckpointManager)."""
-        def write(tmp: str) -> None:
-            # the model resident now last (it stays resident for what follows: the policy trainer for the
-            # weight push), so that models taking turns move only as much as they must
-            trained = sorted(self.algorithm.trained, key=lambda m: self.sched.is_resident(m, MODEL_PARTS[m]))
-            for model in trained:
-                self.sched.ensure(model, MODEL_PARTS[model])
-                self.sched.groups[model].call("save_checkpoint", os.path.abspath(os.path.join(tmp, _folder(model))))
-            self.replay.save(tmp)
-            if self.pipeline is not None:  # the finished rollouts of the episodes after this one
-                self.pipeline.save(tmp)
-            if self.cfg.models.policy_trainer.save_hf:
-                self.sched.ensure("policy_trainer", [Part.WEIGHTS])
-                self.sched.groups["policy_trainer"].call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
-
-        self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict()}, config_text=self.config_text)
-
     def resume(self) -> int:
-        """Continue from the newest complete checkpoint; returns its episode (0: none)."""
-        found = self.ckpt.latest_usable(warn=warn)
+        """Continue from the newest complete checkpoint (:meth:`RunCheckpoints.restore`), its weights pushed
+        into the rollout engine; returns its episode (0: none)."""
+        found = self.checkpoints.restore()
         if found is None:
             return 0
         episode, path = found
-        state = self.ckpt.read_state(path)
-        self.ckpt.adopt(state)  # keep-last-N goes on counting this run's checkpoints
-        info(f"resuming from {path} (episode {episode})")
-        kept_rollouts(path, self.plan.max_staleness)  # refused before anything loads when the bound changed
-        for model in self.algorithm.trained:
-            self.sched.ensure(model, MODEL_PARTS[model])
-            try:
-                self.sched.groups[model].call("load_checkpoint", os.path.abspath(os.path.join(path, _folder(model))))
-            except UserError as err:  # from the trainer ranks, wrapped by Ray
-                cause = getattr(err, "cause", None) or err
-                raise UserError(
-                    f"cannot resume from the newest checkpoint {path!r}: {cause.message} To resume from the "
-                    f"checkpoint before it, delete or move that folder; to start "
-                    "over, run with --no-resume or set runtime_args.enable_resume_training=false.") from err
-        self.sampler.load_state_dict(state["sampler"])
-        self.replay.load(path)
-        # the rollout engine still holds the initial weights: give it the checkpoint's
-        self.push_weights(f"on resuming from {path}")
+        self.push_weights(f"on resuming from {path}")  # the rollout engine still holds the initial weights
         if self.pipeline is not None:
             self.pipeline.load(path)
             self.pipeline.pushed(version=episode)
@@ -335,10 +284,9 @@ class Engine:
         rewards, reward_parts = self.sampling.score(batch, prompts.truths, prompts.sources, prompts.extra,
                                                     what="the evaluation set")
         model_metrics = {}
-        if self.sampling.reward_model is not None:  # the reward is the training reward: the model's score too
-            self.sched.ensure("reward_model", MODEL_PARTS["reward_model"])
-            scored, model_metrics = self.sampling.with_model_scores(
-                Scored(rewards, reward_parts, rewards), self.sampling.model_scores(batch, prompts), prefix="eval",
+        if self.reward_models:  # the reward is the training reward: the models' scores too
+            scored, model_metrics = self.reward_models.add(
+                Scored(rewards, reward_parts, rewards), self.reward_models.score_all(batch, prompts), prefix="eval",
                 normalize=False)
             rewards = scored.rewards
         metrics = {**self.report.evaluation(batch, prompts, rewards, reward_parts), **model_metrics}
@@ -362,14 +310,23 @@ class Engine:
         self.timeline.close()
 
 
+def build_models(cfg, plan: Plan, cluster: Cluster, sched: Scheduler) -> dict:
+    """Build every placed model, each once the models before it have left the devices they share with it,
+    in the order of their kinds (the rollout engine last: it sizes its KV cache from the memory left
+    free); returns the scheduler's worker groups by model."""
+    order = sorted(plan.placements, key=lambda n: plan.kind(n).build_rank)
+    cluster.prestart(order)  # every process starts now; the models are built in turn below
+    for name in order:
+        parts = plan.kind(name).parts
+        movable = movable_parts(parts, cfg.models[section(name)].free_gpu_memory) if parts else ()
+        sched.add(name, lambda name=name: cluster.create(name), movable)
+    return sched.groups
+
+
 def train_temperature(cfg) -> float:
     """Log-probs are taken under the sampling distribution's temperature (1 for greedy)."""
     t = cfg.models.policy.temperature
     return t if t > 0 else 1.0
-
-
-def _folder(model: str) -> str:
-    return CHECKPOINT_FOLDERS[model]
 
 
 @contextlib.contextmanager

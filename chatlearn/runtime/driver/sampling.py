@@ -92,10 +92,9 @@ class Sampling:
     ``reward_spec`` (the :class:`~chatlearn.models.specs.RewardSpec` the reward workers were built from)
     and ``multi_turn`` (a :class:`~chatlearn.runtime.driver.multiturn.MultiTurnLoop`, or None: single-turn)."""
 
-    def __init__(self, cfg, tokenizer, policy, reward, reward_spec, multi_turn=None, reward_model=None):
+    def __init__(self, cfg, tokenizer, policy, reward, reward_spec, multi_turn=None):
         self.cfg, self.tokenizer, self.multi_turn = cfg, tokenizer, multi_turn
         self.policy, self.reward, self.reward_spec = policy, reward, reward_spec
-        self.reward_model = reward_model  # the reward model's group (models.reward.load), or None
 
     def sample(self, prompts: Prompts, sampling: dict, what: str, episode: int | None = None) -> dict:
         """The samples of ``prompts``: one response each, or with a multi-turn environment one trajectory
@@ -210,31 +209,6 @@ class Sampling:
         else:
             heads = [[{"role": "user", "content": text}] for text in self.prompts_text(batch)]
         return [[*head, {"role": "assistant", "content": r}] for head, r in zip(heads, responses)]
-
-    def model_scores(self, batch: dict, prompts: Prompts) -> np.ndarray:
-        """The reward model's raw score of each sample (float32 [N]): the conversations
-        (:meth:`conversations`) scored by its ranks (a collective; the model made resident by the caller's
-        scheduler turn)."""
-        outs, _ = self.reward_model.call("score", put(self.conversations(batch, prompts)))
-        return np.asarray(outs[0], np.float32)
-
-    def with_model_scores(self, scored: Scored, scores: np.ndarray, prefix: str = "train",
-                          normalize: bool = True) -> tuple[Scored, dict]:
-        """``scored`` with the reward model's ``scores`` added: ``model_weight`` x the score, normalised by
-        ``model_normalize`` (none; batch: whitened over the batch, zero mean and unit std) unless not
-        ``normalize`` (an evaluation: whitened, every evaluation's mean would be 0), added to the rewards
-        and the shaped rewards. Returns it and the ``<prefix>/reward_model/*`` metrics."""
-        r = self.cfg.models.reward
-        raw = np.asarray(scores, np.float64)
-        norm = raw
-        if r.model_normalize == "batch" and normalize:
-            norm = (raw - raw.mean()) / (raw.std() + 1e-6) if len(raw) > 1 else raw * 0.0
-        added = r.model_weight * norm
-        metrics = {f"{prefix}/reward_model/{k}": v for k, v in (
-            ("score_mean", float(raw.mean())), ("score_std", float(raw.std())), ("score_min", float(raw.min())),
-            ("score_max", float(raw.max())), ("reward_mean", float(added.mean())))}
-        return Scored((scored.rewards + added).astype(np.float32), scored.parts,
-                      np.asarray(scored.shaped, np.float64) + added), metrics
 
     def reward_timeout(self, late: CallTimeout, index: int, entry: dict, shares: list[np.ndarray], n: int,
                        what: str) -> UserError:

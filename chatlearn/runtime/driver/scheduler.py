@@ -19,7 +19,8 @@ import time
 from typing import Callable, Iterable
 
 from chatlearn.calls import get
-from chatlearn.config.names import MODEL_PARTS, Part
+from chatlearn.config.kinds import ROLLOUT, TRAINER
+from chatlearn.config.names import Part
 from chatlearn.config.plan import Plan
 from chatlearn.logging.console import info, warn
 from chatlearn.logging.jsonl import RowFile
@@ -27,18 +28,19 @@ from chatlearn.runtime.cluster.group import WorkerGroup
 from chatlearn.runtime.cluster.watchdog import Watchdog
 
 
-def movable_parts(name: str, free_gpu_memory) -> set[Part]:
-    """Parts the config allows to leave the device (the KV cache can always be dropped)."""
+def movable_parts(parts: Iterable[Part], free_gpu_memory) -> set[Part]:
+    """Of a model's ``parts`` (its kind's), those the config allows to leave the device (the KV cache can
+    always be dropped)."""
     flags = {Part.WEIGHTS: free_gpu_memory.offload_weights,
              Part.OPTIMIZER: free_gpu_memory.offload_optimizer_states,
              Part.GRADS: free_gpu_memory.free_grad_buffers,
              Part.KV_CACHE: True}
-    return {p for p in MODEL_PARTS[name] if flags[p]}
+    return {p for p in parts if flags[p]}
 
 
 # Parts of two models may be resident together on one device group only during a weight
 # push: the trainer's weights next to the rollout engine's (never optimizer state or KV cache).
-PUSH_PAIR = {"policy_trainer": {Part.WEIGHTS}, "policy": {Part.WEIGHTS}}
+PUSH_PAIR = {TRAINER.default_model: {Part.WEIGHTS}, ROLLOUT.default_model: {Part.WEIGHTS}}
 
 
 def residency_violations(device_groups: list[list[str]], resident: dict,
@@ -123,24 +125,33 @@ class Scheduler:
                 group = build()
             group.watchdog = self.watchdog
             self.groups[name] = group
-            if name not in MODEL_PARTS:
+            parts = self.parts(name)
+            if not parts:  # on CPUs only (the reward workers): nothing to move
                 return group
-            self.resident[name] = set(MODEL_PARTS[name])
+            self.resident[name] = set(parts)
             if self.on_gpu is None:  # on GPUs, every turn records the devices' memory
                 self.on_gpu = self.track_gpu_memory = bool(get(group.actors[0].device_memory.remote()))
                 if not self.on_gpu and not self.offload_without_gpu and any(
-                        self.plan.colocated_with(m) for m in self.plan.placements if m in MODEL_PARTS):
+                        self.plan.colocated_with(m) for m in self.plan.placements if self.parts(m)):
                     info("no GPU: colocated models keep their weights, optimizer state, gradients and KV cache "
                          "in memory during each other's turns (moving them to host memory would free nothing); "
                          "runtime_args.offload_without_gpu=true moves them as on GPUs")
             stays = not self.on_gpu and not self.offload_without_gpu
             self.movable[name] = set() if stays else {Part(p) for p in movable}
-            pinned = [p for p in MODEL_PARTS[name] if p not in self.movable[name]]
+            pinned = [p for p in parts if p not in self.movable[name]]
             if self.plan.colocated_with(name) and pinned and not stays:
                 warn(f"models.{name}.free_gpu_memory keeps its {', '.join(map(str, pinned))} on the devices it "
                      f"shares with {', '.join(self.plan.colocated_with(name))}: they stay resident during the "
                      "other models' turns (set the flags to true to free that memory)")
             return group
+
+    def parts(self, name: str) -> tuple[Part, ...]:
+        """What model ``name`` holds on its devices: its kind's parts (chatlearn/config/kinds.py)."""
+        return self.plan.kind(name).parts
+
+    def take_turn(self, name: str) -> None:
+        """Make every part of model ``name`` resident (its turn: a forward pass, training, a checkpoint)."""
+        self.ensure(name, self.parts(name))
 
     def _vacate(self, name: str) -> None:
         """Offload the movable parts of the registered models that share ``name``'s devices."""
@@ -169,10 +180,10 @@ class Scheduler:
         self._onload(name, set(parts) - self.resident[name])
 
     def _offload(self, name: str, parts: Iterable[str]) -> None:
-        self._move(name, "offload", [p for p in MODEL_PARTS[name] if p in set(parts) & self.resident[name]])
+        self._move(name, "offload", [p for p in self.parts(name) if p in set(parts) & self.resident[name]])
 
     def _onload(self, name: str, parts: Iterable[str]) -> None:
-        self._move(name, "onload", [p for p in MODEL_PARTS[name] if p in set(parts) - self.resident[name]])
+        self._move(name, "onload", [p for p in self.parts(name) if p in set(parts) - self.resident[name]])
 
     def _move(self, name: str, action: str, parts: list[str]) -> None:
         if not parts:
@@ -189,7 +200,7 @@ class Scheduler:
             self.resident[name] -= set(parts)
         else:
             self.resident[name] |= set(parts)
-        pinned = {m: set(MODEL_PARTS[m]) - (self.movable[m] if m in self.movable else set()) for m in self.resident}
+        pinned = {m: set(self.parts(m)) - (self.movable[m] if m in self.movable else set()) for m in self.resident}
         bad = residency_violations(self.plan.device_groups, self.resident, pinned)
         if bad:  # a scheduling bug, not a user error
             raise RuntimeError(f"residency invariant broken after {action} {name} {parts}: {bad}")

@@ -22,6 +22,7 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
+from chatlearn.config.kinds import TRAINER
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import warn
@@ -154,14 +155,14 @@ def checkpoint_bytes(cfg: DictConfig, plan: Plan) -> int:
 def _parts(cfg: DictConfig, plan: Plan) -> list[tuple[str, int]]:
     megatron = cfg.runtime_args.train_backend == "megatron"
     parts = []
-    for name in ("policy_trainer", "critic"):
-        if name not in plan.placements or not cfg.models[name].trainable:
+    for name in plan.placements:  # the models whose kind trains: their state goes into every checkpoint
+        if not plan.kind(name).trains or not cfg.models[name].trainable:
             continue
         m = cfg.models[name]
         n = parameter_count(str(m.load))
         bf16 = megatron and bool(m.bf16)
         parts.append((f"models.{name}: {n / 1e6:.1f}M parameters, weights and AdamW state", n * (14 if bf16 else 12)))
-        if name == "policy_trainer" and m.save_hf:  # (the checkpoint's hf/ is the policy's)
+        if plan.kind(name) is TRAINER and m.save_hf:  # (the checkpoint's hf/ is the policy's)
             parts.append((f"models.{name}.save_hf", n * (2 if bf16 else 4)))
     return parts
 

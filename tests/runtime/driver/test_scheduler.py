@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from chatlearn.config.names import MODEL_PARTS, Part
+from chatlearn.config.kinds import DEFAULT_MODELS
+from chatlearn.config.names import Part
 from chatlearn.config.plan import ModelPlacement, Plan
 from chatlearn.runtime.driver.scheduler import Scheduler, Timeline
 
@@ -32,6 +33,7 @@ def plan_of(device_groups: list[list[str]]) -> Plan:
     plan.device_groups = device_groups
     plan.placements = {n: ModelPlacement(n, 1, g, [0]) for g, names in enumerate(device_groups) for n in names}
     plan.placements["reward"] = ModelPlacement("reward", 1, -1, [], 1.0)
+    plan.kinds = {n: DEFAULT_MODELS[n] for n in plan.placements}
     return plan
 
 
@@ -48,7 +50,7 @@ def colocated(ray_get, movable=None, order=("policy_trainer", "ref_policy", "rew
     movable = movable or {}
     for name in order:
         sched.add(name, lambda name=name: FakeGroup(name, log),
-                  movable[name] if name in movable else MODEL_PARTS.get(name, ()))
+                  movable[name] if name in movable else DEFAULT_MODELS[name].parts)
     return sched, log
 
 
@@ -62,7 +64,7 @@ def test_add_makes_room_builds_and_registers_in_turn(ray_get):
         return FakeGroup(name, log)
 
     for name in ("policy_trainer", "ref_policy", "reward", "policy"):
-        sched.add(name, lambda name=name: build(name), MODEL_PARTS.get(name, ()))
+        sched.add(name, lambda name=name: build(name), DEFAULT_MODELS[name].parts)
     # each model is built on devices the earlier ones have left (the reward workers hold none, so the
     # reference leaves only for the rollout engine); the last one stays resident
     assert built == [("policy_trainer", {}), ("ref_policy", {}), ("reward", {"ref_policy": ["weights"]}),
@@ -106,7 +108,7 @@ def test_pinned_parts_stay_and_are_exempt(ray_get, capsys):
     sched, log = colocated(ray_get, movable={"policy_trainer": {Part.WEIGHTS, Part.GRADS}})
     assert "keeps its optimizer on the devices it shares" in capsys.readouterr().out
     assert sched.resident["policy_trainer"] == {Part.OPTIMIZER}  # built, then only the movable parts left
-    sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
+    sched.ensure("policy_trainer", DEFAULT_MODELS["policy_trainer"].parts)
     log.clear()
     sched.ensure("policy", ["weights", "kv_cache"])
     assert log[0] == ("policy_trainer", "offload", ["grads", "weights"])
@@ -117,9 +119,9 @@ def test_models_on_disjoint_devices_never_turn(ray_get):
     log: list = []
     sched = Scheduler(plan_of([["policy"], ["policy_trainer"]]), Timeline(None), offload_without_gpu=True)
     for name in ("policy_trainer", "policy"):
-        sched.add(name, lambda name=name: FakeGroup(name, log), MODEL_PARTS[name])
-    sched.ensure("policy_trainer", MODEL_PARTS["policy_trainer"])
-    sched.ensure("policy", MODEL_PARTS["policy"])
+        sched.add(name, lambda name=name: FakeGroup(name, log), DEFAULT_MODELS[name].parts)
+    sched.ensure("policy_trainer", DEFAULT_MODELS["policy_trainer"].parts)
+    sched.ensure("policy", DEFAULT_MODELS["policy"].parts)
     assert log == []
     assert sched.snapshot() == {"policy": ["kv_cache", "weights"],
                                 "policy_trainer": ["grads", "optimizer", "weights"]}

@@ -1,0 +1,145 @@
+"""Models as data: every model has a kind (chatlearn/config/kinds.py), models of the user's naming
+(reward models, any number), the algorithm named (chatlearn/config/algorithms.py), and the refusals
+of a bad cast before anything starts."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+
+import pytest
+
+from chatlearn.batch import COLUMNS
+from chatlearn.config.algorithms import ALGORITHMS
+from chatlearn.config.kinds import DEFAULT_MODELS, KINDS, REWARD_MODEL, model_kinds
+from chatlearn.config.load import load_run
+from chatlearn.errors import ConfigError
+from conftest import REPO
+
+GRPO = "template/grpo_fsdp.yaml"
+PPO = "template/ppo_fsdp.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+@pytest.fixture
+def rm_dir(tmp_path):
+    """A folder that looks like a sequence-classification reward model (config and tokenizer of the toy)."""
+    out = tmp_path / "rm"
+    shutil.copytree(os.path.join(REPO, "assets", "tiny_qwen2"), out)
+    conf = json.loads((out / "config.json").read_text())
+    conf.update(architectures=["Qwen2ForSequenceClassification"], num_labels=1, pad_token_id=0)
+    conf.pop("id2label", None)
+    (out / "config.json").write_text(json.dumps(conf))
+    return str(out)
+
+
+def two_reward_models(rm_dir):
+    return ["models.rm_math.kind=reward_model", f"models.rm_math.load={rm_dir}", "models.rm_math.weight=0.7",
+            "models.rm_style.kind=reward_model", f"models.rm_style.load={rm_dir}", "models.rm_style.weight=0.3",
+            "models.rm_style.normalize=batch", "runtime_args.colocation=[policy,policy_trainer,rm_math,rm_style]"]
+
+
+def test_every_kind_is_declared_whole():
+    """Each kind's columns are batch columns, a kind the user may name models of has a section schema
+    with a kind key, and today's names keep their kinds."""
+    for kind in KINDS.values():
+        assert set(kind.columns) <= set(COLUMNS), kind
+        if kind.schema is not None:
+            assert kind.schema.__dataclass_fields__["kind"].default == kind.name
+    assert {n: k.name for n, k in DEFAULT_MODELS.items()} == {
+        "policy": "rollout", "policy_trainer": "trainer", "ref_policy": "reference", "critic": "critic",
+        "reward": "reward"}
+    assert len({k.build_rank for k in KINDS.values()}) == len(KINDS)  # one build order
+
+
+def test_two_reward_models_of_the_users_naming_are_placed_and_take_turns(paths_overrides, rm_dir):
+    cfg, plan = load_run(GRPO, paths_overrides + two_reward_models(rm_dir))
+    assert plan.device_groups == [["policy", "policy_trainer", "rm_math", "rm_style"]]
+    assert plan.reward_models == ["rm_math", "rm_style"]
+    assert plan.kind("rm_math") is REWARD_MODEL and plan.placements["rm_style"].device_group == 0
+    assert sorted(plan.colocated_with("rm_math")) == ["policy", "policy_trainer", "rm_style"]
+    assert not plan.single_process  # reward models on devices: Ray
+    described = "\n".join(plan.describe())
+    assert "rm_math: reward model, scores every sample (models.rm_math)" in described
+    assert cfg.models.rm_style.weight == 0.3 and cfg.models.rm_style.normalize == "batch"
+    assert cfg.models.rm_math.num_gpu == cfg.models.policy_trainer.num_gpu  # the schema's default follows it
+    assert list(model_kinds(cfg))[-2:] == ["rm_math", "rm_style"]
+
+
+def test_reward_model_of_models_reward_load_keeps_its_name(paths_overrides, rm_dir):
+    """ChatLearn's models.reward.load is the reward model reward_model (named reward in colocation), beside
+    one of the user's naming."""
+    cfg, plan = load_run(GRPO, paths_overrides + [
+        f"models.reward.load={rm_dir}", "models.reward.num_gpu=1", "models.rm2.kind=reward_model",
+        f"models.rm2.load={rm_dir}", "runtime_args.colocation=[policy,policy_trainer,reward,rm2]"])
+    assert plan.device_groups == [["policy", "policy_trainer", "reward_model", "rm2"]]
+    assert plan.reward_models == ["reward_model", "rm2"]
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["models.rm.kind=reward_modle", "models.rm.load=x"], "models.rm.kind", ["not a kind of model",
+                                                                              "Did you mean 'reward_model'"]),
+    (["models.policy2.kind=rollout"], "models.policy2.kind", ["second model of kind rollout", "models.policy"]),
+    (["models.polcy.load=x"], "models.polcy.kind", ["says no kind", "Did you mean models.policy"]),
+    (["models.policy.kind=trainer"], "models.policy.kind", ["its kind is fixed"]),
+    (["runtime_args.colocation=[policy,policy_trainer,rm_nope]"], "runtime_args.colocation",
+     ["'rm_nope' is not a model of this config", "models.<name> with its kind"]),
+    (["models.rm.kind=reward_model", "models.rm.lod=x"], "models.rm.lod", ["unknown key", "models.rm.load"]),
+    (["models.rm.kind=reward_model"], "models.rm.load", ["required key"]),
+    (["models.rm.kind=reward_model", "models.rm.load=x", "models.rm.normalize=whiten"], "models.rm.normalize",
+     ["batch"]),
+    (["models.policy_trainer.algorithm=ppx"], "models.policy_trainer.algorithm", ["unknown algorithm",
+                                                                                  "Did you mean 'ppo'"]),
+    (["models.policy_trainer.algorithm=grpo", "models.policy_trainer.advantage_estimator=gae"],
+     "models.policy_trainer.advantage_estimator", ["gae is ppo's", "grpo, dr_grpo, rloo"]),
+])
+def test_a_bad_cast_is_refused_naming_the_key(paths_overrides, rm_dir, overrides, key, words):
+    overrides = [o.replace("=x", f"={rm_dir}") for o in overrides]
+    with pytest.raises(ConfigError) as err:
+        load_run(GRPO, paths_overrides + overrides)
+    assert err.value.key == key, str(err.value)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_a_reward_model_with_dynamic_sampling_is_refused(paths_overrides, rm_dir):
+    with pytest.raises(ConfigError) as err:
+        load_run(GRPO, paths_overrides + ["models.rm.kind=reward_model", f"models.rm.load={rm_dir}",
+                                          "runtime_args.dynamic_sampling=true"])
+    assert err.value.key == "runtime_args.dynamic_sampling" and "(rm)" in str(err.value)
+
+
+def test_the_algorithm_is_named_or_inferred(paths_overrides):
+    cfg, plan = load_run(GRPO, paths_overrides)
+    assert cfg.models.policy_trainer.algorithm == "grpo" and plan.algorithm == "grpo" and not plan.uses_critic
+    cfg, plan = load_run(PPO, paths_overrides)  # advantage_estimator: gae infers ppo
+    assert cfg.models.policy_trainer.algorithm == "ppo" and plan.uses_critic and "critic" in plan.placements
+    # set without an estimator: its own
+    cfg, plan = load_run(GRPO, paths_overrides + ["models.policy_trainer.algorithm=ppo"])
+    assert cfg.models.policy_trainer.advantage_estimator == "gae" and plan.kind("critic").trains
+    cfg, plan = load_run(GRPO, paths_overrides + ["models.policy_trainer.algorithm=grpo",
+                                                  "models.policy_trainer.advantage_estimator=rloo"])
+    assert plan.algorithm == "grpo" and cfg.models.policy_trainer.advantage_estimator == "rloo"
+
+
+def test_no_estimator_name_is_compared_outside_the_algorithms_declarations():
+    """The algorithm is chosen by its declaration (chatlearn/config/algorithms.py), never by comparing
+    an estimator's name elsewhere (``advantage_estimator == "gae"``)."""
+    names = set(ALGORITHMS.get("ppo").estimators)
+    found = []
+    for root, _, files in os.walk(os.path.join(REPO, "chatlearn")):
+        for f in files:
+            path = os.path.join(root, f)
+            if not f.endswith(".py") or path.endswith(os.path.join("config", "algorithms.py")):
+                continue
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, ast.Compare):
+                    consts = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
+                    if names & set(consts):
+                        found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    assert not found, found
