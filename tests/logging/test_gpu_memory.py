@@ -139,6 +139,7 @@ class _Group:
 
 
 def test_every_turn_records_the_memory_of_the_models_on_that_device_group(tmp_path, monkeypatch):
+    from chatlearn.config.kinds import DEFAULT_MODELS
     from chatlearn.config.plan import ModelPlacement, Plan
     from chatlearn.runtime.driver import scheduler
 
@@ -146,6 +147,7 @@ def test_every_turn_records_the_memory_of_the_models_on_that_device_group(tmp_pa
     plan = Plan.__new__(Plan)
     plan.device_groups = [["policy", "policy_trainer"]]
     plan.placements = {name: ModelPlacement(name, 1, 0, [0]) for name in ("policy", "policy_trainer")}
+    plan.kinds = {name: DEFAULT_MODELS[name] for name in plan.placements}
     trainer = [[{"device": 0, "allocated_mb": 100.0, "reserved_mb": 120.0, "used_mb": 900.0, "processes_mb": 130.0}]]
     rollout = [[{"device": 0, "used_mb": 950.0, "processes_mb": 700.0}]]
     groups = {"policy_trainer": _Group(trainer), "policy": _Group(rollout)}
