@@ -31,6 +31,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from chatlearn.checkpoint.manager import MARKER, check_against_manifest
+from chatlearn.config.kinds import REWARD_MODEL, models_of, reward_model_settings
 from chatlearn.config.load import check_data_paths, check_model_folder
 from chatlearn.config.manifest import MANIFEST
 from chatlearn.config.plan import make_eval_plan
@@ -309,9 +310,10 @@ def _evaluate(cfg: DictConfig, eval_data: str, out_dir: str, source: dict) -> di
                               tools=multi_turn.tool_schemas if multi_turn is not None else None)
     k = p.eval_num_inference_per_prompt
     info(f"evaluating {p.load} on {len(prompt_set)} prompts x {k} samples")
-    if cfg.models.reward.load is not None:
-        info(f"the reward model (models.reward.load: {cfg.models.reward.load}) is not run by chatlearn eval: the "
-             "rewards are the reward functions' (models.reward.functions)")
+    reward_models = models_of(cfg, REWARD_MODEL)
+    if reward_models:
+        info(f"the reward models ({', '.join(f'{n}: {reward_model_settings(cfg, n).load}' for n in reward_models)}) "
+             "are not run by chatlearn eval: the rewards are the reward functions' (models.reward.functions)")
     # only the rollout engine (on its own devices) and the reward workers
     plan = make_eval_plan(cfg, len(prompt_set), k)
     with Cluster(cfg, plan) as cluster:
