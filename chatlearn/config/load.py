@@ -143,9 +143,9 @@ def _add_user_models(cfg: DictConfig, sources: list[tuple[dict, str]]) -> None:
     for name in names:
         key = f"models.{name}"
         given = [(named[name], source) for named, source in sources if name in named]
-        for section, source in given:
-            if not isinstance(section, DictConfig):
-                raise ConfigError(f"is {section._value()!r} in {source}; a model is a section of keys, with its "
+        for part, source in given:
+            if not isinstance(part, DictConfig):
+                raise ConfigError(f"is {part._value()!r} in {source}; a model is a section of keys, with its "
                                   "kind (e.g. kind: reward_model, load: path/to/model).", key=key)
         kinds = [str(s.kind) for s, _ in given if "kind" in s]
         if not kinds:
@@ -160,8 +160,8 @@ def _add_user_models(cfg: DictConfig, sources: list[tuple[dict, str]]) -> None:
             raise ConfigError(f"makes a second model of kind {kind.name}, but a run has one {kind.label}: "
                               f"models.{kind.default_model}. Configure that one, or remove {key}.", key=f"{key}.kind")
         tree = OmegaConf.create({"models": {name: OmegaConf.structured(kind.schema)}})
-        for section, source in given:
-            tree = _merge(tree, OmegaConf.create({"models": {name: section}}), source)
+        for part, source in given:
+            tree = _merge(tree, OmegaConf.create({"models": {name: part}}), source)
         with open_dict(cfg.models):
             cfg.models[name] = tree.models[name]
 

@@ -37,8 +37,7 @@ from chatlearn.config.kinds import section
 from chatlearn.config.names import Part, Stage
 from chatlearn.config.plan import Plan
 from chatlearn.data.dataset import PromptSampler, PromptSet
-from chatlearn.errors import UserError
-from chatlearn.logging.console import info, warn
+from chatlearn.logging.console import info
 from chatlearn.logging.metrics import summary_line
 from chatlearn.logging.perf import peak_memory
 from chatlearn.logging.progress import RunProgress
