@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from chatlearn.algorithms import gae  # noqa: F401  (registers "gae", PPO's per-token estimator)
+from chatlearn.algorithms.response import (  # noqa: F401  (re-exported: where the loss modules and the trainers look)
+    WHITEN_EPS,
+    loss_token_counts,
+    response_mask,
+)
 from chatlearn.config import registry
-
-WHITEN_EPS = 1e-8
 
 # the names are declared in chatlearn.config.registry (what the config accepts); the functions
 # registered below implement them
@@ -22,28 +26,6 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
 # driver adds up over an episode's first optimizer steps: the sums of |logp - rollout_logp| and of the
 # mismatch KL term, their count, and the largest difference
 ROLLOUT_MISMATCH = ("rollout_diff_sum", "rollout_kl_sum", "rollout_tokens", "rollout_diff_max")
-
-
-# ---------------------------------------------------------------------------- response tokens
-def response_mask(batch: dict) -> np.ndarray:
-    """bool [T]: True on the response tokens a loss or a log-prob covers (the model's own: not the
-    prompt, not the observations a multi-turn rollout appended, where ``loss_mask`` is 0)."""
-    off, plen = batch["offsets"], batch["prompt_lens"]
-    mask = np.zeros(int(off[-1]), dtype=bool)
-    for i in range(len(plen)):
-        mask[int(off[i] + plen[i]):int(off[i + 1])] = True
-    if "loss_mask" in batch:
-        mask &= np.asarray(batch["loss_mask"], dtype=bool)
-    return mask
-
-
-def loss_token_counts(batch: dict) -> np.ndarray:
-    """int64 [N]: per sample, the response tokens a loss covers (see :func:`response_mask`)."""
-    off = np.asarray(batch["offsets"], dtype=np.int64)
-    if "loss_mask" not in batch:
-        return np.diff(off) - np.asarray(batch["prompt_lens"], dtype=np.int64)
-    cum = np.concatenate([[0], np.cumsum(response_mask(batch), dtype=np.int64)])
-    return cum[off[1:]] - cum[off[:-1]]
 
 
 # ---------------------------------------------------------------------------- advantages
@@ -236,6 +218,3 @@ def fill_groups(rounds: list[np.ndarray], needed: int) -> list[tuple[int, int]]:
         rest = [(k, int(g)) for k, r in enumerate(rounds) for g in np.flatnonzero(~np.asarray(r))]
         kept += rest[:needed - len(kept)]
     return kept
-
-
-from chatlearn.algorithms import gae as _gae  # noqa: E402,F401  (registers "gae"; it imports this module's helpers)
