@@ -198,6 +198,9 @@ class TrainerModel(ModelBase):
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     use_group_sequence_policy: bool = False  # GSPO: sequence-level importance ratio
+    # vanilla (PPO's clipped surrogate, token ratio) | gspo (sequence ratio) | a plugged name (runtime_args.plugins);
+    # null: gspo with use_group_sequence_policy, else vanilla
+    policy_loss: Optional[str] = None
     clip_ratio_c: Optional[float] = None  # dual clip bound (> 1) for negative advantages; None: off
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl

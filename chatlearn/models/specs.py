@@ -23,6 +23,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from chatlearn.config.algorithm_keys import resolve_policy_loss
 from chatlearn.config.plan import resolve_schedule
 from chatlearn.config.reward_entries import resolve_entries
 
@@ -103,7 +104,8 @@ class TrainerSpec(_Spec):
     pos_clip_ratio: float
     neg_clip_ratio: float
     clip_ratio_c: Optional[float]
-    use_group_sequence_policy: bool
+    # the policy loss's name in chatlearn.config.registry.POLICY_LOSSES (resolved: use_group_sequence_policy is gspo)
+    policy_loss: str
     loss_agg_mode: str
     max_response_tokens_length: int
     kl_coef: float
@@ -156,7 +158,7 @@ class TrainerSpec(_Spec):
             logprob_chunk_tokens=t.logprob_chunk_tokens,
             share_prompt=False if rt.train_backend == "megatron" else t.share_prompt, pos_clip_ratio=t.pos_clip_ratio,
             neg_clip_ratio=t.neg_clip_ratio, clip_ratio_c=pt.clip_ratio_c,
-            use_group_sequence_policy=pt.use_group_sequence_policy, loss_agg_mode=pt.loss_agg_mode,
+            policy_loss=resolve_policy_loss(pt), loss_agg_mode=pt.loss_agg_mode,
             max_response_tokens_length=cfg.models.policy.max_response_tokens_length, kl_coef=t.kl_coef,
             kl_estimator=pt.kl_estimator, kl_in_reward=pt.kl_in_reward, entropy_coef=t.entropy_coef,
             old_logprobs=pt.old_logprobs, rollout_correction=plan.rollout_correction,
