@@ -52,6 +52,11 @@ class RuntimeArgs:
     debug: bool = False  # show full tracebacks for user errors
     nsys: bool = False  # GPU profiling switch (accepted, not used on CPU)
     seed: int = 1234  # data order; model seeds default to it
+    # The user's modules that register advantage estimators, policy losses and KL estimators of their own
+    # (chatlearn.plugins): module names (my_pkg.my_rl, found from the directory chatlearn runs from and PYTHONPATH)
+    # or files (path/to/my_rl.py, relative to that directory); imported in the driver before validation and in
+    # every trainer process before it builds its model
+    plugins: List[str] = field(default_factory=list)
     # paths
     output_dir: str = MISSING
     profiler_dir: Optional[str] = None

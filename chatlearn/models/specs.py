@@ -132,6 +132,10 @@ class TrainerSpec(_Spec):
     sequence_parallel: bool
     use_distributed_optimizer: bool
     lora: Optional[LoraSpec]  # policy_trainer's adapters (models.policy_trainer.lora); None: full fine-tuning
+    # runtime_args.plugins and the directory they are found from (the driver's): the worker imports them before it
+    # builds the backend, so that a plugged policy loss or KL estimator is registered where the loss runs
+    plugins: tuple
+    plugins_dir: str
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
@@ -169,7 +173,8 @@ class TrainerSpec(_Spec):
             tensor_model_parallel_size=t.tensor_model_parallel_size,
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
             use_distributed_optimizer=t.use_distributed_optimizer,
-            lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None)
+            lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None,
+            plugins=tuple(rt.plugins), plugins_dir=os.getcwd())
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ TRAINER_DEFAULTS = dict(
     cliprange_value=0.5, value_loss_coef=0.5,
     gradient_checkpointing=False, recompute_granularity=None, bf16=False, meta_init=False,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
-    use_distributed_optimizer=False, lora=None)
+    use_distributed_optimizer=False, lora=None, plugins=(), plugins_dir="")
 
 ROLLOUT_DEFAULTS = dict(
     trust_remote_code=False, seed=1234, generation_batch_size=8, max_prompt_tokens_length=32,
