@@ -59,16 +59,9 @@ def validate_algorithm(cfg, total_steps: int) -> None:
                           key=f"{key}.lr_warmup_iters")
 
 
-def resolve_policy_loss(t) -> str:
-    """The policy loss ``models.policy_trainer`` (``t``) trains with: ``policy_loss``, or with it null ``gspo``
-    where ``use_group_sequence_policy`` is set and ``vanilla`` elsewhere."""
-    if t.policy_loss is not None:
-        return t.policy_loss
-    return "gspo" if t.use_group_sequence_policy else "vanilla"
-
-
 def _check_policy_loss(t) -> None:
-    """``policy_loss`` is a declared or plugged name, and agrees with ``use_group_sequence_policy``."""
+    """``policy_loss`` is a declared or plugged name, and agrees with ``use_group_sequence_policy`` (null follows
+    it: :func:`chatlearn.models.specs.resolve_policy_loss`)."""
     if t.policy_loss is None:
         return
     _plugged_choice(t.policy_loss, POLICY_LOSSES, f"{PREFIX}.policy_loss")

@@ -23,7 +23,6 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from chatlearn.config.algorithm_keys import resolve_policy_loss
 from chatlearn.config.plan import resolve_schedule
 from chatlearn.config.reward_entries import resolve_entries
 
@@ -65,6 +64,15 @@ class LoraSpec(_Spec):
 
 # models.*.recompute_granularity as the config spells it -> as megatron-core does
 RECOMPUTE = {None: None, "full": "full", "sel": "selective", "selective": "selective"}
+
+
+def resolve_policy_loss(t) -> str:
+    """The policy loss ``models.policy_trainer`` (``t``) trains with: ``policy_loss``, or with it null ``gspo``
+    where ``use_group_sequence_policy`` is set (GSPO's switch before the policy losses had names) and ``vanilla``
+    elsewhere."""
+    if t.policy_loss is not None:
+        return t.policy_loss
+    return "gspo" if t.use_group_sequence_policy else "vanilla"
 
 
 @dataclass(frozen=True)
