@@ -33,6 +33,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     # config accepts (registry.py) and the checks validation runs on files it names (data paths,
     # model folders, checkpoint manifests, reward functions)
     "config": {BASE},
+    # chatlearn/plugins.py: the decorators users' plugin modules import (registry.py's pluggable registries)
+    "plugins": {"config", BASE},
     # GRPO's math (advantages, losses, KL), the learning-rate schedule: registers its
     # implementations under the names config/registry.py declares
     "algorithms": {"config", BASE},

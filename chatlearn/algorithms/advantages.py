@@ -8,42 +8,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from chatlearn.algorithms import gae  # noqa: F401  (registers "gae", PPO's per-token estimator)
+from chatlearn.algorithms.response import (  # noqa: F401  (re-exported: where the loss modules and the trainers look)
+    WHITEN_EPS,
+    loss_token_counts,
+    response_mask,
+)
 from chatlearn.config import registry
-
-WHITEN_EPS = 1e-8
+from chatlearn.errors import UserError
 
 # the names are declared in chatlearn.config.registry (what the config accepts); the functions
 # registered below implement them
-ADVANTAGE_ESTIMATORS = registry.ADVANTAGE_ESTIMATORS.names
+ADVANTAGE_ESTIMATORS = registry.ADVANTAGE_ESTIMATORS.declared
 # the group-relative ones, implemented here; gae (PPO: per-token, from a critic) is chatlearn.algorithms.gae's
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")
+# the declared ones that give per-token advantages instead (chatlearn.algorithms.gae); every other name, a plugged
+# one too, is called by compute_advantages as the group-relative ones are
+PER_TOKEN_ESTIMATORS = ("gae",)
 
 # the names of the loss's rollout-mismatch sums (chatlearn.algorithms.grpo.loss_metrics) that the
 # driver adds up over an episode's first optimizer steps: the sums of |logp - rollout_logp| and of the
 # mismatch KL term, their count, and the largest difference
 ROLLOUT_MISMATCH = ("rollout_diff_sum", "rollout_kl_sum", "rollout_tokens", "rollout_diff_max")
-
-
-# ---------------------------------------------------------------------------- response tokens
-def response_mask(batch: dict) -> np.ndarray:
-    """bool [T]: True on the response tokens a loss or a log-prob covers (the model's own: not the
-    prompt, not the observations a multi-turn rollout appended, where ``loss_mask`` is 0)."""
-    off, plen = batch["offsets"], batch["prompt_lens"]
-    mask = np.zeros(int(off[-1]), dtype=bool)
-    for i in range(len(plen)):
-        mask[int(off[i] + plen[i]):int(off[i + 1])] = True
-    if "loss_mask" in batch:
-        mask &= np.asarray(batch["loss_mask"], dtype=bool)
-    return mask
-
-
-def loss_token_counts(batch: dict) -> np.ndarray:
-    """int64 [N]: per sample, the response tokens a loss covers (see :func:`response_mask`)."""
-    off = np.asarray(batch["offsets"], dtype=np.int64)
-    if "loss_mask" not in batch:
-        return np.diff(off) - np.asarray(batch["prompt_lens"], dtype=np.int64)
-    cum = np.concatenate([[0], np.cumsum(response_mask(batch), dtype=np.int64)])
-    return cum[off[1:]] - cum[off[:-1]]
 
 
 # ---------------------------------------------------------------------------- advantages
@@ -96,20 +82,28 @@ def compute_advantages(rewards: np.ndarray, group_size: int, estimator: str,
       whitened over the batch's response tokens as verl's ``masked_whiten``:
       A_i = (x_i - mu) / sqrt(var + 1e-8), mu and var the token-weighted (n_i = response
       length) mean and unbiased variance of the kept samples.
+    - a plugged one (``runtime_args.plugins``, :func:`chatlearn.plugins.register_advantage_estimator`): its
+      function, called and used exactly as the built-ins' below.
     """
-    if estimator not in GROUP_ESTIMATORS:
+    if estimator in PER_TOKEN_ESTIMATORS:
         raise ValueError(f"advantage estimator {estimator!r} is not group-relative: it gives per-token advantages "
                          "from a critic's values (chatlearn.algorithms.gae.episode_gae)")
     g = _groups(rewards, group_size)
     keep = np.asarray(sample_weights, dtype=np.float64) > 0
     r = g.reshape(-1)
     mean = np.repeat(g.mean(axis=1), group_size)
-    adv = registry.ADVANTAGE_ESTIMATORS.get(estimator)(r, mean, group_size, response_lens, keep)
+    adv = np.asarray(registry.ADVANTAGE_ESTIMATORS.get(estimator)(r, mean, group_size, response_lens, keep),
+                     dtype=np.float64)
+    if adv.shape != r.shape:
+        raise UserError(f"advantage estimator {estimator!r} returned an array of shape {adv.shape} for {r.size} "
+                        f"samples. Return one advantage per sample (float [{r.size}], in the samples' order): see "
+                        "chatlearn.plugins.register_advantage_estimator.")
     return np.where(keep, adv, 0.0).astype(np.float32)
 
 
-# Each estimator: (rewards float64 [N], group means repeated [N], group_size, response_lens,
-# keep bool [N]) -> float64 [N] (before the filtered samples are zeroed).
+# Each estimator (the built-ins below, and a plugged one: chatlearn.plugins.register_advantage_estimator):
+# (rewards float64 [N], group means repeated [N], group_size, response_lens, keep bool [N]) -> float64 [N]
+# (before the filtered samples are zeroed).
 @registry.ADVANTAGE_ESTIMATORS.register("grpo")
 def _grpo(r, mean, group_size, response_lens, keep):
     return group_advantages(r, group_size).astype(np.float64)
@@ -236,6 +230,3 @@ def fill_groups(rounds: list[np.ndarray], needed: int) -> list[tuple[int, int]]:
         rest = [(k, int(g)) for k, r in enumerate(rounds) for g in np.flatnonzero(~np.asarray(r))]
         kept += rest[:needed - len(kept)]
     return kept
-
-
-from chatlearn.algorithms import gae as _gae  # noqa: E402,F401  (registers "gae"; it imports this module's helpers)

@@ -3,7 +3,7 @@ each sample's response tokens, the masked whitening of the advantages and the cr
 The driver computes these; this module imports neither torch nor the loss module.
 
 Every per-token array is aligned with ``batch["tokens"]`` (length T = ``offsets[-1]``). The tokens a
-sample's recursion runs over are the ones :func:`~chatlearn.algorithms.advantages.response_mask`
+sample's recursion runs over are the ones :func:`~chatlearn.algorithms.response.response_mask`
 covers: its response tokens less the observations a multi-turn rollout appended (``loss_mask`` 0).
 Those observations are skipped entirely, as verl's multi-turn ``compute_gae_advantage_return``: they
 neither add a TD error nor break the chain, which runs over the subsequence of covered tokens.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from chatlearn.algorithms.advantages import WHITEN_EPS, response_mask
+from chatlearn.algorithms.response import WHITEN_EPS, response_mask
 from chatlearn.config import registry
 
 

@@ -25,6 +25,7 @@ GSPO_LOG_RATIO_MAX = 10.0
 # the names are declared in chatlearn.config.registry (what the config accepts); the functions
 # registered below implement them
 LOSS_AGG_MODES = registry.LOSS_AGG_MODES.names
+POLICY_LOSSES = registry.POLICY_LOSSES.declared
 
 
 # ---------------------------------------------------------------------------- policy losses
@@ -80,6 +81,33 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     negative = advantages < 0
     clipped_lower = negative & (loss > bound)
     return torch.where(negative, torch.minimum(loss, bound), loss), clipped, clipped_lower
+
+
+# Each policy loss (the built-ins below, and a plugged one: chatlearn.plugins.register_policy_loss):
+# (logp, old_logp, advantages, seq, spec) -> (loss, clipped, clipped_lower, ratio), each shaped like logp: see
+# grpo_token_losses, which calls it.
+@registry.POLICY_LOSSES.register("vanilla")
+def vanilla_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor,
+                        spec):
+    """PPO's clipped surrogate with the token ratio (:func:`policy_loss` without ``seq``; verl ``vanilla``)."""
+    return _clipped(logp, old_logp, advantages, None, spec)
+
+
+@registry.POLICY_LOSSES.register("gspo")
+def gspo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor,
+                     spec):
+    """GSPO: the clipped surrogate with the sequence-level ratio (:func:`policy_loss` with ``seq``; verl
+    ``gspo``)."""
+    return _clipped(logp, old_logp, advantages, seq, spec)
+
+
+def _clipped(logp, old_logp, advantages, seq, spec):
+    """:func:`policy_loss` with the spec's clip settings, and the ratio it clips, detached."""
+    loss, clipped, clipped_lower = policy_loss(logp, old_logp, advantages, spec.pos_clip_ratio,
+                                               spec.neg_clip_ratio, spec.clip_ratio_c, seq)
+    with torch.no_grad():
+        ratio = importance_ratio(logp, old_logp, seq)
+    return loss, clipped, clipped_lower, ratio
 
 
 # ---------------------------------------------------------------------------- rollout correction
@@ -195,20 +223,22 @@ def grpo_token_losses(spec, logp: torch.Tensor, old_logp: torch.Tensor,
                       advantages: torch.Tensor, seq: torch.Tensor,
                       ref_logp: torch.Tensor | None, entropy: torch.Tensor | None,
                       is_weight: torch.Tensor | None = None) -> dict:
-    """The per-token terms of the trainers' loss, from the fields pos_clip_ratio, neg_clip_ratio,
-    clip_ratio_c, use_group_sequence_policy, kl_coef, kl_estimator, kl_in_reward and entropy_coef of
-    ``spec`` (the trainer's :class:`chatlearn.models.specs.TrainerSpec`, read as attributes):
+    """The per-token terms of the trainers' loss, from the fields policy_loss (and the clip settings it
+    reads), kl_coef, kl_estimator, kl_in_reward and entropy_coef of ``spec`` (the trainer's
+    :class:`chatlearn.models.specs.TrainerSpec`, read as attributes):
 
         loss_t = w_t * pg_t + kl_coef * kl_t * [not kl_in_reward] - entropy_coef * H_t
 
-    (pg_t from :func:`policy_loss`, kl_t from :func:`kl_penalty`, w_t the detached rollout
+    (pg_t from the policy loss ``spec.policy_loss`` of :data:`~chatlearn.config.registry.POLICY_LOSSES`:
+    :func:`vanilla_policy_loss`, :func:`gspo_policy_loss` or a plugged one, called as
+    ``(logp, old_logp, advantages, seq, spec)``; kl_t from :func:`kl_penalty`, w_t the detached rollout
     correction weight ``is_weight`` of :func:`rollout_is_weights`, 1 without it). Returns tensors
     ``loss, pg (weighted), kl (or None without ref_logp), clipped, clipped_lower`` and ``ratio``
     (the importance ratio the loss clips, detached: for the ``ratio_mean`` metric).
     """
-    pg, clipped, clipped_lower = policy_loss(
-        logp, old_logp, advantages, spec.pos_clip_ratio, spec.neg_clip_ratio,
-        spec.clip_ratio_c, seq if spec.use_group_sequence_policy else None)
+    pg, clipped, clipped_lower, ratio = registry.POLICY_LOSSES.get(spec.policy_loss)(
+        logp, old_logp, advantages, seq, spec)
+    ratio = ratio.detach()  # a metric (a plugged loss may hand back the ratio it differentiates)
     if is_weight is not None:
         pg = pg * is_weight.detach()
     loss = pg
@@ -217,8 +247,6 @@ def grpo_token_losses(spec, logp: torch.Tensor, old_logp: torch.Tensor,
         loss = loss + spec.kl_coef * kl
     if spec.entropy_coef > 0:
         loss = loss - spec.entropy_coef * entropy
-    with torch.no_grad():
-        ratio = importance_ratio(logp, old_logp, seq if spec.use_group_sequence_policy else None)
     return {"loss": loss, "pg": pg, "kl": kl, "clipped": clipped, "clipped_lower": clipped_lower, "ratio": ratio}
 
 

@@ -14,7 +14,7 @@ LOW_VAR_KL_CLAMP = 10.0
 
 # the names are declared in chatlearn.config.registry (what the config accepts); the functions
 # registered below implement them
-KL_ESTIMATORS = registry.KL_ESTIMATORS.names
+KL_ESTIMATORS = registry.KL_ESTIMATORS.declared
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:

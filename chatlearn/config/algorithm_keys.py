@@ -3,11 +3,13 @@ learning-rate schedule); called by ``chatlearn.config.load.validate``. The names
 :mod:`chatlearn.config.registry` (chatlearn.algorithms implements them)."""
 from __future__ import annotations
 
+import difflib
+
 from chatlearn.config.checks import choice as _choice
 from chatlearn.config.plan import resolve_rollout_correction, resolve_schedule
 from chatlearn.config.schema import PolicyTrainer, Reward, RuntimeArgs
 from chatlearn.config.registry import (ADVANTAGE_ESTIMATORS, GROUP_BASELINE_ESTIMATORS, KL_ESTIMATORS,
-                                       LOSS_AGG_MODES, LR_DECAY_STYLES)
+                                       LOSS_AGG_MODES, LR_DECAY_STYLES, POLICY_LOSSES, Registry)
 from chatlearn.errors import ConfigError
 
 PREFIX = "models.policy_trainer"
@@ -21,8 +23,9 @@ def validate_algorithm(cfg, total_steps: int) -> None:
     ``total_steps``: the run's optimizer steps (num_episode x steps per episode)."""
     t = cfg.models.policy_trainer
     _choice(t.loss_agg_mode, LOSS_AGG_MODES.names, f"{PREFIX}.loss_agg_mode")
-    _choice(t.kl_estimator, KL_ESTIMATORS.names, f"{PREFIX}.kl_estimator")
-    _choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS.names, f"{PREFIX}.advantage_estimator")
+    _plugged_choice(t.kl_estimator, KL_ESTIMATORS, f"{PREFIX}.kl_estimator")
+    _plugged_choice(t.advantage_estimator, ADVANTAGE_ESTIMATORS, f"{PREFIX}.advantage_estimator")
+    _check_policy_loss(t)
     _choice(t.old_logprobs, OLD_LOGPROB_SOURCES, f"{PREFIX}.old_logprobs")
     _check_rollout_correction(t, cfg.runtime_args.max_staleness > 0)
     _check_dapo(cfg)
@@ -54,6 +57,32 @@ def validate_algorithm(cfg, total_steps: int) -> None:
                           f"(lr_decay_iters: {decay} steps) for lr_decay_style {opt.lr_decay_style!r}. Lower "
                           "lr_warmup_iters / lr_warmup_fraction or raise lr_decay_iters.",
                           key=f"{key}.lr_warmup_iters")
+
+
+def _check_policy_loss(t) -> None:
+    """``policy_loss`` is a declared or plugged name, and agrees with ``use_group_sequence_policy`` (null follows
+    it: :func:`chatlearn.models.specs.resolve_policy_loss`)."""
+    if t.policy_loss is None:
+        return
+    _plugged_choice(t.policy_loss, POLICY_LOSSES, f"{PREFIX}.policy_loss")
+    if t.use_group_sequence_policy and t.policy_loss != "gspo":
+        raise ConfigError(f"is {t.policy_loss!r}, but {PREFIX}.use_group_sequence_policy: true asks for GSPO's "
+                          "sequence-level ratio (policy_loss: gspo). Set one of the two: policy_loss alone, or "
+                          "use_group_sequence_policy: true with policy_loss null.", key=f"{PREFIX}.policy_loss")
+
+
+def _plugged_choice(value, registry: Registry, key: str) -> None:
+    """``value`` is one of the registry's names, built in or plugged (the nearest one suggested otherwise; the
+    message says how to add one of the user's own)."""
+    if value in registry:
+        return
+    guess = difflib.get_close_matches(str(value), registry.names, n=1)
+    hint = f" Did you mean {guess[0]!r}?" if guess else ""
+    plugged = registry.plugged()
+    mine = f"; plugged in by runtime_args.plugins: {', '.join(plugged)}" if plugged else ""
+    raise ConfigError(f"{value!r} is not one of the {registry.kind}s (built in: {', '.join(registry.declared)}{mine})."
+                      f"{hint} Fix the name, or register your own {registry.kind} in a module named in "
+                      "runtime_args.plugins (docs/architecture.md, \"Plugins\").", key=key)
 
 
 def _check_group_size(t, group: int) -> None:

@@ -1,6 +1,7 @@
 """The algorithms a run can train with, each declared once: ``models.policy_trainer.algorithm``.
 
-An algorithm's declaration says which kinds of model it needs besides the rollout engine, the
+An algorithm's declaration (``AlgorithmDecl`` in ``ALGORITHMS``, chatlearn/config/registry.py; a plugin
+adds one with ``chatlearn.plugins.register_algorithm``) says which kinds of model it needs besides the rollout engine, the
 policy trainer and the reward (``critic`` for PPO), which advantage estimators it takes, and the
 ``"module:function"`` that builds it in the driver (:mod:`chatlearn.runtime.driver.algorithm`
 composes GRPO and PPO from shared parts). Validation, the plan and the comparison of a resumed
@@ -13,39 +14,21 @@ trains with ``gae``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from chatlearn.config.registry import ADVANTAGE_ESTIMATORS, Registry
+from chatlearn.config.registry import ADVANTAGE_ESTIMATORS, ALGORITHMS, AlgorithmDecl
 from chatlearn.errors import ConfigError
 
 KEY = "models.policy_trainer.algorithm"
 ESTIMATOR_KEY = "models.policy_trainer.advantage_estimator"
 
 
-@dataclass(frozen=True)
-class AlgorithmDecl:
-    name: str
-    # the kinds of model it needs beside the rollout engine, the policy trainer, the reference (with a KL
-    # term) and the reward (chatlearn/config/kinds.py)
-    needs: tuple[str, ...]
-    # the advantage estimators it claims as its own (its first is its default); None: any estimator that no
-    # other algorithm claims (the group-relative ones, and those a plugin registers)
-    estimators: tuple[str, ...] | None
-    build: str  # "module:function" building the driver's Algorithm(cfg, plan, calls, steps)
-    doc: str  # one line: what it is
-
-    def takes(self, estimator: str) -> bool:
-        if self.estimators is not None:
-            return estimator in self.estimators
-        return claimant(estimator) is None
+def takes(decl: AlgorithmDecl, estimator: str) -> bool:
+    """Whether algorithm ``decl`` trains with advantage estimator ``estimator``: one it claims, or (claiming
+    none) one that no other algorithm claims."""
+    if decl.estimators is not None:
+        return estimator in decl.estimators
+    return claimant(estimator) is None
 
 
-ALGORITHMS = Registry("algorithm", {
-    "grpo": AlgorithmDecl("grpo", (), None, "chatlearn.runtime.driver.algorithm:grpo",
-                          "group-relative policy optimization (and its family: Dr. GRPO, RLOO, REINFORCE++, DAPO, GSPO)"),
-    "ppo": AlgorithmDecl("ppo", ("critic",), ("gae",), "chatlearn.runtime.driver.algorithm:ppo",
-                         "PPO with a critic (models.critic) and GAE advantages"),
-}, declared_as="ALGORITHMS")
 DEFAULT = "grpo"
 
 
@@ -85,13 +68,13 @@ def resolve_algorithm(cfg, user_keys: frozenset) -> AlgorithmDecl:
         decl = ALGORITHMS.get(t.algorithm)
     except ValueError as err:
         raise ConfigError(f"{err} (null: inferred from advantage_estimator).", key=KEY) from None
-    if not decl.takes(t.advantage_estimator):
+    if not takes(decl, t.advantage_estimator):
         if ESTIMATOR_KEY not in user_keys and decl.estimators is not None:
             t.advantage_estimator = decl.estimators[0]
             return decl
         own = (f"its estimator is {' or '.join(decl.estimators)}" if decl.estimators is not None
                else f"{t.advantage_estimator} is {claimant(t.advantage_estimator).name}'s")
-        others = [n for n in ADVANTAGE_ESTIMATORS if decl.takes(n)]
+        others = [n for n in ADVANTAGE_ESTIMATORS if takes(decl, n)]
         raise ConfigError(f"is {t.algorithm!r}, but advantage_estimator is {t.advantage_estimator!r}: {own}. Set "
                           f"advantage_estimator to one of {', '.join(others)}, or remove algorithm (null: inferred "
                           "from the estimator).", key=ESTIMATOR_KEY)

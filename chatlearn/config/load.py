@@ -30,6 +30,7 @@ from chatlearn.config.lora_keys import check_lora
 from chatlearn.config.manifest import manifest_problems
 from chatlearn.config.model_shapes import shape_mismatch
 from chatlearn.config.plan import Plan, make_plan
+from chatlearn.config.plugins import load_plugins
 from chatlearn.config.ppo_keys import check_ppo, check_reward_model_folder, check_reward_model_keys, uses_critic
 from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
 from chatlearn.config.reward_entries import check_functions
@@ -260,6 +261,8 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     _check_finite(OmegaConf.to_container(cfg, resolve=True), "")  # first: later checks compare numbers
     _check_backends(cfg.runtime_args)
     _check_runtime(cfg.runtime_args)
+    # the user's modules register their names before any check reads a registry (runtime_args.plugins)
+    load_plugins(cfg.runtime_args.plugins, base_dir=os.getcwd())
     check_kinds(cfg)
     resolve_algorithm(cfg, user_keys)
     _check_model_sections(cfg)

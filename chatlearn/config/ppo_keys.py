@@ -15,7 +15,8 @@ from chatlearn.errors import ConfigError
 PT = "models.policy_trainer"
 # keys of models.critic that only the policy's loss reads: set on the critic they would do nothing
 POLICY_LOSS_KEYS = ("pos_clip_ratio", "neg_clip_ratio", "clip_ratio_c", "entropy_coef", "kl_coef", "kl_estimator",
-                    "kl_in_reward", "use_group_sequence_policy", "advantage_estimator", "filter_equal_groups")
+                    "kl_in_reward", "use_group_sequence_policy", "policy_loss", "advantage_estimator",
+                    "filter_equal_groups")
 PPO_KEYS = ("gamma", "lam", "whiten_advantages")
 REWARD_MODEL_KEYS = ("model_weight", "model_normalize", "model_micro_batch_size", "bf16")
 NORMALIZATIONS = ("none", "batch")

@@ -52,6 +52,11 @@ class RuntimeArgs:
     debug: bool = False  # show full tracebacks for user errors
     nsys: bool = False  # GPU profiling switch (accepted, not used on CPU)
     seed: int = 1234  # data order; model seeds default to it
+    # The user's modules that register advantage estimators, policy losses and KL estimators of their own
+    # (chatlearn.plugins): module names (my_pkg.my_rl, found from the directory chatlearn runs from and PYTHONPATH)
+    # or files (path/to/my_rl.py, relative to that directory); imported in the driver before validation and in
+    # every trainer process before it builds its model
+    plugins: List[str] = field(default_factory=list)
     # paths
     output_dir: str = MISSING
     profiler_dir: Optional[str] = None
@@ -201,6 +206,9 @@ class TrainerModel(ModelBase):
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     use_group_sequence_policy: bool = False  # GSPO: sequence-level importance ratio
+    # vanilla (PPO's clipped surrogate, token ratio) | gspo (sequence ratio) | a plugged name (runtime_args.plugins);
+    # null: gspo with use_group_sequence_policy, else vanilla
+    policy_loss: Optional[str] = None
     clip_ratio_c: Optional[float] = None  # dual clip bound (> 1) for negative advantages; None: off
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl

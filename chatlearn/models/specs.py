@@ -65,6 +65,15 @@ class LoraSpec(_Spec):
 RECOMPUTE = {None: None, "full": "full", "sel": "selective", "selective": "selective"}
 
 
+def resolve_policy_loss(t) -> str:
+    """The policy loss ``models.policy_trainer`` (``t``) trains with: ``policy_loss``, or with it null ``gspo``
+    where ``use_group_sequence_policy`` is set (GSPO's switch before the policy losses had names) and ``vanilla``
+    elsewhere."""
+    if t.policy_loss is not None:
+        return t.policy_loss
+    return "gspo" if t.use_group_sequence_policy else "vanilla"
+
+
 @dataclass(frozen=True)
 class TrainerSpec(_Spec):
     """``policy_trainer`` / ``ref_policy`` on the FSDP2 or Megatron backend."""
@@ -102,7 +111,8 @@ class TrainerSpec(_Spec):
     pos_clip_ratio: float
     neg_clip_ratio: float
     clip_ratio_c: Optional[float]
-    use_group_sequence_policy: bool
+    # the policy loss's name in chatlearn.config.registry.POLICY_LOSSES (resolved: use_group_sequence_policy is gspo)
+    policy_loss: str
     loss_agg_mode: str
     max_response_tokens_length: int
     kl_coef: float
@@ -129,6 +139,10 @@ class TrainerSpec(_Spec):
     sequence_parallel: bool
     use_distributed_optimizer: bool
     lora: Optional[LoraSpec]  # policy_trainer's adapters (models.policy_trainer.lora); None: full fine-tuning
+    # runtime_args.plugins and the directory they are found from (the driver's): the worker imports them before it
+    # builds the backend, so that a plugged policy loss or KL estimator is registered where the loss runs
+    plugins: tuple
+    plugins_dir: str
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
@@ -155,7 +169,7 @@ class TrainerSpec(_Spec):
             logprob_chunk_tokens=t.logprob_chunk_tokens,
             share_prompt=False if rt.train_backend == "megatron" else t.share_prompt, pos_clip_ratio=t.pos_clip_ratio,
             neg_clip_ratio=t.neg_clip_ratio, clip_ratio_c=pt.clip_ratio_c,
-            use_group_sequence_policy=pt.use_group_sequence_policy, loss_agg_mode=pt.loss_agg_mode,
+            policy_loss=resolve_policy_loss(pt), loss_agg_mode=pt.loss_agg_mode,
             max_response_tokens_length=cfg.models.policy.max_response_tokens_length, kl_coef=t.kl_coef,
             kl_estimator=pt.kl_estimator, kl_in_reward=pt.kl_in_reward, entropy_coef=t.entropy_coef,
             old_logprobs=pt.old_logprobs, rollout_correction=plan.rollout_correction,
@@ -166,7 +180,8 @@ class TrainerSpec(_Spec):
             tensor_model_parallel_size=t.tensor_model_parallel_size,
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
             use_distributed_optimizer=t.use_distributed_optimizer,
-            lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None)
+            lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None,
+            plugins=tuple(rt.plugins), plugins_dir=os.getcwd())
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,7 @@ def test_loss_aggregation_matches_padded_reference(mode):
 def _grpo_spec(**over):
     """A trainer spec for the loss alone (its loss fields set here)."""
     return trainer_spec(**{**dict(pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=3.0,
-                                  use_group_sequence_policy=False, kl_coef=0.1, kl_estimator="k3",
+                                  policy_loss="vanilla", kl_coef=0.1, kl_estimator="k3",
                                   kl_in_reward=False, entropy_coef=0.01, loss_agg_mode="token-mean",
                                   max_response_tokens_length=10, old_logprobs="auto", rollout_correction="none",
                                   rollout_correction_level="token", rollout_is_threshold=2.0,
@@ -210,7 +210,7 @@ def test_without_old_logprobs_the_forward_stands_for_them(gspo):
     batch = {"offsets": offsets, "prompt_lens": plen, "ref_logprobs": rng.normal(-1, 0.3, T).astype(np.float32),
              "advantages": rng.normal(size=8).astype(np.float32),
              "sample_weights": np.array([1, 0, 1, 1, 1, 1, 0, 1], np.float32)}
-    spec = _grpo_spec(use_group_sequence_policy=gspo, entropy_coef=0.0)
+    spec = _grpo_spec(policy_loss="gspo" if gspo else "vanilla", entropy_coef=0.0)
     own = GRPOLoss(spec, dict(batch, rollout_logprobs=rollout), torch.device("cpu"))
     given = GRPOLoss(spec, dict(batch, old_logprobs=logp_np), torch.device("cpu"))
     assert own.tracks_rollout and not given.tracks_rollout
@@ -259,7 +259,7 @@ def test_rank_and_micro_batch_partial_sums_add_up_to_the_global_loss(mode, gspo)
              "ref_logprobs": rng.normal(-1, 0.3, T).astype(np.float32),
              "advantages": rng.normal(size=8).astype(np.float32),
              "sample_weights": np.array([1, 0, 1, 1, 1, 1, 0, 1], np.float32)}
-    spec = _grpo_spec(loss_agg_mode=mode, use_group_sequence_policy=gspo)
+    spec = _grpo_spec(loss_agg_mode=mode, policy_loss="gspo" if gspo else "vanilla")
     objective = GRPOLoss(spec, batch, torch.device("cpu"))
     logp_all = torch.tensor(rng.normal(-1, 0.3, T), dtype=torch.float32, requires_grad=True)
     ent_all = torch.tensor(rng.uniform(0, 2, T), dtype=torch.float32)

@@ -4,16 +4,22 @@ import math
 import numpy as np
 import pytest
 import torch
+from backend_specs import trainer_spec
 
 from chatlearn.algorithms.advantages import group_advantages
 from chatlearn.algorithms.grpo import (
     entropy_from_logits,
+    grpo_token_losses,
+    gspo_policy_loss,
+    importance_ratio,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
     policy_loss,
+    vanilla_policy_loss,
 )
-from chatlearn.algorithms.kl import kl_k3
+from chatlearn.algorithms.kl import kl_k3, kl_penalty
+from chatlearn.config import registry
 
 
 def ref_group_advantages(rewards, group_size, eps=1e-6):
@@ -114,3 +120,39 @@ def test_masked_sum_and_mean():
     assert masked_sum(values, mask).item() == 4.0
     assert masked_mean(values, mask).item() == 2.0
     assert masked_mean(values, torch.zeros(4, dtype=torch.bool)).item() == 0.0
+
+
+def _terms_before_the_registry(spec, logp, old_logp, advantages, seq, ref_logp, entropy, gspo):
+    """grpo_token_losses as it was before the policy losses were a registry (the switch
+    use_group_sequence_policy), verbatim but for that switch given as ``gspo``."""
+    pg, clipped, clipped_lower = policy_loss(logp, old_logp, advantages, spec.pos_clip_ratio, spec.neg_clip_ratio,
+                                             spec.clip_ratio_c, seq if gspo else None)
+    loss = pg + spec.kl_coef * kl_penalty(logp, ref_logp, spec.kl_estimator) - spec.entropy_coef * entropy
+    with torch.no_grad():
+        ratio = importance_ratio(logp, old_logp, seq if gspo else None)
+    return {"loss": loss, "pg": pg, "clipped": clipped, "clipped_lower": clipped_lower, "ratio": ratio}
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo"])
+@pytest.mark.parametrize("clip_ratio_c", [None, 3.0])
+def test_the_registered_policy_losses_give_the_losses_of_before_bit_for_bit(name, clip_ratio_c):
+    rng = np.random.default_rng(11)
+    seq = torch.from_numpy(np.repeat(np.arange(5), [3, 1, 6, 2, 4]))
+    m = seq.numel()
+    old = torch.tensor(rng.normal(-1.0, 0.4, m), dtype=torch.float32)
+    ref = torch.tensor(rng.normal(-1.0, 0.4, m), dtype=torch.float32)
+    adv = torch.tensor(rng.normal(0.0, 1.0, 5), dtype=torch.float32)[seq]
+    ent = torch.tensor(rng.uniform(0.0, 2.0, m), dtype=torch.float32)
+    start = old + torch.tensor(rng.normal(0.0, 0.3, m), dtype=torch.float32)  # ratios inside and outside the clip
+    spec = trainer_spec(policy_loss=name, pos_clip_ratio=0.2, neg_clip_ratio=0.1, clip_ratio_c=clip_ratio_c,
+                        kl_coef=0.05, kl_estimator="k3", entropy_coef=0.01)
+    now_logp, before_logp = start.clone().requires_grad_(True), start.clone().requires_grad_(True)
+    now = grpo_token_losses(spec, now_logp, old, adv, seq, ref, ent)
+    before = _terms_before_the_registry(spec, before_logp, old, adv, seq, ref, ent, gspo=name == "gspo")
+    assert bool(now["clipped"].any()) and bool(now["clipped"].logical_not().any())
+    for key in before:
+        assert torch.equal(now[key], before[key]), key
+    now["loss"].sum().backward()
+    before["loss"].sum().backward()
+    assert torch.equal(now_logp.grad, before_logp.grad)
+    assert registry.POLICY_LOSSES.get(name) is (vanilla_policy_loss if name == "vanilla" else gspo_policy_loss)

@@ -121,7 +121,7 @@ def _padded(values, offsets, plen):
 def _spec(**over):
     """A trainer spec for the loss alone (its loss fields set here)."""
     return trainer_spec(**{**dict(pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=None,
-                                  use_group_sequence_policy=False, kl_coef=0.0, kl_estimator="k3", kl_in_reward=False,
+                                  policy_loss="vanilla", kl_coef=0.0, kl_estimator="k3", kl_in_reward=False,
                                   entropy_coef=0.0, loss_agg_mode="token-mean", max_response_tokens_length=10,
                                   old_logprobs="auto", rollout_correction="none", rollout_correction_level="token",
                                   rollout_is_threshold=2.0, rollout_is_threshold_lower=None), **over})

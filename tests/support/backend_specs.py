@@ -16,14 +16,14 @@ TRAINER_DEFAULTS = dict(
     min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=100, lr_warmup_init=0.0,
     train_micro_batch_size=2, logprob_micro_batch_size=2, train_global_batch_size=8,
     packing=False, max_token_in_packing=32768, seq_length=None, logprob_chunk_tokens=1024, share_prompt=False,
-    pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=None, use_group_sequence_policy=False,
+    pos_clip_ratio=0.2, neg_clip_ratio=0.2, clip_ratio_c=None, policy_loss="vanilla",
     loss_agg_mode="token-mean", max_response_tokens_length=16, kl_coef=0.0, kl_estimator="k3",
     kl_in_reward=False, entropy_coef=0.0, old_logprobs="auto", rollout_correction="none",
     rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None,
     cliprange_value=0.5, value_loss_coef=0.5,
     gradient_checkpointing=False, recompute_granularity=None, bf16=False, meta_init=False,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
-    use_distributed_optimizer=False, lora=None)
+    use_distributed_optimizer=False, lora=None, plugins=(), plugins_dir="")
 
 ROLLOUT_DEFAULTS = dict(
     trust_remote_code=False, seed=1234, generation_batch_size=8, max_prompt_tokens_length=32,

@@ -10,6 +10,8 @@ import socket
 import sys
 import time
 
+from chatlearn.config.plugins import load_plugins
+
 
 class Worker:
     """Builds ``module:Class(cfg)`` in its own process and runs its methods on request. A fused rollout
@@ -79,6 +81,8 @@ class Worker:
         os.environ.update(env or {})  # torch.distributed rendezvous (rank, world, address)
         from chatlearn.models.specs import RewardModelSpec, RolloutSpec, TrainerSpec, resolve_for_device
 
+        if isinstance(spec, TrainerSpec):  # its loss may use a plugged policy loss or KL estimator
+            load_plugins(spec.plugins, base_dir=spec.plugins_dir)
         if isinstance(spec, (TrainerSpec, RolloutSpec, RewardModelSpec)):
             import torch
 

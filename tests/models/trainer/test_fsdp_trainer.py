@@ -50,7 +50,7 @@ def trainer_spec(path: str, **over):
                   kl_coef=0.1, entropy_coef=0.01, gradient_checkpointing=False, bf16=False,
                   packing=False, max_token_in_packing=32768, seq_length=None,
                   logprob_chunk_tokens=5, meta_init=False, share_prompt=False,  # 5: chunks that do not divide the tokens
-                  clip_ratio_c=None, use_group_sequence_policy=False, loss_agg_mode="token-mean",
+                  clip_ratio_c=None, policy_loss="vanilla", loss_agg_mode="token-mean",
                   max_response_tokens_length=16, kl_estimator="k3", kl_in_reward=False,
                   min_lr=0.0, lr_decay_style="constant", lr_warmup_iters=0, lr_decay_iters=100,
                   lr_warmup_init=0.0, old_logprobs="auto", rollout_correction="none",
@@ -258,7 +258,7 @@ def _loss_modes_part(path, batch) -> dict:
     for mode in AGG_MODES:
         trainer = FSDPTrainer(trainer_spec(
             path, loss_agg_mode=mode, clip_ratio_c=1.1, kl_estimator="low_var_kl",
-            use_group_sequence_policy=mode == "seq-mean-token-sum-norm"))
+            policy_loss="gspo" if mode == "seq-mean-token-sum-norm" else "vanilla"))
         metrics = trainer.compute_grads(dict(batch, sample_weights=SAMPLE_WEIGHTS))
         out[mode] = {"metrics": metrics, "grads": trainer.full_grads()}
     return out

@@ -91,7 +91,7 @@ def _parity_part(trainer, batch, full_grads: bool = True) -> dict:
 
 # a non-default loss and schedule: GSPO, Dr. GRPO aggregation, dual clip, low_var_kl, a
 # filtered sample (on data-parallel replica 0), linear decay after a 1-step warmup
-ALT = dict(use_group_sequence_policy=True, loss_agg_mode="seq-mean-token-sum-norm",
+ALT = dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-sum-norm",
            pos_clip_ratio=0.1, neg_clip_ratio=0.1, clip_ratio_c=1.05, kl_estimator="low_var_kl", lr_decay_style="linear",
            lr_warmup_iters=1, lr_decay_iters=4, lr_warmup_init=3e-5, min_lr=1e-5)
 ALT_WEIGHTS = np.array([1, 0, 1, 1, 1, 1, 1, 1], np.float32)
