@@ -25,7 +25,7 @@ from chatlearn.config.data_sources import resolve_data_sources
 from chatlearn.config.env_entries import check_multi_turn
 from chatlearn.config.lora_keys import check_lora
 from chatlearn.config.manifest import manifest_problems
-from chatlearn.config.model_shapes import shape_mismatch
+from chatlearn.config.model_shapes import model_context_length, shape_mismatch
 from chatlearn.config.plan import Plan, make_plan
 from chatlearn.config.ppo_keys import check_ppo, check_reward_model_folder, check_reward_model_keys, uses_critic
 from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
@@ -606,30 +606,6 @@ def safetensors_problem(file: str) -> str | None:
         cut = "truncated: " if size < 8 + n + end else ""
         return f"is {size} bytes, but its header places {8 + n + end} ({cut}the tensors do not match the file)"
     return None
-
-
-# the config.json keys vLLM reads for a model's context length (the smallest one present wins)
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
-                "max_seq_length", "seq_len")
-
-
-def model_context_length(path: str) -> int | None:
-    """The longest prompt + response the model at ``path`` takes, from its config.json (as vLLM derives
-    it: the smallest length key present, times a linear/dynamic/yarn RoPE scaling factor); ``None``
-    when the config says nothing."""
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        conf = json.load(f)
-    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
-    lengths = [conf[k] for k in CONTEXT_KEYS if isinstance(conf.get(k), int) and conf[k] > 0]
-    if not lengths:
-        return None
-    limit = min(lengths)
-    scaling = conf.get("rope_scaling")
-    if isinstance(scaling, dict) and isinstance(scaling.get("factor"), (int, float)):
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind in ("linear", "dynamic", "yarn"):
-            limit = int(limit * scaling["factor"])
-    return limit
 
 
 def policy_sequence_length(p: DictConfig) -> int:

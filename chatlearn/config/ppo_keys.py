@@ -7,6 +7,7 @@ import os
 
 from chatlearn.config.checks import choice as _choice
 from chatlearn.config.checks import positive as _positive
+from chatlearn.config.model_shapes import model_context_length
 from chatlearn.config.schema import Critic, PolicyTrainer, Reward
 from chatlearn.errors import ConfigError
 
@@ -107,8 +108,6 @@ def check_reward_model_folder(cfg, longest: int) -> None:
     """``models.reward.load`` (a resolved local folder) holds a sequence-classification model with one score, a
     context of at least ``longest`` tokens (prompt + response, the policy's), and a tokenizer that renders a
     conversation."""
-    from chatlearn.config.load import model_context_length  # noqa: PLC0415  (load imports this module)
-
     r, key = cfg.models.reward, "models.reward.load"
     with open(os.path.join(r.load, "config.json"), encoding="utf-8") as f:
         conf = json.load(f)

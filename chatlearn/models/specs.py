@@ -23,6 +23,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from chatlearn.config.model_shapes import model_context_length
 from chatlearn.config.plan import resolve_schedule
 from chatlearn.config.reward_entries import resolve_entries
 
@@ -243,8 +244,6 @@ class RewardModelSpec(_Spec):
     @classmethod
     def from_config(cls, cfg) -> "RewardModelSpec":
         r = cfg.models.reward
-        from chatlearn.config.load import model_context_length  # noqa: PLC0415  (config imports this module)
-
         limit = model_context_length(r.load) or 1 << 30
         return cls(load=r.load, trust_remote_code=r.trust_remote_code, seed=r.seed,
                    micro_batch_size=r.model_micro_batch_size, max_length=limit, bf16=r.bf16)
