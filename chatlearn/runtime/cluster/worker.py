@@ -10,6 +10,8 @@ import socket
 import sys
 import time
 
+from chatlearn.runtime.cluster.heartbeat import start_heartbeat
+
 
 class Worker:
     """Builds ``module:Class(cfg)`` in its own process and runs its methods on request. A fused rollout
@@ -39,8 +41,6 @@ class Worker:
         # the method running now and since when: what the heartbeat tells the driver's watchdog
         self.running: tuple[str, float] | None = None
         if place == "ray":
-            from chatlearn.runtime.cluster.watchdog import start_heartbeat
-
             start_heartbeat(self.doing)
         # The process environment was set by Ray before start (chatlearn.runtime.cluster.worker_env); it is
         # recorded as found, so that tests can check what the process started with.
