@@ -91,6 +91,8 @@ from typing import Callable
 
 import torch
 
+from chatlearn.logging import gpu_memory
+
 # the bucket plan and layout, and the CUDA IPC slot helpers, are shared with the rollout engines
 # (chatlearn.models): they live in the models layer
 from chatlearn.models.weight_buckets import (  # noqa: F401 (ALIGN, Entry, entry_views: re-exported)
@@ -157,12 +159,10 @@ def _visible_gpu_uuids() -> list[str]:
     """UUIDs of the GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applied), read through NVML
     where it answers, which makes no CUDA context: a vLLM adapter whose workers run in processes of
     their own never initialises CUDA itself (``chatlearn.logging.gpu_memory``). torch's otherwise."""
-    from chatlearn.logging.gpu_memory import _nvml, _visible_handles
-
-    nvml = _nvml()
+    nvml = gpu_memory.load_nvml()
     if nvml is not None:
         try:
-            ids = [nvml.nvmlDeviceGetUUID(h) for h in _visible_handles(nvml)]
+            ids = [nvml.nvmlDeviceGetUUID(h) for h in gpu_memory.visible_handles(nvml)]
             return [u.decode() if isinstance(u, bytes) else str(u) for u in ids]
         except Exception:  # noqa: BLE001 - a visible-device entry NVML cannot resolve: ask torch
             pass
