@@ -37,12 +37,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 
 from chatlearn.checkpoint import sharded
 from chatlearn.checkpoint.hf_files import (CONFIG_NAME, DTYPES, FROM_SAFETENSORS, INDEX_NAME, Entry, check_out_dir,
                                            check_trust, dcp_found, finish_folder, plan_tensors, raise_write_refusal,
                                            read_dcp_tensor, write_folder, write_shard)
 from chatlearn.errors import UserError
+from chatlearn.hub import looks_like_hub_id, snapshot
 
 ADAPTER = "default"  # peft's adapter name
 ADAPTER_CONFIG = "adapter_config.json"
@@ -142,8 +144,6 @@ def _folder_weights(path: str, config: dict) -> LoraWeights:
     """The adapters of peft's folder ``path`` (``adapter_model.safetensors`` or ``.bin``, peft's names)."""
     file = os.path.join(path, ADAPTER_WEIGHTS)
     if os.path.isfile(file):
-        from safetensors import safe_open
-
         with safe_open(file, framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (adapters are small)
     elif os.path.isfile(os.path.join(path, ADAPTER_BIN)):
@@ -172,8 +172,6 @@ def find_base(base: str, record: dict | None, what: str) -> str:
     """The base model folder ``base``, checked: a Hugging Face folder (a Hub id: its snapshot in the cache),
     and, when ``record`` (the identity recorded when the adapters were trained) is given, that same model.
     A UserError naming the folder and ``--base`` otherwise. ``what``: the adapters, for the message."""
-    from chatlearn.hub import looks_like_hub_id, snapshot
-
     if not os.path.isdir(base) and looks_like_hub_id(base):
         base = snapshot(base, key="--base", local_hint="a local model folder").path
     if not os.path.isfile(os.path.join(base, CONFIG_NAME)):
@@ -190,8 +188,6 @@ def find_base(base: str, record: dict | None, what: str) -> str:
 
 def _base_tensors(base: str) -> dict[str, tuple[tuple, torch.dtype, str]]:
     """``{name: (shape, dtype, file)}`` of the base model's safetensors files (headers only)."""
-    from safetensors import safe_open
-
     index = os.path.join(base, INDEX_NAME)
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
@@ -279,8 +275,6 @@ def write_merged(what: str, source: str, lora: LoraWeights, base: str, out_dir: 
     def read(entry: Entry) -> torch.Tensor:
         if entry.name in lora.replaced:
             return lora.read(lora.replaced[entry.name])
-        from safetensors import safe_open
-
         with safe_open(base_found[entry.name][2], framework="pt") as f:
             weight = f.get_tensor(entry.name)
         if entry.name not in lora.pairs:

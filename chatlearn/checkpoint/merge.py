@@ -42,6 +42,7 @@ import time
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 
 from chatlearn.checkpoint import adapters, megatron_format, sharded
 from chatlearn.checkpoint.hf_files import (CONFIG_NAME, DTYPES, FROM_SAFETENSORS, Entry, check_out_dir, dcp_found,
@@ -49,6 +50,7 @@ from chatlearn.checkpoint.hf_files import (CONFIG_NAME, DTYPES, FROM_SAFETENSORS
 from chatlearn.checkpoint.manager import check_against_manifest
 from chatlearn.checkpoint.megatron_mapping import HFArch, mappings, to_hf
 from chatlearn.errors import UserError
+from chatlearn.hub import looks_like_hub_id, snapshot
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
@@ -88,8 +90,6 @@ def find_checkpoint(path: str) -> str:
 def _source_folder(ckpt: str, meta: dict, hf_config: str | None) -> str:
     """The Hugging Face folder to take config.json and the tokenizer from."""
     if hf_config is not None:
-        from chatlearn.hub import looks_like_hub_id, snapshot
-
         if looks_like_hub_id(hf_config):  # the base model named by its Hub id: its snapshot in the HF cache
             hf_config = snapshot(hf_config, key="--hf-config", local_hint="a local model folder").path
         if not os.path.isfile(os.path.join(hf_config, CONFIG_NAME)):
@@ -130,8 +130,6 @@ class _MegatronSource:
     the value head ``score`` (``megatron_mapping.mappings(..., value_head=True)``)."""
 
     def __init__(self, ckpt: str, meta: dict, src: str):
-        from safetensors import safe_open
-
         self.ckpt = ckpt
         self.problems: list[str] = []
         self.found: dict = {}
@@ -237,8 +235,6 @@ class _MegatronSource:
             self.found[name] = (tuple(t.shape), dtype)
 
     def read(self, entry: Entry) -> torch.Tensor:
-        from safetensors import safe_open
-
         if entry.name in self._cache:
             return self._cache.pop(entry.name)
         m = self.mappings[entry.name]

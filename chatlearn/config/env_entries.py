@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from chatlearn.config.registry import BUILTIN_ENVIRONMENTS, BUILTIN_TOOLS, TOOL_PARSERS
 from chatlearn.config.reward_entries import describe_error, load_object
+from chatlearn.config.schema import MultiTurn
 from chatlearn.errors import ConfigError
 
 KEY = "models.policy.multi_turn"
@@ -122,8 +123,6 @@ def check_multi_turn(cfg) -> None:
     """Validate ``models.policy.multi_turn`` of ``cfg``: without an environment every other key keeps
     its default; with one, the limits, the environment class (its methods and constructor), the
     tools and the parser (imported from the directory chatlearn runs from)."""
-    from chatlearn.config.schema import MultiTurn
-
     mt = OmegaConf.to_container(cfg.models.policy.multi_turn, resolve=True)
     if mt["environment"] is None:
         defaults = OmegaConf.to_container(OmegaConf.structured(MultiTurn), resolve=True)

@@ -14,7 +14,7 @@ import re
 from typing import Iterable, Sequence
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (ConfigKeyError, InterpolationKeyError, InterpolationResolutionError,
                               MissingMandatoryValue, OmegaConfBaseException, ValidationError)
 
@@ -32,6 +32,7 @@ from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
 from chatlearn.config.reward_entries import check_functions
 from chatlearn.config.schema import Config
 from chatlearn.errors import ConfigError, UserError
+from chatlearn.hub import resolve
 
 WANDB_RESUME = ("allow", "must", "never", "auto")
 
@@ -186,8 +187,6 @@ def _unset_env(cfg: DictConfig, var: str, failed_key: str | None) -> ConfigError
 
 def _raw_strings(node, prefix: str = "") -> Iterable[tuple[str, str]]:
     """(dotted key, raw string value) of every leaf of ``node`` whose value is a string, interpolations unresolved."""
-    from omegaconf import ListConfig
-
     if isinstance(node, (DictConfig, ListConfig)):
         keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
         for k in keys:
@@ -510,8 +509,6 @@ def check_data_paths(value: str, key: str, *, subset: str | None = None, split: 
 def resolve_model(value: str, key: str):
     """A local model folder as it is; a Hugging Face Hub id (``org/name``, ``org/name@revision``)
     resolved into the Hugging Face cache (see chatlearn.hub)."""
-    from chatlearn.hub import resolve  # noqa: PLC0415
-
     if os.path.isfile(value):
         raise ConfigError(f"{value!r} is a file; load must be a model folder (the folder holding config.json, the "
                           "weights and the tokenizer files) or a Hugging Face Hub model id such as "

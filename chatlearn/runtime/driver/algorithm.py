@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages, token_kl
+from chatlearn.algorithms.gae import episode_gae
 from chatlearn.batch import columns, select_samples
 from chatlearn.calls import put
 from chatlearn.checkpoint.manager import CheckpointManager
@@ -315,8 +316,6 @@ class PPO(GRPO):
         """``token_advantages`` and ``returns`` by GAE (:func:`chatlearn.algorithms.gae.episode_gae`) from
         the shaped rewards and the critic's ``values``; ``sample_weights`` all 1. With ``kl_in_reward`` each
         token's reward is less ``kl_coef`` times the KL of the old log-probs to the reference's."""
-        from chatlearn.algorithms.gae import episode_gae
-
         t = self.cfg.models.policy_trainer
         kl = None
         if t.kl_in_reward and t.kl_coef > 0:

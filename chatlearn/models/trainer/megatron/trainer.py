@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from chatlearn.checkpoint import megatron_format as ckpt_format
 from chatlearn.checkpoint import sharded
@@ -781,7 +782,6 @@ class MegatronTrainer(Trainer):
         onloaded. A missing, incomplete or mismatched checkpoint raises a UserError on every
         rank before any collective."""
         from megatron.core import tensor_parallel
-        from safetensors import safe_open
 
         self._require_onloaded("load_checkpoint")
         meta = ckpt_format.read_meta(path, self._layout())
