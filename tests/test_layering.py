@@ -10,7 +10,12 @@ Each module belongs to one *layer* (:func:`layer_of`): ``chatlearn/errors.py``,
 ``chatlearn/hub.py`` and ``chatlearn/__init__.py`` are ``base``, ``chatlearn/cli.py`` is
 ``cli``, and any other module is the layer of its top-level subpackage (``chatlearn.models.rollout.vllm``
 is in ``models``). A second test checks that the import graph between the layers (chatlearn's
-subpackages) has no cycle, whatever the table allows.
+subpackages) has no cycle, whatever the table allows; others, that neither the graph between the folders
+nor the one between the modules (files) has one.
+
+Two more rules keep the imports plain: no module imports a private name (``_x``) of another (what
+modules share is public in the module that owns it), and an import sits inside a function only where
+that defers something heavy or optional (:data:`HEAVY`, :func:`test_imports_inside_functions_defer_something_heavy`).
 """
 from __future__ import annotations
 
