@@ -37,12 +37,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 
 from chatlearn.checkpoint import sharded
-from chatlearn.checkpoint.merge import (CONFIG_NAME, DTYPES, INDEX_NAME, _check_out_dir, _check_trust, _Entry,
-                                        _FROM_SAFETENSORS, _plan, _read_tensor, _write_shard, finish_folder,
-                                        raise_write_refusal, write_folder)
+from chatlearn.checkpoint.hf_files import (CONFIG_NAME, DTYPES, FROM_SAFETENSORS, INDEX_NAME, Entry, check_out_dir,
+                                           check_trust, dcp_found, finish_folder, plan_tensors, raise_write_refusal,
+                                           read_dcp_tensor, write_folder, write_shard)
 from chatlearn.errors import UserError
+from chatlearn.hub import looks_like_hub_id, snapshot
 
 ADAPTER = "default"  # peft's adapter name
 ADAPTER_CONFIG = "adapter_config.json"
@@ -93,9 +95,7 @@ class LoraWeights:
 
 def _checkpoint_weights(ckpt: str, meta: dict) -> LoraWeights:
     """The adapters of a LoRA checkpoint (its DCP model entries, under the trainer's names)."""
-    from chatlearn.checkpoint.merge import _dcp_found  # noqa: PLC0415
-
-    found = _dcp_found(ckpt)
+    found = dcp_found(ckpt)
     pairs, replaced, problems = {}, {}, []
     for name, md in found.items():
         if md is None:
@@ -111,7 +111,7 @@ def _checkpoint_weights(ckpt: str, meta: dict) -> LoraWeights:
     reader = sharded.SafeFileSystemReader(ckpt)
     lora = meta["lora"]
     return LoraWeights(pairs, replaced, {k: v for k, v in found.items() if v is not None},
-                       lambda key: _read_tensor(reader, _Entry(key, *found[key], found[key][1])),
+                       lambda key: read_dcp_tensor(reader, Entry(key, *found[key], found[key][1])),
                        float(lora["alpha"]) / int(lora["rank"]), problems)
 
 
@@ -144,8 +144,6 @@ def _folder_weights(path: str, config: dict) -> LoraWeights:
     """The adapters of peft's folder ``path`` (``adapter_model.safetensors`` or ``.bin``, peft's names)."""
     file = os.path.join(path, ADAPTER_WEIGHTS)
     if os.path.isfile(file):
-        from safetensors import safe_open
-
         with safe_open(file, framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (adapters are small)
     elif os.path.isfile(os.path.join(path, ADAPTER_BIN)):
@@ -174,8 +172,6 @@ def find_base(base: str, record: dict | None, what: str) -> str:
     """The base model folder ``base``, checked: a Hugging Face folder (a Hub id: its snapshot in the cache),
     and, when ``record`` (the identity recorded when the adapters were trained) is given, that same model.
     A UserError naming the folder and ``--base`` otherwise. ``what``: the adapters, for the message."""
-    from chatlearn.hub import looks_like_hub_id, snapshot
-
     if not os.path.isdir(base) and looks_like_hub_id(base):
         base = snapshot(base, key="--base", local_hint="a local model folder").path
     if not os.path.isfile(os.path.join(base, CONFIG_NAME)):
@@ -192,8 +188,6 @@ def find_base(base: str, record: dict | None, what: str) -> str:
 
 def _base_tensors(base: str) -> dict[str, tuple[tuple, torch.dtype, str]]:
     """``{name: (shape, dtype, file)}`` of the base model's safetensors files (headers only)."""
-    from safetensors import safe_open
-
     index = os.path.join(base, INDEX_NAME)
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
@@ -210,7 +204,7 @@ def _base_tensors(base: str) -> dict[str, tuple[tuple, torch.dtype, str]]:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
                 sl = f.get_slice(key)
-                out[key] = (tuple(sl.get_shape()), _FROM_SAFETENSORS.get(sl.get_dtype(), torch.float32), file)
+                out[key] = (tuple(sl.get_shape()), FROM_SAFETENSORS.get(sl.get_dtype(), torch.float32), file)
     return out
 
 
@@ -267,7 +261,7 @@ def write_merged(what: str, source: str, lora: LoraWeights, base: str, out_dir: 
         floats = Counter(d for _, d, _ in base_found.values() if d.is_floating_point)
         dtype = next((n for n, d in DTYPES.items() if floats and d == floats.most_common(1)[0][0]), "float32")
     meta = meta or {}
-    trust = _check_trust(source, meta, base, trust_remote_code)
+    trust = check_trust(source, meta, base, trust_remote_code)
     conv1d, tied = _base_layout(base, trust)
     problems = _lora_problems(lora, base_found, conv1d)
     if problems:
@@ -275,13 +269,12 @@ def write_merged(what: str, source: str, lora: LoraWeights, base: str, out_dir: 
         raise UserError(f"{what} do not fit the base model {base!r}: {'; '.join(problems[:5])}{more}. "
                         f"{_BASE_FLAG}.")
     found = {n: (shape, d) for n, (shape, d, _) in base_found.items() if n not in tied}
-    entries = _plan(source, {**meta, "tied": tied}, base, DTYPES[dtype], found, trust_remote_code=trust_remote_code)
+    entries = plan_tensors(source, {**meta, "tied": tied}, base, DTYPES[dtype], found,
+                           trust_remote_code=trust_remote_code)
 
-    def read(entry: _Entry) -> torch.Tensor:
+    def read(entry: Entry) -> torch.Tensor:
         if entry.name in lora.replaced:
             return lora.read(lora.replaced[entry.name])
-        from safetensors import safe_open
-
         with safe_open(base_found[entry.name][2], framework="pt") as f:
             weight = f.get_tensor(entry.name)
         if entry.name not in lora.pairs:
@@ -314,15 +307,15 @@ def write_adapter(ckpt: str, meta: dict, lora: LoraWeights, base: str, out_dir: 
                         modules_to_save=list(record["modules_to_save"]) or None, bias="none",
                         task_type="CAUSAL_LM", base_model_name_or_path=base, inference_mode=True)
     keys = sorted(k for pair in lora.pairs.values() for k in pair) + sorted(lora.replaced.values())
-    entries = [_Entry(peft_name(k), lora.found[k][0], lora.found[k][1],
-                      DTYPES[dtype] if dtype else lora.found[k][1]) for k in keys]
+    entries = [Entry(peft_name(k), lora.found[k][0], lora.found[k][1],
+                     DTYPES[dtype] if dtype else lora.found[k][1]) for k in keys]
     by_name = dict(zip((e.name for e in entries), keys))
     tmp = out_dir + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
         config.save_pretrained(tmp)
-        _write_shard(os.path.join(tmp, ADAPTER_WEIGHTS), entries, lambda e: lora.read(by_name[e.name]))
+        write_shard(os.path.join(tmp, ADAPTER_WEIGHTS), entries, lambda e: lora.read(by_name[e.name]))
         with open(os.path.join(tmp, BASE_RECORD), "w", encoding="utf-8") as f:
             json.dump({"base": record["base"], "checkpoint": ckpt}, f, indent=1)
             f.write("\n")
@@ -349,7 +342,7 @@ def merge_lora_checkpoint(ckpt: str, meta: dict, out_dir: str, *, base: str | No
     if not named:
         raise UserError(f"{what} record no base model. {_BASE_FLAG}.")
     base = find_base(named, record, what)
-    _check_out_dir(out_dir)
+    check_out_dir(out_dir)
     lora = _checkpoint_weights(ckpt, meta)
     if merged:
         return write_merged(what, ckpt, lora, base, out_dir, dtype=dtype, max_bytes=max_bytes,
@@ -377,6 +370,6 @@ def merge_adapter_folder(path: str, out_dir: str, *, base: str | None = None, dt
                         f"adapters are only a difference to one. {_BASE_FLAG}.")
     base = find_base(named, record, what)
     out_dir = os.path.abspath(out_dir)
-    _check_out_dir(out_dir)
+    check_out_dir(out_dir)
     return write_merged(what, path, _folder_weights(path, config), base, out_dir, dtype=dtype, max_bytes=max_bytes,
                         trust_remote_code=trust_remote_code, log=log or (lambda msg: None))

@@ -32,6 +32,7 @@ import sys
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -107,8 +108,6 @@ def save_rng_state(path: str, rank: int, state: dict) -> None:
 
 
 def load_rng_state(path: str, rank: int) -> dict:
-    from safetensors import safe_open
-
     file = rng_file(path, rank)
     if not os.path.isfile(file):
         raise UserError(f"checkpoint {path!r} has no RNG state for rank {rank} ({file} is "

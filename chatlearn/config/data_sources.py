@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 
 from chatlearn.errors import ConfigError
+from chatlearn.hub import looks_like_hub_id, snapshot, split_revision
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -42,8 +43,6 @@ def resolve_data_sources(value: str, key: str, *, name: str | None, split: str) 
     """The entries of the comma-separated ``value``; local paths are checked, Hub dataset ids are resolved
     (downloaded into the Hugging Face cache unless cached) and their ``name``/``split`` checked. Problems
     are ConfigErrors naming ``key``."""
-    from chatlearn.hub import looks_like_hub_id, split_revision
-
     entries = [p.strip() for p in str(value).split(",") if p.strip()]
     if not entries:
         raise ConfigError("is empty. Give one or more jsonl/json/parquet files or folders, or Hugging Face Hub "
@@ -95,8 +94,6 @@ def _has_rows(path: str) -> bool:
 
 
 def _hub_source(entry: str, repo_id: str, revision: str | None, key: str, *, name, split) -> DataSource:
-    from chatlearn.hub import snapshot
-
     hint = "a local folder or jsonl/json/parquet files"
     try:
         path = snapshot(entry, key=key, repo_type="dataset", local_hint=hint).path

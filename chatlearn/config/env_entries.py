@@ -17,7 +17,8 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from chatlearn.config.registry import BUILTIN_ENVIRONMENTS, BUILTIN_TOOLS, TOOL_PARSERS
-from chatlearn.config.reward_entries import _describe, load_object
+from chatlearn.config.reward_entries import describe_error, load_object
+from chatlearn.config.schema import MultiTurn
 from chatlearn.errors import ConfigError
 
 KEY = "models.policy.multi_turn"
@@ -122,8 +123,6 @@ def check_multi_turn(cfg) -> None:
     """Validate ``models.policy.multi_turn`` of ``cfg``: without an environment every other key keeps
     its default; with one, the limits, the environment class (its methods and constructor), the
     tools and the parser (imported from the directory chatlearn runs from)."""
-    from chatlearn.config.schema import MultiTurn
-
     mt = OmegaConf.to_container(cfg.models.policy.multi_turn, resolve=True)
     if mt["environment"] is None:
         defaults = OmegaConf.to_container(OmegaConf.structured(MultiTurn), resolve=True)
@@ -158,8 +157,8 @@ def check_multi_turn(cfg) -> None:
         inspect.signature(env).bind(**kwargs)
     except TypeError as err:
         raise ConfigError(f"environment {mt['environment']!r} cannot be built with the keyword arguments "
-                          f"{', '.join(kwargs) or '(none)'}: {_describe(err)}. Fix {KEY}.environment_kwargs or the "
-                          "class's constructor.", key=f"{KEY}.environment_kwargs") from None
+                          f"{', '.join(kwargs) or '(none)'}: {describe_error(err)}. Fix {KEY}.environment_kwargs or "
+                          "the class's constructor.", key=f"{KEY}.environment_kwargs") from None
     except ValueError:
         pass  # no signature to check: the constructor says so when the rollout builds it
 

@@ -14,7 +14,7 @@ import re
 from typing import Iterable, Sequence
 
 import yaml
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import (ConfigKeyError, InterpolationKeyError, InterpolationResolutionError,
                               MissingMandatoryValue, OmegaConfBaseException, ValidationError)
 
@@ -28,7 +28,7 @@ from chatlearn.config.kinds import (DEFAULT_MODELS, KINDS, REWARD_MODEL, ROLLOUT
                                    models_of, section)
 from chatlearn.config.lora_keys import check_lora
 from chatlearn.config.manifest import manifest_problems
-from chatlearn.config.model_shapes import shape_mismatch
+from chatlearn.config.model_shapes import model_context_length, shape_mismatch
 from chatlearn.config.plan import Plan, make_plan
 from chatlearn.config.plugins import load_plugins
 from chatlearn.config.ppo_keys import check_ppo, check_reward_model_folder, check_reward_model_keys, uses_critic
@@ -36,6 +36,7 @@ from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
 from chatlearn.config.reward_entries import check_functions
 from chatlearn.config.schema import Config
 from chatlearn.errors import ConfigError, UserError
+from chatlearn.hub import resolve
 
 WANDB_RESUME = ("allow", "must", "never", "auto")
 
@@ -238,8 +239,6 @@ def _unset_env(cfg: DictConfig, var: str, failed_key: str | None) -> ConfigError
 
 def _raw_strings(node, prefix: str = "") -> Iterable[tuple[str, str]]:
     """(dotted key, raw string value) of every leaf of ``node`` whose value is a string, interpolations unresolved."""
-    from omegaconf import ListConfig
-
     if isinstance(node, (DictConfig, ListConfig)):
         keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
         for k in keys:
@@ -568,8 +567,6 @@ def check_data_paths(value: str, key: str, *, subset: str | None = None, split: 
 def resolve_model(value: str, key: str):
     """A local model folder as it is; a Hugging Face Hub id (``org/name``, ``org/name@revision``)
     resolved into the Hugging Face cache (see chatlearn.hub)."""
-    from chatlearn.hub import resolve  # noqa: PLC0415
-
     if os.path.isfile(value):
         raise ConfigError(f"{value!r} is a file; load must be a model folder (the folder holding config.json, the "
                           "weights and the tokenizer files) or a Hugging Face Hub model id such as "
@@ -664,30 +661,6 @@ def safetensors_problem(file: str) -> str | None:
         cut = "truncated: " if size < 8 + n + end else ""
         return f"is {size} bytes, but its header places {8 + n + end} ({cut}the tensors do not match the file)"
     return None
-
-
-# the config.json keys vLLM reads for a model's context length (the smallest one present wins)
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
-                "max_seq_length", "seq_len")
-
-
-def model_context_length(path: str) -> int | None:
-    """The longest prompt + response the model at ``path`` takes, from its config.json (as vLLM derives
-    it: the smallest length key present, times a linear/dynamic/yarn RoPE scaling factor); ``None``
-    when the config says nothing."""
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        conf = json.load(f)
-    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
-    lengths = [conf[k] for k in CONTEXT_KEYS if isinstance(conf.get(k), int) and conf[k] > 0]
-    if not lengths:
-        return None
-    limit = min(lengths)
-    scaling = conf.get("rope_scaling")
-    if isinstance(scaling, dict) and isinstance(scaling.get("factor"), (int, float)):
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind in ("linear", "dynamic", "yarn"):
-            limit = int(limit * scaling["factor"])
-    return limit
 
 
 def policy_sequence_length(p: DictConfig) -> int:

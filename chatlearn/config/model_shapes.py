@@ -1,7 +1,9 @@
 """Whether a model folder's ``config.json`` describes its weights, read from the safetensors headers
 alone (no tensor is loaded): validation runs it before any process starts, so a config.json edited
 after the weights were written (``hidden_size``, ``vocab_size``, the head or layer counts changed) is
-one paragraph naming the tensor, whatever backend would have loaded the folder."""
+one paragraph naming the tensor, whatever backend would have loaded the folder. The model's context length
+is read from ``config.json`` here too (:func:`model_context_length`: the config's checks and the reward model's
+spec)."""
 from __future__ import annotations
 
 import json
@@ -96,3 +98,27 @@ def shape_mismatch(folder: str, conf: dict) -> str | None:
         return (f"the weights hold {max(layers) + 1} layers (layers.0 to layers.{max(layers)}), but config.json "
                 f"has num_hidden_layers {want_layers}")
     return None
+
+
+# the config.json keys vLLM reads for a model's context length (the smallest one present wins)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                "max_seq_length", "seq_len")
+
+
+def model_context_length(path: str) -> int | None:
+    """The longest prompt + response the model at ``path`` takes, from its config.json (as vLLM derives
+    it: the smallest length key present, times a linear/dynamic/yarn RoPE scaling factor); ``None``
+    when the config says nothing."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        conf = json.load(f)
+    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
+    lengths = [conf[k] for k in CONTEXT_KEYS if isinstance(conf.get(k), int) and conf[k] > 0]
+    if not lengths:
+        return None
+    limit = min(lengths)
+    scaling = conf.get("rope_scaling")
+    if isinstance(scaling, dict) and isinstance(scaling.get("factor"), (int, float)):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in ("linear", "dynamic", "yarn"):
+            limit = int(limit * scaling["factor"])
+    return limit

@@ -9,6 +9,7 @@ from chatlearn.config.algorithms import declared
 from chatlearn.config.checks import choice as _choice
 from chatlearn.config.checks import positive as _positive
 from chatlearn.config.kinds import REWARD_MODEL, models_of, reward_model_settings, section
+from chatlearn.config.model_shapes import model_context_length
 from chatlearn.config.schema import Critic, PolicyTrainer, Reward
 from chatlearn.errors import ConfigError
 
@@ -118,8 +119,6 @@ def check_reward_model_folder(cfg, name: str, longest: int) -> None:
     """Reward model ``name``'s ``load`` (a resolved local folder) holds a sequence-classification model with one
     score, a context of at least ``longest`` tokens (prompt + response, the policy's), and a tokenizer that
     renders a conversation."""
-    from chatlearn.config.load import model_context_length  # noqa: PLC0415  (load imports this module)
-
     r = reward_model_settings(cfg, name)
     key = f"{r.key}.load"
     with open(os.path.join(r.load, "config.json"), encoding="utf-8") as f:

@@ -57,7 +57,7 @@ def _import_file(file: str, path: str, key: str, what: str = "reward function", 
         spec.loader.exec_module(module)
     except BaseException as err:  # the user's module: any error while it runs is theirs
         del sys.modules[mod_name]
-        raise ConfigError(f"{what} {path!r}: importing {file!r} failed with {_describe(err)}. Fix the "
+        raise ConfigError(f"{what} {path!r}: importing {file!r} failed with {describe_error(err)}. Fix the "
                           f"file so that it imports (its code runs in {runs_in}).", key=key) from None
     return module
 
@@ -89,7 +89,7 @@ def load_object(path: str, *, key: str, base_dir: str | None = None, what: str =
         try:
             module = importlib.import_module(mod_part)
         except BaseException as err:  # ImportError, or any error raised by the user's module while it runs
-            raise ConfigError(f"{what} {path!r}: cannot import module {mod_part!r}: {_describe(err)}. "
+            raise ConfigError(f"{what} {path!r}: cannot import module {mod_part!r}: {describe_error(err)}. "
                               "Install the package or run chatlearn from the directory that holds it, or give "
                               f"the file instead (path/to/file.py:{kind}).", key=key) from None
     fn = getattr(module, attr, None)
@@ -142,7 +142,8 @@ def check_functions(reward, key: str = "models.reward.functions", with_environme
         check_signature(fn, e["path"], e["kwargs"], f"{key}[{i}].path")
 
 
-def _describe(err: BaseException, limit: int = 300) -> str:
+def describe_error(err: BaseException, limit: int = 300) -> str:
+    """``TypeName: message`` of an error the user's code raised, on one line, cut near ``limit`` characters."""
     text = " ".join(str(err).split())
     text = text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " (...)"
     return f"{type(err).__name__}: {text}" if text else type(err).__name__

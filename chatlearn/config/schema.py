@@ -13,10 +13,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from chatlearn.config import registry
 
@@ -616,8 +617,6 @@ COMPAT_ONLY_KEYS: Dict[str, str] = {
 
 @functools.lru_cache(maxsize=1)
 def _raw_defaults() -> dict:
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
 
 
@@ -631,8 +630,6 @@ def raw_defaults() -> dict:
 def compat_warning(cfg) -> Optional[str]:
     """One warning naming the compatibility-only keys that ``cfg`` sets away from their default;
     None when there are none. A default that is an interpolation is resolved within ``cfg``."""
-    from omegaconf import OmegaConf
-
     defaults_tree = raw_defaults()
     values, defaults = {}, {}
     for i, key in enumerate(COMPAT_ONLY_KEYS):
@@ -667,6 +664,4 @@ def compat_warning(cfg) -> Optional[str]:
 
 
 def json_value(value) -> str:
-    import json
-
     return json.dumps(value)

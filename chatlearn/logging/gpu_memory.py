@@ -15,7 +15,7 @@ import os
 MIB = 2 ** 20
 
 
-def _nvml():
+def load_nvml():
     """pynvml (package ``nvidia-ml-py``), initialised; None where it is missing or no driver answers."""
     try:
         import pynvml
@@ -26,7 +26,7 @@ def _nvml():
         return None
 
 
-def _visible_handles(nvml) -> list:
+def visible_handles(nvml) -> list:
     """NVML handles of the devices this process sees (``CUDA_VISIBLE_DEVICES``: indices or UUIDs)."""
     visible = os.environ["CUDA_VISIBLE_DEVICES"] if "CUDA_VISIBLE_DEVICES" in os.environ else None
     if visible is None:
@@ -44,10 +44,10 @@ def visible_gpu_count() -> int:
     """How many GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applied), without importing torch where
     it can: NVML when it answers; 0 on a machine with no GPU device node (no NVIDIA or ROCm driver);
     torch's count otherwise."""
-    nvml = _nvml()
+    nvml = load_nvml()
     if nvml is not None:
         try:
-            return len(_visible_handles(nvml))
+            return len(visible_handles(nvml))
         except Exception:  # noqa: BLE001 - a visible-device entry NVML cannot resolve: ask torch
             pass
     if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")):
@@ -81,8 +81,8 @@ def device_memory(pid: int | None = None) -> list[dict]:
     if not torch.cuda.is_available():
         return []
     pid = os.getpid() if pid is None else pid
-    nvml = _nvml()
-    handles = _visible_handles(nvml) if nvml is not None else [None] * torch.cuda.device_count()
+    nvml = load_nvml()
+    handles = visible_handles(nvml) if nvml is not None else [None] * torch.cuda.device_count()
     tree = _process_tree(pid) if nvml is not None else set()
     out = []
     for visible, handle in enumerate(handles):

@@ -15,6 +15,7 @@ import time
 
 from chatlearn.config.names import Stage
 from chatlearn.logging import jsonl
+from chatlearn.logging.progress import format_seconds
 
 
 WALL = "time/wall"  # when the row was written: Unix seconds (metrics.jsonl only)
@@ -103,8 +104,6 @@ def run_summary(rows: list[dict], wall_seconds: float, since: float, outputs: di
     (the reward stage overlaps the log-prob passes), and the rest (start-up: Ray, loading the models;
     plots) as ``start-up and other``. ``outputs``: label -> path, listed in that order.
     """
-    from chatlearn.logging.progress import format_seconds
-
     mine = [r for r in rows if (r.get(WALL) or 0) >= since]
     trained = [r["episode"] for r in mine if r.get("episode", 0) > 0]
     what = f"episodes {trained[0]}..{trained[-1]}" if len(trained) > 1 else \

@@ -22,8 +22,10 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
+from chatlearn.config.schema import raw_defaults
 from chatlearn.errors import UserError
 from chatlearn.logging.console import info
+from chatlearn.logging.jsonl import write_text_atomic
 from chatlearn.logging.metrics import MetricsWriter, SamplesWriter
 
 REDACTED = "***"
@@ -68,8 +70,6 @@ def changed_config(cfg: DictConfig) -> dict:
     :func:`config_yaml`). A default that interpolates another key (``${runtime_args.seed}``) is taken
     with the value that key has in ``cfg``; a required key (no default) always counts as set; lists
     are compared whole."""
-    from chatlearn.config.schema import raw_defaults
-
     final = OmegaConf.to_container(cfg, resolve=True)
     raw = raw_defaults()
     context = OmegaConf.create(final)
@@ -101,8 +101,6 @@ def changed_config(cfg: DictConfig) -> dict:
 
 def write_config_yaml(cfg: DictConfig, path: str) -> None:
     """Write :func:`config_yaml` to ``path`` atomically (a temporary file, fsynced, renamed)."""
-    from chatlearn.logging.jsonl import write_text_atomic
-
     write_text_atomic(path, config_yaml(cfg))
 
 

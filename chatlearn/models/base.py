@@ -27,6 +27,8 @@ import numpy as np
 from chatlearn.algorithms.advantages import loss_token_counts, response_mask  # noqa: F401  (re-exported)
 from chatlearn.batch import Batch
 from chatlearn.config.names import Part
+from chatlearn.errors import UserError
+from chatlearn.models.weight_buckets import plan_buckets
 
 if TYPE_CHECKING:
     import torch
@@ -285,8 +287,6 @@ class Trainer(Model):
         planned as the weight push plans them (``chatlearn.models.weight_buckets.plan_buckets``).
         A collective: every rank iterates to the end; rank 0's buckets hold the arrays, the
         other ranks' are empty lists. For tests and tools; runs push with ``WeightPush``."""
-        from chatlearn.models.weight_buckets import plan_buckets
-
         for index in plan_buckets(self.weight_specs(), bucket_mb * 2 ** 20):
             yield [(name, t.detach().to("cpu").numpy()) for name, t in self.export_tensors(index.names)
                    if t is not None]
@@ -415,8 +415,6 @@ class Trainer(Model):
         if dist.is_initialized():
             dist.all_reduce(bad)
         if int(bad[0]):
-            from chatlearn.errors import UserError
-
             raise UserError(f"{int(bad[0])} of the trainer's {int(bad[1])} weight tensors (shards of all "
                             f"ranks) hold nan or inf, so no checkpoint is written to {path!r}: training "
                             "diverged. Resume from the last checkpoint with a lower "

@@ -6,6 +6,7 @@ import json
 import os
 
 import torch
+from safetensors import safe_open
 
 
 class HFCheckpoint:
@@ -44,8 +45,6 @@ class HFCheckpoint:
         if file is None:
             raise KeyError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         if file.endswith(".safetensors"):
-            from safetensors import safe_open
-
             with safe_open(file, framework="pt") as f:
                 if name not in f.keys():  # noqa: SIM118 (safe_open is no mapping)
                     raise KeyError(f"{file}: tensor {name!r} is not in the checkpoint")
@@ -60,8 +59,6 @@ class HFCheckpoint:
             return list(self.files)
         file = self.files["*"]
         if file.endswith(".safetensors"):
-            from safetensors import safe_open
-
             with safe_open(file, framework="pt") as f:
                 return list(f.keys())
         if file not in self._bins:
@@ -70,8 +67,6 @@ class HFCheckpoint:
 
     def read(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of ``names`` in the order given; each safetensors file is opened once."""
-        from safetensors import safe_open
-
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self.files[name] if name in self.files else self.files["*"], []).append(name)

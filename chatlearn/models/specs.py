@@ -24,6 +24,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from chatlearn.config.kinds import kind_of, reward_model_settings
+from chatlearn.config.model_shapes import model_context_length
 from chatlearn.config.plan import resolve_schedule
 from chatlearn.config.reward_entries import resolve_entries
 
@@ -258,8 +259,6 @@ class RewardModelSpec(_Spec):
     def from_config(cls, cfg, name: str) -> "RewardModelSpec":
         """The spec of reward model ``name`` (chatlearn.config.kinds.reward_model_settings)."""
         r = reward_model_settings(cfg, name)
-        from chatlearn.config.load import model_context_length  # noqa: PLC0415  (config imports this module)
-
         limit = model_context_length(r.load) or 1 << 30
         return cls(load=r.load, trust_remote_code=r.trust_remote_code, seed=r.seed,
                    micro_batch_size=r.micro_batch_size, max_length=limit, bf16=r.bf16)

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from chatlearn.batch import COLUMNS
-from chatlearn.config.algorithms import ALGORITHMS
+from chatlearn.config.registry import ALGORITHMS
 from chatlearn.config.kinds import DEFAULT_MODELS, KINDS, REWARD_MODEL, model_kinds
 from chatlearn.config.load import load_run
 from chatlearn.errors import ConfigError

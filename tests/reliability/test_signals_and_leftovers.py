@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 
-from chatlearn.runtime.cluster import group, leftovers, signals
+from chatlearn.runtime.cluster import group, leftovers, roles, signals
 from chatlearn.runtime.cluster.signals import SIGTERM_EXIT, Terminated, exit_code, stop_on_sigterm
 
 
@@ -89,8 +89,8 @@ def test_sigterm_landing_in_a_finaliser_still_stops_the_run():
 
 
 def test_a_dead_actor_is_named_by_model_and_rank(monkeypatch):
-    monkeypatch.setitem(group._ROLES, "ab12", ("policy_trainer", 1))
-    monkeypatch.setitem(group._ROLES, "cd34", ("policy", 0))
+    monkeypatch.setitem(roles._ROLES, "ab12", ("policy_trainer", 1))
+    monkeypatch.setitem(roles._ROLES, "cd34", ("policy", 0))
     text = ("The actor died unexpectedly before finishing this task.\n\tclass_name: Worker\n\tactor_id: ab12\n"
             "\tpid: 4242\n\tip: 10.0.0.7\nThe actor is dead because its worker process has died.")
     msg = group.dead_worker_message(ray.exceptions.RayActorError("ab12", text))

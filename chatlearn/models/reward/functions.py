@@ -41,9 +41,9 @@ import numpy as np
 # from here too by the runtime
 from chatlearn.config.reward_entries import (  # noqa: F401
     NAME_RE,
-    _describe,
     check_functions,
     check_signature,
+    describe_error,
     load_function,
     resolve_entries,
 )
@@ -147,7 +147,7 @@ class RewardManager(Reward):
             raise _exit_error(entry or f"reward function {path!r}", "sys.exit", stop.code) from None
         except Exception as err:  # the user's code: report what it raised and where
             frames = _user_frames(err)
-            raise UserError(f"reward function {path!r} raised {_describe(err)}"
+            raise UserError(f"reward function {path!r} raised {describe_error(err)}"
                             + (f" (at {frames})" if frames else "") + ". Fix the function; it runs in the "
                             "reward workers, once per batch, with the keyword arguments prompts, responses, "
                             "ground_truths, data_sources and extra.") from None

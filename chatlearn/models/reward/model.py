@@ -39,7 +39,7 @@ from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import ScoringModel
 from chatlearn.models.stash import Stash, own_storage, release_device_memory
-from chatlearn.models.trainer.fsdp import _decoder_layers, init_distributed
+from chatlearn.models.trainer.fsdp import decoder_layers, init_distributed
 
 if TYPE_CHECKING:
     from chatlearn.models.specs import RewardModelSpec
@@ -134,7 +134,7 @@ class RewardModel(ScoringModel):
             own_storage(model.to(self.device).parameters())
             return model
         mesh = init_device_mesh(self.device.type, (self.world,))
-        for layer in _decoder_layers(model):
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         register_fsdp_forward_method(model, "reward_scores")

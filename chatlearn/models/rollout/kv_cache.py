@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+from safetensors import safe_open
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -68,8 +69,6 @@ def cuda_room(utilization: float) -> int | None:
 
 def checkpoint_bytes(model_dir: str, dtype: str) -> int:
     """Bytes of the checkpoint's tensors at ``dtype``: sum(numel) * itemsize."""
-    from safetensors import safe_open
-
     numel = 0
     for name in sorted(os.listdir(model_dir)):
         if name.endswith(".safetensors"):

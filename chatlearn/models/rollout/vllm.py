@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import inspect
 import logging
 import os
 import pickle
@@ -86,6 +87,7 @@ from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.rollout import kv_cache
 from chatlearn.models.rollout.common import (check_lengths, context_length, pack_samples, parse_sampling,
                                              response_budgets, set_cpu_threads)
+from chatlearn.models.weight_buckets import device_stream, entry_views, ipc_rebuild, slots_for_device
 
 if TYPE_CHECKING:
     from chatlearn.models.specs import RolloutSpec
@@ -226,8 +228,6 @@ class WorkerExtension:
             # Model runner V2: _sample_random(processed_logits, ...) masks the
             # (temperature-scaled) logits with top-k/top-p, samples, and returns them;
             # processed_logprobs are their log_softmax.
-            import inspect
-
             signature = inspect.signature(sample_random)
 
             def _sample_random(*args, **kwargs):
@@ -369,8 +369,6 @@ class WorkerExtension:
         the handle's types). Each worker picks its own device's slots, so every rank of a
         tensor-parallel engine reads from its own GPU.
         """
-        from chatlearn.models.weight_buckets import ipc_rebuild, slots_for_device
-
         mine = slots_for_device(pickle.loads(blob), self.device)
         self._chatlearn_ipc_slots = [ipc_rebuild(h, self.device) for h in mine]
 
@@ -378,8 +376,6 @@ class WorkerExtension:
         """Load the bucket in slot ``slot`` (``entries``: ``[name, dtype, shape, offset,
         nbytes]`` rows), then wait for the loads' kernels: the sender refills the slot once
         this returns."""
-        from chatlearn.models.weight_buckets import device_stream, entry_views
-
         self.chatlearn_load_bucket(entry_views(entries, self._chatlearn_ipc_slots[slot]))
         device_stream(self.device).synchronize()
 

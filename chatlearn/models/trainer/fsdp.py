@@ -94,7 +94,7 @@ def collective_timeout() -> timedelta | None:
     return timedelta(seconds=seconds) if seconds > 0 else None
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Modules of the classes HF marks as not splittable (the decoder layers)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
@@ -316,7 +316,7 @@ class FSDPTrainer(Trainer):
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mixed else MixedPrecisionPolicy())
         mesh = init_device_mesh(self.device.type, (self.world,))
-        for layer in _decoder_layers(model):
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if spec.meta_init:

@@ -6,7 +6,6 @@ import os
 import re
 import threading
 import time
-import weakref
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -15,6 +14,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from chatlearn.calls import get, wait
 from chatlearn.errors import UserError
 from chatlearn.runtime.cluster.local import InlineActor, ProcessActor, WorkerDied
+from chatlearn.runtime.cluster.roles import register, role_of
+from chatlearn.runtime.cluster.watchdog import collective_env
 from chatlearn.runtime.cluster.worker import Worker
 from chatlearn.runtime.cluster.worker_env import worker_env
 
@@ -59,21 +60,6 @@ class CallTimeout(Exception):
     def __init__(self, stuck: list[int], timeout: float):
         self.stuck, self.timeout = stuck, timeout
         super().__init__(f"actors {stuck} did not return within {timeout:g} s")
-
-
-# actor id (hex) -> (model, index) of every actor started by create_group: Ray names a dead actor
-# only by its class ("Worker") and id; this says which model and rank it was
-_ROLES: dict[str, tuple[str, int]] = {}
-# actor id (hex) -> handle of the same actors, while a handle lives (the watchdog kills them on a stall)
-_ACTORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def role_of(actor_id: str | None) -> str | None:
-    """``"policy_trainer rank 1"``, ``"policy replica 0"``, ... for an actor id (hex) of this process's groups."""
-    if not actor_id or actor_id not in _ROLES:
-        return None
-    name, index = _ROLES[actor_id]
-    return f"{name} {'replica' if name in ('policy', 'rollout') else 'rank'} {index}"
 
 
 def dead_worker_message(err: BaseException) -> str | None:
@@ -235,8 +221,7 @@ def start_actors(name: str, factory: str, *, num_actors: int, pg: PlacementGroup
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundles[i * k])
         actor = ray.remote(Worker).options(**opts).remote(threads, factory.split(":")[0], name != "reward")
-        _ROLES[actor._actor_id.hex()] = (name, i)
-        _ACTORS[actor._actor_id.hex()] = actor
+        register(actor, name, i)
         actors.append(actor)
     return actors
 
@@ -251,8 +236,7 @@ def _local_actor(name: str, index: int, factory: str, threads: int, env: dict[st
     else:
         actor = ProcessActor(name, threads, preload, uses_torch,
                              {**os.environ, **env, "CHATLEARN_WORKER": f"{name}:{index}"})
-    _ROLES[actor._actor_id.hex()] = (name, index)
-    _ACTORS[actor._actor_id.hex()] = actor
+    register(actor, name, index)
     return actor
 
 
@@ -277,8 +261,6 @@ def create_group(name: str, factory: str, spec, *, num_actors: int, pg: Placemen
     envs: list[dict] = [{} for _ in actors]
     if distributed:
         addr, port = get(actors[0].address.remote())
-        from chatlearn.runtime.cluster.watchdog import collective_env
-
         envs = [{"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(i), "WORLD_SIZE": str(num_actors),
                  "LOCAL_RANK": "0", **collective_env()} for i in range(num_actors)]
     get([a.setup.remote(factory, spec, e) for a, e in zip(actors, envs)])

@@ -26,6 +26,8 @@ import traceback
 from concurrent import futures
 from multiprocessing.connection import Connection
 
+from chatlearn.runtime.cluster.worker import Worker
+
 _IDS = itertools.count()
 # set by the ``chatlearn`` command (chatlearn.cli.entry): this process ends with the run, so a run
 # without Ray leaves its models to the process's end instead of tearing them down
@@ -117,8 +119,6 @@ class InlineActor(LocalActor):
 
     def __init__(self, role: str, threads: int, preload: str | None, uses_torch: bool = True):
         super().__init__(role)
-        from chatlearn.runtime.cluster.worker import Worker
-
         self._lock = threading.Lock()
         self._worker = Worker(threads, preload, uses_torch, place="inline")
 
@@ -296,8 +296,6 @@ def serve(fd: int) -> None:
             os._exit(0)
         try:
             if method == "__init__":
-                from chatlearn.runtime.cluster.worker import Worker
-
                 worker = Worker(*args, place="process")
                 reply = (call, True, None)
             elif broken is not None:

@@ -1,7 +1,7 @@
 """Deadlines of the workers' calls, and heartbeats that tell a slow worker from a stopped one.
 
-Every worker process runs a heartbeat thread (:func:`start_heartbeat`) that writes, every
-``HEARTBEAT_S`` seconds, a counter, its process id, node and the method it is running into Ray's
+Every worker process runs a heartbeat thread (:func:`chatlearn.runtime.cluster.heartbeat.start_heartbeat`)
+that writes, every ``HEARTBEAT_S`` seconds, a counter, its process id, node and the method it is running into Ray's
 key-value store. A stopped process (SIGSTOP, a frozen node) or one that holds the interpreter
 writes nothing; one waiting on a GPU kernel or a collective goes on writing.
 
@@ -32,13 +32,13 @@ from typing import Callable, Iterable
 from chatlearn.config.deadlines import CAP_FACTOR, collective_timeout_s, deadline_s, silent_after
 from chatlearn.config.kinds import DEFAULT_MODELS
 from chatlearn.logging.console import warn
-from chatlearn.runtime.cluster.group import _ACTORS, _ROLES, role_of
+from chatlearn.runtime.cluster.heartbeat import NAMESPACE
 from chatlearn.runtime.cluster.local import LocalActor, kill
+from chatlearn.runtime.cluster.roles import handle_of, live_actors, model_of, role_of
+from chatlearn.runtime.cluster.signals import terminated
 
-HEARTBEAT_S = 2.0
 TICK_S = 1.0
 GRACE_S = 60.0  # after a stall, the driver's own wait for the run to end before it is interrupted
-NAMESPACE = "chatlearn_heartbeat"
 # models whose calls have their own limit (their kind's own_deadline: the reward workers, models.reward.timeout_s)
 UNWATCHED = tuple(name for name, kind in DEFAULT_MODELS.items() if kind.own_deadline)
 
@@ -57,41 +57,13 @@ def collective_env() -> dict[str, str]:
     return {"CHATLEARN_COLLECTIVE_TIMEOUT_S": f"{seconds:g}"} if seconds else {}
 
 
-# ---------------------------------------------------------------------------- worker side
-def start_heartbeat(doing: Callable[[], tuple[str | None, float]]) -> threading.Thread | None:
-    """In a worker: a daemon thread writing this process's heartbeat every ``HEARTBEAT_S`` seconds;
-    ``doing()`` gives the method running now and for how long. None outside a Ray actor."""
-    import ray
-    from ray.experimental import internal_kv
-
-    actor = ray.get_runtime_context().get_actor_id()
-    if actor is None:
-        return None
-    key, pid, node = f"{actor}".encode(), os.getpid(), ray.util.get_node_ip_address()
-
-    def beat() -> None:
-        count = 0
-        while True:
-            count += 1
-            method, running = doing()
-            value = json.dumps({"n": count, "pid": pid, "node": node, "method": method, "running_s": running})
-            try:
-                internal_kv._internal_kv_put(key, value.encode(), overwrite=True, namespace=NAMESPACE)
-            except Exception:  # noqa: BLE001 - Ray going away: the run is ending
-                return
-            time.sleep(HEARTBEAT_S)
-
-    thread = threading.Thread(target=beat, name="chatlearn-heartbeat", daemon=True)
-    thread.start()
-    return thread
-
-
+# ---------------------------------------------------------------------------- heartbeats
 def read_heartbeats(actor_ids: list[str]) -> dict[str, dict | None]:
     """On the driver: the last heartbeat of each actor (None: none yet); a worker of a run without Ray
     (chatlearn.runtime.cluster.local) answers for itself."""
     out = {}
     for actor in actor_ids:
-        handle = _ACTORS.get(actor)
+        handle = handle_of(actor)
         if isinstance(handle, LocalActor):
             out[actor] = handle.heartbeat()
             continue
@@ -103,7 +75,7 @@ def read_heartbeats(actor_ids: list[str]) -> dict[str, dict | None]:
 
 
 def forget_heartbeats(actor_ids: list[str]) -> None:
-    actor_ids = [a for a in actor_ids if not isinstance(_ACTORS.get(a), LocalActor)]
+    actor_ids = [a for a in actor_ids if not isinstance(handle_of(a), LocalActor)]
     if not actor_ids:
         return
     from ray.experimental import internal_kv
@@ -145,8 +117,8 @@ class Watchdog:
                  thread: bool = True):
         self.floor = float(stage_timeout_s)
         self.unwatched = tuple(unwatched)  # models whose calls have a limit of their own
-        before = set(_ACTORS)
-        self.actors = actors or (lambda: {a: h for a, h in list(_ACTORS.items()) if a not in before})
+        before = set(live_actors())
+        self.actors = actors or (lambda: {a: h for a, h in live_actors().items() if a not in before})
         self.read, self.clock = read, clock
         self.longest: dict[tuple, float] = {}
         self.active: dict[int, Watch] = {}
@@ -194,7 +166,7 @@ class Watchdog:
         if not overdue:
             self.heard.clear()
             return None
-        watched = [a for a in self.actors() if a not in _ROLES or _ROLES[a][0] not in self.unwatched]
+        watched = [a for a in self.actors() if model_of(a) not in self.unwatched]
         try:
             beats = self.read(watched)
         except Exception:  # noqa: BLE001 - Ray's store not answering: look again at the next tick
@@ -218,7 +190,7 @@ class Watchdog:
         return None
 
     def _stopped(self, overdue: list[Watch], silent: list[str], beats: dict, now: float) -> Stall:
-        models = {(_ROLES[a][0] if a in _ROLES else None) for a in silent}
+        models = {model_of(a) for a in silent}
         w = next((w for w in overdue if w.model in models), overdue[0])
         names = []
         for actor in silent:
@@ -240,7 +212,7 @@ class Watchdog:
         return Stall(message, [beats.get(a) or {} for a in silent])
 
     def _capped(self, w: Watch, now: float) -> Stall:
-        ranks = sorted(role_of(a) or a[:8] for a in self.actors() if a in _ROLES and _ROLES[a][0] == w.model)
+        ranks = sorted(role_of(a) or a[:8] for a in self.actors() if model_of(a) == w.model)
         message = (
             f"{w.what} did not finish within {now - w.start:.0f} s ({CAP_FACTOR:g} x its deadline of "
             f"{w.allowed:.0f} s: {w.basis}), although its workers ({', '.join(ranks) or w.model}) answered their "
@@ -283,8 +255,6 @@ class Watchdog:
         """The run is ending: stop looking, and drop its heartbeats from Ray's store. Not after a SIGTERM:
         a job stopped as a whole (Slurm) has lost Ray's GCS with it, and a call to it would wait 60 s
         and then end the process with Ray's error instead of the run's exit code 143."""
-        from chatlearn.runtime.cluster.signals import terminated
-
         self._closed.set()
         if self.floor > 0 and not terminated():
             with contextlib.suppress(Exception):

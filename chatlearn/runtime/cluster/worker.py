@@ -11,6 +11,11 @@ import sys
 import time
 
 from chatlearn.config.plugins import load_plugins
+from chatlearn.logging.console import setup_worker
+from chatlearn.logging.gpu_memory import device_memory
+from chatlearn.logging.startup import process_start_time
+from chatlearn.runtime.cluster.heartbeat import start_heartbeat
+from chatlearn.runtime.cluster.leftovers import record_owned, release_owned, remove_stale_files, temp_files
 
 
 class Worker:
@@ -27,9 +32,6 @@ class Worker:
         ``place``: ``ray`` (a Ray actor's process), ``process`` (a process of a run without Ray) or
         ``inline`` (the driver's own process: its output and environment stay as they are;
         chatlearn.runtime.cluster.local)."""
-        from chatlearn.logging.console import setup_worker
-        from chatlearn.logging.startup import process_start_time
-
         self.place = place
         # this process's start-up (startup_times): its start, this actor's creation (Ray's worker has
         # started and connected), ready for setup, each object's build; inline: from its creation
@@ -41,8 +43,6 @@ class Worker:
         # the method running now and since when: what the heartbeat tells the driver's watchdog
         self.running: tuple[str, float] | None = None
         if place == "ray":
-            from chatlearn.runtime.cluster.watchdog import start_heartbeat
-
             start_heartbeat(self.doing)
         # The process environment was set by Ray before start (chatlearn.runtime.cluster.worker_env); it is
         # recorded as found, so that tests can check what the process started with.
@@ -87,8 +87,6 @@ class Worker:
             import torch
 
             spec = resolve_for_device(spec, "cuda" if torch.cuda.is_available() else "cpu")
-        from chatlearn.runtime.cluster.leftovers import record_owned, remove_stale_files, temp_files
-
         remove_stale_files()  # of killed runs on this node
         before = temp_files()
         module, name = factory.split(":")
@@ -124,8 +122,6 @@ class Worker:
 
     def release_temp_files(self) -> int:
         """Remove the temporary files this process recorded (the run is ending normally)."""
-        from chatlearn.runtime.cluster.leftovers import release_owned
-
         return release_owned()
 
     def environment(self) -> dict[str, str]:
@@ -152,8 +148,6 @@ class Worker:
     def device_memory(self) -> list[dict]:
         """GPU memory of this worker and the processes it started, per device it sees
         (``chatlearn.logging.gpu_memory.device_memory``); ``[]`` without CUDA."""
-        from chatlearn.logging.gpu_memory import device_memory
-
         return device_memory()
 
     def call(self, method: str, *args, **kwargs):

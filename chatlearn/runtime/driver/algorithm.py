@@ -36,7 +36,7 @@ from chatlearn.algorithms.gae import episode_gae
 from chatlearn.batch import columns, select_samples
 from chatlearn.calls import put
 from chatlearn.checkpoint.manager import CheckpointManager
-from chatlearn.config.algorithms import ALGORITHMS
+from chatlearn.config.registry import ALGORITHMS
 from chatlearn.config.names import Part, Stage
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError

@@ -37,6 +37,7 @@ from chatlearn.config.manifest import MANIFEST
 from chatlearn.config.plan import make_eval_plan
 from chatlearn.data.dataset import load_prompts, load_tokenizer
 from chatlearn.errors import UserError
+from chatlearn.hub import looks_like_hub_id, snapshot
 from chatlearn.logging.console import info
 from chatlearn.logging.jsonl import write_text_atomic
 from chatlearn.runtime.cluster.cluster import Cluster
@@ -144,7 +145,6 @@ def resolve_model(path: str, merged_dir: str = MERGED_MODEL) -> EvalModel:
     model id (resolved into the Hugging Face cache). Checks only, writes nothing: an incomplete or damaged
     checkpoint is refused here, before anything loads."""
     from chatlearn.checkpoint.adapters import ADAPTER_CONFIG
-    from chatlearn.hub import looks_like_hub_id, snapshot
 
     if os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):  # before config.json: some adapter folders hold one
         return EvalModel(path, os.path.abspath(merged_dir), check_complete(path, path), merge_from=path, adapter=True)

@@ -47,6 +47,7 @@ from typing import Callable
 import numpy as np
 from omegaconf import OmegaConf
 
+from chatlearn.algorithms.advantages import loss_token_counts
 from chatlearn.config.env_entries import load_environment, load_parser, tool_entries
 from chatlearn.config.load import policy_sequence_length
 from chatlearn.data.turns import TurnTemplate
@@ -424,8 +425,6 @@ def env_metrics(batch: dict, prefix: str) -> dict:
     trajectory ended, and of each info number (summed over a trajectory's steps)."""
     if "env/turns" not in batch:
         return {}
-    from chatlearn.algorithms.advantages import loss_token_counts
-
     out = {f"{prefix}/env/trajectory_reward_mean": float(np.mean(batch["env/reward"])),
            f"{prefix}/env/turns_mean": float(np.mean(batch["env/turns"])),
            f"{prefix}/env/observation_tokens_mean": float(np.mean(batch["env/observation_tokens"])),

@@ -23,6 +23,7 @@ from chatlearn.config.kinds import ROLLOUT, TRAINER
 from chatlearn.config.names import Part
 from chatlearn.config.plan import Plan
 from chatlearn.logging.console import info, warn
+from chatlearn.logging.gpu_memory import summarize
 from chatlearn.logging.jsonl import RowFile
 from chatlearn.runtime.cluster.group import WorkerGroup
 from chatlearn.runtime.cluster.watchdog import Watchdog
@@ -217,8 +218,6 @@ class Scheduler:
         device group, when GPU memory is tracked; else ``{}``."""
         if not self.track_gpu_memory or name not in self.plan.placements:
             return {}
-        from chatlearn.logging.gpu_memory import summarize
-
         models = [m for m in self.plan.colocated_with(name) + [name] if m in self.groups]
         refs = {m: [a.device_memory.remote() for a in self.groups[m].actors] for m in models}
         found = {m: get(r) for m, r in refs.items()}

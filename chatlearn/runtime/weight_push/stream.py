@@ -90,6 +90,10 @@ from datetime import timedelta
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+
+from chatlearn.logging import gpu_memory
+from chatlearn.models.rollout.lora_push import AdapterMerge
 
 # the bucket plan and layout, and the CUDA IPC slot helpers, are shared with the rollout engines
 # (chatlearn.models): they live in the models layer
@@ -130,8 +134,6 @@ def _rank_group(members: tuple):
     :class:`SlotPlan`), made from the trainers' default group; ``None`` when that is all of them
     (the default group itself) or there is no group. Every rank calls this at once, members or not
     (``new_group`` is a collective of the default group)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or len(members) == dist.get_world_size():
         return None
     from chatlearn.models.trainer.fsdp import collective_timeout
@@ -141,8 +143,6 @@ def _rank_group(members: tuple):
 
 def _share_among_ranks(buf: torch.Tensor, group) -> None:
     """Copy rank 0's ``buf`` into the ``buf`` of every rank of ``group`` (:func:`_rank_group`)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.broadcast(buf, src=0, group=group)
 
@@ -157,12 +157,10 @@ def _visible_gpu_uuids() -> list[str]:
     """UUIDs of the GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applied), read through NVML
     where it answers, which makes no CUDA context: a vLLM adapter whose workers run in processes of
     their own never initialises CUDA itself (``chatlearn.logging.gpu_memory``). torch's otherwise."""
-    from chatlearn.logging.gpu_memory import _nvml, _visible_handles
-
-    nvml = _nvml()
+    nvml = gpu_memory.load_nvml()
     if nvml is not None:
         try:
-            ids = [nvml.nvmlDeviceGetUUID(h) for h in _visible_handles(nvml)]
+            ids = [nvml.nvmlDeviceGetUUID(h) for h in gpu_memory.visible_handles(nvml)]
             return [u.decode() if isinstance(u, bytes) else str(u) for u in ids]
         except Exception:  # noqa: BLE001 - a visible-device entry NVML cannot resolve: ask torch
             pass
@@ -273,8 +271,6 @@ def _new_shm_slots(nbytes: int, depth: int) -> list[ShmSlot]:
 
 def _new_broadcast_group(host: str, port: int, rank: int, world: int, device_type: str):
     """A process group of its own (not the default one) from a TCPStore hosted by rank 0."""
-    import torch.distributed as dist
-
     store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=GROUP_TIMEOUT)
     store = dist.PrefixStore("chatlearn_weight_sync", store)
     if device_type == "cuda":
@@ -283,8 +279,6 @@ def _new_broadcast_group(host: str, port: int, rank: int, world: int, device_typ
 
 
 def _broadcast(group, tensor: torch.Tensor) -> None:
-    import torch.distributed as dist
-
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     group.broadcast([tensor], opts).wait()
@@ -480,8 +474,6 @@ class Endpoint:
     def expect_adapters(self, manifest: dict) -> None:
         """LoRA adapter push: every later push brings the adapters of ``manifest`` and is merged here
         (:class:`chatlearn.models.rollout.lora_push.AdapterMerge`)."""
-        from chatlearn.models.rollout.lora_push import AdapterMerge
-
         self.merge = AdapterMerge(manifest, _merge_device())
 
     def begin(self) -> None:
@@ -535,8 +527,6 @@ def local_push(trainer, rollout, bucket_bytes: int) -> int:
     broadcasts it over the trainers' process group, and each rank's replica loads the views. A LoRA
     adapter push (the view's ``manifest``) goes through an ``AdapterMerge`` kept on the rollout. Returns
     the bytes loaded."""
-    import torch.distributed as dist
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     view = push_view(trainer)
     buckets = plan_buckets(view.weight_specs(), bucket_bytes)
@@ -566,8 +556,6 @@ def _local_merge(rollout, manifest: dict | None):
         return None
     merge = rollout.__dict__.get("_chatlearn_adapter_merge")
     if merge is None:
-        from chatlearn.models.rollout.lora_push import AdapterMerge
-
         merge = AdapterMerge(manifest, _merge_device())
         rollout.__dict__["_chatlearn_adapter_merge"] = merge
     return merge

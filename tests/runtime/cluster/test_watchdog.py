@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from chatlearn.config.deadlines import collective_timeout_s, deadline_s, silent_after
-from chatlearn.runtime.cluster import group, watchdog
+from chatlearn.runtime.cluster import roles, watchdog
 from chatlearn.runtime.cluster.watchdog import Watchdog, collective_timeout_message
 
 
@@ -42,10 +42,10 @@ class Beats:
 
 @pytest.fixture
 def workers(monkeypatch):
-    roles = {"a0": ("policy_trainer", 0), "a1": ("policy_trainer", 1), "r0": ("reward", 0)}
-    for actor, role in roles.items():
-        monkeypatch.setitem(group._ROLES, actor, role)
-    return {a: object() for a in roles}
+    known = {"a0": ("policy_trainer", 0), "a1": ("policy_trainer", 1), "r0": ("reward", 0)}
+    for actor, role in known.items():
+        monkeypatch.setitem(roles._ROLES, actor, role)
+    return {a: object() for a in known}
 
 
 def dog(floor, workers, beats, clock):
@@ -166,7 +166,7 @@ def test_a_stall_kills_a_stopped_process_and_the_run_s_actors(monkeypatch):
 
 
 def test_a_collective_that_timed_out_is_one_paragraph(monkeypatch):
-    monkeypatch.setitem(group._ROLES, "a1", ("policy_trainer", 1))
+    monkeypatch.setitem(roles._ROLES, "a1", ("policy_trainer", 1))
     Watchdog(20, actors=dict, thread=False)
     assert watchdog.collective_env() == {"CHATLEARN_COLLECTIVE_TIMEOUT_S": "80"}
 

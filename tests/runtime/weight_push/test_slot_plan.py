@@ -68,7 +68,7 @@ def test_visible_gpu_uuids_read_through_nvml_without_cuda(monkeypatch):
 
     handles = {"0": "GPU-aaa", "3": b"GPU-ddd"}  # older pynvml answers bytes
     nvml = SimpleNamespace(nvmlDeviceGetHandleByIndex=lambda i: str(i), nvmlDeviceGetUUID=handles.__getitem__)
-    monkeypatch.setattr(gpu_memory, "_nvml", lambda: nvml)
+    monkeypatch.setattr(gpu_memory, "load_nvml", lambda: nvml)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3")
     monkeypatch.setattr(ws, "device_uuid", lambda device: pytest.fail("torch asked: a CUDA context"))
     assert ws._visible_gpu_uuids() == ["GPU-aaa", "GPU-ddd"]

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from chatlearn.checkpoint.megatron_mapping import HFArch
 
@@ -55,7 +56,6 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, sequence_parallel: boo
     tensor-parallel weights (``tensor_model_parallel``), and untagged weights would be
     counted as replicas in the gradient norm.
     """
-    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     if arch.num_heads % tp or arch.num_query_groups % tp:

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from chatlearn.checkpoint import megatron_format as ckpt_format
 from chatlearn.checkpoint import sharded
@@ -79,7 +80,7 @@ from chatlearn.checkpoint.megatron_mapping import (
     to_hf,
     to_megatron,
 )
-from chatlearn.checkpoint.merge import value_head_config
+from chatlearn.checkpoint.hf_files import value_head_config
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
@@ -781,7 +782,6 @@ class MegatronTrainer(Trainer):
         onloaded. A missing, incomplete or mismatched checkpoint raises a UserError on every
         rank before any collective."""
         from megatron.core import tensor_parallel
-        from safetensors import safe_open
 
         self._require_onloaded("load_checkpoint")
         meta = ckpt_format.read_meta(path, self._layout())
@@ -918,7 +918,7 @@ class MegatronTrainer(Trainer):
         dtype set to float32, generation config, tokenizer, chat template). The critic's is a
         token-classification folder with one label, as the FSDP critic's: ``score.weight`` and
         ``score.bias``, the config's architectures the ``*ForTokenClassification`` class
-        (:func:`chatlearn.checkpoint.merge.value_head_config`), no generation config."""
+        (:func:`chatlearn.checkpoint.hf_files.value_head_config`), no generation config."""
         self._require_weights()
         state = {name: t for name, t in self._gather_hf("weights") if t is not None}
         if self.rank == 0:
