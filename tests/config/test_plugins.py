@@ -167,3 +167,48 @@ def test_policy_loss_null_follows_use_group_sequence_policy():
     assert loss(f"{PT}.policy_loss=gspo", f"{PT}.use_group_sequence_policy=true") == "gspo"
     err = _refused(f"{PT}.policy_loss=vanilla", f"{PT}.use_group_sequence_policy=true")
     assert err.key == f"{PT}.policy_loss" and "Set one of the two" in str(err)
+
+
+ALGORITHM = """
+    from chatlearn.plugins import register_algorithm
+    from chatlearn.runtime.driver.algorithm import ComposedAlgorithm, CriticUpdate, GAEAdvantages, GroupAdvantages
+    from chatlearn.runtime.driver.algorithm import PolicyUpdate
+
+
+    @register_algorithm("grpo_plain")
+    def grpo_plain(cfg, plan, calls, steps):
+        \"\"\"GRPO's parts under a name of the plugin's own.\"\"\"
+        return ComposedAlgorithm("grpo_plain", PolicyUpdate(cfg, plan, calls, steps, GroupAdvantages.column),
+                                 GroupAdvantages(cfg, plan))
+
+
+    @register_algorithm("ppo_mine", needs=("critic",), estimators=("gae",))
+    def ppo_mine(cfg, plan, calls, steps):
+        \"\"\"PPO's parts under a name of the plugin's own.\"\"\"
+        return ComposedAlgorithm("ppo_mine", PolicyUpdate(cfg, plan, calls, steps, GAEAdvantages.column),
+                                 GAEAdvantages(cfg), CriticUpdate(cfg, calls, steps))
+"""
+
+
+def test_a_plugged_algorithm_is_chosen_placed_and_built(tmp_path):
+    """An algorithm of the user's own (chatlearn.plugins.register_algorithm): the config names it, its
+    declaration places the models it needs (a critic), the estimator it takes is checked, the driver builds it
+    with its function; a plugged name is offered by did-you-mean and a built-in one is refused."""
+    from chatlearn.runtime.driver.algorithm import make_algorithm
+
+    plugin = _write(tmp_path, "my_rl_alg.py", ALGORITHM)
+    plugins = f"runtime_args.plugins=[{plugin}]"
+    cfg, plan = load_run(GRPO, [HF, plugins, f"{PT}.algorithm=grpo_plain"])
+    assert plan.algorithm == "grpo_plain" and not plan.uses_critic
+    built = make_algorithm(cfg, plan, calls=None, steps=None)
+    assert built.name == "grpo_plain" and built.trained == ("policy_trainer",)
+    cfg, plan = load_run(GRPO, [HF, plugins, f"{PT}.algorithm=ppo_mine"])  # its own estimator, gae
+    assert cfg.models.policy_trainer.advantage_estimator == "gae" and "critic" in plan.placements
+    assert make_algorithm(cfg, plan, calls=None, steps=None).trained == ("critic", "policy_trainer")
+    err = _refused(plugins, f"{PT}.algorithm=ppo_mien")
+    assert err.key == f"{PT}.algorithm" and "Did you mean 'ppo_mine'" in str(err)
+    err = _refused(plugins, f"{PT}.algorithm=ppo_mine", f"{PT}.advantage_estimator=rloo")
+    assert err.key == f"{PT}.advantage_estimator" and "its estimator is gae" in str(err)
+    clash = _write(tmp_path, "my_rl_clash.py", ALGORITHM.replace('"grpo_plain"', '"ppo"'))
+    err = _refused(f"runtime_args.plugins=[{clash}]")
+    assert err.key == "runtime_args.plugins[0]" and "'ppo' is built in" in str(err), str(err)
