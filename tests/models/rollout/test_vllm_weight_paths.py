@@ -157,6 +157,7 @@ def test_cuda_ipc_slots_load_inside_the_worker(tiny_model_dir, restore_threads, 
     import weakref
 
     from chatlearn.models import weight_buckets as ws
+    from chatlearn.models.rollout import vllm as vllm_rollout
     from chatlearn.models.rollout.vllm import VLLMRollout
 
     hf = {k: v for k, v in _hf_weights(tiny_model_dir).items() if k != "lm_head.weight"}
@@ -167,13 +168,15 @@ def test_cuda_ipc_slots_load_inside_the_worker(tiny_model_dir, restore_threads, 
               "GPU-1": torch.zeros(max(b.nbytes for b in buckets), dtype=torch.uint8)}
     mapped, events = [], []
     monkeypatch.setattr(ws, "device_uuid", lambda device: "GPU-1")  # the worker's GPU
-    monkeypatch.setattr(ws, "ipc_rebuild", lambda handle, device: mapped.append(owners[handle[1]][:]) or mapped[-1])
+    # (the engine's worker extension takes them from chatlearn/models/rollout/vllm.py's imports)
+    monkeypatch.setattr(vllm_rollout, "ipc_rebuild",
+                        lambda handle, device: mapped.append(owners[handle[1]][:]) or mapped[-1])
 
     class Stream:
         def synchronize(self):
             events.append("sync")
 
-    monkeypatch.setattr(ws, "device_stream", lambda device: Stream())
+    monkeypatch.setattr(vllm_rollout, "device_stream", lambda device: Stream())
     with fake_vllm(multiprocess=True):
         rollout = VLLMRollout(_spec(tiny_model_dir))
         rollout.attach_weight_slots({"GPU-0": [("ipc", "GPU-0")], "GPU-1": [("ipc", "GPU-1")]})
