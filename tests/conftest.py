@@ -86,6 +86,21 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), seed=0)
 
 
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory) -> str:
+    """A folder that looks like a sequence-classification reward model (the toy's config, as one with a score
+    head, and its tokenizer): enough for validation, which reads no weight."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("reward_models") / "rm"
+    shutil.copytree(os.path.join(REPO, "assets", "tiny_qwen2"), out)
+    conf = json.loads((out / "config.json").read_text())
+    conf.update(architectures=["Qwen2ForSequenceClassification"], num_labels=1, pad_token_id=0)
+    conf.pop("id2label", None)
+    (out / "config.json").write_text(json.dumps(conf))
+    return str(out)
+
+
 def write_arith(path: str, n: int, start: int = 0) -> str:
     with open(path, "w", encoding="utf-8") as f:
         for i in range(start, start + n):

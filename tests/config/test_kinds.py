@@ -4,9 +4,7 @@ of a bad cast before anything starts."""
 from __future__ import annotations
 
 import ast
-import json
 import os
-import shutil
 
 import pytest
 
@@ -26,21 +24,9 @@ def _repo_cwd(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
-@pytest.fixture
-def rm_dir(tmp_path):
-    """A folder that looks like a sequence-classification reward model (config and tokenizer of the toy)."""
-    out = tmp_path / "rm"
-    shutil.copytree(os.path.join(REPO, "assets", "tiny_qwen2"), out)
-    conf = json.loads((out / "config.json").read_text())
-    conf.update(architectures=["Qwen2ForSequenceClassification"], num_labels=1, pad_token_id=0)
-    conf.pop("id2label", None)
-    (out / "config.json").write_text(json.dumps(conf))
-    return str(out)
-
-
-def two_reward_models(rm_dir):
-    return ["models.rm_math.kind=reward_model", f"models.rm_math.load={rm_dir}", "models.rm_math.weight=0.7",
-            "models.rm_style.kind=reward_model", f"models.rm_style.load={rm_dir}", "models.rm_style.weight=0.3",
+def two_reward_models(reward_model_dir):
+    return ["models.rm_math.kind=reward_model", f"models.rm_math.load={reward_model_dir}", "models.rm_math.weight=0.7",
+            "models.rm_style.kind=reward_model", f"models.rm_style.load={reward_model_dir}", "models.rm_style.weight=0.3",
             "models.rm_style.normalize=batch", "runtime_args.colocation=[policy,policy_trainer,rm_math,rm_style]"]
 
 
@@ -57,8 +43,8 @@ def test_every_kind_is_declared_whole():
     assert len({k.build_rank for k in KINDS.values()}) == len(KINDS)  # one build order
 
 
-def test_two_reward_models_of_the_users_naming_are_placed_and_take_turns(paths_overrides, rm_dir):
-    cfg, plan = load_run(GRPO, paths_overrides + two_reward_models(rm_dir))
+def test_two_reward_models_of_the_users_naming_are_placed_and_take_turns(paths_overrides, reward_model_dir):
+    cfg, plan = load_run(GRPO, paths_overrides + two_reward_models(reward_model_dir))
     assert plan.device_groups == [["policy", "policy_trainer", "rm_math", "rm_style"]]
     assert plan.reward_models == ["rm_math", "rm_style"]
     assert plan.kind("rm_math") is REWARD_MODEL and plan.placements["rm_style"].device_group == 0
@@ -71,12 +57,12 @@ def test_two_reward_models_of_the_users_naming_are_placed_and_take_turns(paths_o
     assert list(model_kinds(cfg))[-2:] == ["rm_math", "rm_style"]
 
 
-def test_reward_model_of_models_reward_load_keeps_its_name(paths_overrides, rm_dir):
+def test_reward_model_of_models_reward_load_keeps_its_name(paths_overrides, reward_model_dir):
     """ChatLearn's models.reward.load is the reward model reward_model (named reward in colocation), beside
     one of the user's naming."""
     cfg, plan = load_run(GRPO, paths_overrides + [
-        f"models.reward.load={rm_dir}", "models.reward.num_gpu=1", "models.rm2.kind=reward_model",
-        f"models.rm2.load={rm_dir}", "runtime_args.colocation=[policy,policy_trainer,reward,rm2]"])
+        f"models.reward.load={reward_model_dir}", "models.reward.num_gpu=1", "models.rm2.kind=reward_model",
+        f"models.rm2.load={reward_model_dir}", "runtime_args.colocation=[policy,policy_trainer,reward,rm2]"])
     assert plan.device_groups == [["policy", "policy_trainer", "reward_model", "rm2"]]
     assert plan.reward_models == ["reward_model", "rm2"]
 
@@ -98,8 +84,8 @@ def test_reward_model_of_models_reward_load_keeps_its_name(paths_overrides, rm_d
     (["models.policy_trainer.algorithm=grpo", "models.policy_trainer.advantage_estimator=gae"],
      "models.policy_trainer.advantage_estimator", ["gae is ppo's", "grpo, dr_grpo, rloo"]),
 ])
-def test_a_bad_cast_is_refused_naming_the_key(paths_overrides, rm_dir, overrides, key, words):
-    overrides = [o.replace("=x", f"={rm_dir}") for o in overrides]
+def test_a_bad_cast_is_refused_naming_the_key(paths_overrides, reward_model_dir, overrides, key, words):
+    overrides = [o.replace("=x", f"={reward_model_dir}") for o in overrides]
     with pytest.raises(ConfigError) as err:
         load_run(GRPO, paths_overrides + overrides)
     assert err.value.key == key, str(err.value)
@@ -107,9 +93,9 @@ def test_a_bad_cast_is_refused_naming_the_key(paths_overrides, rm_dir, overrides
         assert w in str(err.value), str(err.value)
 
 
-def test_a_reward_model_with_dynamic_sampling_is_refused(paths_overrides, rm_dir):
+def test_a_reward_model_with_dynamic_sampling_is_refused(paths_overrides, reward_model_dir):
     with pytest.raises(ConfigError) as err:
-        load_run(GRPO, paths_overrides + ["models.rm.kind=reward_model", f"models.rm.load={rm_dir}",
+        load_run(GRPO, paths_overrides + ["models.rm.kind=reward_model", f"models.rm.load={reward_model_dir}",
                                           "runtime_args.dynamic_sampling=true"])
     assert err.value.key == "runtime_args.dynamic_sampling" and "(rm)" in str(err.value)
 

@@ -23,21 +23,6 @@ def _repo_cwd(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
-@pytest.fixture
-def reward_model_dir(tmp_path):
-    """A folder that looks like a sequence-classification reward model (config and tokenizer of the toy)."""
-    from conftest import REPO
-
-    src = os.path.join(REPO, "assets", "tiny_qwen2")
-    out = tmp_path / "rm"
-    shutil.copytree(src, out)
-    conf = json.loads((out / "config.json").read_text())
-    conf.update(architectures=["Qwen2ForSequenceClassification"], num_labels=1, pad_token_id=0)
-    conf.pop("id2label", None)
-    (out / "config.json").write_text(json.dumps(conf))
-    return str(out)
-
-
 def test_critic_inherits_every_trainer_key_it_does_not_set(paths_overrides):
     cfg, plan = load_run(PPO, paths_overrides + ["models.policy_trainer.optimizer.weight_decay=0.05",
                                                  "models.policy_trainer.gradient_checkpointing=true",
