@@ -35,6 +35,7 @@ from chatlearn.config.ppo_keys import check_ppo, check_reward_model_folder, chec
 from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
 from chatlearn.config.reward_entries import check_functions
 from chatlearn.config.schema import Config
+from chatlearn.config.secrets import remember_env_sources
 from chatlearn.errors import ConfigError, UserError
 from chatlearn.hub import resolve
 
@@ -213,6 +214,8 @@ def _resolve(cfg: DictConfig) -> None:
         if missing:
             raise ConfigError("required key has no value. Set it in the YAML file or on the command line "
                               f"({missing[0]}=...).", key=missing[0])
+        # what comes from the environment is written as ${oc.env:...}, never resolved (chatlearn.config.secrets)
+        remember_env_sources(cfg, dict(_raw_strings(cfg)))
         OmegaConf.resolve(cfg)
     except (InterpolationKeyError, InterpolationResolutionError, MissingMandatoryValue) as err:
         unset = re.search(r"Environment variable '([^']+)' not found", str(err))

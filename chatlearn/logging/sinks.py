@@ -11,51 +11,28 @@
   uploads it later) instead of prompting for a key.
 
 Every copy of the config a run writes or prints (TensorBoard, W&B, ``<output_dir>/config.yaml``,
-``chatlearn run --dry-run``) has secrets redacted (see :func:`redact`).
+``chatlearn run --dry-run``) has secrets redacted (:func:`chatlearn.config.secrets.redact`: secret keys,
+values read from the environment, kept as ``${oc.env:...}``, URL passwords, HTTP credentials).
 """
 from __future__ import annotations
 
 import netrc
 import os
-import re
 from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
 from chatlearn.config.schema import raw_defaults
+from chatlearn.config.secrets import env_sources, redact
 from chatlearn.errors import UserError
 from chatlearn.logging.console import info
 from chatlearn.logging.jsonl import write_text_atomic
 from chatlearn.logging.metrics import MetricsWriter, SamplesWriter
 
-REDACTED = "***"
-# A key is secret when its last word is "key" or "token" (api_key, hf_token, accessToken), or when
-# its name contains one of the words below anywhere. Looking at the last word only keeps settings
-# such as max_prompt_tokens_length, max_token_in_packing or tokenizer_model visible.
-_SECRET_LAST_WORDS = {"key", "token"}
-_SECRET_PARTS = ("secret", "password", "passwd", "apikey", "credential")
-
-
-def is_secret(name: str) -> bool:
-    lowered = name.lower()
-    if any(part in lowered for part in _SECRET_PARTS):
-        return True
-    words = [w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()) if w]
-    return bool(words) and words[-1] in _SECRET_LAST_WORDS
-
-
-def redact(value):
-    """A copy of a nested dict/list with the value of every secret-named key replaced by ``***``."""
-    if isinstance(value, dict):
-        return {k: (REDACTED if is_secret(str(k)) and v is not None else redact(v)) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact(v) for v in value]
-    return value
-
 
 def loggable_config(cfg: DictConfig) -> dict:
-    """The resolved config as plain containers, secrets redacted."""
-    return redact(OmegaConf.to_container(cfg, resolve=True))
+    """The resolved config as plain containers, secrets redacted (chatlearn.config.secrets)."""
+    return redact(OmegaConf.to_container(cfg, resolve=True), env_sources(cfg))
 
 
 def config_yaml(cfg: DictConfig) -> str:
@@ -96,7 +73,7 @@ def changed_config(cfg: DictConfig) -> dict:
                 out[key] = value
         return out
 
-    return redact(diff(final, raw))
+    return redact(diff(final, raw), env_sources(cfg))
 
 
 def write_config_yaml(cfg: DictConfig, path: str) -> None:

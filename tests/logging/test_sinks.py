@@ -9,7 +9,8 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from chatlearn.logging.sinks import MetricSinks, is_secret, redact, wandb_credentials_configured
+from chatlearn.config.secrets import is_secret, redact
+from chatlearn.logging.sinks import MetricSinks, wandb_credentials_configured
 
 SECRET = "hf_S3CR3T_VALUE"
 

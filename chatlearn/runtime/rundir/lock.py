@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 
+from chatlearn.config.secrets import redact_argument
 from chatlearn.errors import UserError
 from chatlearn.logging.console import warn
 
@@ -136,7 +137,7 @@ class RunLock:
         token = uuid.uuid4().hex
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "pid_start": process_start(os.getpid()),
-              "command": " ".join(shlex.quote(a) for a in sys.argv), "token": token}
+              "command": " ".join(shlex.quote(redact_argument(a)) for a in sys.argv), "token": token}
         data = (json.dumps(me, indent=1) + "\n").encode("utf-8")
         for _ in range(100):
             try:
