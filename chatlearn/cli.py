@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("CHATLEARN_DEBUG") == "1"
     if getattr(args, "verbose", False):
         os.environ["CHATLEARN_VERBOSE"] = "1"  # read by chatlearn.logging.console, here and in the workers
-    from chatlearn.runtime.cluster.signals import exit_code, stop_on_sigterm  # heavy: +3 ms at start (signal)
+    from chatlearn.runtime.cluster.signals import exit_code, stop_message, stop_on_sigterm  # heavy: +3 ms (signal)
 
-    stop_on_sigterm()  # SIGTERM (Slurm, Kubernetes) stops like Ctrl-C, exit 143
+    stop_on_sigterm()  # SIGTERM (Slurm, Kubernetes) and SIGHUP (a closed terminal) stop like Ctrl-C, exit 143 / 129
     try:
         if args.command == "run":
             return _run(args)
@@ -151,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         if stall_message():  # the watchdog interrupted a driver that did not end after a stall
             info(_paragraph(f"error: {stall_message()}"), stderr=True, bare=True)
             return 1
-        code = exit_code()
-        info("terminated (SIGTERM)" if code != 130 else "interrupted", stderr=True, bare=True)
-        return code
+        try:
+            info(stop_message(), stderr=True, bare=True)
+        except OSError:  # the terminal is gone (SIGHUP): the exit code says it
+            pass
+        return exit_code()
     return 0
 
 

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from chatlearn.runtime.cluster import group, leftovers, roles, signals
-from chatlearn.runtime.cluster.signals import SIGTERM_EXIT, Terminated, exit_code, stop_on_sigterm
+from chatlearn.runtime.cluster.signals import SIGHUP_EXIT, SIGTERM_EXIT, Terminated, exit_code, stop_on_sigterm
 
 
 def test_sigterm_raises_terminated_with_its_exit_code():
@@ -28,7 +28,56 @@ def test_sigterm_raises_terminated_with_its_exit_code():
     finally:
         signal.signal(signal.SIGTERM, old)
         signals._received.clear()
+        signals._received_signal.clear()
     assert exit_code() == 130
+
+
+def test_sighup_stops_like_sigterm_with_129():
+    """A closed terminal (SIGHUP) ended the run at once with 129, no message, ``run.lock`` left behind."""
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        stop_on_sigterm()
+        with pytest.raises(KeyboardInterrupt) as info:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(1)
+        assert isinstance(info.value, Terminated) and exit_code() == SIGHUP_EXIT == 129
+        assert "SIGHUP" in signals.stop_message()
+        # a SIGTERM or another SIGHUP while stopping does not interrupt the stop
+        assert signal.getsignal(signal.SIGHUP) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        signals._received.clear()
+        signals._received_signal.clear()
+    assert exit_code() == 130
+
+
+SIGHUP_RUN = """
+import sys, time
+from chatlearn import cli
+from chatlearn.runtime.rundir.lock import RunLock
+
+def run(args):  # a run that holds its folder's lock, as chatlearn.runtime.driver.run.train does
+    with RunLock(sys.argv[1]):
+        print("ready", flush=True)
+        time.sleep(60)
+    return 0
+
+cli._run = run
+sys.exit(cli.main(["run", "config.yaml"]))
+"""
+
+
+def test_sighup_to_a_run_releases_its_lock_and_exits_129(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SIGHUP_RUN, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    assert (tmp_path / "run.lock").exists()
+    proc.send_signal(signal.SIGHUP)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 129, stderr
+    assert "terminated (SIGHUP" in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "run.lock").exists()
 
 
 SIGTERM_IN_RAY_GET = """
