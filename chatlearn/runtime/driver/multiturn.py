@@ -60,6 +60,11 @@ STATUSES = ("done", "max_turns", "token_limit", "error", "timeout")
 DONE, MAX_TURNS, TOKEN_LIMIT, ERROR, TIMEOUT = range(len(STATUSES))
 TURN_SEED_STRIDE = 1_000_003  # turn t of a rollout samples with seed + t * this
 SHORTEN_TRIES = 3  # an observation longer than max_observation_tokens is cut down this many times at most
+# Characters one token spans at most, near enough: before an observation is rendered and tokenized (on the
+# driver, past the step's time limit) its messages are cut to max_observation_tokens x this many characters
+# together, so a huge observation costs no more than one that fits.
+CHARS_PER_TOKEN = 32
+TRUNCATED = " ...(truncated)"
 
 
 @dataclass
@@ -293,8 +298,11 @@ class MultiTurnLoop:
 
     def observation_ids(self, messages: list, last_token: int | None) -> list | None:
         """The tokens of ``messages`` after a model turn; when longer than ``max_observation_tokens``
-        the longest message is cut (up to ``SHORTEN_TRIES`` times, marked ``...(truncated)``), else None."""
-        messages = [dict(m) for m in messages]
+        the longest message is cut (up to ``SHORTEN_TRIES`` times, marked ``...(truncated)``), else None.
+        Cut by characters first (:func:`cut_by_characters`): what is tokenized stays small."""
+        if len(messages) > self.max_observation_tokens:  # every message takes a token at least
+            return None
+        messages = cut_by_characters(messages, self.max_observation_tokens * CHARS_PER_TOKEN)
         ids = self.template.observation_ids(messages, last_token)
         for _ in range(SHORTEN_TRIES):
             if len(ids) <= self.max_observation_tokens:
@@ -302,7 +310,7 @@ class MultiTurnLoop:
             j = max(range(len(messages)), key=lambda k: len(messages[k]["content"]))
             content = messages[j]["content"]
             keep = max(0, int(len(content) * self.max_observation_tokens / len(ids)) - 32)
-            messages[j]["content"] = content[:keep] + " ...(truncated)"
+            messages[j]["content"] = content[:keep] + TRUNCATED
             ids = self.template.observation_ids(messages, last_token)
         return ids if len(ids) <= self.max_observation_tokens else None
 
@@ -417,6 +425,20 @@ def tool_totals(trajectories: list[Trajectory]) -> dict:
             c, r, e = totals[name] if name in totals else (0, 0, None)
             totals[name] = (c + calls, r + raised, e if e is not None else error)
     return {name: v for name, v in totals.items() if v[0]}
+
+
+def cut_by_characters(messages: list, budget: int) -> list:
+    """Copies of ``messages`` whose contents hold ``budget`` characters together at most: each past it
+    is cut (marked ``...(truncated)``), the first messages keeping theirs."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        content = m.get("content")
+        if isinstance(content, str) and len(content) > budget:
+            m["content"] = content[:budget] + TRUNCATED
+        budget -= min(budget, len(content) if isinstance(content, str) else 0)
+        out.append(m)
+    return out
 
 
 def env_metrics(batch: dict, prefix: str) -> dict:

@@ -305,3 +305,20 @@ def test_async_environments_run_on_the_step_threads(tok):
     assert [STATUSES[s] for s in batch["env/status"]] == ["done", "done"]
     assert list(batch["env/turns"]) == [2, 2]
     np.testing.assert_allclose(batch["env/reward"], [0.5 + 0.9, 0.5 + 0.9])
+
+
+def test_a_huge_observation_is_cut_by_characters_before_it_is_tokenized(tok, monkeypatch):
+    """An observation of millions of characters was rendered and tokenized whole on the driver (past the
+    step's time limit, deaf to SIGTERM for a minute) before it was cut: now what is tokenized stays small."""
+    script = {"t": [["x" * 3_000_000, 0.0, False, {}], [None, 1.0, True, {}]]}
+    cfg = make_cfg(environment_kwargs={"script": script}, max_observation_tokens=40)
+    cfg.models.policy.max_response_tokens_length = 200
+    loop = MultiTurnLoop(cfg, tok)
+    seen = []
+    render = loop.template.observation_ids
+    monkeypatch.setattr(loop.template, "observation_ids",
+                        lambda messages, last: seen.append(sum(len(m["content"]) for m in messages)) or render(messages, last))
+    batch = loop.run(FakeEngine(tok), prompts_for(tok, ["t"]), SAMPLING, "x")
+    assert STATUSES[batch["env/status"][0]] == "done"
+    assert 0 < batch["env/observation_tokens"][0] <= 40
+    assert seen and max(seen) <= 40 * 32 + len(" ...(truncated)")
