@@ -76,6 +76,8 @@ class Plan:
     old_logprob_pass_from: int = 0
     # models.policy_trainer.old_logprobs: rollout: the rollout engine's log-probs are the old ones
     old_from_rollout: bool = False
+    # ... and kl_in_reward (kl_coef > 0) takes its KL from them: the engines' numerical gap counts as KL
+    kl_in_reward_from_rollout: bool = False
     # the rollout correction the loss applies (resolve_rollout_correction): none | tis | mis | decoupled
     rollout_correction: str = "none"
     # runtime_args.max_staleness: the rollout runs up to this many episodes ahead of the trainer
@@ -199,6 +201,10 @@ class Plan:
         if self.old_from_rollout:
             lines.append("old log-probs: the rollout engine's, for every optimizer step (no separate pass; "
                          "models.policy_trainer.old_logprobs: rollout)")
+            if self.kl_in_reward_from_rollout:
+                lines.append("note: the KL penalty in the reward (models.policy_trainer.kl_in_reward) is taken between "
+                             "the rollout engine's log-probs and the reference's, so the two engines' numerical gap "
+                             "(train/mismatch_kl) counts as KL; old_logprobs: recompute takes the trainer's")
         elif not self.old_logprob_pass:
             lines.append("old log-probs: the optimizer step's own forward (one step per episode: no "
                          "separate pass; models.policy_trainer.old_logprobs)")
@@ -326,6 +332,7 @@ def make_plan(cfg: DictConfig) -> Plan:
                 max_replay_episode=rt.max_replay_episode, num_episode=rt.num_episode,
                 old_logprob_pass_from=old_logprob_pass_from(t, rt, gbs, spe),
                 old_from_rollout=t.old_logprobs == "rollout",
+                kl_in_reward_from_rollout=t.old_logprobs == "rollout" and bool(t.kl_in_reward) and t.kl_coef > 0,
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
                 max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol),
                 fused_rollout=fused, kinds={name: used[name] for name in placements}, algorithm=algorithm.name,
