@@ -20,7 +20,8 @@ CORRECTION_LEVELS = ("token", "sequence", "geometric")
 
 def validate_algorithm(cfg, total_steps: int) -> None:
     """ConfigError for an invalid policy-loss, KL, advantage or schedule key;
-    ``total_steps``: the run's optimizer steps (num_episode x steps per episode)."""
+    ``total_steps``: the policy's optimizer steps (num_episode x steps per episode, less the critic's warm-up
+    episodes': :attr:`chatlearn.config.plan.Plan.policy_steps`)."""
     t = cfg.models.policy_trainer
     _choice(t.loss_agg_mode, LOSS_AGG_MODES.names, f"{PREFIX}.loss_agg_mode")
     _plugged_choice(t.kl_estimator, KL_ESTIMATORS, f"{PREFIX}.kl_estimator")
@@ -48,8 +49,8 @@ def validate_algorithm(cfg, total_steps: int) -> None:
         raise ConfigError(f"must be in [0, lr] (decay ends there; lr = {opt.lr}), got {opt.min_lr}.",
                           key=f"{key}.min_lr")
     if opt.lr_decay_iters is not None and opt.lr_decay_iters < 1:
-        raise ConfigError(f"must be a positive number of optimizer steps or null (the run's {total_steps} "
-                          f"steps), got {opt.lr_decay_iters}.", key=f"{key}.lr_decay_iters")
+        raise ConfigError(f"must be a positive number of optimizer steps or null (the policy's {total_steps} "
+                          f"steps over the run), got {opt.lr_decay_iters}.", key=f"{key}.lr_decay_iters")
     warmup, decay = resolve_schedule(opt.lr_warmup_iters, opt.lr_warmup_fraction, opt.lr_decay_iters,
                                      total_steps)
     if opt.lr_decay_style != "constant" and warmup >= decay:

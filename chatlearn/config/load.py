@@ -284,7 +284,7 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
                     with_environment=cfg.models.policy.multi_turn.environment is not None)
     check_multi_turn(cfg)
     plan = make_plan(cfg)  # validates the sizes and the layout
-    validate_algorithm(cfg, plan.total_steps)
+    validate_algorithm(cfg, plan.policy_steps)  # the policy's schedule spans its own steps
     return plan
 
 

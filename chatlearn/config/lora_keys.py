@@ -50,6 +50,13 @@ def check_lora(cfg) -> None:
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"is {lora.dropout}; a dropout probability is at least 0 and below 1.",
                           key=f"{KEY}.dropout")
+    if lora.dropout > 0:
+        # peft's dropout acts in train mode only: the optimizer step's forward draws it, the old-log-prob and
+        # reference passes (eval mode) do not, so the PPO ratio is not 1 at equal weights (verl leaves it 0)
+        raise ConfigError(f"is {lora.dropout}; dropout on the adapters acts in the training forward only, not in "
+                          "the old-log-prob and reference passes, so at equal weights the PPO ratio would not be 1 "
+                          "(nor the KL 0) and the clipping would act on dropout noise. Set it to 0 (as verl does "
+                          "in RL).", key=f"{KEY}.dropout")
     rt = cfg.runtime_args
     if rt.train_backend != "fsdp":
         raise ConfigError(f"LoRA (models.policy_trainer.lora.rank > 0) is implemented for the FSDP trainer only, "

@@ -76,6 +76,8 @@ class Plan:
     old_logprob_pass_from: int = 0
     # models.policy_trainer.old_logprobs: rollout: the rollout engine's log-probs are the old ones
     old_from_rollout: bool = False
+    # ... and kl_in_reward (kl_coef > 0) takes its KL from them: the engines' numerical gap counts as KL
+    kl_in_reward_from_rollout: bool = False
     # the rollout correction the loss applies (resolve_rollout_correction): none | tis | mis | decoupled
     rollout_correction: str = "none"
     # runtime_args.max_staleness: the rollout runs up to this many episodes ahead of the trainer
@@ -91,6 +93,9 @@ class Plan:
     kinds: dict[str, Kind] = field(default_factory=dict)
     # models.policy_trainer.algorithm, resolved (chatlearn/config/algorithms.py)
     algorithm: str = "grpo"
+    # models.critic.warmup_episodes of a run with a critic (0 without one): the first episodes, in which the
+    # policy takes no optimizer step
+    critic_warmup_episodes: int = 0
 
     def kind(self, name: str) -> Kind:
         """The kind of placed model ``name``."""
@@ -120,15 +125,26 @@ class Plan:
         it trains on (its own and the replayed ones)."""
         return self.steps_per_episode * (1 + self.replayed_episodes(episode))
 
-    @property
-    def total_steps(self) -> int:
-        """The run's optimizer steps (what the learning-rate schedule spans): the sum of
-        :meth:`steps_in_episode` over the episodes, in closed form (num_episode may be huge). Episode e
-        replays min(e - 1, max_replay_episode) earlier episodes (e - 1 when it is negative: all)."""
-        n, cap = self.num_episode, self.max_replay_episode
+    def steps_through(self, n: int) -> int:
+        """The optimizer steps of episodes 1..``n``: the sum of :meth:`steps_in_episode` over them, in
+        closed form (num_episode may be huge). Episode e replays min(e - 1, max_replay_episode) earlier
+        episodes (e - 1 when it is negative: all)."""
+        cap = self.max_replay_episode
         full = n if cap < 0 else min(n, cap + 1)  # episodes 1..full replay every earlier one: 0 + 1 + ... + (full - 1)
         replayed = full * (full - 1) // 2 + (n - full) * max(cap, 0)
         return self.steps_per_episode * (n + replayed)
+
+    @property
+    def total_steps(self) -> int:
+        """The run's optimizer steps (what the critic's learning-rate schedule spans): :meth:`steps_through`
+        the last episode."""
+        return self.steps_through(self.num_episode)
+
+    @property
+    def policy_steps(self) -> int:
+        """The policy trainer's optimizer steps (what its learning-rate schedule spans): the run's, less those
+        of the critic's warm-up episodes (``models.critic.warmup_episodes``), in which the policy takes none."""
+        return self.total_steps - self.steps_through(self.critic_warmup_episodes)
 
     @property
     def old_logprob_pass(self) -> bool:
@@ -185,6 +201,10 @@ class Plan:
         if self.old_from_rollout:
             lines.append("old log-probs: the rollout engine's, for every optimizer step (no separate pass; "
                          "models.policy_trainer.old_logprobs: rollout)")
+            if self.kl_in_reward_from_rollout:
+                lines.append("note: the KL penalty in the reward (models.policy_trainer.kl_in_reward) is taken between "
+                             "the rollout engine's log-probs and the reference's, so the two engines' numerical gap "
+                             "(train/mismatch_kl) counts as KL; old_logprobs: recompute takes the trainer's")
         elif not self.old_logprob_pass:
             lines.append("old log-probs: the optimizer step's own forward (one step per episode: no "
                          "separate pass; models.policy_trainer.old_logprobs)")
@@ -312,10 +332,12 @@ def make_plan(cfg: DictConfig) -> Plan:
                 max_replay_episode=rt.max_replay_episode, num_episode=rt.num_episode,
                 old_logprob_pass_from=old_logprob_pass_from(t, rt, gbs, spe),
                 old_from_rollout=t.old_logprobs == "rollout",
+                kl_in_reward_from_rollout=t.old_logprobs == "rollout" and bool(t.kl_in_reward) and t.kl_coef > 0,
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
                 max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol),
                 fused_rollout=fused, kinds={name: used[name] for name in placements}, algorithm=algorithm.name,
-                ref_from_trainer=ref_from_trainer, single_process=_single_process(cfg, placements, fused))
+                ref_from_trainer=ref_from_trainer, single_process=_single_process(cfg, placements, fused),
+                critic_warmup_episodes=int(m.critic.warmup_episodes) if uses_critic else 0)
 
 
 def _check_model_parallel(mc, name: str, backend: str) -> None:

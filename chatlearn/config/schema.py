@@ -257,7 +257,7 @@ class Lora:
 
     rank: int = 0  # r of the adapters; 0: no adapters, every weight is trained
     alpha: float = 16.0  # the update is B @ A x alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input (training only)
+    dropout: float = 0.0  # dropout on the adapters' input; only 0 is accepted (it would act in training forwards alone)
     # module-name suffixes that get adapters (q_proj, v_proj, ...), or the string all-linear (every linear layer
     # but the output head), as peft's LoraConfig.target_modules
     target_modules: Any = "all-linear"

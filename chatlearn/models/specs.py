@@ -155,8 +155,9 @@ class TrainerSpec(_Spec):
         t, rt, pt = cfg.models[name], cfg.runtime_args, cfg.models.policy_trainer
         critic = name == "critic"
         opt = t.optimizer if critic else pt.optimizer  # the critic's own (each key inherits the policy's)
+        # the critic trains every episode; the policy none of the critic's warm-up ones
         warmup, decay = resolve_schedule(opt.lr_warmup_iters, opt.lr_warmup_fraction, opt.lr_decay_iters,
-                                         plan.total_steps)
+                                         plan.total_steps if critic else plan.policy_steps)
         return cls(
             load=t.load, trust_remote_code=t.trust_remote_code, seed=t.seed, trainable=t.trainable,
             role=kind_of(cfg, name).role, cliprange_value=cfg.models.critic.cliprange_value,

@@ -327,3 +327,21 @@ def test_plan_and_spec_carry_the_correction_and_the_old_logprob_source(paths_ove
     spec = TrainerSpec.from_config(spec, "policy_trainer", plan)
     assert (spec.old_logprobs, spec.rollout_correction, spec.rollout_correction_level,
             spec.rollout_is_threshold, spec.rollout_is_threshold_lower) == ("rollout", "mis", "geometric", 2.0, None)
+
+
+def test_plan_says_that_kl_in_reward_from_the_rollouts_logprobs_counts_the_engines_gap(paths_overrides):
+    """kl_in_reward with old_logprobs: rollout takes its KL between the rollout engine's log-probs and the
+    reference's: the plan printed at start (and by --dry-run) says so, and names the way to the trainer's."""
+    from chatlearn.config.plan import make_plan
+
+    kl = ["models.policy_trainer.kl_in_reward=true", "models.policy_trainer.kl_coef=0.05"]
+    plan = make_plan(config_load.load_config(TEMPLATE, paths_overrides + kl + [
+        "models.policy_trainer.old_logprobs=rollout"]))
+    notes = [line for line in plan.describe() if "kl_in_reward" in line]
+    assert plan.kl_in_reward_from_rollout and len(notes) == 1, plan.describe()
+    for part in ("rollout engine's log-probs", "numerical gap", "train/mismatch_kl", "old_logprobs: recompute"):
+        assert part in notes[0], notes[0]
+    for other in (kl, kl + ["models.policy_trainer.old_logprobs=recompute"], [
+            "models.policy_trainer.old_logprobs=rollout", "models.policy_trainer.kl_coef=0.05"]):
+        plan = make_plan(config_load.load_config(TEMPLATE, paths_overrides + other))
+        assert not plan.kl_in_reward_from_rollout and not any("kl_in_reward" in line for line in plan.describe())

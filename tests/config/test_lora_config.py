@@ -102,6 +102,10 @@ def test_bad_values_and_modules_to_save():
     assert _refused(HF, "models.policy_trainer.lora.rank=-1").key == "models.policy_trainer.lora.rank"
     assert _refused(HF, ON, "models.policy_trainer.lora.alpha=0").key == "models.policy_trainer.lora.alpha"
     assert _refused(HF, ON, "models.policy_trainer.lora.dropout=1").key == "models.policy_trainer.lora.dropout"
+    err = _refused(HF, ON, "models.policy_trainer.lora.dropout=0.1")  # on in training forwards only: ratio != 1
+    assert err.key == "models.policy_trainer.lora.dropout" and "\n" not in str(err)
+    for part in ("is 0.1", "old-log-prob and reference passes", "PPO ratio would not be 1", "Set it to 0"):
+        assert part in str(err), (part, str(err))
     err = _refused(HF, ON, "models.policy_trainer.lora.modules_to_save=[score]")
     assert err.key == "models.policy_trainer.lora.modules_to_save" and "score" in str(err)
     for tied in ("embed_tokens", "lm_head"):  # assets/tiny_qwen2 ties them

@@ -48,6 +48,26 @@ def test_critic_spec_takes_its_own_optimizer_and_value_loss(paths_overrides):
     assert TrainerSpec.from_config(cfg, "policy_trainer", plan).lr == 1e-4
 
 
+def test_policy_schedule_spans_the_episodes_after_the_critic_warmup(paths_overrides):
+    """The policy takes no step in the critic's warm-up episodes: its learning-rate schedule (decay and
+    warmup fraction) spans the episodes after them, so it reaches min_lr at the run's end; the critic's
+    spans every episode."""
+    from chatlearn.models.specs import TrainerSpec
+
+    cfg, plan = load_run(PPO, paths_overrides + ["runtime_args.num_episode=5", "models.critic.warmup_episodes=2",
+                                                 "models.policy_trainer.optimizer.lr_decay_style=linear",
+                                                 "models.policy_trainer.optimizer.lr_warmup_fraction=0.5",
+                                                 "runtime_args.max_replay_episode=1"])
+    per = plan.steps_per_episode
+    assert plan.total_steps == per * (1 + 2 + 2 + 2 + 2)  # each episode after the first replays one
+    assert plan.policy_steps == per * (2 + 2 + 2)  # episodes 3..5
+    policy = TrainerSpec.from_config(cfg, "policy_trainer", plan)
+    assert policy.lr_decay_iters == plan.policy_steps and policy.lr_warmup_iters == plan.policy_steps // 2
+    assert TrainerSpec.from_config(cfg, "critic", plan).lr_decay_iters == plan.total_steps
+    _, grpo = load_run(GRPO, paths_overrides + ["runtime_args.num_episode=5"])
+    assert grpo.policy_steps == grpo.total_steps  # no critic: nothing to leave out
+
+
 def test_five_models_on_one_device_group(paths_overrides, reward_model_dir):
     cfg, plan = load_run(PPO, paths_overrides + [FIVE, "models.policy_trainer.kl_coef=0.01",
                                                  f"models.reward.load={reward_model_dir}", "models.reward.num_gpu=1"])

@@ -32,10 +32,9 @@ def test_lora_run(tmp_path):
     for r in train:
         assert r["train/grad_norm"] > 0, r
         assert "time/ref_logprobs" in r, r
-    # the trainer's log-probs of the sampled tokens come from the (only) optimizer step's forward, which
-    # draws the adapters' dropout: they equal the rollout's in episode 1, where B = 0 leaves the dropout
-    # without effect; the merged adapters in the rollout are checked by every push's landing probe (the
-    # trainer's side without dropout): a gap far within float32's tolerance
+    # the trainer's log-probs of the sampled tokens come from the (only) optimizer step's forward: they
+    # equal the rollout's in episode 1 (B = 0); the merged adapters in the rollout are checked by every
+    # push's landing probe: a gap far within float32's tolerance
     assert train[0]["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4, train[0]
     pushes = [r for r in rows if "sync/bytes" in r]
     assert pushes and all(0 < r["sync/bytes"] * 5 < r["sync/full_bytes"] for r in pushes), pushes  # adapters alone

@@ -4,8 +4,7 @@ it (``shared_runs.rewound_copy``), the same command again: the same learning met
 the uninterrupted run (the full-weight counterpart, with a real SIGKILL: tests/e2e/test_resume.py).
 
 What a LoRA run must restore beyond a full-weight one: the adapters alone on top of the base model read
-from ``load`` again, the optimizer state of the adapters only, the random state of the adapters' dropout
-(``lora.dropout`` > 0: every training forward draws from it), the reference log-probs given by the trainer
+from ``load`` again, the optimizer state of the adapters only, the reference log-probs given by the trainer
 with its adapters disabled (a KL term, no ref_policy), and the merged weights pushed into the rollout
 after the resume (episode 2's rollout then samples with episode 1's adapters), the Adam moments and
 step count of episode 1's step (episode 2's step starts from them)."""

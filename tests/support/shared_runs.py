@@ -75,7 +75,7 @@ RUNS = {
                         env=(("WANDB_MODE", "offline"), ("NETRC", "{folder}/netrc"),
                              ("WANDB_CONFIG_DIR", "{folder}/wandb-config")),
                         unset=("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "CHATLEARN_PROGRESS", "WANDB_DIR")),
-    # LoRA (models.policy_trainer.lora, with dropout: its random state is part of what a resume restores),
+    # LoRA (models.policy_trainer.lora; no dropout: refused for RL, chatlearn/config/lora_keys.py),
     # transformers rollout, 2 episodes of one optimizer step, a KL term (the trainer's reference log-probs
     # with its adapters off), a checkpoint after each: tests/e2e/test_lora_e2e.py, test_lora_resume.py
     "lora": RunSpec("template/grpo_fsdp.yaml",
@@ -85,7 +85,7 @@ RUNS = {
                      "runtime_args.enable_eval_before_training=false", "runtime_args.save_episode_interval=1",
                      "runtime_args.rollout_backend=hf", "models.policy_trainer.kl_coef=0.05",
                      "models.policy_trainer.lora.rank=8", "models.policy_trainer.lora.alpha=16",
-                     "models.policy_trainer.lora.dropout=0.1", "models.policy_trainer.optimizer.lr=1e-3"),
+                     "models.policy_trainer.optimizer.lr=1e-3"),
                     eval_prompts=None),
 }
 

@@ -11,6 +11,17 @@ as ``perf/weight_push_check_s``; the gap is ``sync/landing_gap_max``). It consum
 and leaves no KV cache behind (the engines' ``probe_logprobs``), so the run's samples are those of a
 run without it.
 
+A gap within the tolerance is not proof enough where the tolerance is wide (bfloat16's 0.5 nats is more than
+an episode of small steps moves the probe), so from the second push of a run on each replica is also
+compared with itself: the trainer's probe log-probs at the previous push and now tell how far the weights
+moved, the replica's at the previous push are what it would still give had this push not landed. The push
+is refused when the trainer's probe moved clearly (more than :data:`MOVED_SHARE` of the tolerance) and
+the replica's moved less than :data:`FOLLOW` of that, or when the trainer's moved clearly beyond the
+engines' own gap (the largest gap of the earlier pushes, :data:`NOISE_MARGIN` times it) and the push did
+not close at least half of the gap the replica had to the trainer's new log-probs before it. Weights that
+barely changed (a tiny learning rate, a skipped step) are not judged: a push that moves nothing cannot be
+told from one that did not land, and leaves nothing stale.
+
 The probe: the last tokens of the first training prompt (text the model reads in this run) and a few
 ids spread over the vocabulary (tokens of low probability, whose log-probs move most as the policy
 trains), chosen once per run; at most ``max_prompt_tokens_length`` tokens, so that every engine admits
@@ -34,6 +45,11 @@ SPREAD_TOKENS = 8  # of them, ids spread over the vocabulary
 # you off-policy RL training").
 TOLERANCE = {"float32": 1e-2, "float16": 0.25, "bfloat16": 0.5}
 COARSER = ("float32", "float16", "bfloat16")  # finest first
+# the comparison with the previous push: the trainer's probe must move more than this share of the tolerance to
+# be judged; a replica that follows it moves at least FOLLOW of that; a push must close at least CLOSED of the
+# gap the replica had to the trainer's new log-probs, once the trainer moved more than NOISE_MARGIN times the
+# engines' own gap (the largest of the earlier pushes)
+MOVED_SHARE, FOLLOW, CLOSED, NOISE_MARGIN = 0.05, 0.1, 0.5, 4.0
 
 
 def probe_tokens(prompt_ids: list, vocab_size: int, limit: int) -> list[int]:
@@ -70,21 +86,41 @@ def largest_gap(rollout: np.ndarray, trainer: np.ndarray) -> float:
     return float(gap.max()) if np.isfinite(gap).all() else float("inf")
 
 
+NOT_LANDED_TAIL = (
+    "Its samples would come from weights the trainer no longer has, so the run stopped before training on them. "
+    "The engine's weight load did not take the pushed tensors: look for errors or warnings about loading weights "
+    "in the rollout workers' logs (OUTPUT_DIR/logs/), and check that the engine's version is one this project "
+    "supports (pyproject.toml).")
+
+
+def replica_name(replica: int, replicas: int) -> str:
+    return f"replica {replica} of {replicas}" if replicas > 1 else "its only replica"
+
+
 def not_landed(*, when: str, model: str, backend: str, replica: int, replicas: int, gap: float, tol: float,
                dtypes: list[str], configured: bool, tokens: int) -> UserError:
     """The paragraph of a push that did not land."""
-    where = f"replica {replica} of {replicas}" if replicas > 1 else "its only replica"
     source = ("runtime_args.weight_push_check_tolerance" if configured
               else f"{precision(dtypes)}'s default; runtime_args.weight_push_check_tolerance sets another")
     return UserError(
-        f"the weight push {when} did not land in the rollout engine: after it, {where} of models.policy "
-        f"({backend} rollout of {model}) gives log-probs of {tokens} fixed probe tokens that differ from the "
-        f"policy trainer's by up to {gap:.4g} nats, above the tolerance {tol:g} ({source}). Its samples would "
-        "come from weights the trainer no longer has, so the run stopped before training on them. The engine's "
-        "weight load did not take the pushed tensors: look for errors or warnings about loading weights in "
-        "the rollout workers' logs (OUTPUT_DIR/logs/), and check that the engine's version is one this "
-        "project supports (pyproject.toml). If both sides legitimately compute that differently (other "
-        "kernels, another precision), raise runtime_args.weight_push_check_tolerance; "
+        f"the weight push {when} did not land in the rollout engine: after it, {replica_name(replica, replicas)} "
+        f"of models.policy ({backend} rollout of {model}) gives log-probs of {tokens} fixed probe tokens that "
+        f"differ from the policy trainer's by up to {gap:.4g} nats, above the tolerance {tol:g} ({source}). "
+        f"{NOT_LANDED_TAIL} If both sides legitimately compute that differently (other kernels, another "
+        "precision), raise runtime_args.weight_push_check_tolerance; runtime_args.weight_push_check=false turns "
+        "the check off.")
+
+
+def not_followed(*, when: str, model: str, backend: str, replica: int, replicas: int, moved: float,
+                 followed: float, before: float, after: float, noise: float, tokens: int) -> UserError:
+    """The paragraph of a push that did not land although the gap after it is within the tolerance: the
+    replica's probe log-probs did not follow the trainer's since the previous push (see the module docstring)."""
+    return UserError(
+        f"the weight push {when} did not land in the rollout engine: since the previous push the policy "
+        f"trainer's log-probs of {tokens} fixed probe tokens moved by up to {moved:.4g} nats, but those of "
+        f"{replica_name(replica, replicas)} of models.policy ({backend} rollout of {model}) moved by up to "
+        f"{followed:.4g} nats, and its gap to the trainer's is {after:.4g} nats after the push against {before:.4g} "
+        f"before it (the two engines' own gap at the earlier pushes: up to {noise:.4g} nats). {NOT_LANDED_TAIL} "
         "runtime_args.weight_push_check=false turns the check off.")
 
 
@@ -98,6 +134,11 @@ class LandingCheck:
         self.trainer_dp = max(1, int(trainer_dp))
         self.configured, self.model, self.backend = configured, model, backend
         self.seconds = 0.0
+        # what the previous push's check saw: the trainer's probe log-probs, each replica's, and each replica's
+        # largest gap to the trainer so far (the engines' own gap)
+        self.last_trainer: np.ndarray | None = None
+        self.last_rollout: list[np.ndarray] = []
+        self.noise: list[float] = []
 
     def trainer_batch(self) -> dict:
         """The probe as a batch of the trainer: one copy per data-parallel rank, prompt of 1 token."""
@@ -121,7 +162,7 @@ class LandingCheck:
         start = time.perf_counter()
         outs, _ = rollout_group.call("probe_logprobs", self.tokens)
         self.seconds += time.perf_counter() - start
-        top = 0.0
+        gaps = []
         for i, found in enumerate(outs):
             dtypes = [expected["dtype"], found["dtype"]]
             tol = tolerance(dtypes, self.configured)
@@ -130,5 +171,28 @@ class LandingCheck:
                 raise not_landed(when=when, model=self.model, backend=self.backend, replica=i, replicas=len(outs),
                                  gap=gap, tol=tol, dtypes=dtypes, configured=self.configured is not None,
                                  tokens=len(self.tokens))
-            top = max(top, gap)
-        return {"sync/landing_gap_max": top, "perf/weight_push_check_s": self.seconds}
+            stale = self.unfollowed(i, np.asarray(found["logprobs"]), np.asarray(expected["logprobs"]), tol)
+            if stale is not None:
+                raise not_followed(when=when, model=self.model, backend=self.backend, replica=i, replicas=len(outs),
+                                   tokens=len(self.tokens), **stale)
+            gaps.append(gap)
+        self.last_trainer = np.asarray(expected["logprobs"], np.float64)
+        self.last_rollout = [np.asarray(found["logprobs"], np.float64) for found in outs]
+        self.noise = [max(gap, self.noise[i] if i < len(self.noise) else 0.0) for i, gap in enumerate(gaps)]
+        return {"sync/landing_gap_max": max(gaps, default=0.0), "perf/weight_push_check_s": self.seconds}
+
+    def unfollowed(self, i: int, rollout: np.ndarray, trainer: np.ndarray, tol: float) -> dict | None:
+        """The numbers of :func:`not_followed` when replica ``i``'s probe log-probs (``rollout``) did not follow
+        the trainer's (``trainer``) since the previous push, else None (also at a run's first push)."""
+        if self.last_trainer is None or i >= len(self.last_rollout):
+            return None
+        moved = largest_gap(trainer, self.last_trainer)
+        if not (np.isfinite(moved) and moved > MOVED_SHARE * tol):
+            return None  # the weights barely moved: nothing to tell a stale replica by
+        noise = self.noise[i]
+        followed = largest_gap(rollout, self.last_rollout[i])
+        before, after = largest_gap(self.last_rollout[i], trainer), largest_gap(rollout, trainer)
+        unclosed = moved > NOISE_MARGIN * noise + MOVED_SHARE * tol and after > CLOSED * before and after > 2 * noise
+        if followed < FOLLOW * moved or unclosed:
+            return {"moved": moved, "followed": followed, "before": before, "after": after, "noise": noise}
+        return None

@@ -27,8 +27,9 @@ warned about, never counted.
 The batch adds to the single-turn columns ``loss_mask`` (per token) and, per trajectory,
 ``env/reward`` (the discounted sum of the turns' rewards), ``env/turns``, ``env/status`` (index
 into :data:`STATUSES`), ``env/observation_tokens``, ``env/info`` (JSON of the info numbers summed
-over the steps) and ``env/error`` (text, empty without one): arrays, so that checkpoints of
-rollouts ahead and every batch operation keep them.
+over the steps), ``env/error`` (text, empty without one) and ``env/prompt`` (JSON of the messages
+the reset returned in place of the row's prompt, empty without them: what the reward models score
+as the prompt): arrays, so that checkpoints of rollouts ahead and every batch operation keep them.
 """
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ class Trajectory:
     observation_tokens: int = 0
     info: dict = field(default_factory=dict)
     answered: int = 0  # steps the environment answered (returned a usable result)
+    prompt_messages: list | None = None  # the first observation reset returned, which replaced the row's prompt
 
     @property
     def response_len(self) -> int:
@@ -231,7 +233,7 @@ class MultiTurnLoop:
                     t.failed = (ERROR, f"reset: {err}")
                     continue
                 t.ids = self.template.prompt_ids(messages)
-                t.prompt_len = len(t.ids)
+                t.prompt_len, t.prompt_messages = len(t.ids), messages
                 if t.prompt_len > self.max_prompt:
                     raise UserError(f"environment {self.name!r}: reset returned a first observation of {t.prompt_len} "
                                     f"tokens, more than models.policy.max_prompt_tokens_length ({self.max_prompt}). "
@@ -412,7 +414,21 @@ class MultiTurnLoop:
             "env/observation_tokens": np.array([t.observation_tokens for t in trajectories], dtype=np.int64).reshape(n),
             "env/info": np.array([json.dumps(t.info, sort_keys=True) for t in trajectories], dtype=str).reshape(n),
             "env/error": np.array([t.error for t in trajectories], dtype=str).reshape(n),
+            "env/prompt": np.array([prompt_json(t.prompt_messages) for t in trajectories], dtype=str).reshape(n),
         }
+
+
+def prompt_json(messages: list | None) -> str:
+    """``env/prompt`` of a trajectory: JSON of the messages its reset returned (the prompt the policy saw in
+    place of the row's), empty when the reset returned none."""
+    return "" if messages is None else json.dumps(messages, ensure_ascii=False, default=str)
+
+
+def prompt_messages(batch: dict, i: int) -> list | None:
+    """The messages sample ``i``'s environment reset returned in place of its row's prompt (``env/prompt``),
+    or None: the policy saw the row's prompt (a single-turn batch, or a reset that returned none)."""
+    text = str(batch["env/prompt"][i]) if "env/prompt" in batch else ""
+    return json.loads(text) if text else None
 
 
 def tool_totals(trajectories: list[Trajectory]) -> dict:

@@ -15,6 +15,7 @@ from chatlearn.calls import put
 from chatlearn.errors import UserError
 from chatlearn.runtime.cluster.group import CallTimeout
 from chatlearn.runtime.cluster.local import died_errors, kill
+from chatlearn.runtime.driver.multiturn import prompt_messages
 
 
 @dataclass(frozen=True)
@@ -202,12 +203,14 @@ class Sampling:
         """Each sample as a conversation a reward model renders with its own chat template: the prompt's
         chat messages (a prompt given as text: one user message of the text the policy saw, its template
         left out), then the response as the assistant's message. A multi-turn trajectory's response is
-        its text after the prompt, tool calls and observations included."""
+        its text after the prompt, tool calls and observations included; its prompt is the first observation
+        its environment's reset returned where it returned one (``env/prompt``: what the policy saw)."""
         responses = self.responses_text(batch)
         if prompts.messages is not None:
             heads = [list(m) for m in prompts.messages]
         else:
             heads = [[{"role": "user", "content": text}] for text in self.prompts_text(batch)]
+        heads = [prompt_messages(batch, i) or head for i, head in enumerate(heads)]
         return [[*head, {"role": "assistant", "content": r}] for head, r in zip(heads, responses)]
 
     def reward_timeout(self, late: CallTimeout, index: int, entry: dict, shares: list[np.ndarray], n: int,

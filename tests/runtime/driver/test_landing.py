@@ -107,3 +107,48 @@ def test_bf16_sides_get_the_looser_tolerance():
     rollout = Group([{"logprobs": np.array([-1.0, -2.2, -3.0]), "dtype": "float32"}])
     with pytest.raises(UserError, match="its only replica"):
         _check().rollout_side(rollout, dict(expected, dtype="float32"), "on resuming from /out/checkpoints/x")
+
+
+def _pushes(check, steps):
+    """Run ``check`` over pushes of (trainer's probe log-probs, rollout's), both bfloat16; the metrics of each."""
+    out = []
+    for trainer, rollout in steps:
+        expected = {"logprobs": np.asarray(trainer, np.float64), "dtype": "bfloat16"}
+        out.append(check.rollout_side(Group([{"logprobs": np.asarray(rollout, np.float64), "dtype": "bfloat16"}]),
+                                      expected, f"after episode {len(out) + 1}"))
+    return out
+
+
+def test_a_push_that_did_not_land_within_the_bf16_tolerance_is_seen_against_the_previous_push():
+    """bfloat16's tolerance (0.5 nats) is wider than an episode moves the probe: a replica that kept its
+    weights is within it, and is told by comparing each side with itself at the previous push."""
+    rng = np.random.default_rng(0)
+    w0 = -rng.uniform(1, 8, 3)
+    w1 = w0 + np.array([0.0, 0.3, -0.2])  # the trainer's probe after an episode: under 0.5 from w0
+    noise = rng.normal(0, 0.03, (3, 3))  # the engines' own gap
+    stale = w0 + noise[0]
+    with pytest.raises(UserError) as err:  # the second push did not land: the replica still gives w0's
+        _pushes(_check(), [(w0, w0 + noise[0]), (w1, stale)])
+    text = err.value.message
+    assert "\n" not in text
+    for part in ("the weight push after episode 2 did not land", "moved by up to 0.3 nats", "its only replica",
+                 "moved by up to 0 nats", "before it", "OUTPUT_DIR/logs/", "runtime_args.weight_push_check=false"):
+        assert part in text, (part, text)
+    halfway = w0 + 0.2 * (w1 - w0) + noise[1]  # a push that moved it a fifth of the way: refused too
+    with pytest.raises(UserError, match="did not land"):
+        _pushes(_check(), [(w0, w0 + noise[0]), (w1, halfway)])
+
+
+def test_landed_pushes_pass_whatever_the_weights_moved():
+    """No false alarm: landed pushes with the engines' gap, pushes of weights that barely moved (a tiny learning
+    rate: the bf16 rollout's probe may not change at all) or did not move (a skipped step)."""
+    rng = np.random.default_rng(1)
+    w = [-rng.uniform(1, 8, 3)]
+    for step in (0.3, 0.05, 0.001, 0.0, 0.4, 0.02):
+        w.append(w[-1] + rng.choice([-1.0, 1.0], 3) * step)
+    for trial in range(20):
+        noise = rng.normal(0, 0.05, (len(w), 3))
+        metrics = _pushes(_check(), [(t, t + n) for t, n in zip(w, noise)])
+        assert max(m["sync/landing_gap_max"] for m in metrics) < 0.5
+    frozen = w[0] + rng.normal(0, 0.05, 3)  # bf16 rounding keeps the rollout's probe where it was under tiny steps
+    _pushes(_check(), [(w[0], frozen), (w[0] + 0.001, frozen), (w[0] + 0.002, frozen)])

@@ -202,6 +202,28 @@ def test_reset_may_give_the_first_observation(tok):
         MultiTurnLoop(cfg, tok).run(FakeEngine(tok), prompts_for(tok, ["long"]), SAMPLING, "x")
 
 
+def test_reward_models_score_the_prompt_the_reset_gave(tok):
+    """A reset that returns the first observation replaces the row's prompt: the reward models' conversation
+    (Sampling.conversations) starts with it, not with the dataset's prompt; a reset that returns None
+    leaves the row's prompt. It survives selecting and joining samples (env/prompt)."""
+    from chatlearn.batch import concat_batches, select_samples
+    from chatlearn.runtime.driver.sampling import Sampling
+
+    script = {"t": [[None, 1.0, True, {}]], "u": [[None, 1.0, True, {}]]}
+    first = {"t": [{"role": "system", "content": "Hi."}, {"role": "user", "content": "x?"}]}
+    cfg = make_cfg(environment_kwargs={"script": script, "first": first})
+    prompts = prompts_for(tok, ["t", "u"])
+    batch = MultiTurnLoop(cfg, tok).run(FakeEngine(tok), prompts, SAMPLING, "x")
+    convs = Sampling(cfg, tok, None, None, None).conversations(batch, prompts)
+    assert convs[0][:2] == first["t"] and convs[0][2]["role"] == "assistant" and len(convs[0]) == 3
+    assert convs[1][:1] == [{"role": "user", "content": "u"}] and len(convs[1]) == 2
+    joined = concat_batches([select_samples(batch, [1]), select_samples(batch, [0])])
+    swapped = Sampling(cfg, tok, None, None, None).conversations(
+        joined, Prompts(ids=prompts.ids[::-1], truths=prompts.truths, sources=prompts.sources, extra=prompts.extra,
+                        messages=prompts.messages[::-1]))
+    assert swapped == convs[::-1]
+
+
 def test_a_constructor_that_raises_stops_the_run_naming_it(tok):
     cfg = make_cfg(environment_kwargs={"script": {}, "first": 5})  # dict.get on an int raises in reset, not here
     cfg.models.policy.multi_turn.environment_kwargs = {"script": {}, "nope": 1}
