@@ -155,10 +155,11 @@ class EpisodeReport:
             self.warned_constant.add(name)
             warn(f"episode {episode}: reward function {name!r} (models.reward.functions) gave every sample the same "
                  f"score, {float(values[0]):g}, in {limit} training episodes in a row (episodes {episode - limit + 1}"
-                 f"-{episode}, {values.size} samples in this one): a reward without signal. With equal rewards every "
-                 "advantage is 0, so the policy learns nothing from it. Check that it reads the responses and "
-                 "ground truths as they are (an answer format it does not parse, ground truths of another form; "
-                 "samples.jsonl shows both), or that the prompts are neither too hard nor too easy for the model. "
+                 f"-{episode}, {values.size} samples in this one): a reward without signal, which adds nothing to "
+                 "the advantages (the only reward: every advantage is 0 and the policy learns nothing). Check that it "
+                 "reads the responses and ground truths as they are (an answer format it does not parse, ground "
+                 "truths of another form; samples.jsonl shows both), or that the prompts are neither too hard nor "
+                 "too easy for the model. "
                  f"(runtime_args.max_constant_reward_episodes: {limit}; warned once per run.)")
 
     def evaluation(self, batch: dict, prompts, rewards: np.ndarray, parts: dict) -> dict:

@@ -87,5 +87,5 @@ class RewardModels:
             f"reward model {name!r} adds {float(adds[name][i]):.6g} ({s.weight_key} {s.weight:g} x its score) to "
             f"the reward of sample {i}, which becomes "
             f"{total[i]:.6g}, past float32's largest number ({float(np.finfo(np.float32).max):.4g}), the dtype "
-            "rewards are trained in: it would become inf and be trained on, so the run stops before the episode "
-            f"trains. Lower {s.weight_key}, or have the model's scores whitened (normalize: batch).")
+            "rewards are trained in: it would become inf, so the run stops before anything is trained on it. "
+            f"Lower {s.weight_key}, or have the model's scores whitened (normalize: batch).")

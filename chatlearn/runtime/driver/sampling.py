@@ -78,8 +78,8 @@ def float32_rewards(total: np.ndarray, weighted: list[np.ndarray], entries: list
                 f"weighted scores ({each or 'none'}) and the environment's reward where there is one")
         fix = "or lower their weights (models.reward.functions[i].weight)"
     raise UserError(f"{head}, which is past float32's largest number ({float(np.finfo(np.float32).max):.4g}), the "
-                    "dtype rewards are trained in: it would become inf and be trained on, so the run stops before "
-                    f"the episode trains. Return rewards of a smaller scale (clip or rescale them), {fix}.")
+                    "dtype rewards are trained in: it would become inf, so the run stops before anything is trained "
+                    f"on it. Return rewards of a smaller scale (clip or rescale them), {fix}.")
 
 
 @dataclass(frozen=True)
