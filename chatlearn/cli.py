@@ -305,6 +305,9 @@ def _dry_run_data(cfg, resumed, accept: bool) -> list[str]:
     if rt.eval_data_path and (rt.eval_episode_interval > 0 or rt.enable_eval_before_training):
         sets.append(("eval", load_prompts(rt.eval_data_path.split(","), tokenizer, what="runtime_args.eval_data_path",
                                           name=rt.eval_data_subset, split=rt.eval_data_split, **data)))
+    for _, s in sets:
+        if s.empty_truth_warning:
+            warn(s.empty_truth_warning)
     return [f"{name} data: {len(s)} prompts" + (f" ({s.dropped_too_long} dropped: longer than "
                                                  "max_prompt_tokens_length)" if s.dropped_too_long else "")
             for name, s in sets]

@@ -51,6 +51,7 @@ HARMLESS_KEYS = (
     # output, logging, W&B, TensorBoard, console, profiling
     "runtime_args.output_dir", "runtime_args.exp_name", "runtime_args.log_args_dict.*", "runtime_args.debug",
     "models.policy.logprob_mismatch_warn", "runtime_args.weight_push_check", "runtime_args.weight_push_check_tolerance",
+    "runtime_args.max_constant_reward_episodes",  # a warning's threshold
     # timeouts
     "runtime_args.ray_connect_timeout_s", "runtime_args.stage_timeout_s", "models.reward.timeout_s",
     "models.policy.multi_turn.step_timeout_s",

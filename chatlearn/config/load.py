@@ -263,6 +263,7 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     _check_finite(OmegaConf.to_container(cfg, resolve=True), "")  # first: later checks compare numbers
     _check_backends(cfg.runtime_args)
     _check_runtime(cfg.runtime_args)
+    _check_reward_signal(cfg.runtime_args)
     # the user's modules register their names before any check reads a registry (runtime_args.plugins)
     load_plugins(cfg.runtime_args.plugins, base_dir=os.getcwd())
     check_kinds(cfg)
@@ -286,6 +287,14 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     plan = make_plan(cfg)  # validates the sizes and the layout
     validate_algorithm(cfg, plan.policy_steps)  # the policy's schedule spans its own steps
     return plan
+
+
+def _check_reward_signal(rt: DictConfig) -> None:
+    """``runtime_args.max_constant_reward_episodes`` is a count of episodes (0: never warn)."""
+    if rt.max_constant_reward_episodes < 0:
+        raise ConfigError(f"is {rt.max_constant_reward_episodes}; set N > 0 (warn after N episodes in a row in "
+                          "which a reward function scores every sample alike) or 0 (never warn).",
+                          key="runtime_args.max_constant_reward_episodes")
 
 
 def _check_backends(rt: DictConfig) -> None:

@@ -96,6 +96,9 @@ class RuntimeArgs:
     # multi-turn: stop the run after N training episodes in a row in which the environment, or a tool,
     # failed on every call (raised, timed out or returned something unusable); 0: never stop
     max_failed_env_episodes: int = 3
+    # warn (once per run) when a reward function gives every sample of N training episodes in a row the
+    # same score: a reward with no signal to learn from; 0: never warn
+    max_constant_reward_episodes: int = 3
     replay_episode_offset: int = 0
     consumed_samples: int = 0
     max_data_ckpt_nums: Optional[int] = None

@@ -129,6 +129,8 @@ class PromptSet:
     dropped_too_long: int
     extras: list[dict] = field(default_factory=list)  # the row's other columns (given to reward functions)
     messages: list[list[dict]] = field(default_factory=list)  # the chat messages of each prompt (multi-turn: reset's row)
+    # the warning for prompts whose ground truth is null or empty, None when there are none (see check_truths)
+    empty_truth_warning: str | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -150,6 +152,33 @@ def _ground_truth(row: dict, key: str, where: str):
         value = value[part]
         walked.append(part)
     return value
+
+
+def empty_truth(value) -> bool:
+    """Whether a ground truth holds no answer: null, a blank string, an empty list or object."""
+    return value is None or (isinstance(value, str) and not value.strip()) or (
+        isinstance(value, (list, dict)) and not value)
+
+
+def check_truths(truths: list, wheres: list[str], what: str, ground_truth_key: str | None) -> str | None:
+    """The warning for rows whose ground truth is empty (:func:`empty_truth`; ``wheres``: where each came
+    from), None when there are none; a UserError when every row's is (nothing could be rewarded).
+    ``ground_truth_key`` None: no ground truth, nothing to check."""
+    if ground_truth_key is None:
+        return None
+    empty = [where for truth, where in zip(truths, wheres) if empty_truth(truth)]
+    where = (f"null or empty at runtime_args.ground_truth_key {ground_truth_key!r}; the first: {empty[0]}"
+             if empty else "")
+    if truths and len(empty) == len(truths):
+        raise UserError(f"{what}: every one of the {len(truths)} prompts has an empty ground truth ({where}), so no "
+                        "response could be rewarded against an answer and the run would train on nothing. Fill in "
+                        "the answers, set runtime_args.ground_truth_key to the field that holds them, or to null "
+                        "if the reward functions need no ground truth.")
+    if not empty:
+        return None
+    return (f"{what}: {len(empty)} of the {len(truths)} prompts have an empty ground truth ({where}): the reward "
+            "functions cannot score their responses against an answer, so they train at the reward of a missing "
+            "answer (0 with builtin:math). Fill in the answers, or remove those rows.")
 
 
 def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_thinking: bool,
@@ -203,8 +232,9 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
         reason = (f"all {dropped} prompts are longer than models.policy.max_prompt_tokens_length "
                   f"({max_prompt_tokens}); raise it" if dropped else "the files hold no rows; add data")
         raise UserError(f"{what}: no usable prompts: {reason}.")
+    warning = check_truths([truths[i] for i in keep], [wheres[i] for i in keep], what, ground_truth_key)
     return PromptSet([token_ids[i] for i in keep], [truths[i] for i in keep], [sources[i] for i in keep], dropped,
-                     [extras[i] for i in keep], [messages_all[i] for i in keep])
+                     [extras[i] for i in keep], [messages_all[i] for i in keep], warning)
 
 
 def _with_instruction(messages: list[dict], instruction: str) -> list[dict]:

@@ -121,6 +121,13 @@ def remote_code_checkpoint(c: Ctx) -> str:
     return ckpt
 
 
+def truths_data(c: Ctx, *truths) -> str:
+    """The override of a train data file whose rows have these ground truths."""
+    rows = [json.dumps({"prompt": f"What is {i} + 2?", "reward_model": {"ground_truth": t}})
+            for i, t in enumerate(truths)]
+    return f"runtime_args.data_path={c.file('truths.jsonl', chr(10).join(rows) + chr(10))}"
+
+
 def merge(*flags):
     return lambda c: ["merge", remote_code_checkpoint(c), os.path.join(c.tmp, "merged"), *flags]
 
@@ -292,6 +299,15 @@ CASES = [
     # 6. secrets are never printed
     ("--dry-run with a secret in a reward function's kwargs", lambda c: run(secret_reward(c), dry=True)(c), 0,
      ["api_key: '***'", "secrets shown as ***"], [SECRET]),
+    # 10. data that cannot be rewarded: ground truths that are null or empty
+    ("data whose every ground truth is empty", lambda c: run(truths_data(c, None, ""), dry=True)(c), 2,
+     ["runtime_args.data_path: every one of the 2 prompts has an empty ground truth", "truths.jsonl:1",
+      "train on nothing", "runtime_args.ground_truth_key"], ["Traceback", "# plan"]),
+    ("data with some empty ground truths", lambda c: run(truths_data(c, "3", None, "5", ""), dry=True)(c), 0,
+     ["warning: runtime_args.data_path: 2 of the 4 prompts have an empty ground truth", "truths.jsonl:2",
+      "train data: 4 prompts"], ["Traceback"]),
+    ("max_constant_reward_episodes=-1", run("runtime_args.max_constant_reward_episodes=-1", dry=True), 2,
+     ["runtime_args.max_constant_reward_episodes", "0 (never warn)"], ["Traceback"]),
 ]
 
 ARITH = json.dumps({"data_source": "arith", "prompt": [{"role": "user", "content": "What is 1 + 2?"}],

@@ -7,6 +7,7 @@ from typing import Callable
 from chatlearn.algorithms.advantages import fill_groups, loss_token_counts, varied_groups
 from chatlearn.batch import concat_batches, select_samples
 from chatlearn.config.names import Stage
+from chatlearn.logging.console import warn
 from chatlearn.runtime.driver.sampling import EpisodeSamples, Prompts, Sampling, Scored
 
 # round k of an episode samples with seed + episode + k * this stride
@@ -42,6 +43,8 @@ def dynamic_sampling(run, episode: int, first: EpisodeSamples, sampling: Samplin
             batch = sampling.sample(prompts, sampling.params(eval_mode=False, seed=seed),
                                     f"{what} (dynamic sampling round {len(rounds) + 1})", episode=episode)
         samples = EpisodeSamples(prompts, batch)
+    if not kept:
+        warn_no_varied_group(episode, len(rounds), needed, g)
     chosen = fill_groups([varied for _, varied in rounds], needed)
     parts = []
     for k, (s, _) in enumerate(rounds):
@@ -59,3 +62,14 @@ def dynamic_sampling(run, episode: int, first: EpisodeSamples, sampling: Samplin
         batch=concat_batches([b for b, _, _ in parts]) if len(parts) > 1 else parts[0][0],
         scored=Scored.join([sc for _, _, sc in parts]), metrics=metrics,
         generated_tokens=sum(int(loss_token_counts(s.batch).sum()) for s, _ in rounds))  # the model's tokens
+
+
+def warn_no_varied_group(episode: int, rounds: int, prompts: int, group_size: int) -> None:
+    """The warning for an episode in which dynamic sampling found no group of unequal rewards in its
+    ``rounds`` rounds (of ``prompts`` prompts x ``group_size`` responses each)."""
+    warn(f"episode {episode}: dynamic sampling found no group of unequal rewards in {rounds} rounds "
+         f"(runtime_args.dynamic_sampling_max_rounds; {rounds * prompts} prompts x {group_size} responses): every "
+         "group's responses were rewarded alike, so the episode trains on groups whose advantages are all 0 and the "
+         "policy learns nothing from it (train/dynamic_sampling_kept_frac 0). Check the reward functions and the "
+         "data's ground truths (samples.jsonl shows both), or whether the prompts are all too hard or too easy for "
+         "the model; raising runtime_args.dynamic_sampling_max_rounds draws more prompts per episode.")

@@ -38,7 +38,7 @@ from chatlearn.config.plan import make_eval_plan
 from chatlearn.data.dataset import load_prompts, load_tokenizer
 from chatlearn.errors import UserError
 from chatlearn.hub import looks_like_hub_id, snapshot
-from chatlearn.logging.console import info
+from chatlearn.logging.console import info, warn
 from chatlearn.logging.jsonl import write_text_atomic
 from chatlearn.runtime.cluster.cluster import Cluster
 from chatlearn.runtime.driver.multiturn import MultiTurnLoop, env_metrics, trajectory_fields
@@ -308,6 +308,8 @@ def _evaluate(cfg: DictConfig, eval_data: str, out_dir: str, source: dict) -> di
                               name=rt.eval_data_subset, split=rt.eval_data_split,
                               ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction,
                               tools=multi_turn.tool_schemas if multi_turn is not None else None)
+    if prompt_set.empty_truth_warning:
+        warn(prompt_set.empty_truth_warning)
     k = p.eval_num_inference_per_prompt
     info(f"evaluating {p.load} on {len(prompt_set)} prompts x {k} samples")
     reward_models = models_of(cfg, REWARD_MODEL)

@@ -59,6 +59,10 @@ class EpisodeReport:
     def __init__(self, cfg, plan, sampling: Sampling, sinks, trainer_group):
         self.cfg, self.plan, self.sampling, self.sinks, self.trainer = cfg, plan, sampling, sinks, trainer_group
         self.warned_truncated = False  # an episode whose every response was cut: warned once per run
+        # each reward function's count of training episodes in a row in which it scored every sample alike;
+        # those already warned about (once per run)
+        self.constant_streaks: dict[str, int] = {}
+        self.warned_constant: set[str] = set()
 
     def log_samples(self, episode: int, samples: EpisodeSamples) -> None:
         """Every ``log_samples_interval`` episodes, ``log_samples_num`` decoded rows to the sinks
@@ -101,6 +105,7 @@ class EpisodeReport:
         metrics.update(mismatch_metrics(batch, self.plan.old_logprob_pass_from, first_step))
         metrics.update(env_metrics(batch, prefix="train"))
         self.warn_all_truncated(episode, batch)
+        self.warn_constant_rewards(episode, scored.parts)
         warn_at = self.cfg.models.policy.logprob_mismatch_warn
         if warn_at > 0 and metrics["train/logprob_diff_rollout_vs_trainer_mean"] > warn_at:
             warn(f"episode {episode}: rollout and trainer log-probs differ by "
@@ -129,6 +134,33 @@ class EpisodeReport:
              "the rewards score unfinished answers, often all alike, and the policy learns little or nothing "
              "(equal rewards in a group give zero advantages). Raise the limit, or ask the prompts for shorter "
              "answers. (Warned once per run.)")
+
+    def warn_constant_rewards(self, episode: int, parts: dict[str, np.ndarray]) -> None:
+        """Warn, once per run for each, of a reward function that gave every sample of
+        ``runtime_args.max_constant_reward_episodes`` training episodes in a row the same score (``parts``:
+        the episode's per-function outputs by ``"<name>/<key>"``): a reward without signal. Equal rewards
+        within a group are normal; the same score for the whole episode, episode after episode, is not."""
+        limit = self.cfg.runtime_args.max_constant_reward_episodes
+        if limit <= 0:
+            return
+        for key, values in parts.items():
+            name, _, part = key.partition("/")
+            if part != "score":
+                continue
+            values = np.asarray(values)
+            constant = values.size > 1 and bool(np.all(values == values[0]))
+            self.constant_streaks[name] = self.constant_streaks.get(name, 0) + 1 if constant else 0
+            if self.constant_streaks[name] < limit or name in self.warned_constant:
+                continue
+            self.warned_constant.add(name)
+            warn(f"episode {episode}: reward function {name!r} (models.reward.functions) gave every sample the same "
+                 f"score, {float(values[0]):g}, in {limit} training episodes in a row (episodes {episode - limit + 1}"
+                 f"-{episode}, {values.size} samples in this one): a reward without signal, which adds nothing to "
+                 "the advantages (the only reward: every advantage is 0 and the policy learns nothing). Check that it "
+                 "reads the responses and ground truths as they are (an answer format it does not parse, ground "
+                 "truths of another form; samples.jsonl shows both), or that the prompts are neither too hard nor "
+                 "too easy for the model. "
+                 f"(runtime_args.max_constant_reward_episodes: {limit}; warned once per run.)")
 
     def evaluation(self, batch: dict, prompts, rewards: np.ndarray, parts: dict) -> dict:
         """``eval/`` metrics of an evaluation set's samples, overall and per data source."""

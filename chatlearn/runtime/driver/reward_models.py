@@ -16,6 +16,7 @@ import numpy as np
 from chatlearn.calls import put
 from chatlearn.config.kinds import REWARD_MODEL, reward_model_settings
 from chatlearn.config.names import Stage
+from chatlearn.errors import UserError
 from chatlearn.runtime.driver.sampling import Prompts, Sampling, Scored
 
 
@@ -53,19 +54,38 @@ class RewardModels:
         evaluation: whitened, every evaluation's mean would be 0), added to the rewards and the shaped
         rewards. Returns it and each model's metrics (:func:`metric_prefix`)."""
         added_all = np.zeros(len(scored.rewards), np.float64)
-        metrics = {}
+        metrics, adds = {}, {}
         for name, raw in scores.items():
             s = self.settings[name]
             raw = np.asarray(raw, np.float64)
             norm = raw
             if s.normalize == "batch" and normalize:
                 norm = (raw - raw.mean()) / (raw.std() + 1e-6) if len(raw) > 1 else raw * 0.0
-            added = s.weight * norm
+            adds[name] = added = s.weight * norm
             added_all = added_all + added
             where = metric_prefix(prefix, name)
             metrics.update({f"{where}{k}": v for k, v in (
                 ("score_mean", float(raw.mean())), ("score_std", float(raw.std())), ("score_min", float(raw.min())),
                 ("score_max", float(raw.max())), ("reward_mean", float(added.mean())))})
-        return Scored((scored.rewards + added_all).astype(np.float32), scored.parts,
+        total = np.asarray(scored.rewards, np.float64) + added_all
+        self.check_float32(total, adds)
+        return Scored(total.astype(np.float32), scored.parts,
                       np.asarray(scored.shaped, np.float64) + added_all), metrics
 
+    def check_float32(self, total: np.ndarray, adds: dict[str, np.ndarray]) -> None:
+        """A sample's reward ``total`` (float64) past float32's largest number, the dtype rewards are trained
+        in (it would become inf), is a UserError naming the reward model whose weighted score (``adds``)
+        is the largest there."""
+        with np.errstate(over="ignore"):
+            over = np.flatnonzero(~np.isfinite(total.astype(np.float32)))
+        if not over.size:
+            return
+        i = int(over[0])
+        name = max(adds, key=lambda n: abs(float(adds[n][i])))
+        s = self.settings[name]
+        raise UserError(
+            f"reward model {name!r} adds {float(adds[name][i]):.6g} ({s.weight_key} {s.weight:g} x its score) to "
+            f"the reward of sample {i}, which becomes "
+            f"{total[i]:.6g}, past float32's largest number ({float(np.finfo(np.float32).max):.4g}), the dtype "
+            "rewards are trained in: it would become inf, so the run stops before anything is trained on it. "
+            f"Lower {s.weight_key}, or have the model's scores whitened (normalize: batch).")

@@ -78,6 +78,8 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
                 info(f"{name} data: {len(s)} prompts"
                      + (f" ({s.dropped_too_long} dropped: longer than max_prompt_tokens_length)"
                         if s.dropped_too_long else ""))
+                if s.empty_truth_warning:
+                    warn(s.empty_truth_warning)
         warn_repeated_prompts(len(train_set), plan)
         for line in plan.describe():
             info(line)

@@ -54,6 +54,35 @@ class Prompts:
         return cls(**fields, messages=messages)
 
 
+def float32_rewards(total: np.ndarray, weighted: list[np.ndarray], entries: list[dict], what: str) -> np.ndarray:
+    """The samples' rewards ``total`` (float64) in float32, the dtype they are trained in. A total past
+    float32's largest number (a finite float64 that would become inf) is a UserError naming the
+    reward function whose weighted score (``weighted[f]``, of ``entries[f]``) does not fit, or the sum
+    when none alone overflows, and the sample (``what``: the batch)."""
+    with np.errstate(over="ignore"):
+        rewards = total.astype(np.float32)
+        over = np.flatnonzero(~np.isfinite(rewards))
+        if not over.size:
+            return rewards
+        i = int(over[0])
+        culprit = next((f for f, w in enumerate(weighted) if not np.isfinite(np.float32(w[i]))), None)
+    count = f" ({over.size} of the {len(total)} samples overflow)" if over.size > 1 else ""
+    if culprit is not None:
+        entry = entries[culprit]
+        head = (f"reward function {entry['name']!r} (models.reward.functions[{culprit}], {entry['path']!r}) gave "
+                f"sample {i} of {what} the reward {weighted[culprit][i]:.6g} (its score x weight "
+                f"{float(entry['weight']):g}){count}")
+        fix = f"or lower models.reward.functions[{culprit}].weight"
+    else:
+        each = ", ".join(f"{e['name']!r} {w[i]:.6g}" for e, w in zip(entries, weighted))
+        head = (f"the reward of sample {i} of {what} is {total[i]:.6g}{count}, the sum of the reward functions' "
+                f"weighted scores ({each or 'none'}) and the environment's reward where there is one")
+        fix = "or lower their weights (models.reward.functions[i].weight)"
+    raise UserError(f"{head}, which is past float32's largest number ({float(np.finfo(np.float32).max):.4g}), the "
+                    "dtype rewards are trained in: it would become inf, so the run stops before anything is trained "
+                    f"on it. Return rewards of a smaller scale (clip or rescale them), {fix}.")
+
+
 @dataclass(frozen=True)
 class Scored:
     """The rewards of a batch's samples: ``rewards`` (the reward functions' weighted sum, float32 [N]),
@@ -163,6 +192,7 @@ class Sampling:
         entries = self.reward_spec.functions
         totals = [np.zeros(len(s), dtype=np.float64) for s in shares]
         outs = [{"metrics": {}} for _ in shares]
+        weighted = []  # each function's weighted scores of every sample (float64)
         for f, entry in enumerate(entries):
             try:
                 parts, _ = self.reward.call_each("score_one", [(f, b) for b in batches],
@@ -171,12 +201,13 @@ class Sampling:
                 raise self.reward_timeout(late, f, entry, shares, len(texts), what) from None
             except died_errors() as died:  # the function ended the process: name it
                 raise self.reward_worker_died(died, f, entry, what) from None
+            weighted.append(np.concatenate([part["score"] for part in parts]))
             for total, out, part in zip(totals, outs, parts):
                 total += part["score"]
                 out["metrics"].update(part["metrics"])
         if "env/reward" in batch:  # the environment's (discounted) reward of each trajectory
             totals = [t + np.asarray(batch["env/reward"], np.float64)[s] for t, s in zip(totals, shares)]
-        rewards = np.concatenate(totals).astype(np.float32)
+        rewards = float32_rewards(np.concatenate(totals), weighted, entries, what)
         for o in outs[1:]:
             odd = set(o["metrics"]) ^ set(outs[0]["metrics"])
             if odd:
