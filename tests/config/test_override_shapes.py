@@ -1,9 +1,11 @@
-"""Command-line overrides that index a list, and values of the wrong shape: set, or refused naming the key."""
+"""Command-line overrides that index a list, and values of the wrong shape: set, or refused naming the key; and
+the help saying that a config is code."""
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
+from chatlearn.cli import main
 from chatlearn.config.load import MAX_TIMEOUT_S, load_config
 from chatlearn.errors import ConfigError, UserError
 
@@ -54,3 +56,13 @@ def test_a_malformed_index_is_refused():
 def test_the_largest_timeout_is_accepted(paths_overrides):
     cfg = load_config(TEMPLATE, [*paths_overrides, f"runtime_args.stage_timeout_s={MAX_TIMEOUT_S}"])
     assert cfg.runtime_args.stage_timeout_s == MAX_TIMEOUT_S
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["eval", "--help"]])
+def test_help_says_a_config_is_code(argv, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    text = " ".join(capsys.readouterr().out.split())
+    assert done.value.code == 0
+    assert "A config is code" in text and "--dry-run" in text and "runs their top-level code" in text, text
+    assert "Run only configs you trust" in text
