@@ -20,16 +20,26 @@ from chatlearn.errors import UserError
 from chatlearn.logging.console import ThirdPartyLogs, failure_hint, info, warn
 
 
+# a config names Python code; checking it runs that code's top level (as merge's --trust-remote-code says of models)
+CONFIG_IS_CODE = ("A config is code: run, run --dry-run and eval import the Python modules it names (reward "
+                  "functions, the multi-turn environment and tools, runtime_args.plugins), which runs their "
+                  "top-level code. Run only configs you trust.")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chatlearn", description="Reinforcement learning for LLMs (GRPO).")
+    parser = argparse.ArgumentParser(prog="chatlearn", description="Reinforcement learning for LLMs (GRPO).",
+                                     epilog=CONFIG_IS_CODE)
     parser.add_argument("--version", action="version", version=f"chatlearn {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train with a YAML config",
-                         description="Train with a YAML config. Extra arguments key.path=value override it.")
+                         description="Train with a YAML config. Extra arguments key.path=value override it.",
+                         epilog=CONFIG_IS_CODE)
     run.add_argument("config", help="YAML config, e.g. template/grpo_fsdp.yaml")
     run.add_argument("overrides", nargs="*", help="overrides such as runtime_args.num_episode=10")
     run.add_argument("--dry-run", action="store_true",
-                     help="print the plan and the settings that differ from the defaults, then exit")
+                     help="print the plan and the settings that differ from the defaults, then exit. It "
+                          "imports the config's reward functions, environment, tools and plugins (running their "
+                          "top-level code) to check them")
     run.add_argument("--all", action="store_true", help="with --dry-run: print every setting")
     run.add_argument("--verbose", action="store_true",
                      help="show the logs of vLLM, Ray, transformers, torch... on the console too (by default "
@@ -50,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate a model with a YAML config (rollout engine and reward only)",
                         description="Sample eval_data_path with the eval_* parameters and "
                                     "eval_num_inference_per_prompt samples per prompt; write every sample and "
-                                    "per-data-source metrics under OUTPUT_DIR/eval/.")
+                                    "per-data-source metrics under OUTPUT_DIR/eval/.",
+                        epilog=CONFIG_IS_CODE)
     ev.add_argument("config", help="YAML config, e.g. template/grpo_fsdp.yaml")
     ev.add_argument("overrides", nargs="*", help="overrides such as models.policy.eval_num_inference_per_prompt=8")
     ev.add_argument("--checkpoint", metavar="PATH", help="evaluate this instead of models.policy.load: a Hugging "

@@ -77,6 +77,35 @@ def parse_size(text: str | int) -> int:
 # --------------------------------------------------------------------------- inputs
 
 
+def check_merge_out(out_dir: str, ckpt_dir: str) -> None:
+    """Refuse, in one paragraph before anything is read or written, an ``out_dir`` that cannot be a new model
+    folder: a file, under a file, inside the checkpoint read, already holding files, or in a folder this user
+    cannot write."""
+    out = os.path.abspath(out_dir)
+    near = out
+    while not os.path.lexists(near) and os.path.dirname(near) != near:
+        near = os.path.dirname(near)
+    problem = None
+    if near == out and os.path.lexists(out) and not os.path.isdir(out):
+        problem = "it is a file. Name a new folder"
+    elif not os.path.isdir(near):
+        problem = f"it lies under {near!r}, which is a file, not a folder: nothing can be created there. Name " \
+                  "a folder elsewhere, or move that file"
+    elif _inside(out, ckpt_dir):
+        problem = f"it lies inside the checkpoint {os.path.abspath(ckpt_dir)!r} being merged, whose files it would " \
+                  "mix with. Name a folder outside the checkpoint"
+    elif not os.access(near, os.W_OK | os.X_OK):
+        problem = f"{near!r} is not writable for this user. Name a folder you can write, or change its permissions"
+    if problem is not None:
+        raise UserError(f"chatlearn merge cannot write its output folder {out_dir!r}: {problem}.")
+    check_out_dir(out)
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def find_checkpoint(path: str) -> str:
     """``path`` itself, or its ``trainer/`` subfolder when ``path`` is a run's checkpoint
     folder that keeps the trainer state there."""
@@ -289,6 +318,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
         raise RuntimeError("safetensors files are little-endian; this machine is not")
     max_bytes = parse_size(max_shard_size)
     ckpt = find_checkpoint(ckpt_dir)
+    check_merge_out(out_dir, ckpt_dir)
     check_against_manifest(ckpt, "checkpoint")
     megatron = _checkpoint_format(ckpt) == megatron_format.FORMAT
     meta = megatron_format.read_meta(ckpt, {}) if megatron else sharded.read_meta(ckpt)

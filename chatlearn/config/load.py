@@ -15,8 +15,9 @@ from typing import Iterable, Sequence
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
-from omegaconf.errors import (ConfigKeyError, InterpolationKeyError, InterpolationResolutionError,
-                              MissingMandatoryValue, OmegaConfBaseException, ValidationError)
+from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, InterpolationKeyError,
+                              InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException,
+                              ValidationError)
 
 from chatlearn.config.algorithm_keys import validate_algorithm
 from chatlearn.config.algorithms import resolve_algorithm
@@ -40,20 +41,28 @@ from chatlearn.errors import ConfigError, UserError
 from chatlearn.hub import resolve
 
 WANDB_RESUME = ("allow", "must", "never", "auto")
+# the largest ``*timeout_s`` accepted (about 3 years): the watchdog's deadlines (up to 8 x stage_timeout_s) stay
+# below what a thread's wait (threading.TIMEOUT_MAX, about 292 years) and a process group's timedelta can hold
+MAX_TIMEOUT_S = 100_000_000
+NO_LIMIT = {"runtime_args.stage_timeout_s": ", or 0 for no deadline",
+            "models.reward.timeout_s": ", or 0 for no limit"}
+_INDEXED_KEY = re.compile(r"[A-Za-z_][\w-]*(\[\d+\])*(\.[A-Za-z_][\w-]*(\[\d+\])*)*")
 
 
 def load_run(path: str, overrides: Sequence[str] = ()) -> tuple[DictConfig, Plan]:
     """The resolved, validated config (a typed, read-only DictConfig) and the run's plan, which
     validation computes (once per start: callers take this one rather than calling make_plan)."""
     cfg = OmegaConf.structured(Config)
-    data, cli = _read_yaml(path), _parse_overrides(overrides)
+    data, (cli, indexed) = _read_yaml(path), _parse_overrides(overrides)
     (base, named), (cli_base, cli_named) = _split_models(data), _split_models(cli)
     cfg = _merge(cfg, base, source=path)
     cfg = _merge(cfg, cli_base, source="the command line")
     _add_user_models(cfg, [(named, path), (cli_named, "the command line")])
+    _apply_indexed(cfg, indexed)
     _apply_aliases(cfg)
     _resolve(cfg)
-    plan = validate(cfg, frozenset(_dotted_keys(data)) | frozenset(_dotted_keys(cli)))
+    user_keys = frozenset(_dotted_keys(data)) | frozenset(_dotted_keys(cli)) | _indexed_parents(indexed)
+    plan = validate(cfg, user_keys)
     OmegaConf.set_readonly(cfg, True)
     return cfg, plan
 
@@ -86,21 +95,62 @@ def _read_yaml(path: str) -> DictConfig:
     return data
 
 
-def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
-    items = []
+def _parse_overrides(overrides: Iterable[str]) -> tuple[DictConfig, list[tuple[str, str, object]]]:
+    """The overrides as a tree, and those that index a list (``models.reward.functions[1].weight=2``) as
+    (argument, key, value), applied once the lists they index are there (:func:`_apply_indexed`)."""
+    items, indexed = [], []
     for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key or " " in key or "" in key.split("."):
+        key, sep, value = item.partition("=")
+        if not sep or not key or " " in key or "" in key.split(".") or ("[" in key and not _INDEXED_KEY.fullmatch(key)):
             raise UserError(f"command-line override {item!r} is not of the form key.path=value, "
-                            "for example runtime_args.num_episode=10.")
+                            "for example runtime_args.num_episode=10 (an entry of a list: "
+                            "models.reward.functions[0].weight=2).")
         try:
-            OmegaConf.from_dotlist([item])
+            parsed = OmegaConf.from_dotlist([item if "[" not in key else f"value={value}"])
         except (OmegaConfBaseException, yaml.YAMLError) as err:
             raise UserError(f"command-line override {item!r}: the value is not valid YAML "
                             f"({' '.join(str(err).split())}). Write lists as [a,b] and quote values with "
                             "special characters, e.g. 'key=\"a: b\"'.") from None
-        items.append(item)
-    return OmegaConf.from_dotlist(items)
+        if "[" in key:
+            indexed.append((item, key, OmegaConf.to_container(parsed)["value"]))
+        else:
+            items.append(item)
+    try:
+        return OmegaConf.from_dotlist(items), indexed
+    except OmegaConfBaseException as err:  # one override gives a key a list, a later one a mapping of keys
+        raise ConfigError(f"the command line gives it values of different shapes ({_first_line(err)}). Give it "
+                          "once, or index a list's entry: key[0].name=value.", key=err.full_key) from None
+
+
+def _apply_indexed(cfg: DictConfig, indexed: list[tuple[str, str, object]]) -> None:
+    """Set each ``a.b[i].c=value`` override of the command line on ``cfg``: the list must be there and hold
+    entry i (a list is replaced whole with ``a.b=[...]``)."""
+    for item, key, value in indexed:
+        for m in re.finditer(r"\[(\d+)\]", key):
+            list_key, i = key[:m.start()], int(m.group(1))
+            node = OmegaConf.select(cfg, list_key, default=None, throw_on_missing=False)
+            if not isinstance(node, ListConfig):
+                raise ConfigError(f"is not a list, so {item!r} on the command line cannot index it. Set it as "
+                                  f"{list_key}=value, or set a key of it as {list_key}.<key>=value.", key=list_key)
+            if i >= len(node):
+                held = {0: "no entries", 1: "one entry, [0]"}.get(len(node), f"entries [0] to [{len(node) - 1}]")
+                raise ConfigError(f"has {held}, so {item!r} on the command line names an entry that does not "
+                                  f"exist. Index an existing entry, or give the whole list ({list_key}=[...] on "
+                                  "the command line, or in the YAML file).", key=list_key)
+        try:
+            OmegaConf.update(cfg, key, value, merge=True)
+        except (ConfigKeyError, ConfigAttributeError) as err:
+            raise _unknown_key(err, cfg, "the command line") from None
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"wrong type on the command line ({item!r}): {_first_line(err)}. Fix the value to "
+                              "the key's type (numbers without quotes, booleans as True/False, lists as [a, b]).",
+                              key=key) from None
+
+
+def _indexed_parents(indexed: list[tuple[str, str, object]]) -> frozenset:
+    """The dotted keys above each list an indexed override sets (``models.reward.functions`` and its parents)."""
+    parts = [key.split("[")[0].split(".") for _, key, _ in indexed]
+    return frozenset(".".join(p[:n]) for p in parts for n in range(1, len(p) + 1))
 
 
 def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
@@ -108,7 +158,12 @@ def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
         return OmegaConf.merge(cfg, other)
     except ConfigKeyError as err:
         raise _unknown_key(err, cfg, source) from None
-    except ValidationError as err:
+    except (TypeError, ValidationError) as err:  # TypeError: a mapping where a list belongs
+        clash = _shape_clash(cfg, other)
+        if clash is not None:
+            raise _shape_error(*clash, source) from None
+        if isinstance(err, TypeError):
+            raise
         if "is not a ListConfig" in str(err):  # a string where a list belongs
             example = ("[policy,policy_trainer,ref_policy] (the models that share devices and take turns)"
                        if err.full_key == "runtime_args.colocation" else "[a,b]")
@@ -121,6 +176,39 @@ def _merge(cfg: DictConfig, other: DictConfig, source: str) -> DictConfig:
             "(numbers without quotes, booleans as True/False, lists as [a, b]).", key=err.full_key) from None
     except OmegaConfBaseException as err:
         raise ConfigError(f"invalid value in {source}: {_first_line(err)}", key=err.full_key) from None
+
+
+def _shape_clash(cfg, other, prefix: str = "") -> tuple[str, object, object] | None:
+    """The first key (with the schema's node and the given one) where ``other`` gives a single value for a section
+    of keys, or a mapping for a list."""
+    if not isinstance(cfg, DictConfig) or not isinstance(other, DictConfig):
+        return None
+    for k in other.keys():
+        mine, theirs = cfg._get_node(k), other._get_node(k)
+        if isinstance(mine, DictConfig) and not mine._is_none() and not isinstance(theirs, DictConfig):
+            return f"{prefix}{k}", mine, theirs
+        if isinstance(mine, ListConfig) and isinstance(theirs, DictConfig):
+            return f"{prefix}{k}", mine, theirs
+        found = _shape_clash(mine, theirs, f"{prefix}{k}.")
+        if found is not None:
+            return found
+    return None
+
+
+def _shape_error(key: str, mine, theirs, source: str) -> ConfigError:
+    if isinstance(mine, ListConfig):
+        return ConfigError(
+            f"must be a list, but {source} gives it a mapping ({', '.join(map(str, theirs.keys()))}). Write it as a "
+            f"YAML list (one '- ' entry each) in the config file, or as {key}=[...] on the command line; to change "
+            f"one key of one entry, index it: {key}[0].<key>=value.", key=key)
+    names = [str(k) for k in mine.keys()]
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    value = theirs._value() if theirs is not None else None
+    example = next((n for n in names if n != "kind"), "<key>")
+    return ConfigError(
+        f"is a section of keys ({shown}), but {source} gives it a single value ({value!r}). Set the keys inside "
+        f"it instead, e.g. {key}.{example}=... on the command line, or as a mapping under "
+        f"{key}: in the YAML file.", key=key)
 
 
 def _split_models(data: DictConfig) -> tuple[DictConfig, dict]:
@@ -221,6 +309,9 @@ def _resolve(cfg: DictConfig) -> None:
         unset = re.search(r"Environment variable '([^']+)' not found", str(err))
         if unset:
             raise _unset_env(cfg, unset.group(1), err.full_key) from None
+        unknown = re.search(r"Unsupported interpolation type ([\w.]+)", str(err))
+        if unknown:
+            raise _unknown_resolver(cfg, unknown.group(1), err.full_key) from None
         raise ConfigError(f"cannot resolve an interpolation: {_first_line(err)}. "
                           "Check the ${...} reference names an existing key.", key=err.full_key) from None
     except ValidationError as err:
@@ -238,6 +329,18 @@ def _unset_env(cfg: DictConfig, var: str, failed_key: str | None) -> ConfigError
         f"uses the environment variable {var}, which is not set (${{oc.env:{var}}}){also}. Set it "
         f"(export {var}=...) before running, or give the interpolation a default: ${{oc.env:{var},default}}.",
         key=key)
+
+
+def _unknown_resolver(cfg: DictConfig, name: str, failed_key: str | None) -> ConfigError:
+    """The error for ``${name:...}`` with no resolver ``name``, naming the key that holds it (not a key that
+    refers to that key, where OmegaConf noticed it)."""
+    holders = [k for k, raw in _raw_strings(cfg) if re.search(r"\$\{\s*" + re.escape(name) + r"\s*:", raw)]
+    key = holders[0] if holders else failed_key
+    also = f" (also in {', '.join(holders[1:])})" if len(holders) > 1 else ""
+    return ConfigError(
+        f"uses the resolver {name!r} (${{{name}:...}}), which does not exist{also}. The resolvers a config can use "
+        "are OmegaConf's (oc.env, oc.decode, oc.create, oc.select, oc.dict.keys, oc.dict.values); a reference to "
+        "another key is written ${other.key} (no colon); a literal '${' is escaped as '\\${'.", key=key)
 
 
 def _raw_strings(node, prefix: str = "") -> Iterable[tuple[str, str]]:
@@ -261,6 +364,7 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     ``user_keys``: the dotted keys the user's YAML and command line set (for keys whose default says
     nothing about whether the user asked for them: a critic section without a critic)."""
     _check_finite(OmegaConf.to_container(cfg, resolve=True), "")  # first: later checks compare numbers
+    _check_timeouts(OmegaConf.to_container(cfg, resolve=True), "")
     _check_backends(cfg.runtime_args)
     _check_runtime(cfg.runtime_args)
     _check_reward_signal(cfg.runtime_args)
@@ -509,6 +613,22 @@ def _check_finite(node, key: str) -> None:
         raise ConfigError(f"must be a finite number, got {node!r}. A config cannot hold inf or nan: a non-finite "
                           "value would turn the loss and the weights into nan. Give the finite value you mean.",
                           key=key)
+
+
+def _check_timeouts(node, key: str) -> None:
+    """Every ``*timeout_s`` is at most :data:`MAX_TIMEOUT_S`: a larger one would overflow a wait or a process
+    group's timeout after the run has started."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            sub = f"{key}.{k}" if key else str(k)
+            if str(k).endswith("timeout_s") and isinstance(v, (int, float)) and v > MAX_TIMEOUT_S:
+                raise ConfigError(f"is {v!r} seconds, more than the largest accepted, {MAX_TIMEOUT_S} (about 3 "
+                                  "years): the waits and deadlines derived from it would overflow once the run has "
+                                  f"started. Give at most {MAX_TIMEOUT_S}{NO_LIMIT.get(sub, '')}.", key=sub)
+            _check_timeouts(v, sub)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_timeouts(v, f"{key}[{i}]")
 
 
 def _check_paths(cfg: DictConfig) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from chatlearn.errors import disk_error, write_refusal
+from chatlearn.errors import UserError, disk_error, write_refusal
 from chatlearn.logging.console import warn
 
 
@@ -107,6 +107,7 @@ class RowFile:
 
     def write(self, text: str) -> None:
         data = memoryview(text.encode("utf-8"))
+        self.check_there()
         size = os.fstat(self._fd).st_size
         try:
             while data:
@@ -119,6 +120,19 @@ class RowFile:
             except OSError:
                 pass
             raise _refusal(self.path, err) from err
+
+    def check_there(self) -> None:
+        """A UserError when the file open here is no longer ``path`` (it, or its folder, was deleted or moved during
+        the run): every row written from now on would be lost."""
+        try:
+            same = os.path.samestat(os.fstat(self._fd), os.stat(self.path))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise UserError(f"{self.path} is gone: it, or the folder holding it (runtime_args.output_dir), was deleted "
+                            "or moved while the run was writing it, so every row from now on would be lost. The run "
+                            "stops here. Restore the folder and run the same command again to resume from its last "
+                            "checkpoint, or start a new run; keep the output folder in place while a run writes it.")
 
     def close(self) -> None:
         if self._fd is not None:

@@ -289,3 +289,61 @@ def test_a_checkpoint_save_meets_a_full_disk_then_the_run_resumes(tmp_path):
     assert "resuming from" in proc.stdout and "(episode 1)" in proc.stdout
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["episode_000001", "episode_000002", "latest"]
     assert [json.loads(line)["episode"] for line in open(out / "metrics.jsonl")] == [1, 2]
+
+
+# ------------------------------------------------------------------ where outputs go
+def test_a_row_file_whose_folder_was_deleted_stops_the_writer(tmp_path):
+    """A log file open for rows whose folder was deleted (or moved) during the run: the next row is refused in
+    one paragraph rather than written into a file nobody can read."""
+    out = tmp_path / "out"
+    writer = MetricsWriter(str(out))
+    writer.write(1, {"train/loss": 0.5})
+    os.rename(out, tmp_path / "moved")
+    with pytest.raises(UserError) as err:
+        writer.write(2, {"train/loss": 0.4})
+    assert f"{out / 'metrics.jsonl'} is gone" in err.value.message and "deleted or moved" in err.value.message
+    writer.close()
+    other = MetricsWriter(str(tmp_path / "kept"))
+    os.remove(tmp_path / "kept" / "metrics.jsonl")
+    with pytest.raises(UserError, match="is gone"):
+        other.write(1, {"train/loss": 0.5})
+    other.close()
+
+
+def test_an_output_folder_inside_a_checkpoint_is_refused_for_eval(tmp_path):
+    from chatlearn.runtime.rundir.preflight import check_output_folder
+
+    ckpt = tmp_path / "run" / "checkpoints" / "episode_000001"
+    (ckpt / "hf").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("episode_000001\n")
+    with pytest.raises(UserError) as err:
+        check_output_folder("runtime_args.output_dir", str(ckpt / "hf" / "out"), ("eval",))
+    assert f"lies inside the checkpoint '{ckpt}'" in err.value.message
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="which is a file, not a folder"):
+        check_output_folder("runtime_args.output_dir", str(tmp_path / "file" / "out"), ("eval",))
+    check_output_folder("runtime_args.output_dir", str(tmp_path / "new"), ("eval",))
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_output_folder_deleted_during_a_run_stops_it(tmp_path):
+    """The output folder removed while a real run writes it: the run stops at its next row with one paragraph and
+    exit 2, instead of going on and ending with exit 0 and every metric lost."""
+    import shutil
+    import time
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "chatlearn.cli", "run", TEMPLATE, *RUN, "runtime_args.num_episode=3",
+           "runtime_args.save_episode_interval=0", f"runtime_args.output_dir={out}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 400
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").stat().st_size:
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first metrics row"
+        time.sleep(0.05)
+    shutil.rmtree(out)
+    stdout, stderr = proc.communicate(timeout=400)
+    err = " ".join(stderr.split())
+    assert proc.returncode == 2, stdout[-3000:] + stderr[-3000:]
+    assert "Traceback" not in stderr and "is gone" in err and "deleted or moved" in err, err

@@ -43,6 +43,7 @@ from chatlearn.logging.jsonl import write_text_atomic
 from chatlearn.runtime.cluster.cluster import Cluster
 from chatlearn.runtime.driver.multiturn import MultiTurnLoop, env_metrics, trajectory_fields
 from chatlearn.runtime.driver.sampling import Prompts, Sampling
+from chatlearn.runtime.rundir.preflight import check_output_folder
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -273,6 +274,7 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None, *, overwrite: 
     eval_data = check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path", subset=rt.eval_data_subset,
                                  split=rt.eval_data_split)
     out_dir = os.path.join(rt.output_dir, "eval")
+    check_output_folder("runtime_args.output_dir", rt.output_dir, ("eval", os.path.join("eval", MERGED_MODEL)))
     check_no_result(out_dir, overwrite)
     model = resolve_model(checkpoint, os.path.join(out_dir, MERGED_MODEL)) if checkpoint else None
     merged = model is not None and model.merge_from is not None

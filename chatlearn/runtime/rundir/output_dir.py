@@ -13,6 +13,7 @@ run ran with are kept in ``configs/``: :mod:`chatlearn.runtime.rundir.config_his
 from __future__ import annotations
 
 import os
+import re
 import time
 
 from omegaconf import DictConfig
@@ -54,6 +55,7 @@ def check_start(cfg: DictConfig, overwrite: bool, check_lock: bool = True) -> No
     the folder (when ``check_lock``), a fresh start into a folder that holds a run without
     ``overwrite``."""
     out = cfg.runtime_args.output_dir
+    check_not_in_checkpoint(out, "runtime_args.output_dir")
     lock = RunLock(out)
     holder = lock.live_holder() if check_lock else None
     if holder is not None:
@@ -62,6 +64,37 @@ def check_start(cfg: DictConfig, overwrite: bool, check_lock: bool = True) -> No
         found = previous_run(out)
         if found:
             raise refusal(out, found)
+
+
+def checkpoint_around(path: str) -> str | None:
+    """The checkpoint folder ``path`` is (or lies inside): a folder with ``COMPLETE`` or ``manifest.json``
+    beside ``state.json`` or ``chatlearn_checkpoint.json``, an ``episode_N`` folder of a ``checkpoints/``, or a
+    run's ``checkpoints/`` itself (holding ``latest`` or ``episode_N`` folders); None when there is none."""
+    folder = os.path.realpath(path)
+    while True:
+        name = os.path.basename(folder)
+        entries = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+        marks = entries & {"COMPLETE", "manifest.json"} and entries & {"state.json", "chatlearn_checkpoint.json"}
+        if marks or re.fullmatch(r"episode_\d+(\.tmp)?", name) and os.path.basename(os.path.dirname(folder)) == \
+                "checkpoints":
+            return folder
+        if name == "checkpoints" and ("latest" in entries or any(e.startswith("episode_") for e in entries)):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+def check_not_in_checkpoint(path: str, key: str) -> None:
+    """Refuse an output folder that is, or lies inside, a checkpoint or a run's ``checkpoints/``: what the run
+    writes there would mix with the checkpoint's files, and keep-last-N or a resume would read or delete them."""
+    found = checkpoint_around(path)
+    if found is not None:
+        what = "a run's checkpoints/ folder" if os.path.basename(found) == "checkpoints" else "the checkpoint"
+        raise UserError(f"{key} {path!r} lies inside {what} {found!r}: the run's files would be written among "
+                        "the checkpoint's and damage it (a resume or keep_last_checkpoints reads and deletes what "
+                        f"is there). Choose a {key} outside it, e.g. a sibling of the run's folder.")
 
 
 def _inside(path: str, folder: str) -> bool:

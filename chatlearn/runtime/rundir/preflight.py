@@ -26,6 +26,7 @@ from chatlearn.config.kinds import TRAINER
 from chatlearn.config.plan import Plan
 from chatlearn.errors import UserError
 from chatlearn.logging.console import warn
+from chatlearn.runtime.rundir.output_dir import check_not_in_checkpoint
 
 # what a run writes under output_dir: folders, then files
 FOLDERS = ("checkpoints", "configs", "logs", "plots", "eval")
@@ -79,6 +80,14 @@ def planned_paths(cfg: DictConfig) -> list[tuple[str, str, str]]:
         key = "runtime_args.log_args_dict." + ("wandb_dir" if la.wandb_dir else "log_dir")
         paths.append((key, os.path.join(la.wandb_dir or log_dir, "wandb"), "folder"))
     return paths
+
+
+def check_output_folder(key: str, out: str, folders: tuple[str, ...] = ()) -> None:
+    """Refuse (one paragraph) an output folder ``out`` (``key``) that lies inside a checkpoint, is a file or lies
+    under one, or cannot be written; the same for each of ``folders`` under it."""
+    check_not_in_checkpoint(out, key)
+    for path in (out, *(os.path.join(out, f) for f in folders)):
+        _check_path(key, path, "folder")
 
 
 def _check_path(key: str, path: str, kind: str) -> None:
