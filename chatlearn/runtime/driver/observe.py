@@ -4,6 +4,8 @@ log-prob pass statistics, and the sample rows logged every ``log_samples_interva
 read what the stages produced; no stage computes them."""
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, response_mask
@@ -61,7 +63,7 @@ class EpisodeReport:
         self.warned_truncated = False  # an episode whose every response was cut: warned once per run
         # each reward function's count of training episodes in a row in which it scored every sample alike;
         # those already warned about (once per run)
-        self.constant_streaks: dict[str, int] = {}
+        self.constant_streaks: dict[str, int] = collections.defaultdict(int)
         self.warned_constant: set[str] = set()
 
     def log_samples(self, episode: int, samples: EpisodeSamples) -> None:
@@ -149,7 +151,7 @@ class EpisodeReport:
                 continue
             values = np.asarray(values)
             constant = values.size > 1 and bool(np.all(values == values[0]))
-            self.constant_streaks[name] = self.constant_streaks.get(name, 0) + 1 if constant else 0
+            self.constant_streaks[name] = self.constant_streaks[name] + 1 if constant else 0
             if self.constant_streaks[name] < limit or name in self.warned_constant:
                 continue
             self.warned_constant.add(name)
