@@ -10,7 +10,8 @@ its passes, advantages and trained models are; the engine knows none by name):
    pass beside the others when its model shares no devices with a trained model;
 4. advantages, then the optimizer steps of each trained model;
 5. checkpoint (every ``save_episode_interval`` episodes), then the weight push: the rollout engine
-   wakes its weights, receives the new ones, then its KV cache.
+   wakes its weights, receives the new ones, then its KV cache. The checkpoint is committed once the
+   episode's evaluation and metrics row are written (:meth:`RunCheckpoints.commit`).
 
 The order is chosen to minimise turns on shared devices: the reference model runs before the
 trainer so that the trainer, once resident for its old log-probs, stays resident to train; and the
@@ -125,6 +126,7 @@ class Engine:
                     episode % rt.eval_episode_interval == 0 or final):
                 metrics.update(self.evaluate())
             self.log(episode, metrics)
+            self.checkpoints.commit()  # the episode's checkpoint and its metrics row: one unit
             last = metrics
         return last
 
