@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from chatlearn.checkpoint.manager import CheckpointManager
+from chatlearn.config.data_fingerprint import data_fingerprint
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.logging.console import info, warn
@@ -22,6 +23,8 @@ class RunCheckpoints:
         self.cfg, self.plan, self.sched, self.trained = cfg, plan, sched, trained
         self.replay, self.pipeline, self.sampler, self.config_text = replay, pipeline, sampler, config_text
         self.ckpt = CheckpointManager(os.path.join(rt.output_dir, "checkpoints"), rt.keep_last_checkpoints)
+        # what the train data is, by content: a resumed run compares its own (config_history.check_resume)
+        self.data = data_fingerprint(rt.data_path)
         self.pending: int | None = None  # the episode whose checkpoint is saved, not yet committed
 
     def due(self, episode: int) -> bool:
@@ -53,7 +56,7 @@ class RunCheckpoints:
                 self.sched.ensure("policy_trainer", [Part.WEIGHTS])
                 self.sched.groups["policy_trainer"].call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
 
-        self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict()},
+        self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict(), "data": self.data},
                        config_text=self.config_text, commit=False)
         self.pending = episode
 

@@ -30,6 +30,7 @@ import contextlib
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 from omegaconf import DictConfig
 
@@ -103,11 +104,13 @@ class Engine:
                                           self.sampler, config_yaml(cfg))
 
     # ------------------------------------------------------------------ the loop
-    def train(self) -> dict:
+    def train(self, on_resumed: Callable[[], None] | None = None) -> dict:
         rt = self.cfg.runtime_args
         last: dict = {}
         startup = clock()
         start = self.resume() + 1 if rt.enable_resume_training else 1
+        if on_resumed is not None:  # the checkpoint loaded: what the run records of a resume (config.yaml)
+            on_resumed()
         if start > 1:
             startup.mark("resume")
         if start == 1 and rt.enable_eval_before_training and self.eval_set is not None:
