@@ -128,9 +128,13 @@ class CheckpointManager:
         found = self.complete()
         return found[-1] if found else None
 
-    def save(self, episode: int, write: Callable[[str], None], state: dict, config_text: str | None = None) -> str:
+    def save(self, episode: int, write: Callable[[str], None], state: dict, config_text: str | None = None,
+             commit: bool = True) -> str:
         """Write a checkpoint: ``write(tmp_dir)`` fills it, then config.yaml (``config_text``, the resolved
-        config as YAML, secrets masked), state.json, the manifest, the marker, the rename."""
+        config as YAML, secrets masked), state.json, the manifest, the marker, and (``commit``) the rename.
+        With ``commit`` false the complete checkpoint waits in ``episode_N.tmp`` for :meth:`commit` (a run
+        commits an episode's checkpoint once that episode's metrics row is written: a crash before that
+        resumes from the checkpoint before it and runs the episode again, its row included)."""
         final = os.path.join(self.root, self.name(episode))
         tmp = final + ".tmp"
         try:
@@ -138,7 +142,7 @@ class CheckpointManager:
             self.remove_leftovers()
             os.makedirs(tmp)
             write(tmp)
-            self._finish(episode, tmp, final, state, config_text)
+            self._finish(episode, tmp, state, config_text)
         except BaseException as err:
             # a save that fails leaves no partial checkpoint for a resume to trip on (nor its space taken)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -147,6 +151,21 @@ class CheckpointManager:
             if refused is not None:
                 raise write_refusal(f"checkpoint {final}", refused, path=tmp) from err
             raise
+        return self.commit(episode) if commit else tmp
+
+    def commit(self, episode: int) -> str:
+        """Make the complete checkpoint waiting in ``episode_N.tmp`` the run's: the rename, the ``latest``
+        pointer, then keep-last-N."""
+        final = os.path.join(self.root, self.name(episode))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(final + ".tmp", final)
+        pointer = os.path.join(self.root, "latest")
+        with open(pointer + ".tmp", "w", encoding="utf-8") as f:
+            f.write(self.name(episode) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer + ".tmp", pointer)
+        _fsync_dir(self.root)
         if self.keep > 0:
             # this run's older checkpoints, newest first; the one just saved counts as the first kept
             older = [path for ep, path in reversed(self.complete()) if ep < episode and self._is_ours(path)]
@@ -170,9 +189,8 @@ class CheckpointManager:
                     pass
         return found
 
-    def _finish(self, episode: int, tmp: str, final: str, state: dict, config_text: str | None) -> None:
-        """After the models' state is in ``tmp``: config.yaml, state.json, the manifest, the marker, the
-        rename and the ``latest`` pointer."""
+    def _finish(self, episode: int, tmp: str, state: dict, config_text: str | None) -> None:
+        """After the models' state is in ``tmp``: config.yaml, state.json, the manifest, the marker."""
         time.sleep(_test_delay(episode))
         if config_text is not None:
             with open(os.path.join(tmp, CONFIG), "w", encoding="utf-8") as f:
@@ -189,15 +207,6 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = os.path.join(self.root, "latest")
-        with open(pointer + ".tmp", "w", encoding="utf-8") as f:
-            f.write(self.name(episode) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer + ".tmp", pointer)
-        _fsync_dir(self.root)
 
     @staticmethod
     def read_state(path: str) -> dict:

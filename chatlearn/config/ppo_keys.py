@@ -146,6 +146,13 @@ def check_reward_model_folder(cfg, name: str, longest: int) -> None:
     except Exception as err:  # noqa: BLE001 - any failure to load is the user's folder
         raise ConfigError(f"the reward model's tokenizer in {r.load!r} does not load ({type(err).__name__}: {err}). "
                           "Add the tokenizer files of the reward model to the folder.", key=key) from None
+    vocab = conf.get("vocab_size")
+    if isinstance(vocab, int) and len(tok) > vocab:
+        raise ConfigError(f"the reward model's tokenizer in {r.load!r} has {len(tok)} tokens (ids up to {len(tok) - 1}), "
+                          f"more than the {vocab} rows of its embedding (vocab_size in {r.load}/config.json): a "
+                          "conversation holding one of the extra tokens would index past the embedding in the first "
+                          "scoring. Put the reward model's own tokenizer in the folder, or resize its embeddings to the "
+                          "tokenizer (resize_token_embeddings) and save it again.", key=key)
     if tok.pad_token is None and tok.eos_token is None:
         raise ConfigError(f"the reward model's tokenizer in {r.load!r} has neither a pad nor an eos token to pad "
                           "its batches with. Set pad_token in its tokenizer_config.json.", key=key)

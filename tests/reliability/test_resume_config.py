@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from shared_runs import RUNS, command, finished, run_env
 
 from chatlearn.cli import main
 from conftest import REPO, write_arith
@@ -72,14 +73,35 @@ def no_ray(monkeypatch):
 
 @pytest.fixture
 def stop_at_cluster(monkeypatch):
-    """A run that gets as far as starting the cluster stops there as on Ctrl-C (exit 130): what it
-    wrote before (config.yaml, configs/) is what a real run writes before training."""
+    """A run that gets as far as its checkpoint's load stops right after it as on Ctrl-C (exit 130),
+    without starting a cluster or building a model: what it wrote before (config.yaml, configs/) is what
+    a real resumed run writes before training."""
     import chatlearn.runtime.driver.run as run_module
 
-    def stop(*args, **kwargs):
-        raise KeyboardInterrupt
+    class NoCluster:
+        def __enter__(self):
+            return self
 
-    monkeypatch.setattr(run_module, "Cluster", stop)
+        def __exit__(self, *exc):
+            return False
+
+        def startup_times(self):
+            return {}
+
+    class Restored:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def train(self, on_resumed=None):
+            if on_resumed is not None:
+                on_resumed()  # where a real run records its config: the checkpoint loaded
+            raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(run_module, "Cluster", lambda *args, **kwargs: NoCluster())
+    monkeypatch.setattr(run_module, "Engine", Restored)
 
 
 def resume(trained, out, *extra):
@@ -220,3 +242,55 @@ def test_the_same_data_path_with_other_contents_is_refused(trained, out, no_ray,
     err = error_paragraph(capsys.readouterr().err)
     assert "runtime_args.data_path (number of prompts): 9801 -> 9800" in err and "--accept-config-changes" in err
     assert snapshot(out) == before
+
+
+@pytest.mark.slow  # reads or resumes the module's whole run
+def test_the_same_data_spelled_another_way_is_the_same_data(trained, out, no_ray, capsys):
+    """Each checkpoint records the data's fingerprint (absolute paths, sizes, hashes): the same file named
+    by its absolute path is a harmless change, not a refusal."""
+    state = json.load(open(os.path.join(out, CKPT, "state.json")))
+    assert state["data"][0]["path"] == os.path.join(REPO, "assets", "arith", "train.jsonl"), state["data"]
+    assert state["data"][0]["files"][0]["size"] == os.path.getsize(state["data"][0]["path"])
+    spelled = f"runtime_args.data_path={os.path.join(REPO, 'assets', 'arith', 'train.jsonl')}"
+    assert resume(trained, out, spelled, "--dry-run") == 0, capsys.readouterr().err
+    text = flat(capsys.readouterr().out)
+    assert "runtime_args.data_path: 'assets/arith/train.jsonl' -> " in text and "(harmless)" in text, text
+
+
+@pytest.mark.slow  # reads or resumes the module's whole run
+def test_a_relative_data_path_resolved_elsewhere_is_other_data(trained, out, no_ray, stop_at_cluster, tmp_path,
+                                                               monkeypatch, capsys):
+    """The same relative data path from another directory names another file of as many prompts (one row
+    rewritten): refused by content before anything is loaded or written."""
+    other = tmp_path / "elsewhere"
+    (other / "assets" / "arith").mkdir(parents=True)
+    rows = open(os.path.join(REPO, "assets", "arith", "train.jsonl"), encoding="utf-8").readlines()
+    first = json.loads(rows[0])
+    first[next(k for k, v in first.items() if isinstance(v, str))] += " (rewritten)"
+    (other / "assets" / "arith" / "train.jsonl").write_text(json.dumps(first) + "\n" + "".join(rows[1:]))
+    os.symlink(os.path.join(REPO, "assets", "arith", "eval.jsonl"), other / "assets" / "arith" / "eval.jsonl")
+    os.symlink(os.path.join(REPO, "assets", "tiny_qwen2"), other / "assets" / "tiny_qwen2")
+    monkeypatch.chdir(other)
+    before = snapshot(out)
+    assert main(["run", os.path.join(REPO, TEMPLATE), *trained[1], f"runtime_args.output_dir={out}"]) == 2
+    err = error_paragraph(capsys.readouterr().err)
+    for words in ("runtime_args.data_path (content):", os.path.join(REPO, "assets", "arith", "train.jsonl"),
+                  str(other / "assets" / "arith" / "train.jsonl"), "--accept-config-changes"):
+        assert words in err, (words, err)
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow  # resumes the suite's shared LoRA run up to its checkpoint's load
+@pytest.mark.timeout(400)
+def test_a_resume_refused_at_the_checkpoint_load_writes_no_config(tmp_path):
+    """A LoRA rank the checkpoint's adapters were not trained with, accepted with --accept-config-changes,
+    is refused when the trainer loads the checkpoint: config.yaml and configs/ stay as they were."""
+    out = finished("lora").check().copy_to(tmp_path / "out")
+    kept = {name: open(os.path.join(out, name)).read() for name in ("config.yaml", "configs/history.jsonl")}
+    configs = sorted(os.listdir(out / "configs"))
+    proc = subprocess.run([*command(RUNS["lora"], out), "models.policy_trainer.lora.rank=4", "--accept-config-changes"],
+                          cwd=REPO, capture_output=True, text=True, timeout=380, env=run_env(RUNS["lora"], tmp_path))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "lora" in error_paragraph(proc.stderr) and "rank" in proc.stderr, proc.stderr[-3000:]
+    assert {name: open(os.path.join(out, name)).read() for name in kept} == kept
+    assert sorted(os.listdir(out / "configs")) == configs

@@ -218,6 +218,23 @@ def _set_config_dtype(folder: str, dtype: str) -> None:
         f.write("\n")
 
 
+def damaged_shards(path: str, err: Exception) -> str:
+    """One paragraph for a checkpoint at ``path`` whose shards do not read back (``err``: DCP's or
+    torch.load's error): the files, what happened and the ways on."""
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".distcp")) if os.path.isdir(path) else []
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: (the rank's error, its traceback)}
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) and isinstance(first[0], BaseException) else err
+    lines = str(err).strip().splitlines()
+    reason = " ".join(lines[0].split()).split(". ")[0] if lines else ""  # its first sentence
+    reason = reason if len(reason) <= 160 else reason[:160].rsplit(" ", 1)[0] + " (...)"
+    return (f"checkpoint {path!r} is damaged: its shard files ({', '.join(shards) or 'none found'}) do not read back "
+            f"({type(err).__name__}: {reason}). Their bytes changed after the save (a storage fault, a copy gone "
+            "wrong) while their sizes still match the manifest. Resume from the checkpoint before it (delete or move "
+            "this one), or restore it from a copy.")
+
+
 class FSDPTrainer(Trainer):
     """FSDP2 trainer of a Hugging Face causal LM (``trainable``: policy_trainer; else
     ref_policy: frozen, no optimizer, forward only), or, with ``spec.role`` critic, of the
@@ -909,7 +926,13 @@ class FSDPTrainer(Trainer):
         self.zero_grad()
         with_optimizer = self.optimizer is not None and bool(meta.get("optimizer_stepped"))
         state = self._checkpoint_state(with_optimizer)
-        dcp.load(state, storage_reader=reader, planner=sharded.SafeLoadPlanner())
+        try:
+            dcp.load(state, storage_reader=reader, planner=sharded.SafeLoadPlanner())
+        except UserError:
+            raise
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - a shard's bytes changed in place
+            # (DCP's CheckpointException is a BaseException: it carries each rank's torch.load error)
+            raise UserError(damaged_shards(path, err)) from None
         model_sd = state[sharded.MODEL_KEY]
         for alias, name in sharded.tied_aliases(self.model).items():
             if name in model_sd:  # (LoRA: frozen tied weights are not in the checkpoint)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from chatlearn.checkpoint.manager import CheckpointManager
+from chatlearn.config.data_fingerprint import data_fingerprint
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.logging.console import info, warn
@@ -22,6 +23,9 @@ class RunCheckpoints:
         self.cfg, self.plan, self.sched, self.trained = cfg, plan, sched, trained
         self.replay, self.pipeline, self.sampler, self.config_text = replay, pipeline, sampler, config_text
         self.ckpt = CheckpointManager(os.path.join(rt.output_dir, "checkpoints"), rt.keep_last_checkpoints)
+        # what the train data is, by content: a resumed run compares its own (config_history.check_resume)
+        self.data = data_fingerprint(rt.data_path)
+        self.pending: int | None = None  # the episode whose checkpoint is saved, not yet committed
 
     def due(self, episode: int) -> bool:
         """Whether episode ``episode`` ends with a checkpoint (the last, and every ``save_episode_interval``)."""
@@ -34,7 +38,10 @@ class RunCheckpoints:
 
     def save(self, episode: int) -> None:
         """Every trained model's sharded state, the replay buffer, the rollouts ahead, the data sampler and
-        the run's config, plus a Hugging Face folder of the policy when ``save_hf``."""
+        the run's config, plus a Hugging Face folder of the policy when ``save_hf``: complete, but committed
+        (:meth:`commit`) only once the episode's metrics row is written, so that the checkpoint and its row
+        are one unit: a run killed between them resumes from the checkpoint before and runs the episode
+        again (its push, evaluation and row), never past an episode whose metrics are lost."""
         def write(tmp: str) -> None:
             # the model resident now last (it stays resident for what follows: the policy trainer for the
             # weight push), so that models taking turns move only as much as they must
@@ -49,7 +56,15 @@ class RunCheckpoints:
                 self.sched.ensure("policy_trainer", [Part.WEIGHTS])
                 self.sched.groups["policy_trainer"].call("save_hf", os.path.abspath(os.path.join(tmp, "hf")))
 
-        self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict()}, config_text=self.config_text)
+        self.ckpt.save(episode, write, {"sampler": self.sampler.state_dict(), "data": self.data},
+                       config_text=self.config_text, commit=False)
+        self.pending = episode
+
+    def commit(self) -> None:
+        """Commit the checkpoint saved in this episode (nothing when none was): after its metrics row."""
+        if self.pending is not None:
+            self.ckpt.commit(self.pending)
+            self.pending = None
 
     def restore(self) -> tuple[int, str] | None:
         """The newest complete checkpoint's ``(episode, path)`` with every trained model's state, the sampler

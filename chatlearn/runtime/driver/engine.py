@@ -10,7 +10,8 @@ its passes, advantages and trained models are; the engine knows none by name):
    pass beside the others when its model shares no devices with a trained model;
 4. advantages, then the optimizer steps of each trained model;
 5. checkpoint (every ``save_episode_interval`` episodes), then the weight push: the rollout engine
-   wakes its weights, receives the new ones, then its KV cache.
+   wakes its weights, receives the new ones, then its KV cache. The checkpoint is committed once the
+   episode's evaluation and metrics row are written (:meth:`RunCheckpoints.commit`).
 
 The order is chosen to minimise turns on shared devices: the reference model runs before the
 trainer so that the trainer, once resident for its old log-probs, stays resident to train; and the
@@ -29,6 +30,7 @@ import contextlib
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 from omegaconf import DictConfig
 
@@ -102,11 +104,13 @@ class Engine:
                                           self.sampler, config_yaml(cfg))
 
     # ------------------------------------------------------------------ the loop
-    def train(self) -> dict:
+    def train(self, on_resumed: Callable[[], None] | None = None) -> dict:
         rt = self.cfg.runtime_args
         last: dict = {}
         startup = clock()
         start = self.resume() + 1 if rt.enable_resume_training else 1
+        if on_resumed is not None:  # the checkpoint loaded: what the run records of a resume (config.yaml)
+            on_resumed()
         if start > 1:
             startup.mark("resume")
         if start == 1 and rt.enable_eval_before_training and self.eval_set is not None:
@@ -125,6 +129,7 @@ class Engine:
                     episode % rt.eval_episode_interval == 0 or final):
                 metrics.update(self.evaluate())
             self.log(episode, metrics)
+            self.checkpoints.commit()  # the episode's checkpoint and its metrics row: one unit
             last = metrics
         return last
 

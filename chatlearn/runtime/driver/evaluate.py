@@ -154,17 +154,70 @@ def resolve_model(path: str, merged_dir: str = MERGED_MODEL) -> EvalModel:
         return EvalModel(path, found)
     for folder in (path, os.path.join(path, "hf")):
         if os.path.isfile(os.path.join(folder, "config.json")):  # a model folder, or a checkpoint's hf/
-            return EvalModel(path, folder, check_complete(folder, path))
+            episode = check_complete(folder, path)
+            check_policy_folder(folder, path)
+            return EvalModel(path, folder, episode)
     if os.path.isdir(os.path.join(path, "trainer")) or os.path.isfile(os.path.join(path, ".metadata")) or (
             os.path.isdir(path) and run_checkpoint(path) is not None):
         from chatlearn.checkpoint.merge import find_checkpoint
 
         ckpt = find_checkpoint(path)
         episode = check_complete(ckpt, path)
+        check_policy_checkpoint(ckpt, path)
         return EvalModel(path, os.path.abspath(merged_dir), episode, merge_from=ckpt)
     raise UserError(f"--checkpoint {path!r} is neither a Hugging Face model folder (config.json), a run's "
                     "checkpoint folder (checkpoints/episode_N with hf/ or trainer/), nor a sharded trainer "
                     "checkpoint. Point it at one of those.")
+
+
+def check_scored_without_models(cfg: DictConfig) -> None:
+    """A UserError in one paragraph when the config's reward comes from reward models alone (every reward
+    function of weight 0): chatlearn eval runs the reward functions only, so every sample would score 0."""
+    names = models_of(cfg, REWARD_MODEL)
+    functions = cfg.models.reward.functions or []
+    if not names or not functions or any(float(f.weight) != 0 for f in functions):
+        return
+    models = ", ".join(f"{n} ({reward_model_settings(cfg, n).load})" for n in names)
+    raise UserError(
+        f"this config's reward comes from its reward model{'s' if len(names) > 1 else ''} {models}, and chatlearn eval "
+        "does not run reward models: it scores with the reward functions alone, and every one of them "
+        f"(models.reward.functions: {', '.join(f.name for f in functions)}) has weight 0, so every sample would "
+        "score 0. Nothing was loaded. Give a reward function a weight for the evaluation (e.g. "
+        "'models.reward.functions=[{name: math, path: \"builtin:math\", weight: 1.0}]'), or evaluate with a "
+        "config whose reward functions score the task.")
+
+
+def check_policy_checkpoint(ckpt: str, given: str) -> None:
+    """A UserError in one paragraph when the sharded trainer checkpoint ``ckpt`` is not a policy's: a critic's
+    (its metadata's ``role``) is a value model, which a rollout engine cannot sample from."""
+    from chatlearn.checkpoint.sharded import META_FILE
+
+    try:
+        with open(os.path.join(ckpt, META_FILE), encoding="utf-8") as f:
+            role = json.load(f).get("role")
+    except (OSError, ValueError, AttributeError):
+        return  # not readable here: the merge names what is wrong with it
+    if role == "critic":
+        raise UserError(f"--checkpoint {given!r} is the critic's checkpoint ({ckpt}: role critic in {META_FILE}), a "
+                        "value model that scores tokens, not a policy that generates them, so chatlearn eval cannot "
+                        "evaluate it. Nothing was loaded. Point --checkpoint at the policy's: the run's checkpoint "
+                        "folder (checkpoints/episode_N) or its trainer/.")
+
+
+def check_policy_folder(folder: str, given: str) -> None:
+    """A UserError in one paragraph when the model folder ``folder`` holds a value or reward model (a
+    token- or sequence-classification head in its config.json), which a rollout engine cannot sample from."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # loading the folder names what is wrong with it
+    heads = [a for a in archs if str(a).endswith(("ForTokenClassification", "ForSequenceClassification"))]
+    if heads:
+        raise UserError(f"--checkpoint {given!r} holds a {heads[0]} ({folder}/config.json): a value model (a critic) or "
+                        "a reward model, with a score head in place of a language-model head, so chatlearn eval "
+                        "cannot generate with it. Nothing was loaded. Point --checkpoint at a policy: the run's "
+                        "checkpoint folder (checkpoints/episode_N, its hf/ or trainer/) or a causal LM's folder.")
 
 
 def check_no_result(out_dir: str, overwrite: bool) -> None:
@@ -273,6 +326,7 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None, *, overwrite: 
         raise UserError("runtime_args.eval_data_path: is not set; chatlearn eval needs the data to evaluate. Set it.")
     eval_data = check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path", subset=rt.eval_data_subset,
                                  split=rt.eval_data_split)
+    check_scored_without_models(cfg)
     out_dir = os.path.join(rt.output_dir, "eval")
     check_output_folder("runtime_args.output_dir", rt.output_dir, ("eval", os.path.join("eval", MERGED_MODEL)))
     check_no_result(out_dir, overwrite)

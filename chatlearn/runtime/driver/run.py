@@ -8,6 +8,7 @@ cluster, builds the
 prints the run's summary."""
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -71,7 +72,11 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
                 info(f"--overwrite: moved the previous run in {rt.output_dir} to {moved}")
         else:
             reconcile_logs(cfg)
-        record_config(cfg, resumed)  # config.yaml, and configs/ keeps every config the run ran with
+        # config.yaml, and configs/ keeps every config the run ran with; a resumed run's once its checkpoint
+        # has loaded, so that a resume refused there (adapters of another LoRA rank) writes nothing
+        record = functools.partial(record_config, cfg, resumed)
+        if resumed.checkpoint is None:
+            record()
         attach_logs(rt.output_dir)  # third-party logs (chatlearn run): <output_dir>/logs/
         for name, s in (("train", train_set), ("eval", eval_set)):
             if s is not None:
@@ -92,7 +97,7 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
             for name, times in cluster.startup_times().items():
                 startup.add_model(name, times)
             try:
-                last = engine.train()
+                last = engine.train(on_resumed=record if resumed.checkpoint is not None else None)
             finally:
                 engine.close()
             # the plots read the finished files: they are drawn while Ray's processes stop

@@ -17,7 +17,10 @@ Before a run resumes, :func:`check_resume` compares its resolved config with its
 by key (chatlearn.config.changes): harmless differences are printed and accepted; one that alters
 training refuses the run before anything is written or started, unless ``accept`` (``chatlearn run
 --accept-config-changes``). :func:`check_prompt_count` does the same for the number of prompts the
-data holds, which the data sampler's saved position depends on. Once the folder is locked,
+data holds, which the data sampler's saved position depends on. The data itself is compared by content:
+each checkpoint records a fingerprint of ``runtime_args.data_path`` (chatlearn.config.data_fingerprint:
+absolute paths, sizes and hashes), so another file behind the same relative path is refused and the same
+file spelled another way is not. Once the folder is locked,
 :func:`record_config` writes ``config.yaml`` and the history. A checkpoint of an older version
 records no config: the run resumes with a one-line warning that changes cannot be checked.
 """
@@ -32,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from chatlearn.checkpoint.manager import CONFIG, CheckpointManager
 from chatlearn.config.changes import Change, config_changes, flatten
+from chatlearn.config.data_fingerprint import data_fingerprint, describe, same_data
 from chatlearn.errors import UserError
 from chatlearn.logging.console import info
 from chatlearn.logging.jsonl import fsync_dir, open_append, write_text_atomic
@@ -40,6 +44,7 @@ from chatlearn.logging.sinks import changed_config, config_yaml, loggable_config
 HISTORY_DIR = "configs"
 HISTORY = "history.jsonl"
 ACCEPT_FLAG = "--accept-config-changes"
+DATA = "runtime_args.data_path"
 
 
 @dataclass
@@ -84,7 +89,7 @@ def check_resume(cfg: DictConfig, accept: bool) -> ResumeCheck:
     if old is None:
         return ResumeCheck(path, episode, unchecked=True)
     non_default = set(flatten(changed_config(cfg)))
-    changes = config_changes(old, loggable_config(cfg), non_default)
+    changes = _data_by_content(config_changes(old, loggable_config(cfg), non_default), path, rt.data_path)
     altering = [c for c in changes if not c.harmless]
     if altering and not accept:
         raise _refusal(rt.output_dir, path, episode, altering)
@@ -108,6 +113,23 @@ def check_prompt_count(check: ResumeCheck, num_prompts: int, accept: bool) -> No
         raise _refusal(out, check.checkpoint, check.episode, [change])
     check.changes.append(change)
     check.accepted.append(change.key)
+
+
+def _data_by_content(changes: list[Change], path: str, value: str) -> list[Change]:
+    """``runtime_args.data_path`` compared by what it holds (chatlearn.config.data_fingerprint) where the
+    checkpoint at ``path`` records the fingerprint of its data: the same files spelled another way (a
+    relative path, a copy elsewhere) are a harmless change; the same spelling naming other data (a relative
+    path resolved from another directory, a file rewritten) alters training. A checkpoint of an older
+    version records none: the paths are compared as written."""
+    state = CheckpointManager.read_state(path)
+    recorded = state.get("data") if isinstance(state, dict) else None
+    if not isinstance(recorded, list):
+        return changes
+    now = data_fingerprint(value)
+    rest = [c for c in changes if c.key != DATA]
+    if same_data(recorded, now):
+        return rest + [Change(c.key, c.old, c.new, harmless=True) for c in changes if c.key == DATA]
+    return rest + [Change(f"{DATA} (content)", describe(recorded), describe(now), harmless=False)]
 
 
 def _checkpoint_config(path: str) -> dict | None:

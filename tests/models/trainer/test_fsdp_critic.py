@@ -8,6 +8,7 @@ test_fsdp_trainer.py); the tests compare what they return.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import backend_specs
@@ -226,6 +227,18 @@ def _variants_part(path, batch, grouped, out) -> dict:
         res["policy_checkpoint_error"] = None
     except UserError as err:
         res["policy_checkpoint_error"] = str(err)
+    # the critic's checkpoint with its shards' bytes overwritten in place (their sizes kept)
+    damaged = os.path.join(out, "critic_damaged")
+    shutil.copytree(os.path.join(out, "critic_checkpoint"), damaged)
+    for name in os.listdir(damaged):
+        if name.endswith(".distcp"):
+            with open(os.path.join(damaged, name), "r+b") as f:
+                f.write(b"\0" * os.path.getsize(os.path.join(damaged, name)))
+    try:
+        t.load_checkpoint(damaged)
+        res["damaged_error"] = None
+    except BaseException as err:  # noqa: BLE001 - what kind of error it is, is the point (DCP's is a BaseException)
+        res["damaged_error"] = (type(err).__name__, str(err))
     return res
 
 
@@ -379,3 +392,16 @@ def test_packing_and_shared_prompts_give_the_same_values(one):
             assert one[f"{b}_metrics"][name] == pytest.approx(one[f"{a}_metrics"][name], rel=1e-5, abs=1e-6)
         for key, g in one[f"{a}_grads"].items():
             torch.testing.assert_close(one[f"{b}_grads"][key], g, rtol=0, atol=1e-5, msg=f"{b} {key}")
+
+
+@pytest.mark.timeout(240)
+def test_a_damaged_critic_shard_is_one_paragraph(one):
+    """A critic checkpoint whose shard bytes were overwritten in place (the manifest's sizes still match) is
+    one paragraph naming the checkpoint and its shard files, not DCP's or torch.load's traceback."""
+    one, out = one
+    assert one["damaged_error"] is not None
+    kind, text = one["damaged_error"]
+    assert kind == "UserError", one["damaged_error"]
+    for words in (os.path.join(str(out), "critic_damaged"), ".distcp", "is damaged", "restore it from a copy"):
+        assert words in text, (words, text)
+    assert "\n" not in text and "Traceback" not in text
