@@ -49,6 +49,11 @@ def episodes(path):
         return [json.loads(line)["episode"] for line in f]
 
 
+def has_rows(path) -> bool:
+    """Whether the metrics file holds a row (it is created with the models, before the run's first stage)."""
+    return path.exists() and path.stat().st_size > 0
+
+
 def wait_for(proc, cond, what):
     deadline = time.time() + 300
     while not cond():
@@ -169,7 +174,7 @@ def test_a_dead_worker_is_named_by_model_and_rank(tmp_path):
     # process that ends is named by test_a_reward_function_that_calls_os_exit_is_named)
     proc = start(out, "runtime_args.num_episode=50", "runtime_args.single_process=false")
     try:
-        wait_for(proc, lambda: (out / "metrics.jsonl").exists(), "the first episode")
+        wait_for(proc, lambda: has_rows(out / "metrics.jsonl"), "the first episode")
         pid = worker_pid(proc.pid, "policy_trainer:0")
         assert pid is not None, session_processes(proc.pid)
         os.kill(pid, signal.SIGKILL)

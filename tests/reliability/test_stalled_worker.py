@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from test_reliability_e2e import session_processes, start, wait_for, worker_pid
+from test_reliability_e2e import has_rows, session_processes, start, wait_for, worker_pid
 
 pytestmark = pytest.mark.slow  # a whole run
 
@@ -22,7 +22,7 @@ def test_a_stopped_worker_stops_the_run_naming_model_rank_and_stage(tmp_path):
     # stops whole (tests/runtime/cluster/test_watchdog.py: a stage that hangs in it meets the cap)
     proc = start(out, "runtime_args.num_episode=50", "runtime_args.stage_timeout_s=10", "runtime_args.single_process=false")
     try:
-        wait_for(proc, lambda: (out / "metrics.jsonl").exists(), "the first episode")
+        wait_for(proc, lambda: has_rows(out / "metrics.jsonl"), "the first episode")
         pid = worker_pid(proc.pid, "policy_trainer:0")
         assert pid is not None, session_processes(proc.pid)
         os.kill(pid, signal.SIGSTOP)

@@ -94,7 +94,9 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
             startup.mark("ray")
             engine = Engine(cfg, plan, cluster, tokenizer, train_set, eval_set, multi_turn)
             startup.mark("models")
-            for name, times in cluster.startup_times().items():
+            with engine.sched.watchdog.watch("all models", "start-up times", call=True):  # a stalled worker is named
+                times_of = cluster.startup_times()
+            for name, times in times_of.items():
                 startup.add_model(name, times)
             try:
                 last = engine.train(on_resumed=record if resumed.checkpoint is not None else None)
