@@ -31,6 +31,7 @@ from chatlearn.config.lora_keys import check_lora
 from chatlearn.config.manifest import manifest_problems
 from chatlearn.config.model_shapes import model_context_length, shape_mismatch
 from chatlearn.config.plan import Plan, make_plan
+from chatlearn.config.sizes import check_sizes
 from chatlearn.config.plugins import load_plugins
 from chatlearn.config.ppo_keys import check_ppo, check_reward_model_folder, check_reward_model_keys, uses_critic
 from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
@@ -389,6 +390,7 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
                     with_environment=cfg.models.policy.multi_turn.environment is not None)
     check_multi_turn(cfg)
     plan = make_plan(cfg)  # validates the sizes and the layout
+    check_sizes(cfg, plan)  # a size whose buffer alone needs more memory than the machine has
     validate_algorithm(cfg, plan.policy_steps)  # the policy's schedule spans its own steps
     return plan
 

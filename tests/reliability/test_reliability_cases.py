@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from chatlearn.cli import main
+from chatlearn.config import sizes
 from conftest import REPO
 
 TEMPLATE = "template/grpo_fsdp.yaml"
@@ -336,6 +337,11 @@ CASES = [
     ("a huge reward timeout", run("models.reward.timeout_s=1e20", dry=True), 2,
      ["models.reward.timeout_s: is 1e+20 seconds, more than the largest accepted, 100000000"],
      ["Traceback", "# plan"]),
+    ("an episode larger than the machine's memory",
+     run("runtime_args.sample_per_episode=1000000000000", "runtime_args.train_global_batch_size=1000000000",
+         dry=True), 2,
+     ["runtime_args.sample_per_episode: is 1000000000000", "held by the driver", "need about",
+      "of memory available", "allows at most about"], ["Traceback", "# plan"]),
     # 6. secrets are never printed
     ("--dry-run with a secret in a reward function's kwargs", lambda c: run(secret_reward(c), dry=True)(c), 0,
      ["api_key: '***'", "secrets shown as ***"], [SECRET]),
@@ -502,6 +508,9 @@ def test_validation_does_not_walk_the_episodes(ctx, monkeypatch):
         return real(self, episode)
 
     monkeypatch.setattr(plan_module.Plan, "steps_in_episode", counted)
+    # replaying all of 10**9 episodes cannot fit any machine's memory (chatlearn/config/sizes.py refuses it):
+    # the counting is what this test checks
+    monkeypatch.setattr(sizes, "available_memory", lambda: 2**90)
     for replay in (0, 3, -1):
         _, plan = load_run(TEMPLATE, ctx.base + ["runtime_args.num_episode=1000000000",
                                                  f"runtime_args.max_replay_episode={replay}"])
