@@ -12,44 +12,39 @@ import os
 MODULE = "chatlearn.models.trainer.fsdp"
 
 
-def _install(nth: int, limit: int) -> None:
-    import importlib.abc
-    import importlib.util
-    import resource
-    import signal
+def _patch_on_import(module_name: str, patch) -> None:
+    """patch(module) once ``module_name`` is first imported (the hooks' shared part: ../site_hooks)."""
     import sys
 
-    class PatchOnImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != MODULE:
-                return None
-            sys.meta_path.remove(self)  # one module, once
-            spec = importlib.util.find_spec(name)
-            exec_module = spec.loader.exec_module
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "site_hooks"))
+    from patch_on_import import patch_on_import
 
-            def exec_and_patch(module):
-                exec_module(module)
-                original = module.FSDPTrainer.save_checkpoint
-                calls = [0]
+    patch_on_import(module_name, patch)
 
-                def save_checkpoint(self, *args, **kwargs):
-                    calls[0] += 1
-                    if calls[0] != nth:
-                        return original(self, *args, **kwargs)
-                    before = resource.getrlimit(resource.RLIMIT_FSIZE)
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
-                    try:
-                        return original(self, *args, **kwargs)
-                    finally:
-                        resource.setrlimit(resource.RLIMIT_FSIZE, before)
 
-                module.FSDPTrainer.save_checkpoint = save_checkpoint
+def _install(nth: int, limit: int) -> None:
+    import resource
+    import signal
 
-            spec.loader.exec_module = exec_and_patch
-            return spec
+    def patch(module):
+        original = module.FSDPTrainer.save_checkpoint
+        calls = [0]
+
+        def save_checkpoint(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] != nth:
+                return original(self, *args, **kwargs)
+            before = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, before)
+
+        module.FSDPTrainer.save_checkpoint = save_checkpoint
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
-    sys.meta_path.insert(0, PatchOnImport())
+    _patch_on_import(MODULE, patch)
 
 
 if os.environ.get("CHATLEARN_TEST_FSIZE"):

@@ -44,28 +44,15 @@ def _patch(module) -> None:
     kill_after(module.Engine, "log", "logged", lambda self, args: args[0])
 
 
-def _install() -> None:
-    import importlib.abc
-    import importlib.util
+def _patch_on_import(module_name: str, patch) -> None:
+    """patch(module) once ``module_name`` is first imported (the hooks' shared part: ../site_hooks)."""
     import sys
 
-    class PatchOnImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != MODULE:
-                return None
-            sys.meta_path.remove(self)  # one module, once
-            spec = importlib.util.find_spec(name)
-            exec_module = spec.loader.exec_module
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "site_hooks"))
+    from patch_on_import import patch_on_import
 
-            def exec_and_patch(module):
-                exec_module(module)
-                _patch(module)
-
-            spec.loader.exec_module = exec_and_patch
-            return spec
-
-    sys.meta_path.insert(0, PatchOnImport())
+    patch_on_import(module_name, patch)
 
 
 if os.environ.get("CHATLEARN_TEST_KILL_AT"):
-    _install()
+    _patch_on_import(MODULE, _patch)

@@ -12,40 +12,34 @@ import os
 MODULE = "chatlearn.models.trainer.fsdp"
 
 
-def _install(first: int) -> None:
-    import importlib.abc
-    import importlib.util
+def _patch_on_import(module_name: str, patch) -> None:
+    """patch(module) once ``module_name`` is first imported (the hooks' shared part: ../site_hooks)."""
     import sys
 
-    class PatchOnImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != MODULE:
-                return None
-            sys.meta_path.remove(self)  # one module, once
-            spec = importlib.util.find_spec(name)
-            exec_module = spec.loader.exec_module
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "site_hooks"))
+    from patch_on_import import patch_on_import
 
-            def exec_and_patch(module):
-                exec_module(module)
-                original = module.FSDPTrainer.compute_grads
-                calls = [0]
+    patch_on_import(module_name, patch)
 
-                def compute_grads(self, *args, **kwargs):
-                    metrics = original(self, *args, **kwargs)
-                    calls[0] += 1
-                    if calls[0] >= first:
-                        for p in self.model.parameters():
-                            if p.grad is not None:
-                                p.grad.mul_(float("nan"))
-                        metrics["loss"] = float("nan")
-                    return metrics
 
-                module.FSDPTrainer.compute_grads = compute_grads
+def _install(first: int) -> None:
+    def patch(module):
+        original = module.FSDPTrainer.compute_grads
+        calls = [0]
 
-            spec.loader.exec_module = exec_and_patch
-            return spec
+        def compute_grads(self, *args, **kwargs):
+            metrics = original(self, *args, **kwargs)
+            calls[0] += 1
+            if calls[0] >= first:
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(float("nan"))
+                metrics["loss"] = float("nan")
+            return metrics
 
-    sys.meta_path.insert(0, PatchOnImport())
+        module.FSDPTrainer.compute_grads = compute_grads
+
+    _patch_on_import(MODULE, patch)
 
 
 if os.environ.get("CHATLEARN_TEST_NAN_FROM_STEP"):
