@@ -232,6 +232,12 @@ class MultiTurnLoop:
                 except BadEnvironmentOutput as err:
                     t.failed = (ERROR, f"reset: {err}")
                     continue
+                chars = sum(len(str(m["content"])) for m in messages)
+                if chars > self.max_prompt * CHARS_PER_TOKEN:  # no need to tokenize it to know it is too long
+                    raise UserError(f"environment {self.name!r}: reset returned a first observation of {chars} "
+                                    f"characters, more than models.policy.max_prompt_tokens_length "
+                                    f"({self.max_prompt}) tokens can hold (a token covers at most {CHARS_PER_TOKEN} "
+                                    "characters). Return a shorter conversation, or raise max_prompt_tokens_length.")
                 t.ids = self.template.prompt_ids(messages)
                 t.prompt_len, t.prompt_messages = len(t.ids), messages
                 if t.prompt_len > self.max_prompt:

@@ -202,6 +202,21 @@ def test_reset_may_give_the_first_observation(tok):
         MultiTurnLoop(cfg, tok).run(FakeEngine(tok), prompts_for(tok, ["long"]), SAMPLING, "x")
 
 
+def test_a_huge_first_observation_is_refused_before_it_is_tokenized(tok, monkeypatch):
+    """A reset returning millions of characters was rendered and tokenized whole on the driver before its
+    length was checked: now its characters alone refuse it (a token covers at most 32 of them)."""
+    script = {"huge": [[None, 1.0, True, {}]]}
+    cfg = make_cfg(environment_kwargs={"script": script, "first": {"huge": "x" * 3_000_000}})
+    loop = MultiTurnLoop(cfg, tok)
+    tokenized = []
+    render = loop.template.prompt_ids
+    monkeypatch.setattr(loop.template, "prompt_ids", lambda messages: tokenized.append(messages) or render(messages))
+    with pytest.raises(UserError, match="reset returned a first observation of 3000000 characters, more than "
+                                        "models.policy.max_prompt_tokens_length \\(32\\) tokens can hold"):
+        loop.run(FakeEngine(tok), prompts_for(tok, ["huge"]), SAMPLING, "x")
+    assert not [m for m in tokenized if m and "xxxx" in str(m[-1]["content"])]
+
+
 def test_reward_models_score_the_prompt_the_reset_gave(tok):
     """A reset that returns the first observation replaces the row's prompt: the reward models' conversation
     (Sampling.conversations) starts with it, not with the dataset's prompt; a reset that returns None
