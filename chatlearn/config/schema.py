@@ -229,7 +229,7 @@ class TrainerModel(ModelBase):
     # (same log-probs and gradients). null: on where it can be (FSDP backend, a model whose attention
     # goes through transformers' AttentionInterface, plain full attention, no fixed seq_length); false: off.
     share_prompt: Optional[bool] = None
-    groupgemm: bool = False
+    groupgemm: bool = False  # MoE: the experts as grouped GEMMs instead of one matmul per expert
     gradient_checkpointing: bool = True
     save_hf: bool = True
     use_expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in this model's workers
@@ -243,7 +243,14 @@ class TrainerModel(ModelBase):
     virtual_pipeline_model_parallel_size: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
-    moe_router_force_load_balancing: bool = False
+    # Mixture of experts (docs/config.md, "Mixture of experts"; chatlearn/config/moe_keys.py): read where the model
+    # has experts (Qwen3-MoE, Qwen2-MoE); set on a dense model, refused
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather: how tokens reach other expert-parallel ranks
+    moe_aux_loss_coeff: Optional[float] = None  # the router's load-balancing loss; null: config.json's router_aux_loss_coef
+    moe_z_loss_coeff: float = 0.0  # the router's z-loss (mean squared log-sum-exp of its logits); 0: off
+    moe_router_force_load_balancing: bool = False  # benchmarks only: tokens spread evenly over the experts, not routed
+    moe_layer_recompute: bool = False  # the MoE layers recomputed in backward (activation memory for compute)
+    moe_shared_expert_overlap: bool = False  # shared experts computed while tokens are dispatched (alltoall)
     save: Optional[str] = None
     save_interval: int = 10000
     log_interval: int = 1
@@ -301,6 +308,9 @@ class PolicyTrainer(TrainerModel):
     gamma: float = 1.0
     lam: float = 1.0
     whiten_advantages: bool = True
+    # MoE: off | rollout (the experts the rollout engine chose for each response token are recorded and every
+    # trainer forward of those samples, the reference's included, routes them the same; chatlearn/models/moe)
+    routing_replay: str = "off"
 
 
 @dataclass
@@ -315,6 +325,14 @@ class RefPolicy(TrainerModel):
     seq_length: Optional[int] = "${models.policy_trainer.seq_length}"  # type: ignore[assignment]
     share_prompt: Optional[bool] = "${models.policy_trainer.share_prompt}"  # type: ignore[assignment]
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
+    # MoE: routed as the policy trainer routes (seed 004's reference keeps them equal)
+    expert_model_parallel_size: int = "${models.policy_trainer.expert_model_parallel_size}"  # type: ignore[assignment]
+    expert_tensor_parallel_size: Optional[int] = (  # type: ignore[assignment]
+        "${models.policy_trainer.expert_tensor_parallel_size}")
+    moe_token_dispatcher_type: str = "${models.policy_trainer.moe_token_dispatcher_type}"  # type: ignore[assignment]
+    moe_router_force_load_balancing: bool = (  # type: ignore[assignment]
+        "${models.policy_trainer.moe_router_force_load_balancing}")
+    groupgemm: bool = "${models.policy_trainer.groupgemm}"  # type: ignore[assignment]
 
 
 def _from_policy_trainer(key: str):
@@ -380,6 +398,11 @@ class Critic(TrainerModel):
     sequence_parallel: bool = _from_policy_trainer("sequence_parallel")  # type: ignore[assignment]
     use_distributed_optimizer: bool = _from_policy_trainer("use_distributed_optimizer")  # type: ignore[assignment]
     recompute_granularity: Optional[str] = _from_policy_trainer("recompute_granularity")  # type: ignore[assignment]
+    expert_model_parallel_size: int = _from_policy_trainer("expert_model_parallel_size")  # type: ignore[assignment]
+    expert_tensor_parallel_size: Optional[int] = _from_policy_trainer(  # type: ignore[assignment]
+        "expert_tensor_parallel_size")
+    moe_token_dispatcher_type: str = _from_policy_trainer("moe_token_dispatcher_type")  # type: ignore[assignment]
+    groupgemm: bool = _from_policy_trainer("groupgemm")  # type: ignore[assignment]
     optimizer: Optimizer = field(default_factory=CriticOptimizer)
     free_gpu_memory: FreeGpuMemory = field(default_factory=CriticFreeGpuMemory)
     # the value loss: value_loss_coef x max((V - R)^2, (clip(V, V_old +- cliprange_value) - R)^2) per token,
@@ -596,20 +619,20 @@ COMPAT_ONLY_KEYS: Dict[str, str] = {
     "models.reward.generation_batch_size": "a reward worker scores its whole share of a batch in one call",
     **{f"models.{m}.{k}": why for m in _ALL_MODELS for k, why in (
         ("sync_frequency", "weight pushes follow the episode schedule"),
-        ("expert_model_parallel_size", "expert parallelism is not available"),
-        ("expert_tensor_parallel_size", "expert parallelism is not available"),
         ("replica_dp_size", "derived by the plan"),
+    )},
+    **{f"models.{m}.{k}": why for m in _ALL_MODELS if m not in _TRAINERS for k, why in (
+        ("expert_model_parallel_size", "the rollout engine and the reward workers hold every expert"),
+        ("expert_tensor_parallel_size", "the rollout engine and the reward workers hold every expert"),
     )},
     **{f"models.{m}.{k}": why for m in _TRAINERS for k, why in (
         ("diff_clip_ratio", "the loss clips with pos_clip_ratio / neg_clip_ratio (and clip_ratio_c)"),
         ("final_clip_ratio", "the loss clips with pos_clip_ratio / neg_clip_ratio (and clip_ratio_c)"),
-        ("groupgemm", "MoE grouped GEMM kernels are not used"),
         ("tokenizer_type", "the tokenizer is the model folder's Hugging Face tokenizer"),
         ("tokenizer_model", "the tokenizer is the model folder's Hugging Face tokenizer"),
         ("virtual_pipeline_model_parallel_size", "no interleaved pipeline schedule"),
         ("decoder_first_pipeline_num_layers", "pipeline stages split the layers evenly"),
         ("decoder_last_pipeline_num_layers", "pipeline stages split the layers evenly"),
-        ("moe_router_force_load_balancing", "MoE routing is the model's own"),
         ("save", "checkpoints go to runtime_args.output_dir"),
         ("save_interval", "see runtime_args.save_episode_interval"),
         ("log_interval", "metrics are logged every optimizer step"),
