@@ -111,18 +111,81 @@ def has_layerwise_reload() -> bool:
         return False
 
 
-def weight_load_path(on_cpu: bool, quantized: bool, layerwise: bool) -> str:
+def weight_load_path(on_cpu: bool, quantized: bool, layerwise: bool, moe_relayout: bool = False) -> str:
     """How a worker loads pushed weights: ``"load_weights"`` or ``"layerwise"`` (module
     docstring). ``on_cpu``: vLLM's CPU platform; ``quantized``: the engine's model has a
-    quantization method; ``layerwise``: :func:`has_layerwise_reload`."""
-    if not (on_cpu or quantized):
+    quantization method; ``layerwise``: :func:`has_layerwise_reload`; ``moe_relayout``: the model's
+    MoE layers compute with expert weights in a layout other than the checkpoint's (a kernel that
+    shuffles, swaps or pads them after loading: :func:`moe_relayout_layers`), which an in-place
+    ``model.load_weights`` would leave in the checkpoint's layout."""
+    if not (on_cpu or quantized or moe_relayout):
         return "load_weights"
     if not layerwise:
-        what = "vLLM's CPU backend" if on_cpu else "a quantized rollout model"
+        what = ("vLLM's CPU backend" if on_cpu else "a quantized rollout model" if quantized
+                else "MoE layers whose kernel re-lays out the expert weights")
         raise NotImplementedError(
             f"weight updates with {what} need vLLM's layerwise reload ({LAYERWISE_MODULE}, "
             "vLLM >= 0.16): model.load_weights alone leaves its post-load processing stale")
     return "layerwise"
+
+
+# vLLM's unquantized MoE backends whose kernels compute with the expert weights as loaded (w13 = [gate; up]
+# per expert, w2 = down): ``convert_to_unquantized_kernel_format`` leaves them as they are (vLLM 0.32
+# ``fused_moe/oracle/unquantized.py``); every other backend (FlashInfer, AITER, MoonEP, CPU, XPU) shuffles,
+# swaps, pads, transposes or prepacks them after loading.
+AS_LOADED_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON")
+
+
+def moe_relayout_layers(model: torch.nn.Module) -> list[str]:
+    """Names of the MoE expert layers of ``model`` (vLLM's ``RoutedExperts``: a module whose
+    ``quant_method`` has an ``unquantized_backend``) whose backend is not one of
+    :data:`AS_LOADED_MOE_BACKENDS`."""
+    found = []
+    for name, module in model.named_modules():
+        backend = getattr(getattr(module, "quant_method", None), "unquantized_backend", None)
+        if backend is not None and getattr(backend, "name", str(backend)) not in AS_LOADED_MOE_BACKENDS:
+            found.append(name)
+    return found
+
+
+def repack_cpu_moe_on_reload(model: torch.nn.Module) -> int:
+    """Make every reload of an unquantized MoE layer on vLLM's CPU backend prepack its expert weights
+    again; returns the number of layers patched (idempotent).
+
+    vLLM 0.32 (``UnquantizedFusedMoEMethod._setup_kernel``, ``fused_moe/unquantized_fused_moe_method.py``)
+    runs the experts' own ``process_weights_after_loading`` on the first load only: on a weight update
+    (``moe_kernel`` already built) it copies the new weights in and skips it. On the CPU that step is the
+    prepacking into the grouped-GEMM layout (and the zero padding of the intermediate size,
+    ``CPUUnquantizedExperts``, ``fused_moe/experts/cpu_moe.py``), so after any reload, vLLM's own
+    ``reload_weights`` included, the kernel would read unpacked weights as packed ones: the log-probs of
+    a reloaded MoE model were off by up to 0.7 nats with unchanged weights. The wrapper runs that step
+    after the method's processing on every update, before the layerwise reload copies the result into
+    the layer's storage."""
+    patched = 0
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_chatlearn_repack", False):
+            continue
+        process = method.process_weights_after_loading
+
+        def process_weights_after_loading(layer, _process=process, _method=method):
+            update = _method.moe_kernel is not None
+            _process(layer)
+            if update:
+                from vllm.model_executor.utils import is_weights_pre_processed
+
+                if not is_weights_pre_processed():
+                    _method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        method.process_weights_after_loading = process_weights_after_loading
+        method._chatlearn_repack = True
+        patched += 1
+    return patched
 
 
 def set_cpu_env_defaults() -> None:
@@ -272,9 +335,11 @@ class WorkerExtension:
         if path is None:
             from vllm.platforms import current_platform
 
+            model = self.model_runner.get_model()
             path = weight_load_path(current_platform.is_cpu(),
                                     self.vllm_config.model_config.quantization is not None,
-                                    has_layerwise_reload())
+                                    has_layerwise_reload(), bool(moe_relayout_layers(model)))
+            repack_cpu_moe_on_reload(model)
             self._chatlearn_weight_path = path
         return path
 
@@ -454,6 +519,7 @@ class WorkerExtension:
 
     def chatlearn_reload_from_folder(self) -> None:
         """Reload the weights from the model folder the engine was started with."""
+        self.chatlearn_weight_path()  # the MoE layers' repacking patched (repack_cpu_moe_on_reload)
         _keep_out_of_reload(self.model_runner.get_model())
         self.reload_weights(weights_iterator=None, is_checkpoint_format=True)
         _reprocess_shared(self.model_runner.get_model())
