@@ -563,6 +563,15 @@ def _check_rollout_parallel(pol, backend: str) -> None:
     if pol.num_gpu < tp or pol.num_gpu % tp:
         raise ConfigError(f"num_gpu ({pol.num_gpu}) must be divisible by tensor_model_parallel_size ({tp}): each "
                           f"rollout replica is one engine on {tp} devices.", key="models.policy.num_gpu")
+    ep = pol.expert_model_parallel_size
+    if ep < 1:
+        raise ConfigError(f"must be a positive integer, got {ep}.", key="models.policy.expert_model_parallel_size")
+    if ep > 1 and backend == "vllm" and ep != tp:
+        raise ConfigError(f"is {ep}, but vLLM's expert parallelism spreads the experts over every rank of an engine "
+                          f"(its expert parallel size is the engine's tensor x data parallel size, here "
+                          f"tensor_model_parallel_size = {tp}: one engine per replica). Set it to 1 (every expert "
+                          f"split over the {tp} rank(s) by tensor parallelism) or to {tp} (whole experts, vLLM's "
+                          "enable_expert_parallel).", key="models.policy.expert_model_parallel_size")
 
 
 def _device_groups(cfg: DictConfig, used: dict[str, Kind]) -> tuple[list[list[str]], list[int]]:

@@ -621,10 +621,12 @@ COMPAT_ONLY_KEYS: Dict[str, str] = {
         ("sync_frequency", "weight pushes follow the episode schedule"),
         ("replica_dp_size", "derived by the plan"),
     )},
+    # models.policy.expert_model_parallel_size acts on the vLLM rollout (enable_expert_parallel); the hf and
+    # SGLang rollouts are warned in compat_warning
     **{f"models.{m}.{k}": why for m in _ALL_MODELS if m not in _TRAINERS for k, why in (
-        ("expert_model_parallel_size", "the rollout engine and the reward workers hold every expert"),
+        ("expert_model_parallel_size", "the reward workers hold every expert"),
         ("expert_tensor_parallel_size", "the rollout engine and the reward workers hold every expert"),
-    )},
+    ) if (m, k) != ("policy", "expert_model_parallel_size")},
     **{f"models.{m}.{k}": why for m in _TRAINERS for k, why in (
         ("diff_clip_ratio", "the loss clips with pos_clip_ratio / neg_clip_ratio (and clip_ratio_c)"),
         ("final_clip_ratio", "the loss clips with pos_clip_ratio / neg_clip_ratio (and clip_ratio_c)"),
@@ -683,6 +685,10 @@ def compat_warning(cfg) -> Optional[str]:
         if t.packing and t.seq_length is not None and not same:
             changed.append(f"models.{name}.seq_length={t.seq_length} (ignored with packing: a packed micro-batch "
                            "holds up to max_token_in_packing tokens)")
+    backend, ep = cfg.runtime_args.rollout_backend, models.policy.expert_model_parallel_size
+    if backend != "vllm" and ep != 1:
+        changed.append(f"models.policy.expert_model_parallel_size={ep} (acts on the vLLM rollout only: the "
+                       f"{backend} rollout holds every expert on each replica)")
     if not changed:
         return None
     return (f"{'; '.join(changed)}: accepted for compatibility with ChatLearn configs, no effect in "

@@ -203,6 +203,9 @@ class RolloutSpec(_Spec):
     kv_cache: str  # "fit" | "utilization"
     enforce_eager: bool
     tensor_model_parallel_size: int
+    # vLLM: > 1 shards whole experts over the engine's ranks (enable_expert_parallel; equal to
+    # tensor_model_parallel_size, checked by the plan); hf / SGLang: not read (warned at start)
+    expert_model_parallel_size: int
     deterministic_inference: Optional[bool]  # None until resolved: on for CPU, off on CUDA
     cpu_threads: Optional[int]  # torch threads of a CPU engine (None: leave as is)
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
@@ -220,6 +223,7 @@ class RolloutSpec(_Spec):
             dtype=p.dtype, gpu_memory_utilization=p.gpu_memory_utilization, kv_cache=p.kv_cache,
             enforce_eager=p.enforce_eager,
             tensor_model_parallel_size=p.tensor_model_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
             deterministic_inference=p.deterministic_inference, cpu_threads=None)
 
 

@@ -29,6 +29,7 @@ ROLLOUT_DEFAULTS = dict(
     trust_remote_code=False, seed=1234, generation_batch_size=8, max_prompt_tokens_length=32,
     max_response_tokens_length=16, seq_length=None, max_num_batched_tokens=None, dtype="float32",
     gpu_memory_utilization=0.5, kv_cache="fit", enforce_eager=True, tensor_model_parallel_size=1,
+    expert_model_parallel_size=1,
     deterministic_inference=True, cpu_threads=None, device="cpu")
 
 

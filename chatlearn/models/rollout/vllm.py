@@ -171,17 +171,23 @@ def repack_cpu_moe_on_reload(model: torch.nn.Module) -> int:
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
         if not isinstance(experts, CPUUnquantizedExperts) or getattr(method, "_chatlearn_repack", False):
             continue
-        process = method.process_weights_after_loading
+        calls = [0]  # the experts' own processing, counted: a vLLM that runs it on updates is not doubled
+        experts_process = experts.process_weights_after_loading
 
-        def process_weights_after_loading(layer, _process=process, _method=method):
-            update = _method.moe_kernel is not None
+        def counted(layer, _process=experts_process, _calls=calls):
+            _calls[0] += 1
+            return _process(layer)
+
+        def process_weights_after_loading(layer, _process=method.process_weights_after_loading, _method=method,
+                                          _calls=calls):
+            from vllm.model_executor.utils import is_weights_pre_processed
+
+            update, before = _method.moe_kernel is not None, _calls[0]
             _process(layer)
-            if update:
-                from vllm.model_executor.utils import is_weights_pre_processed
+            if update and _calls[0] == before and not is_weights_pre_processed():
+                _method.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
-                if not is_weights_pre_processed():
-                    _method.moe_kernel.fused_experts.process_weights_after_loading(layer)
-
+        experts.process_weights_after_loading = counted
         method.process_weights_after_loading = process_weights_after_loading
         method._chatlearn_repack = True
         patched += 1
@@ -687,7 +693,9 @@ class VLLMRollout(Rollout):
     ``max_num_batched_tokens``, ``dtype`` (resolved: "float32" | "bfloat16" | "float16"),
     ``gpu_memory_utilization``, ``kv_cache``, ``enforce_eager``,
     ``tensor_model_parallel_size`` (tensor-parallel ranks of the engine, see
-    :func:`executor_backend`), ``deterministic_inference`` (request i of a ``generate`` call
+    :func:`executor_backend`), ``expert_model_parallel_size`` (> 1: vLLM's ``enable_expert_parallel``, every
+    rank of the engine holds whole experts, ``tensor_model_parallel_size`` of them sharing the experts; the
+    plan requires it to equal ``tensor_model_parallel_size``), ``deterministic_inference`` (request i of a ``generate`` call
     gets seed ``sampling["seed"] + i``, or a draw from an RNG seeded with ``seed``; off: no
     per-request seeds), and ``cpu_threads`` (CPU only; None leaves torch's setting). ``device`` is not passed on:
     vLLM picks its platform (CUDA where present, else CPU).
@@ -748,6 +756,9 @@ class VLLMRollout(Rollout):
             gpu_memory_utilization=float(spec.gpu_memory_utilization),
             enforce_eager=bool(spec.enforce_eager),
             tensor_parallel_size=tp,
+            # whole experts spread over the engine's ranks (vLLM's expert parallel size is its tensor x data
+            # parallel size: ``tp`` here, one engine per replica) instead of every expert split over them
+            enable_expert_parallel=int(spec.expert_model_parallel_size) > 1,
             distributed_executor_backend=executor_backend(tp),
             enable_sleep_mode=self._sleep_mode,
             logprobs_mode="processed_logprobs",  # see the module docstring

@@ -35,6 +35,7 @@ class EngineArgs:
     max_model_len: int = None
     distributed_executor_backend: str | None = None
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     block_size: int | None = None
     enable_prefix_caching: bool | None = None
     gpu_memory_utilization: float = 0.92
