@@ -31,6 +31,17 @@ from chatlearn.models.hf_folder import HFCheckpoint
 
 CHUNK_BYTES = 256 * 2 ** 20  # base + merged tensors handed to the engine per load_weight_bucket call
 _BLOCK = re.compile(r"\.\d+(\.|$)")  # a module inside a numbered block (a decoder layer)
+# one expert's tensor in a Hugging Face folder (``...mlp.experts.3.gate_proj.weight``) and the fused tensor of
+# every expert that holds it in transformers 5's MoE models (``...mlp.experts.gate_up_proj`` [E, 2I, H],
+# ``...mlp.experts.down_proj`` [E, H, I]): what a trainer pushes for an expert module trained in full
+_PER_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_OF = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def fused_expert_name(name: str) -> str | None:
+    """The fused transformers 5 tensor that holds the per-expert folder tensor ``name``; None for any other name."""
+    m = _PER_EXPERT.match(name)
+    return f"{m['experts']}.{_FUSED_OF[m['proj']]}" if m else None
 
 
 def group_of(module: str, adapted: bool) -> str:
@@ -66,8 +77,11 @@ class AdapterMerge:
         missing = [w for w in self.layers if w not in known]
         if missing:
             raise KeyError(f"LoRA adapter push: the base folder {manifest['base']!r} has no weight {missing[0]!r}")
-        # per group, the base tensors loaded at finish (those sent whole are loaded as they arrive)
-        self.plan = [[n for n in names if _in_groups(n, [g]) and n not in self.saved] for g in self.groups]
+        # per group, the base tensors loaded at finish (those sent whole are loaded as they arrive; so are the
+        # experts of a fused expert tensor sent whole, which the folder holds one expert at a time)
+        saved = set(self.saved)
+        self.plan = [[n for n in names if _in_groups(n, [g]) and n not in saved and fused_expert_name(n) not in saved]
+                     for g in self.groups]
         self.adapters: dict[str, torch.Tensor] = {}
 
     def begin(self, rollout) -> None:
