@@ -45,6 +45,13 @@ update so that no KV block computed with old weights is reused. How a worker loa
   ``finalize_layerwise_reload``. Without that module (vLLM < 0.16) these setups are refused
   when the engine starts.
 
+Mixture-of-experts models: the trainer's fused expert tensors (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I], transformers 5) or a folder's per-expert ones load through the model's
+``load_weights`` into vLLM's ``w13_weight`` / ``w2_weight``. Expert kernels that re-lay out the weights after
+loading (every unquantized backend but Triton's: :func:`moe_relayout_layers`) need the ``layerwise`` path, and
+on the CPU the experts' prepacking, which vLLM 0.32 skips on reloads, is re-run
+(:func:`repack_cpu_moe_on_reload`). ``expert_model_parallel_size`` > 1 is vLLM's ``enable_expert_parallel``.
+
 Whether the module exists is found by looking for it (:func:`has_layerwise_reload`), not by
 the version number. ``collective_rpc`` with a method name is the one path that works both
 for the in-process engine and for multiprocess engines (CUDA, tensor parallel); arguments
