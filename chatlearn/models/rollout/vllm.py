@@ -201,6 +201,25 @@ def repack_cpu_moe_on_reload(model: torch.nn.Module) -> int:
     return patched
 
 
+# vLLM 0.32's CPU MoE kernel (``CPUUnquantizedExperts._supports_grouped_gemm``, ``fused_moe/experts/cpu_moe.py``)
+# needs the hidden size divisible by this (the experts' intermediate size it pads up to it)
+CPU_MOE_ALIGNMENT = 32
+
+
+def cpu_moe_problem(config: dict) -> str | None:
+    """Why vLLM's CPU backend cannot run the MoE layers of the model whose ``config.json`` is ``config``
+    (None: it can, or the model has no experts). The unquantized CPU MoE kernel computes in blocks of
+    :data:`CPU_MOE_ALIGNMENT` over the hidden size; without a kernel vLLM stops at start with "No Unquantized
+    MoE backend supports the deployment configuration"."""
+    config = config.get("text_config", config)
+    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)), 0)
+    hidden = config.get("hidden_size")
+    if not experts or not isinstance(hidden, int) or hidden % CPU_MOE_ALIGNMENT == 0:
+        return None
+    return (f"its hidden_size {hidden} is not a multiple of {CPU_MOE_ALIGNMENT}, which vLLM's CPU kernel for "
+            f"the {experts} experts of each MoE layer needs (CPUUnquantizedExperts in vLLM 0.32)")
+
+
 def set_cpu_env_defaults() -> None:
     """Environment defaults for vLLM's CPU backend; no-op where CUDA is available.
 
@@ -741,6 +760,17 @@ class VLLMRollout(Rollout):
             batched_tokens = max(int(batched_tokens or 0), max_num_seqs * max_model_len)
         sizing = {}
         cpu = current_platform.is_cpu()
+        if cpu and os.path.isfile(os.path.join(str(spec.load), "config.json")):
+            import json
+
+            with open(os.path.join(str(spec.load), "config.json"), encoding="utf-8") as f:
+                problem = cpu_moe_problem(json.load(f))
+            if problem:
+                from chatlearn.errors import ConfigError
+
+                raise ConfigError(f"the model {spec.load} cannot run on vLLM's CPU backend: {problem}. Use "
+                                  "runtime_args.rollout_backend=hf on this machine, or a GPU.",
+                                  key="models.policy.load")
         if not (cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):  # on the CPU the variable wins
             sized = (kv_cache.fit(spec.load, spec.dtype, max_num_seqs, max_model_len, tp,
                                   float(spec.gpu_memory_utilization)) if spec.kv_cache == "fit"

@@ -15,6 +15,7 @@ backend (its ``CPUUnquantizedExperts`` kernel: fp32 here), in-process, one engin
 from __future__ import annotations
 
 import copy
+import os
 import types
 
 import numpy as np
@@ -254,3 +255,64 @@ def test_expert_parallel_reaches_the_engine(tmp_path, monkeypatch):
             VLLMRollout(rollout_spec(path, tensor_model_parallel_size=ep, expert_model_parallel_size=ep,
                                      kv_cache="utilization"))
         assert seen["enable_expert_parallel"] is expected and seen["tensor_parallel_size"] == ep
+
+
+def _local_experts(worker) -> list:
+    """Per MoE layer of this rank: the number of experts its w13_weight holds (run in each vLLM worker)."""
+    model = worker.model_runner.get_model()
+    return [int(m.w13_weight.shape[0]) for m in model.modules() if hasattr(m, "w13_weight")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vllm_expert_parallel_two_ranks(tmp_path, restore_threads):
+    """tensor_model_parallel_size 2 with expert_model_parallel_size 2 (vLLM's enable_expert_parallel) on the CPU
+    backend: each rank holds half of the experts whole, the engine's log-probs are the model's, and a push of
+    the trainer's fused expert tensors (every rank receives the full tensors and keeps its experts) lands."""
+    pytest.importorskip("vllm")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU engine")
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.models.rollout.vllm import VLLMRollout
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # _local_experts through collective_rpc: test only
+    path = make_tiny_moe_model(str(tmp_path / "m"), "qwen3_moe", moe_intermediate_size=48)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = VLLMRollout(rollout_spec(path, cpu_threads=1, tensor_model_parallel_size=2,
+                                      expert_model_parallel_size=2, max_prompt_tokens_length=48,
+                                      max_response_tokens_length=12))
+    try:
+        assert engine.llm.llm_engine.vllm_config.parallel_config.enable_expert_parallel
+        assert engine.llm.collective_rpc(_local_experts) == [[2, 2], [2, 2]]  # 4 experts over 2 ranks, 2 layers
+        assert gap(engine, model) < TOL
+        new = perturbed(copy.deepcopy(model), seed=21)
+        push(engine, trainer_tensors(new), bucket_bytes=96 * 1024)
+        assert gap(engine, new) < TOL
+    finally:
+        engine.shutdown()
+
+
+def test_cpu_moe_kernel_shape_is_checked_before_the_engine_starts(tmp_path):
+    from chatlearn.errors import ConfigError
+    from chatlearn.models.rollout.vllm import cpu_moe_problem
+
+    assert cpu_moe_problem({"num_experts": 8, "hidden_size": 128}) is None
+    assert cpu_moe_problem({"hidden_size": 80}) is None  # dense: vLLM's linear layers take any size
+    assert "hidden_size 80" in cpu_moe_problem({"num_local_experts": 8, "hidden_size": 80})
+    assert cpu_moe_problem({"text_config": {"num_experts": 4, "hidden_size": 96}}) is None
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU backend's check")
+    import json
+
+    from chatlearn.models.rollout.vllm import VLLMRollout
+
+    path = make_tiny_moe_model(str(tmp_path / "m"), "qwen3_moe")
+    conf = json.loads((tmp_path / "m" / "config.json").read_text())
+    conf.update(hidden_size=80)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ConfigError, match="models.policy.load: .*hidden_size 80 is not a multiple of 32"):
+        VLLMRollout(rollout_spec(path, cpu_threads=1))
