@@ -50,7 +50,8 @@ Mixture-of-experts models: the trainer's fused expert tensors (``mlp.experts.gat
 ``load_weights`` into vLLM's ``w13_weight`` / ``w2_weight``. Expert kernels that re-lay out the weights after
 loading (every unquantized backend but Triton's: :func:`moe_relayout_layers`) need the ``layerwise`` path, and
 on the CPU the experts' prepacking, which vLLM 0.32 skips on reloads, is re-run
-(:func:`repack_cpu_moe_on_reload`). ``expert_model_parallel_size`` > 1 is vLLM's ``enable_expert_parallel``.
+(:func:`repack_cpu_moe_on_reload`). ``expert_model_parallel_size`` > 1 is vLLM's ``enable_expert_parallel``
+(refused on the CPU backend, whose MoE kernel ignores the expert map).
 
 Whether the module exists is found by looking for it (:func:`has_layerwise_reload`), not by
 the version number. ``collective_rpc`` with a method name is the one path that works both
@@ -760,6 +761,15 @@ class VLLMRollout(Rollout):
             batched_tokens = max(int(batched_tokens or 0), max_num_seqs * max_model_len)
         sizing = {}
         cpu = current_platform.is_cpu()
+        if cpu and int(spec.expert_model_parallel_size) > 1:
+            from chatlearn.errors import ConfigError
+
+            raise ConfigError(
+                f"is {spec.expert_model_parallel_size}, but vLLM's CPU backend cannot run expert parallelism: its "
+                "unquantized MoE kernel (CPUUnquantizedExperts.apply, vLLM 0.32) ignores the map from global to "
+                "local experts and indexes a rank's experts by global id, which crashed the worker (segmentation "
+                "fault) at the first forward here. Set it to 1 on a CPU (every expert split over the "
+                "tensor-parallel ranks instead); it acts on GPUs.", key="models.policy.expert_model_parallel_size")
         if cpu and os.path.isfile(os.path.join(str(spec.load), "config.json")):
             import json
 
