@@ -352,6 +352,9 @@ class FSDPTrainer(Trainer):
         if self.spec.lora is None:
             return
         self.peft = lora_lib.wrap(model, self.spec.lora, int(self.spec.seed))
+        problem = moe_lib.lora_problem(model, self.spec.lora.target_modules)
+        if problem is not None:
+            raise UserError(problem, key="models.policy_trainer.lora.target_modules")
         if loaded is not None:
             lora_lib.wrap(loaded, self.spec.lora, int(self.spec.seed))
         self.merged = lora_lib.Merged(model)

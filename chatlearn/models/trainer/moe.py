@@ -263,6 +263,25 @@ def load_imbalance(counts: torch.Tensor) -> float:
     return float(sum(float(c.max() / c.mean()) for c in rows) / len(rows))
 
 
+def lora_problem(model: torch.nn.Module, targets) -> Optional[str]:
+    """One paragraph when peft's LoRA (already injected into ``model`` with ``targets``) adapts parameters
+    rather than linear layers: peft 0.21 (``target_parameters``, its ``ParamWrapper`` layers) does that for
+    transformers 5's fused 3D expert tensors and the router's weight of an MoE model when the targets take
+    them (``all-linear`` does); None otherwise (LoRA on the linear layers of an MoE model works as on a
+    dense one: the experts and the router are then trained by nothing and stay the base model's)."""
+    wrapped = sorted({name.split(".base_layer")[0] for name, m in model.named_modules()
+                      if type(m).__name__ == "ParamWrapper"})
+    if not wrapped:
+        return None
+    shown = ", ".join(wrapped[:2]) + (f" (and {len(wrapped) - 2} more)" if len(wrapped) > 2 else "")
+    return (f"lora.target_modules {targets!r} makes peft adapt the mixture-of-experts parameters of this model "
+            f"({shown}): peft 0.21 wraps transformers' fused 3D expert tensors [experts, out, in] and the router's "
+            "weight in ParamWrapper layers, whose merged update (per expert W_e + B_e @ A_e x alpha / rank) the "
+            "weight push, the checkpoints and chatlearn merge do not compute. On an MoE model give LoRA the "
+            "attention's linear layers only, e.g. lora.target_modules: [q_proj, k_proj, v_proj, o_proj] (the "
+            "experts and the router then keep the base weights), or train the whole model (lora.rank: 0).")
+
+
 def _recomputed(block: torch.nn.Module):
     """``block.forward`` run under non-reentrant ``torch.utils.checkpoint`` when training with gradients."""
     forward = block.forward

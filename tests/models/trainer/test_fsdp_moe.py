@@ -108,6 +108,24 @@ def job_one_rank(rank, world, path, batch, probe, out, other_path, rollout_batch
     resumed.load_checkpoint(os.path.join(out, "forced_ckpt"))
     res["resumed_second"] = resumed.train(batch)
     res["resumed_second_params"] = _params(resumed)
+    # LoRA: on the attention's linear layers it trains (the experts stay the base's); all-linear is refused
+    from chatlearn.models.specs import LoraSpec
+
+    lora = dict(rank=4, alpha=8.0, dropout=0.0, modules_to_save=(), push="merged")
+    adapted = FSDPTrainer(moe_spec(path, lora=LoraSpec(target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+                                                       **lora)))
+    res["lora_step"] = adapted.train(batch)
+    res["lora_names"] = [name for name, *_ in adapted.weight_specs()]
+    try:
+        FSDPTrainer(moe_spec(path, lora=LoraSpec(target_modules="all-linear", **lora)))
+        res["lora_all_linear_error"] = None
+    except UserError as err:
+        res["lora_all_linear_error"] = (err.key, str(err))
+    # the critic: Qwen3MoeForTokenClassification (the MoE backbone, a value head) gives values and trains
+    critic = FSDPTrainer(moe_spec(path, role="critic"))
+    res["critic_values"] = critic.compute_values(batch)
+    res["critic_step"] = critic.train(dict(batch, returns=np.ones_like(batch["old_logprobs"]),
+                                           values=res["critic_values"]))
     # a checkpoint of a model with another expert count: refused before any collective
     other = FSDPTrainer(moe_spec(other_path))
     try:
@@ -290,3 +308,22 @@ def test_trainer_logprobs_match_the_hf_rollouts_on_moe(setup, one):
     batch = setup["rollout_batch"]
     assert (batch["rollout_logprobs"] != 0).sum() >= 6
     np.testing.assert_allclose(one["on_rollout_batch"], batch["rollout_logprobs"], atol=2e-5, rtol=0)
+
+
+@pytest.mark.timeout(400)
+def test_lora_on_moe_takes_linear_layers_and_refuses_the_fused_experts(one, two):
+    (r0, _), _ = two
+    assert one["lora_names"] == list(r0["exported"]) or set(one["lora_names"]) == set(r0["exported"])
+    assert one["lora_step"]["skipped_steps"] == 0.0 and one["lora_step"]["grad_norm"] > 0
+    key, text = one["lora_all_linear_error"]
+    assert key == "models.policy_trainer.lora.target_modules"
+    assert "ParamWrapper" in text and "q_proj" in text and "experts" in text
+
+
+@pytest.mark.timeout(400)
+def test_the_critic_on_moe_gives_values_and_trains(setup, one):
+    from chatlearn.models.base import response_mask
+
+    mask = response_mask(setup["batch"])
+    assert np.all(one["critic_values"][~mask] == 0) and np.any(one["critic_values"][mask] != 0)
+    assert one["critic_step"]["skipped_steps"] == 0.0 and one["critic_step"]["value_loss"] > 0
