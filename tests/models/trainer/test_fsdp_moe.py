@@ -299,6 +299,11 @@ def test_merge_of_the_moe_checkpoint_loads_with_the_trainers_logits(two, tmp_pat
     assert config["num_local_experts"] == 8 and config["architectures"] == ["Qwen3MoeForCausalLM"]
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=setup["probe"]).logits, r0["probe_logits"], rtol=0, atol=1e-5)
+    # the config of a model with another expert count: refused, naming the expert tensors' shapes
+    from chatlearn.errors import UserError
+
+    with pytest.raises(UserError, match=r"experts\.gate_up_proj.*\[4, 128, 128\].*\[8, 128, 128\]"):
+        merge_checkpoint(str(out / "ckpt"), str(tmp_path / "other"), hf_config=setup["other"])
 
 
 @pytest.mark.timeout(400)
