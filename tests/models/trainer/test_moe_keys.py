@@ -160,3 +160,24 @@ def test_groupgemm_sets_the_experts_implementation_and_a_dense_model_is_left_alo
     dense = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
     assert moe_lib.apply(dense, backend_specs.MOE_DEFAULTS, lambda k: k) is None
+
+
+def test_the_moe_toy_asset_is_as_built():
+    """assets/tiny_qwen3_moe (tools/build_default_assets.py --model tiny_qwen3_moe): Qwen3-MoE, every layer
+    sparse, 8 experts, top-2, head_dim 32 (vLLM's CPU attention), tiny_qwen2's tokenizer files, small."""
+    import filecmp
+    import json
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    moe, dense = os.path.join(repo, "assets", "tiny_qwen3_moe"), os.path.join(repo, "assets", "tiny_qwen2")
+    with open(os.path.join(moe, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["model_type"] == "qwen3_moe"
+    assert config["num_local_experts"] == 8 and config["num_experts_per_tok"] == 2
+    assert config["decoder_sparse_step"] == 1 and config["mlp_only_layers"] == []
+    assert config["head_dim"] >= 32 and not config["output_router_logits"]
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert filecmp.cmp(os.path.join(moe, name), os.path.join(dense, name), shallow=False), name
+    assert os.path.getsize(os.path.join(moe, "model.safetensors")) < 1.2 * os.path.getsize(
+        os.path.join(dense, "model.safetensors"))
