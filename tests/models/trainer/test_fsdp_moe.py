@@ -91,8 +91,11 @@ def job_one_rank(rank, world, path, batch, probe, out, other_path, rollout_batch
     for name, over in (("recompute", dict(moe=MOE.replace(layer_recompute=True))),
                        ("ckpt", dict(gradient_checkpointing=True))):
         t = FSDPTrainer(moe_spec(path, **over))
+        calls = []  # the first router's forwards: with recomputation once more in backward
+        t.moe.routers[0].register_forward_hook(lambda *a: calls.append(1))
         res[f"{name}_metrics"] = t.compute_grads(batch)
         res[f"{name}_grads"] = t.full_grads()
+        res[f"{name}_router_calls"] = len(calls)
     # the router losses off: the gradients change (the coefficients act)
     plain = FSDPTrainer(moe_spec(path, moe=MOE.replace(aux_loss_coeff=0.0, z_loss_coeff=0.0)))
     res["no_router_loss_metrics"] = plain.compute_grads(batch)
@@ -231,6 +234,8 @@ def test_grouped_gemm_gives_the_same_logprobs_and_gradients(one):
 
 @pytest.mark.timeout(400)
 def test_layer_recompute_and_checkpointing_give_the_same_gradients(one):
+    micro_steps = one["metrics"]["micro_steps"]
+    assert one["recompute_router_calls"] == one["ckpt_router_calls"] == 2 * micro_steps  # recomputed in backward
     for name in ("recompute", "ckpt"):
         for m in METRICS:
             assert one[f"{name}_metrics"][m] == pytest.approx(one["metrics"][m], abs=1e-6), (name, m)
