@@ -189,10 +189,13 @@ class RouterTaps:
 
     # ---------------------------------------------------------------- a training step
     def reset_step(self) -> None:
-        """Zero the step's statistics."""
+        """Zero the step's statistics (kept on the routers' device: no host sync per micro-step)."""
         n = max(len(self.routers), 1)
-        self.counts = torch.zeros(n, max(self.num_experts, 1), dtype=torch.float64)
-        self.sums = torch.zeros(3, dtype=torch.float64)  # aux, z (per-layer means summed over micro-steps), steps
+        device = self.routers[0].weight.device if self.routers else torch.device("cpu")
+        if device.type == "meta":
+            device = torch.device("cpu")
+        self.counts = torch.zeros(n, max(self.num_experts, 1), dtype=torch.float64, device=device)
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # aux, z (layer means summed over micro-steps), steps
 
     def begin(self, mask: Optional[torch.Tensor]) -> None:
         """Record the routers of the next forward; ``mask``: which of its flattened [B*L] tokens count
@@ -213,13 +216,13 @@ class RouterTaps:
                 continue
             aux_terms.append(switch_aux_loss(logits, idx, self.num_experts, self.top_k))
             z_terms.append(z_loss(logits))
-            self.counts[layer] += torch.bincount(idx.reshape(-1).cpu(), minlength=self.num_experts).double()
+            self.counts[layer] += torch.bincount(idx.reshape(-1), minlength=self.num_experts).to(self.counts)
         self.sums[2] += 1
         if not aux_terms:
             return None
         aux, z = torch.stack(aux_terms), torch.stack(z_terms)
-        self.sums[0] += float(aux.detach().mean())
-        self.sums[1] += float(z.detach().mean())
+        self.sums[0] += aux.detach().mean().to(self.sums)
+        self.sums[1] += z.detach().mean().to(self.sums)
         term = None
         if self.aux_coeff:
             term = self.aux_coeff * aux.sum()
