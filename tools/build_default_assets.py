@@ -15,10 +15,18 @@ Writes, under ``--out`` (default ``assets/``):
   right only some of the time: a starting point where GRPO has something to learn.
 * ``README.md``: what is in the folder and the numbers measured at build time.
 
+With ``--model tiny_qwen3_moe`` it builds, instead, the mixture-of-experts toy
+``tiny_qwen3_moe/`` (``Qwen3MoeForCausalLM``: the same tokenizer, chat template and task,
+every layer sparse, 8 experts with top-2 routing) the same way (a supervised warm start on
+the same split, with the router's load-balancing loss at the config's coefficient, stopped at
+the same target), and its own README section. It reads nothing of ``tiny_qwen2/`` and writes
+nothing else, so the dense model's bytes do not change.
+
 Everything is seeded, so running the script twice on the same machine and software
 gives byte-identical files. Usage, from the repository root::
 
     python tools/build_default_assets.py [--out assets] [--check-vllm]
+    python tools/build_default_assets.py --model tiny_qwen3_moe [--out assets] [--check-vllm]
 
 ``--check-vllm`` also loads the model with vLLM (the CPU build works) and reports its
 accuracy on the eval prompts; ``--check-only`` runs the checks on an existing folder
@@ -94,6 +102,30 @@ MODEL_SHAPE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+
+# The mixture-of-experts toy (``--model tiny_qwen3_moe``): attention as the dense model's, every
+# layer a sparse MoE block of 8 experts, top-2 routing. Its total parameter count is about the
+# dense model's (the same file size); each token goes through 2 of the 8 experts.
+MOE_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=512,  # unused: no dense MLP layer (mlp_only_layers empty, decoder_sparse_step 1)
+    moe_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=0.01,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+MODELS = {"tiny_qwen2": "Qwen2ForCausalLM", "tiny_qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # Evaluation settings (the defaults ChatLearn uses for evaluation).
 EVAL_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
@@ -227,6 +259,33 @@ def build_model(tokenizer, seed: int):
     return model
 
 
+def build_moe_model(tokenizer, seed: int):
+    """The mixture-of-experts toy: ``Qwen3MoeForCausalLM`` of ``MOE_SHAPE``, random init from ``seed``.
+    ``output_router_logits`` is on while it is built (the warm start's loss then includes the router's
+    load-balancing loss at ``router_aux_loss_coef``, transformers' own) and off in the saved config."""
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        dtype="float32",
+        architectures=["Qwen3MoeForCausalLM"],
+        **MOE_SHAPE,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).float()
+    model.config.output_router_logits = True
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
+    )
+    return model
+
+
 def encode_examples(tokenizer, records: list[dict]) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) per example; the response ends with <|im_end|>."""
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
@@ -354,6 +413,8 @@ def hf_generate(model, tokenizer, records, *, greedy: bool, samples: int, seed: 
     ]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, **EVAL_SAMPLING)
+    if getattr(model.config, "output_router_logits", False):  # the MoE warm start's: not while decoding
+        kwargs["output_router_logits"] = False  # (transformers' aux loss fails on a KV-cache step's mask)
     torch.manual_seed(seed)
     out = model.generate(
         **batch,
@@ -528,6 +589,74 @@ Measured at build time on the eval split ({info["num_eval"]} prompts, at most
     path.write_text(text + others_sections(path, text), encoding="utf-8")
 
 
+@torch.no_grad()
+def expert_load(model, tokenizer, records) -> list[float]:
+    """Per MoE layer: the most tokens any expert gets over the mean an expert gets, over the
+    chat-templated eval prompts (1.0: perfectly even; top-k choices each count once)."""
+    prompts = [
+        tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+        for r in records
+    ]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model(**batch, output_router_logits=True)
+    mask = batch["attention_mask"].reshape(-1).bool()
+    k, n = model.config.num_experts_per_tok, model.config.num_experts
+    loads = []
+    for logits in out.router_logits:
+        top = logits[mask].topk(k, dim=-1).indices.reshape(-1)
+        counts = torch.bincount(top, minlength=n).float()
+        loads.append(round(float(counts.max() / counts.mean()), 3))
+    return loads
+
+
+def write_moe_readme(path: Path, info: dict) -> None:
+    """The README's section on ``tiny_qwen3_moe/``, in place of the one there (the other sections kept)."""
+    g, s = info["eval"]["greedy"], info["eval"]["sampled"]
+    samples = s["responses"] // info["num_eval"]
+    settings = ", ".join(f"{k} {v}" for k, v in EVAL_SAMPLING.items())
+    shape = MOE_SHAPE
+    active = info["num_params"] - info["num_expert_params"] * (
+        1 - shape["num_experts_per_tok"] / shape["num_experts"]
+    )
+    section = f"""## `tiny_qwen3_moe/`: the mixture-of-experts model
+
+A Hugging Face `Qwen3MoeForCausalLM` folder that transformers and vLLM load offline: the
+mixture-of-experts toy of `template/grpo_moe.yaml`, on the `arith/` task. Rebuild it (and this
+section) from the repository root, after the dense model, with
+
+    python tools/build_default_assets.py --model tiny_qwen3_moe --out assets
+
+- Shape: {info["num_params"]:,} parameters in fp32, of which {info["num_expert_params"]:,} in experts; about {active:,.0f} active per token. Hidden {shape["hidden_size"]}, {shape["num_hidden_layers"]} layers, {shape["num_attention_heads"]} heads of size {shape["head_dim"]}, {shape["num_key_value_heads"]} KV heads; every layer a sparse MoE block of {shape["num_experts"]} experts (SwiGLU, intermediate size {shape["moe_intermediate_size"]}), top-{shape["num_experts_per_tok"]} routing with the top-k weights renormalised; no shared expert; tied embeddings, vocabulary {info["model_vocab"]}.
+- Tokenizer and chat template: those of `tiny_qwen2/` (the same files).
+- Weights: random init, then the same supervised warm start as `tiny_qwen2/` (batch
+  {info["batch_size"]}, lr {info["lr"]}) with the router's load-balancing loss (transformers'
+  `load_balancing_loss_func`) at `router_aux_loss_coef` {shape["router_aux_loss_coef"]}, stopped as
+  soon as greedy accuracy on {info["num_val"]} held-out training examples reaches {info["target"]};
+  here after {info["sft"]["steps"]} steps.
+- Expert load on the eval prompts (the most tokens an expert gets over the mean, per layer; 1.0 is
+  even): {", ".join(f"{x:.2f}" for x in info["expert_load"])}.
+
+Measured at build time on the eval split ({info["num_eval"]} prompts, at most
+{MAX_NEW_TOKENS} new tokens, Hugging Face `generate`):
+
+| decoding | accuracy | ends with eos |
+|---|---|---|
+| greedy | {g["accuracy"]:.3f} | {g["eos_rate"]:.3f} |
+| sampled ({settings}; {samples} per prompt) | {s["accuracy"]:.3f} | {s["eos_rate"]:.3f} |
+
+"""
+    heading = section.splitlines()[0]
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Default assets\n\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip("\n") == heading), None)
+    if start is None:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+        text = "".join(lines[:start]) + section + "".join(lines[end:])
+    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+
+
 def others_sections(path: Path, ours: str) -> str:
     """The sections of the README at ``path`` that this script does not write (``## `` headings not
     in ``ours``, each to the next such heading: e.g. tools/build_multiturn_assets.py's), kept as they are."""
@@ -574,6 +703,13 @@ def parse_args(argv=None):
         default=1,
         help="torch threads (default 1: the least hurt when other processes share the cores)",
     )
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="tiny_qwen2",
+        help="the model folder to build: tiny_qwen2 (and the arith task; the default) or "
+        "tiny_qwen3_moe (the mixture-of-experts toy, on the task's existing files)",
+    )
     p.add_argument("--check-vllm", action="store_true", help="also load and sample with vLLM")
     p.add_argument(
         "--check-only", action="store_true", help="check an existing folder; build nothing"
@@ -585,7 +721,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    model_dir, data_dir = out / "tiny_qwen2", out / "arith"
+    moe = args.model == "tiny_qwen3_moe"
+    model_dir, data_dir = out / args.model, out / "arith"
     t0 = time.perf_counter()
 
     if not args.check_only:
@@ -596,14 +733,24 @@ def main(argv=None) -> int:
         train_keys = {r["prompt"][0]["content"] for r in train}
         assert not any(r["prompt"][0]["content"] in train_keys for r in evals)
 
-        for d in (model_dir, data_dir):
-            shutil.rmtree(d, ignore_errors=True)
-            d.mkdir(parents=True)
-        write_jsonl(data_dir / "train.jsonl", train)
-        write_jsonl(data_dir / "eval.jsonl", evals)
+        if moe:  # the task's files are the dense build's (the same seed gives the same split)
+            shutil.rmtree(model_dir, ignore_errors=True)
+            model_dir.mkdir(parents=True)
+            if (data_dir / "eval.jsonl").exists():
+                assert read_jsonl(data_dir / "eval.jsonl") == evals, "arith/ was built with another seed"
+            else:
+                data_dir.mkdir(parents=True, exist_ok=True)
+                write_jsonl(data_dir / "train.jsonl", train)
+                write_jsonl(data_dir / "eval.jsonl", evals)
+        else:
+            for d in (model_dir, data_dir):
+                shutil.rmtree(d, ignore_errors=True)
+                d.mkdir(parents=True)
+            write_jsonl(data_dir / "train.jsonl", train)
+            write_jsonl(data_dir / "eval.jsonl", evals)
 
         tokenizer = build_tokenizer(train + evals)
-        model = build_model(tokenizer, args.seed)
+        model = (build_moe_model if moe else build_model)(tokenizer, args.seed)
         num_params = sum(p.numel() for p in model.parameters())
         prompt_lens = [len(p) for p, _ in encode_examples(tokenizer, evals)]
         assert max(prompt_lens) <= MAX_PROMPT_TOKENS, f"prompts too long: {max(prompt_lens)}"
@@ -615,6 +762,8 @@ def main(argv=None) -> int:
         )
 
         sft = supervised_warm_start(model, tokenizer, sft_train, val, args)
+        if moe:
+            model.config.output_router_logits = False  # the saved config: transformers' default
         tokenizer.save_pretrained(model_dir)
         model.save_pretrained(model_dir)
         del model
@@ -648,9 +797,14 @@ def main(argv=None) -> int:
         target=args.target_accuracy,
         example=json.dumps(evals[0], ensure_ascii=False),
         eval=result,
+        num_expert_params=sum(
+            p.numel() for n, p in model.named_parameters() if ".experts." in n
+        ),
     )
+    if moe:
+        info["expert_load"] = expert_load(model, tokenizer, evals)
     if not args.check_only:
-        write_readme(out / "README.md", info)
+        (write_moe_readme if moe else write_readme)(out / "README.md", info)
 
     vllm_result = None
     if args.check_vllm:
@@ -670,6 +824,8 @@ def main(argv=None) -> int:
     print(f"data                 {len(train)} train / {len(evals)} eval examples")
     print(f"tokenizer vocabulary {len(tokenizer)} (model vocabulary {model.config.vocab_size})")
     print(f"parameters           {num_params:,}")
+    if moe:
+        print(f"expert load          max / mean per layer on the eval prompts: {info['expert_load']}")
     if sft is not None:
         print(
             f"warm start           {sft['steps']} steps, batch {args.batch_size}, lr {args.lr}: "
@@ -701,7 +857,7 @@ def main(argv=None) -> int:
             "WARNING: the model is outside its intended range (eos rate >= 0.95, sampled "
             "accuracy about 0.15 to 0.35); adjust --target-accuracy or --lr"
         )
-    for f in sorted(p for p in out.rglob("*") if p.is_file()):
+    for f in sorted(p for p in (model_dir.rglob("*") if moe else out.rglob("*")) if p.is_file()):
         print(f"  {f.relative_to(out)!s:34s} {f.stat().st_size:>10,d} bytes")
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0

@@ -62,6 +62,34 @@ class LoraSpec(_Spec):
                    modules_to_save=tuple(str(m) for m in lora.modules_to_save), push=str(lora.push))
 
 
+@dataclass(frozen=True)
+class MoeSpec(_Spec):
+    """A trainer section's MoE keys (``chatlearn/models/trainer/moe.py`` acts on them in the FSDP trainer) (``chatlearn/config/schema.py`` ``TrainerModel``), as the trainers read them."""
+
+    aux_loss_coeff: Optional[float]  # None: config.json's router_aux_loss_coef
+    z_loss_coeff: float
+    force_load_balancing: bool
+    layer_recompute: bool
+    groupgemm: bool
+    token_dispatcher_type: str
+    shared_expert_overlap: bool
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: Optional[int]
+
+    @classmethod
+    def from_config(cls, t) -> "MoeSpec":
+        """From a trainer section ``t`` of the validated config."""
+        return cls(aux_loss_coeff=None if t.moe_aux_loss_coeff is None else float(t.moe_aux_loss_coeff),
+                   z_loss_coeff=float(t.moe_z_loss_coeff),
+                   force_load_balancing=bool(t.moe_router_force_load_balancing),
+                   layer_recompute=bool(t.moe_layer_recompute), groupgemm=bool(t.groupgemm),
+                   token_dispatcher_type=str(t.moe_token_dispatcher_type),
+                   shared_expert_overlap=bool(t.moe_shared_expert_overlap),
+                   expert_model_parallel_size=int(t.expert_model_parallel_size),
+                   expert_tensor_parallel_size=(None if t.expert_tensor_parallel_size is None
+                                                else int(t.expert_tensor_parallel_size)))
+
+
 # models.*.recompute_granularity as the config spells it -> as megatron-core does
 RECOMPUTE = {None: None, "full": "full", "sel": "selective", "selective": "selective"}
 
@@ -140,6 +168,7 @@ class TrainerSpec(_Spec):
     sequence_parallel: bool
     use_distributed_optimizer: bool
     lora: Optional[LoraSpec]  # policy_trainer's adapters (models.policy_trainer.lora); None: full fine-tuning
+    moe: MoeSpec  # the section's MoE keys (read where the model has experts)
     # runtime_args.plugins and the directory they are found from (the driver's): the worker imports them before it
     # builds the backend, so that a plugged policy loss or KL estimator is registered where the loss runs
     plugins: tuple
@@ -182,7 +211,7 @@ class TrainerSpec(_Spec):
             tensor_model_parallel_size=t.tensor_model_parallel_size,
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
             use_distributed_optimizer=t.use_distributed_optimizer,
-            lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None,
+            lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None, moe=MoeSpec.from_config(t),
             plugins=tuple(rt.plugins), plugins_dir=os.getcwd())
 
 

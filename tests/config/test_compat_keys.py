@@ -51,21 +51,22 @@ def test_a_changed_compat_key_is_named_in_one_warning():
     cfg = OmegaConf.structured(Config)
     cfg.runtime_args.output_dir = "/tmp/run"
     assert compat_warning(cfg) is None  # defaults: no warning
-    cfg.models.policy_trainer.train_iters = 5
+    cfg.models.policy_trainer.virtual_pipeline_model_parallel_size = 2
     cfg.runtime_args.param_sync_comm_type = "p2p"
     msg = compat_warning(cfg)
-    assert "models.policy_trainer.train_iters=5" in msg
+    assert "models.policy_trainer.virtual_pipeline_model_parallel_size=2" in msg
     assert 'runtime_args.param_sync_comm_type="p2p"' in msg
-    assert "no effect" in msg and "models.ref_policy.train_iters" not in msg
+    assert "no effect" in msg and "models.ref_policy.virtual_pipeline_model_parallel_size" not in msg
 
 
 def test_cli_warns_for_compat_keys_only_when_set(paths_overrides, capsys):
     assert main(["run", "--dry-run", TEMPLATE, *paths_overrides]) == 0
     assert "accepted for compatibility" not in capsys.readouterr().err
-    assert main(["run", "--dry-run", TEMPLATE, *paths_overrides, "models.policy_trainer.train_iters=5"]) == 0
+    assert main(["run", "--dry-run", TEMPLATE, *paths_overrides,
+                 "models.policy_trainer.virtual_pipeline_model_parallel_size=2"]) == 0
     err = capsys.readouterr().err
     assert err.count("warning:") == 1
-    assert "models.policy_trainer.train_iters=5" in err and "no effect" in err
+    assert "models.policy_trainer.virtual_pipeline_model_parallel_size=2" in err and "no effect" in err
 
 
 def test_compat_keys_are_schema_keys_read_nowhere():
@@ -166,7 +167,7 @@ def test_the_guard_reads_syntax_not_words(tmp_path):
     assert {"lr", "seed"} <= names and suffixes == {"top_p"}
 
 
-@pytest.mark.parametrize("key", ["models.policy_trainer.train_iters", "runtime_env.pip"])
+@pytest.mark.parametrize("key", ["models.policy_trainer.virtual_pipeline_model_parallel_size", "runtime_env.pip"])
 def test_compat_keys_are_marked_in_the_docs(key):
     text = open(os.path.join(REPO, "docs", "config.md"), encoding="utf-8").read()
     marked = [line for line in text.splitlines() if f"`{key.rsplit('.', 1)[1]}`" in line]

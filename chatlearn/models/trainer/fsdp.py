@@ -51,6 +51,7 @@ from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
 from chatlearn.models.stash import own_storage, release_device_memory
 from chatlearn.models.trainer import lora as lora_lib
+from chatlearn.models.trainer import moe as moe_lib
 from chatlearn.models.trainer import shared_prompt
 from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches, plan_shared_micro_batches
 
@@ -315,6 +316,7 @@ class FSDPTrainer(Trainer):
         if critic:
             self._check_value_head(model)
         self._wrap_lora(model, loaded)
+        self.moe = self._apply_moe(model)
         model.config.use_cache = False
         self.share_prompt = self._resolve_share_prompt(model)
         if self.share_prompt:
@@ -350,9 +352,23 @@ class FSDPTrainer(Trainer):
         if self.spec.lora is None:
             return
         self.peft = lora_lib.wrap(model, self.spec.lora, int(self.spec.seed))
+        problem = moe_lib.lora_problem(model, self.spec.lora.target_modules)
+        if problem is not None:
+            raise UserError(problem, key="models.policy_trainer.lora.target_modules")
         if loaded is not None:
             lora_lib.wrap(loaded, self.spec.lora, int(self.spec.seed))
         self.merged = lora_lib.Merged(model)
+
+    def _apply_moe(self, model) -> "moe_lib.RouterTaps | None":
+        """The MoE keys of this trainer section acting on ``model`` (:mod:`chatlearn.models.trainer.moe`):
+        the router taps (aux and z-loss, forced balancing, the step's MoE metrics), the experts
+        implementation (``groupgemm``), the recomputed MoE blocks (``moe_layer_recompute``, unless
+        ``gradient_checkpointing`` recomputes the whole layers already); None for a dense model."""
+        spec = self.spec.moe or moe_lib.DEFAULT
+        if self.spec.gradient_checkpointing and self.trainable:
+            spec = spec.replace(layer_recompute=False)
+        self._moe_recording = False
+        return moe_lib.apply(model, spec, self._config_key)
 
     def _adapters_disabled(self):
         if self.peft is None:
@@ -510,6 +526,8 @@ class FSDPTrainer(Trainer):
             start += n
         if not packed:  # padding keeps increasing positions (ignored: masked out)
             positions = torch.arange(shape[1]).expand(shape)
+        if self._moe_recording:  # the router taps count the real tokens (not padding, not a dummy's)
+            self.moe.begin(mask if mask is not None else torch.full(shape, int(len(idx) > 0)))
         rows_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
         cols_t = torch.from_numpy(np.concatenate(cols)).to(self.device)
         ids, positions = ids.to(self.device), positions.to(self.device)
@@ -552,6 +570,8 @@ class FSDPTrainer(Trainer):
         cols_t = torch.from_numpy(np.concatenate(cols)).to(self.device)
         # a 4-D mask is taken as given (transformers builds none); the layout is the real mask
         no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        if self._moe_recording:
+            self.moe.begin(None)
         logp, entropy = self.model.token_logprobs(
             ids, no_mask, position_ids, torch.zeros_like(cols_t), cols_t, float(temperature),
             int(self.spec.logprob_chunk_tokens), with_entropy,
@@ -646,12 +666,25 @@ class FSDPTrainer(Trainer):
         # sums over this rank's tokens, named by objective.SUMS
         sums = torch.zeros(len(objective.SUMS), dtype=torch.float64, device=self.device)
         micro, passes = self._micro_batches(batch, self.spec.train_micro_batch_size)
+        moe = self.moe if self.spec.role != "critic" else None
+        if moe is not None:
+            moe.reset_step()
         for mb in micro:
-            logp, ent, pos = self._forward(batch, mb, temperature, objective.with_entropy)
+            self._moe_recording = moe is not None
+            try:
+                logp, ent, pos = self._forward(batch, mb, temperature, objective.with_entropy)
+            finally:
+                self._moe_recording = False
             terms, coef, weight = objective.terms(logp, ent, pos)
-            ((terms["loss"] * coef).sum() * self.world).backward()
+            loss = (terms["loss"] * coef).sum() * self.world
+            aux = moe.end(len(micro)) if moe is not None else None
+            if aux is not None:  # the router's losses (coeff x sum over layers), averaged over this rank's
+                loss = loss + aux  # micro-steps here and over the ranks by FSDP's reduce-scatter
+            loss.backward()
             sums += objective.token_sums(terms, coef, weight, ent)
         self._reshard()
+        if moe is not None:
+            passes = {**passes, **moe.step_metrics(self.device)}
         return sums, passes
 
     def _optimizer_steps(self) -> int:
@@ -915,6 +948,9 @@ class FSDPTrainer(Trainer):
             if problem is not None:
                 raise UserError(f"checkpoint {path!r} cannot resume this run: {problem}.",
                                 key="models.policy_trainer.lora")
+        problem = moe_lib.expert_count_problem(path, meta.get("hf_config"), self.model, self.spec.load)
+        if problem is not None:
+            raise UserError(problem, key=self._config_key("load"))
         rng = sharded.load_rng_state(path, self.rank % int(meta["world_size"]))
         reader = sharded.SafeFileSystemReader(path)
         reader.read_metadata()  # DCP's metadata: a UserError now if damaged (then cached)
