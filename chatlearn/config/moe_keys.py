@@ -121,6 +121,11 @@ def _check_replay(cfg) -> None:
         raise ConfigError(
             f"is {mode!r}, but {load} is a dense model (its config.json names no experts): there is no routing "
             "to replay. Set it to off, or load a mixture-of-experts model.", key=key)
+    if cfg.models.policy_trainer.moe_router_force_load_balancing:
+        raise ConfigError(
+            f"is {mode!r}, but models.policy_trainer.moe_router_force_load_balancing is on: forced balancing "
+            "replaces the router's choices by random ones in every trainer forward, so the rollout's experts "
+            "could not be replayed. Turn one of them off (forced balancing is for benchmarks).", key=key)
     backend = cfg.runtime_args.rollout_backend
     if backend not in REPLAY_ROLLOUTS:
         raise ConfigError(

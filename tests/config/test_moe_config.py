@@ -92,6 +92,9 @@ def test_an_moe_model_takes_the_keys(moe_folder):
                              "models.policy_trainer.moe_z_loss_coeff=0.001",
                              "models.policy_trainer.routing_replay=rollout"])
     assert cfg.models.ref_policy.load == moe_folder
+    err = _refused(load, "models.policy_trainer.routing_replay=rollout",
+                   "models.policy_trainer.moe_router_force_load_balancing=true")
+    assert err.key == "models.policy_trainer.routing_replay" and "forced balancing" in str(err)
     err = _refused(load, "models.policy_trainer.routing_replay=rollout", "runtime_args.rollout_backend=sglang")
     assert err.key == "models.policy_trainer.routing_replay" and "sglang" in str(err)
 

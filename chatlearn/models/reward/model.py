@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import ScoringModel
+from chatlearn.models.specs import resolve_for_device
 from chatlearn.models.stash import Stash, own_storage, release_device_memory
 from chatlearn.models.trainer.fsdp import decoder_layers, init_distributed
 
@@ -73,8 +74,6 @@ class RewardModel(ScoringModel):
         MASTER_PORT), loads the model (bfloat16 storage with ``bf16`` on CUDA, else float32) and its
         tokenizer; a model without a scalar score head, or a tokenizer with neither a pad nor an eos
         token, raises a :class:`~chatlearn.errors.UserError` naming ``models.reward.load``."""
-        from chatlearn.models.specs import resolve_for_device
-
         self.device = init_distributed()
         if spec.device is None or spec.bf16 is None:
             spec = resolve_for_device(spec, self.device.type)

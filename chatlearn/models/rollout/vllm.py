@@ -81,6 +81,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import inspect
+import json
 import logging
 import os
 import pickle
@@ -90,6 +91,7 @@ import numpy as np
 import torch
 
 from chatlearn.config.names import Part
+from chatlearn.errors import ConfigError
 from chatlearn.logging import console
 from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.rollout import kv_cache
@@ -762,8 +764,6 @@ class VLLMRollout(Rollout):
         sizing = {}
         cpu = current_platform.is_cpu()
         if cpu and int(spec.expert_model_parallel_size) > 1:
-            from chatlearn.errors import ConfigError
-
             raise ConfigError(
                 f"is {spec.expert_model_parallel_size}, but vLLM's CPU backend cannot run expert parallelism: its "
                 "unquantized MoE kernel (CPUUnquantizedExperts.apply, vLLM 0.32) ignores the map from global to "
@@ -771,13 +771,9 @@ class VLLMRollout(Rollout):
                 "fault) at the first forward here. Set it to 1 on a CPU (every expert split over the "
                 "tensor-parallel ranks instead); it acts on GPUs.", key="models.policy.expert_model_parallel_size")
         if cpu and os.path.isfile(os.path.join(str(spec.load), "config.json")):
-            import json
-
             with open(os.path.join(str(spec.load), "config.json"), encoding="utf-8") as f:
                 problem = cpu_moe_problem(json.load(f))
             if problem:
-                from chatlearn.errors import ConfigError
-
                 raise ConfigError(f"the model {spec.load} cannot run on vLLM's CPU backend: {problem}. Use "
                                   "runtime_args.rollout_backend=hf on this machine, or a GPU.",
                                   key="models.policy.load")
