@@ -140,6 +140,17 @@ class TrainerSpec(_Spec):
     sequence_parallel: bool
     use_distributed_optimizer: bool
     lora: Optional[LoraSpec]  # policy_trainer's adapters (models.policy_trainer.lora); None: full fine-tuning
+    # mixture of experts (docs/config.md, "Mixture of experts"): read where the model has experts
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: Optional[int]
+    moe_token_dispatcher_type: str
+    moe_aux_loss_coeff: Optional[float]
+    moe_z_loss_coeff: float
+    moe_router_force_load_balancing: bool
+    moe_layer_recompute: bool
+    moe_shared_expert_overlap: bool
+    groupgemm: bool
+    routing_replay: str  # the policy trainer's: off | rollout
     # runtime_args.plugins and the directory they are found from (the driver's): the worker imports them before it
     # builds the backend, so that a plugged policy loss or KL estimator is registered where the loss runs
     plugins: tuple
@@ -183,6 +194,12 @@ class TrainerSpec(_Spec):
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
             use_distributed_optimizer=t.use_distributed_optimizer,
             lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None,
+            expert_model_parallel_size=t.expert_model_parallel_size,
+            expert_tensor_parallel_size=t.expert_tensor_parallel_size,
+            moe_token_dispatcher_type=t.moe_token_dispatcher_type, moe_aux_loss_coeff=t.moe_aux_loss_coeff,
+            moe_z_loss_coeff=t.moe_z_loss_coeff, moe_router_force_load_balancing=t.moe_router_force_load_balancing,
+            moe_layer_recompute=t.moe_layer_recompute, moe_shared_expert_overlap=t.moe_shared_expert_overlap,
+            groupgemm=t.groupgemm, routing_replay=pt.routing_replay,
             plugins=tuple(rt.plugins), plugins_dir=os.getcwd())
 
 

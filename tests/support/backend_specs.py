@@ -23,7 +23,10 @@ TRAINER_DEFAULTS = dict(
     cliprange_value=0.5, value_loss_coef=0.5,
     gradient_checkpointing=False, recompute_granularity=None, bf16=False, meta_init=False,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
-    use_distributed_optimizer=False, lora=None, plugins=(), plugins_dir="")
+    use_distributed_optimizer=False, lora=None, plugins=(), plugins_dir="",
+    expert_model_parallel_size=1, expert_tensor_parallel_size=None, moe_token_dispatcher_type="alltoall",
+    moe_aux_loss_coeff=None, moe_z_loss_coeff=0.0, moe_router_force_load_balancing=False, moe_layer_recompute=False,
+    moe_shared_expert_overlap=False, groupgemm=False, routing_replay="off")
 
 ROLLOUT_DEFAULTS = dict(
     trust_remote_code=False, seed=1234, generation_batch_size=8, max_prompt_tokens_length=32,

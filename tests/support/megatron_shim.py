@@ -87,6 +87,9 @@ class _NullStream:
     def query(self):
         return True
 
+    def record_event(self, *args, **kwargs):  # an event to synchronise with later (MoE token dispatch)
+        return _NullStream()
+
     def elapsed_time(self, other):
         return 0.0
 
@@ -136,6 +139,16 @@ def cpu_device_shim() -> Iterator[None]:
         with _CudaToCpu():
             return engine_run(*args, **kwargs)
 
+    # the MoE token dispatcher moves its split sizes "to the CPU" (as numpy arrays: the alltoall
+    # takes them as lists of ints) only from CUDA tensors; here they already are on the CPU
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    patches[(moe_utils, "maybe_move_tensor_to_cpu")] = move_to_cpu
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        patches[(token_dispatcher, "maybe_move_tensor_to_cpu")] = move_to_cpu
     patches[(torch.autograd, "_engine_run_backward")] = run_backward_in_mode
     patches[(torch.autograd.graph, "_engine_run_backward")] = run_backward_in_mode
     with contextlib.ExitStack() as stack:
