@@ -49,3 +49,295 @@ def make_moe_model(path: str, kind: str = "qwen3_moe", seed: int = 0, **over) ->
                 p.uniform_(0.8, 1.2)
     model.save_pretrained(path)
     return path
+
+
+def hf_routing(path: str, batch: dict) -> np.ndarray:
+    """The experts transformers' own router picks for every token of ``batch`` (one forward per
+    sample, as :func:`hf_logprobs`): int64 ``[tokens, moe_layers, k]``, the column a rollout records."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    k = model.config.num_experts_per_tok
+    out = np.zeros((len(batch["tokens"]), len(gates), k), np.int64)
+    seen: list = []
+    hooks = [g.register_forward_hook(lambda mod, args, res: seen.append(res[2])) for g in gates]
+    off = batch["offsets"]
+    with torch.no_grad():
+        for i in range(len(off) - 1):
+            seen.clear()
+            model(input_ids=torch.from_numpy(batch["tokens"][off[i]:off[i + 1]])[None])
+            for j, idx in enumerate(seen):
+                out[off[i]:off[i + 1], j] = idx.numpy()
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def shuffled_routing(routing: np.ndarray, experts: int, seed: int = 3) -> np.ndarray:
+    """Another valid routing (k distinct experts per token, none the router's first choice where
+    possible), with some tokens without a record (-1)."""
+    rng = np.random.default_rng(seed)
+    out = np.empty_like(routing)
+    for t in range(routing.shape[0]):
+        for j in range(routing.shape[1]):
+            out[t, j] = rng.permutation(experts)[:routing.shape[2]]
+    out[::5] = -1  # no record: the trainer routes these itself
+    return out
+
+
+def _exported(trainer) -> dict:
+    return {k: v for b in trainer.export_weights(bucket_mb=1) for k, v in b}
+
+
+def _parity(trainer, batch) -> dict:
+    """Export, log-probs, gradients, one step, export (as the dense tests' ``_parity_part``)."""
+    weights0 = _exported(trainer)
+    logp, ent = trainer.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=True)
+    metrics = trainer.compute_grads(batch)
+    grads = trainer.full_grads()
+    trainer.zero_grad()
+    step = trainer.train(batch)
+    return {"weights0": weights0, "logp": logp, "entropy": ent, "metrics": metrics, "grads": grads,
+            "step": step, "weights1": _exported(trainer)}
+
+
+def _replay(trainer, batch, own: np.ndarray, other: np.ndarray) -> dict:
+    """Log-probs replaying the router's own routing (= no replay), another routing (differs), and the
+    experts each router used for the latter (its top-k per layer, gathered back into token order on
+    one micro-batch of the whole batch)."""
+    logp_own = trainer.compute_logprobs(dict(batch, routed_experts=own))
+    logp_other = trainer.compute_logprobs(dict(batch, routed_experts=other))
+    used = [r.recorded_topk_idx.clone() for r in trainer._replays]
+    metrics = trainer.compute_grads(dict(batch, routed_experts=other))  # training forward (and backward) too
+    used_train = [r.recorded_topk_idx.clone() for r in trainer._replays]
+    trainer.zero_grad()
+    return {"replay_own": logp_own, "replay_other": logp_other, "used": used, "used_train": used_train,
+            "replay_metrics": metrics}
+
+
+def moe_spec(path: str, tp: int = 1, ep: int = 1, **over):
+    return trainer_spec(path, **{"lr": LR, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1,
+                                 "sequence_parallel": False, "use_distributed_optimizer": False,
+                                 "expert_model_parallel_size": ep, "moe_aux_loss_coeff": 0.0,
+                                 "logprob_micro_batch_size": 8, "train_micro_batch_size": 8, **over})
+
+
+def job_reference(rank, world, setup, out):
+    """1 rank: the FSDP2 trainer and Megatron EP1 on the Qwen3-MoE; Megatron on the Qwen2-MoE."""
+    from megatron_shim import cpu_device_shim
+
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    res = {"fsdp": _parity(FSDPTrainer(trainer_spec(setup["q3"], lr=LR)), setup["batch"])}
+    with cpu_device_shim():
+        from chatlearn.models.trainer.megatron import MegatronTrainer
+
+        res["ep1"] = _parity(MegatronTrainer(moe_spec(setup["q3"])), setup["batch"])
+        res["q2_ep1"] = MegatronTrainer(moe_spec(setup["q2"], trainable=False)).compute_logprobs(setup["batch"])
+    return res
+
+
+def job_ep2(rank, world, setup, out):
+    """EP2 (each rank 2 of the 4 experts): parity, replay, resume, a checkpoint to merge; the
+    Qwen2-MoE with allgather dispatch."""
+    from megatron_shim import cpu_device_shim
+
+    batch = setup["batch"]
+    with cpu_device_shim():
+        from chatlearn.models.trainer.megatron import MegatronTrainer
+
+        cfg = moe_spec(setup["q3"], ep=2)
+        trainer = MegatronTrainer(cfg)
+        res = _parity(trainer, batch)
+        trainer.save_checkpoint(os.path.join(out, "checkpoint"))
+        res["saved_weights"] = _exported(trainer)
+        expected = trainer.train(batch)
+        resumed = MegatronTrainer(cfg)
+        resumed.load_checkpoint(os.path.join(out, "checkpoint"))
+        res["resume"] = (expected, resumed.train(batch))
+        res["resume_weights"] = (_exported(trainer), _exported(resumed))
+        rep = MegatronTrainer(moe_spec(setup["q3"], ep=2, routing_replay="rollout", gradient_checkpointing=True))
+        res.update(_replay(rep, batch, setup["q3_routing"], setup["q3_other"]))
+        q2 = MegatronTrainer(moe_spec(setup["q2"], ep=2, moe_token_dispatcher_type="allgather", trainable=False))
+        res["q2_ep2"] = q2.compute_logprobs(batch)
+    return res
+
+
+def job_tp2ep2(rank, world, setup, out):
+    """TP2 x EP2 on 4 ranks (sequence parallel; each expert whole on its rank, expert tensor parallel
+    1: with expert tensor parallelism megatron-core all-gathers uneven token counts over the
+    expert-tensor-parallel ranks, which gloo's all-gather refuses): parity and a checkpoint to merge."""
+    from megatron_shim import cpu_device_shim
+
+    with cpu_device_shim():
+        from chatlearn.models.trainer.megatron import MegatronTrainer
+
+        trainer = MegatronTrainer(moe_spec(setup["q3"], tp=2, ep=2, sequence_parallel=True,
+                                            expert_tensor_parallel_size=1))
+        res = _parity(trainer, setup["batch"])
+        trainer.save_checkpoint(os.path.join(out, "checkpoint"))
+        res["saved_weights"] = _exported(trainer)
+        res["saved_logp"] = trainer.compute_logprobs(setup["batch"])
+    return res
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    q3 = make_moe_model(str(tmp_path_factory.mktemp("q3moe")), "qwen3_moe")
+    q2 = make_moe_model(str(tmp_path_factory.mktemp("q2moe")), "qwen2_moe", seed=1)
+    batch = make_batch(96)
+    logp, _ = hf_logprobs(q3, batch)
+    routing = hf_routing(q3, batch)
+    return {"q3": q3, "q2": q2, "batch": add_logprobs(batch, logp), "q3_hf_logp": logp,
+            "q3_hf_logp_t": hf_logprobs(q3, batch, temperature=TEMPERATURE)[0],
+            "q2_hf_logp": hf_logprobs(q2, batch)[0], "q3_routing": routing,
+            "q3_other": shuffled_routing(routing, 4)}
+
+
+def _run(job, world, setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp(job.__name__)
+    return run_ranks(job, world, out, setup, str(out), timeout=JOB_TIMEOUT_S), out
+
+
+@pytest.fixture(scope="module")
+def reference(setup, tmp_path_factory):
+    return _run(job_reference, 1, setup, tmp_path_factory)[0][0]
+
+
+@pytest.fixture(scope="module")
+def ep2(setup, tmp_path_factory):
+    return _run(job_ep2, 2, setup, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tp2ep2(setup, tmp_path_factory):
+    return _run(job_tp2ep2, 4, setup, tmp_path_factory)
+
+
+def _megatron_runs(reference, ep2, tp2ep2) -> dict:
+    return {"ep1": [reference["ep1"]], "ep2": ep2[0], "tp2xep2": tp2ep2[0]}
+
+
+def test_moe_logprobs_match_transformers_and_fsdp(setup, reference, ep2, tp2ep2):
+    """Qwen3-MoE (q/k norms, renormalised top-2) at EP1, EP2 and TP2 x EP2, and Qwen2-MoE (shared
+    expert and its gate, qkv bias, top-2 not renormalised) at EP1 and EP2 with the allgather
+    dispatcher: the log-probs of plain transformers and of the FSDP2 trainer."""
+    fsdp = reference["fsdp"]
+    np.testing.assert_allclose(fsdp["logp"], setup["q3_hf_logp_t"], rtol=0, atol=1e-5)
+    for name, ranks in _megatron_runs(reference, ep2, tp2ep2).items():
+        for res in ranks:
+            np.testing.assert_allclose(res["logp"], fsdp["logp"], rtol=0, atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(res["entropy"], fsdp["entropy"], rtol=0, atol=1e-5, err_msg=name)
+            for key in ("loss", "policy_loss", "kl", "entropy", "clip_frac"):
+                assert res["metrics"][key] == pytest.approx(fsdp["metrics"][key], abs=1e-5), (name, key)
+    np.testing.assert_allclose(reference["q2_ep1"], setup["q2_hf_logp"], rtol=0, atol=1e-5)
+    for res in ep2[0]:
+        np.testing.assert_allclose(res["q2_ep2"], setup["q2_hf_logp"], rtol=0, atol=1e-5)
+
+
+def module_weights(path: str) -> dict:
+    """The parameters of transformers' model loaded from ``path``, by module name, as numpy."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+
+
+def test_moe_export_is_transformers_module_layout(setup, reference, ep2, tp2ep2):
+    """The weight export before any step: transformers' module tensors (a layer's experts fused,
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I], the names the FSDP2 trainer exports), equal to
+    the model's own bit for bit, on rank 0 only; the other ranks' buckets are empty."""
+    initial = module_weights(setup["q3"])
+    assert initial["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert set(reference["fsdp"]["weights0"]) == set(initial)
+    for name, ranks in _megatron_runs(reference, ep2, tp2ep2).items():
+        got = ranks[0]["weights0"]
+        assert set(got) == set(initial), name
+        for key, w in initial.items():
+            assert np.array_equal(got[key], w), (name, key)
+        for other in ranks[1:]:
+            assert other["weights0"] == {}, name
+
+
+def test_moe_gradients_and_step_match_fsdp(setup, reference, ep2, tp2ep2):
+    """Gradients of every tensor (experts gathered over the expert-parallel ranks), the clipped
+    grad norm and the weights after one Adam step: those of the FSDP2 trainer."""
+    fsdp = reference["fsdp"]
+    initial = module_weights(setup["q3"])
+    moved = [k for k, w in fsdp["weights1"].items() if not np.array_equal(w, initial[k])]
+    assert "model.layers.1.mlp.experts.gate_up_proj" in moved and "model.layers.0.mlp.gate.weight" in moved
+    for name, ranks in _megatron_runs(reference, ep2, tp2ep2).items():
+        res = ranks[0]
+        assert set(res["grads"]) == set(fsdp["grads"]), name
+        for key, g in fsdp["grads"].items():
+            np.testing.assert_allclose(res["grads"][key].numpy(), g.numpy(), rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{name} {key}")
+        assert res["step"]["grad_norm"] == pytest.approx(fsdp["step"]["grad_norm"], rel=1e-4), name
+        for key, w in fsdp["weights1"].items():
+            np.testing.assert_allclose(res["weights1"][key], w, rtol=0, atol=1e-5, err_msg=f"{name} {key}")
+
+
+def test_routing_replay_uses_the_given_experts(setup, ep2):
+    """routing_replay: rollout at EP2 (with full recomputation, so the backward's recomputed forward
+    replays too): replaying the router's own choices gives the log-probs without replay; another
+    routing changes them; the experts every router used are the given ones, and the router's own
+    top-k for the tokens without a record (-1)."""
+    own, other = setup["q3_routing"], setup["q3_other"]
+    batch = setup["batch"]
+    off = batch["offsets"]
+    for rank, res in enumerate(ep2[0]):  # data-parallel replica r: samples 4r .. 4r+3
+        np.testing.assert_allclose(res["replay_own"], setup["q3_hf_logp"], rtol=0, atol=1e-5)
+        assert np.abs(res["replay_other"] - res["replay_own"]).max() > 1e-2
+        for used in (res["used"], res["used_train"]):
+            assert len(used) == other.shape[1]
+            for layer, idx in enumerate(used):
+                # one micro-batch of the replica's 4 samples, right-padded: router tokens in [s, b] order
+                width = idx.shape[0] // 4
+                idx = idx.reshape(width, 4, -1)
+                for row in range(4):
+                    i = 4 * rank + row
+                    n = int(off[i + 1] - off[i])
+                    given = other[off[i]:off[i + 1], layer]
+                    got = idx[:n, row].numpy()
+                    recorded = given[:, 0] >= 0
+                    assert recorded.any() and not recorded.all() or n < 5
+                    assert np.array_equal(got[recorded], given[recorded])
+                    if layer == 0:  # later layers' inputs depend on the routing before them
+                        assert np.array_equal(np.sort(got[~recorded], -1),
+                                              np.sort(own[off[i]:off[i + 1], layer][~recorded], -1))
+                    assert all(len(set(r)) == len(r) and min(r) >= 0 for r in got.tolist())
+
+
+def test_moe_checkpoint_resumes_bit_for_bit(ep2):
+    for res in ep2[0]:
+        expected, got = res["resume"]
+        assert got == expected and got["grad_norm"] > 0
+    before, after = ep2[0][0]["resume_weights"]
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_merge_of_expert_parallel_checkpoints(setup, ep2, tp2ep2, tmp_path):
+    """``chatlearn merge`` of the EP2 and the TP2 x EP2 checkpoints: a folder in save_pretrained's
+    layout (per-expert tensor names) that transformers loads, with the trainer's weights and the
+    trainer's log-probs."""
+    from safetensors import safe_open
+    from test_fsdp_trainer import hf_logprobs as hf_lp
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.checkpoint.merge import merge_checkpoint
+
+    for name, (ranks, out) in (("ep2", ep2), ("tp2xep2", tp2ep2)):
+        folder = str(tmp_path / name)
+        merge_checkpoint(os.path.join(str(out), "checkpoint"), folder)
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        assert "model.layers.0.mlp.experts.3.gate_proj.weight" in keys, name
+        assert not any(k.endswith("gate_up_proj") for k in keys), name
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        params = dict(model.named_parameters())
+        for key, w in ranks[0]["saved_weights"].items():
+            assert np.array_equal(params[key].detach().numpy(), w), (name, key)
+        if "saved_logp" in ranks[0]:
+            logp, _ = hf_lp(folder, setup["batch"])
+            np.testing.assert_allclose(logp, ranks[0]["saved_logp"], rtol=0, atol=1e-5)

@@ -505,7 +505,8 @@ class MegatronTrainer(Trainer):
         plan, longest = self._plan_micro_batches(all_lens, idx, size)
         out, computed = [], 0
         for mb in plan:
-            nrows, width = self._micro_batch_shape(all_lens[mb], lens, size, longest, fixed)
+            nrows, width = self._micro_batch_shape(all_lens[mb], all_lens if self._same_shape_over_replicas()
+                                                   else lens, size, longest, fixed)
             out.append(self._build_micro_batch(batch, mb, all_lens[mb], nrows, width))
             if len(mb):
                 computed += nrows * width
@@ -544,7 +545,15 @@ class MegatronTrainer(Trainer):
         plans, _ = plan_micro_batches(all_lens, shares, size, True,
                                       int(self.spec.max_token_in_packing))
         plan = plans[self.dp_rank]
-        return plan, max(int(all_lens[mb].sum()) for mb in plan if len(mb))
+        mine = plans if self._same_shape_over_replicas() else [plan]
+        return plan, max(int(all_lens[mb].sum()) for p in mine for mb in p if len(mb))
+
+    def _same_shape_over_replicas(self) -> bool:
+        """Whether every micro-batch of every data-parallel replica has one shape: megatron-core's
+        allgather token dispatcher all-gathers the tokens over the tensor x expert-parallel ranks,
+        which hold different replicas' samples when ``expert_model_parallel_size`` > 1 (the alltoall
+        dispatcher takes any number of tokens per rank)."""
+        return bool(self.moe) and self.moe.dispatcher == "allgather" and self.ep > 1
 
     def _micro_batch_shape(self, mb_lens: np.ndarray, lens: np.ndarray, size: int,
                            longest: int | None, fixed: int | None) -> tuple[int, int]:
@@ -559,9 +568,11 @@ class MegatronTrainer(Trainer):
         its longest sample and a packed row is exactly its bin (a dummy row is one token).
         With ``fixed`` every micro-batch is exactly that wide (Megatron's fixed sequence
         length). Under sequence parallelism every width is a multiple of ``tp`` (rounded up
-        with padding; a ``seq_length`` must already be one).
+        with padding; a ``seq_length`` must already be one). With the allgather token dispatcher
+        over several expert-parallel ranks every replica's micro-batches have one shape too
+        (:meth:`_same_shape_over_replicas`: ``lens`` and ``longest`` are then over all replicas).
         """
-        uniform = self.pp > 1
+        uniform = self.pp > 1 or self._same_shape_over_replicas()
         if self.spec.packing:
             width = longest if uniform else max(int(mb_lens.sum()), 1)
             nrows = 1
