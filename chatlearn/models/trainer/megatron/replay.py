@@ -121,14 +121,17 @@ def layer_targets(routed: torch.Tensor, stage_moe_slots: list[int], tp: int, tp_
 
 def decode_column(column, num_moe_layers: int, top_k: int) -> np.ndarray:
     """The batch's ``routed_experts`` token column as int64 ``[tokens, moe_layers, top_k]`` (-1: no
-    record). The column's own decoder (``chatlearn.models.moe``) where it exists; else the
-    column is taken as integers of that shape (any integer dtype, -1 or a negative value = none)."""
+    record). The column's own decoder (``chatlearn.models.moe.layout.decode``) where it is
+    installed; else its documented encoding (``chatlearn/batch.py``): uint8 with 255, or a signed
+    integer with -1, for no record."""
     try:
-        from chatlearn.models.moe import decode_routed_experts  # type: ignore[attr-defined]
+        from chatlearn.models.moe.layout import decode  # type: ignore[import-not-found]
     except ImportError:
-        decode_routed_experts = None
-    if decode_routed_experts is not None:
-        return np.asarray(decode_routed_experts(column), dtype=np.int64).reshape(-1, num_moe_layers, top_k)
-    arr = np.asarray(column).astype(np.int64)
-    out = arr.reshape(arr.shape[0], num_moe_layers, top_k)
-    return np.where(out < 0, -1, out)
+        decode = None
+    arr = np.asarray(column)
+    if decode is not None:
+        out = np.asarray(decode(arr), dtype=np.int64)
+    else:
+        out = arr.astype(np.int64)
+        out[(out < 0) | ((arr == 255) if arr.dtype == np.uint8 else False)] = -1
+    return out.reshape(arr.shape[0], num_moe_layers, top_k)
