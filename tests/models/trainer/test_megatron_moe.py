@@ -341,3 +341,103 @@ def test_merge_of_expert_parallel_checkpoints(setup, ep2, tp2ep2, tmp_path):
         if "saved_logp" in ranks[0]:
             logp, _ = hf_lp(folder, setup["batch"])
             np.testing.assert_allclose(logp, ranks[0]["saved_logp"], rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- without ranks
+
+
+@pytest.fixture(scope="module")
+def q3_folder(tmp_path_factory):
+    return make_moe_model(str(tmp_path_factory.mktemp("q3arch")), "qwen3_moe")
+
+
+def _check(q3_folder, world, tp=1, pp=1, ep=1, etp=None):
+    from chatlearn.checkpoint.megatron_mapping import HFArch
+    from chatlearn.models.trainer.megatron.trainer import check_parallel_sizes
+
+    check_parallel_sizes(world, tp, pp, ep, etp, HFArch.from_folder(q3_folder),
+                         lambda k: f"models.policy_trainer.{k}")
+
+
+@pytest.mark.parametrize("world,tp,ep,etp,key,words", [
+    (3, 1, 2, None, "expert_model_parallel_size", "3 trainer ranks do not divide"),
+    (4, 2, 4, None, "expert_model_parallel_size", "expert_tensor_parallel_size 2 x expert_model_parallel_size 4"),
+    (6, 1, 3, None, "expert_model_parallel_size", "4 experts do not divide"),
+    (3, 1, 1, 3, "expert_tensor_parallel_size", "does not divide the experts' intermediate size"),
+    (3, 2, 1, None, "tensor_model_parallel_size", "do not divide into tensor_model_parallel_size 2"),
+])
+def test_parallel_layout_is_checked_before_start(q3_folder, world, tp, ep, etp, key, words):
+    """EP x ETP x PP (and TP x PP) against the trainer's ranks, experts over EP, ETP against the experts'
+    intermediate size: one paragraph naming the key, before any process group is made."""
+    from chatlearn.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        _check(q3_folder, world, tp=tp, ep=ep, etp=etp)
+    assert err.value.key == f"models.policy_trainer.{key}" and words in str(err.value)
+    _check(q3_folder, 4, tp=2, ep=2)  # TP2 x EP2 on 4 ranks, EP2 x DP2, ETP1 x EP4: fine
+    _check(q3_folder, 4, ep=2)
+    _check(q3_folder, 4, tp=1, ep=4, etp=1)
+
+
+def test_moe_config_matches_hugging_face_routing(q3_folder, tmp_path):
+    """The router's settings: renormalised top-k (norm_topk_prob) = softmax over the top-k logits
+    (pre-softmax off); without renormalisation pre-softmax on; mlp_only_layers / decoder_sparse_step keep
+    dense layers (moe_layer_freq); top-1 with renormalisation refused with the reason."""
+    from chatlearn.checkpoint.megatron_mapping import HFArch
+    from chatlearn.models.trainer.megatron.model import MoEOptions, moe_config
+
+    arch = HFArch.from_folder(q3_folder)
+    conf = moe_config(arch, MoEOptions(ep=2, aux_loss_coeff=None), None)
+    assert conf["moe_router_pre_softmax"] is False and conf["moe_router_topk"] == 2
+    assert conf["moe_layer_freq"] == [1, 1] and conf["moe_aux_loss_coeff"] == arch.router_aux_loss_coef
+    assert conf["expert_model_parallel_size"] == 2 and conf["moe_shared_expert_intermediate_size"] is None
+    q2 = HFArch.from_folder(make_moe_model(str(tmp_path / "q2"), "qwen2_moe", num_hidden_layers=4,
+                                           mlp_only_layers=[1], decoder_sparse_step=1))
+    conf = moe_config(q2, MoEOptions(aux_loss_coeff=0.5, layer_recompute=True), "full")
+    assert conf["moe_router_pre_softmax"] is True and conf["moe_layer_freq"] == [1, 0, 1, 1]
+    assert conf["moe_shared_expert_intermediate_size"] == 48 and conf["moe_shared_expert_gate"] is True
+    assert conf["moe_aux_loss_coeff"] == 0.5 and conf["moe_layer_recompute"] is False  # full covers it
+    top1 = HFArch.from_folder(make_moe_model(str(tmp_path / "top1"), "qwen3_moe", num_experts_per_tok=1))
+    with pytest.raises(NotImplementedError, match="norm_topk_prob"):
+        moe_config(top1, MoEOptions(), None)
+
+
+def test_mapping_covers_the_saved_tensors_of_both_models(q3_folder, tmp_path):
+    """Every tensor save_pretrained writes (per-expert names) has exactly one Megatron parameter, with
+    the shapes of the mapping; the module view fuses a layer's experts as transformers holds them."""
+    from safetensors import safe_open
+
+    from chatlearn.checkpoint.megatron_mapping import HFArch, fuse_module_view, hf_shapes, mappings, module_views
+
+    q2 = make_moe_model(str(tmp_path / "q2"), "qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    for folder in (q3_folder, q2):
+        arch = HFArch.from_folder(folder)
+        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        ms = mappings(arch)
+        mapped = {n: s for m in ms for n, s in zip(m.hf, hf_shapes(arch, m))}
+        assert mapped == saved
+        assert len({m.megatron for m in ms}) == len(ms)
+    arch = HFArch.from_folder(q3_folder)
+    views = {v[0]: v for v in module_views(arch, [n for m in mappings(arch) for n in m.hf])}
+    name, shape, parts, fusion = views["model.layers.1.mlp.experts.gate_up_proj"]
+    gate_up = fuse_module_view(fusion, [torch.full((32, 64), float(i)) for i in range(len(parts))])
+    assert gate_up.shape == shape == (4, 64, 64) and parts[2] == "model.layers.1.mlp.experts.1.gate_proj.weight"
+    assert gate_up[1, :32].eq(2).all() and gate_up[1, 32:].eq(3).all()  # expert 1: its gate rows, then up
+
+
+def test_checkpoint_of_another_expert_count_is_refused(tmp_path):
+    from chatlearn.checkpoint import megatron_format as fmt
+    from chatlearn.checkpoint import sharded
+    from chatlearn.errors import UserError
+
+    layout = {"world_size": 2, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+              "use_distributed_optimizer": False, "dtype": "float32", "expert_model_parallel_size": 2,
+              "expert_tensor_parallel_size": 1, "num_experts": 8}
+    fmt.write_meta(str(tmp_path), {**layout, "hf_source": "/models/eight"})
+    sharded.mark_complete(str(tmp_path))
+    assert fmt.read_meta(str(tmp_path), layout)["num_experts"] == 8
+    with pytest.raises(UserError, match="8 experts per MoE layer, and the model loaded now has 4"):
+        fmt.read_meta(str(tmp_path), {**layout, "num_experts": 4})
+    with pytest.raises(UserError, match="expert_model_parallel_size 2"):
+        fmt.read_meta(str(tmp_path), {**layout, "expert_model_parallel_size": 1})
