@@ -161,6 +161,11 @@ def job_ep2(rank, world, setup, out):
         res.update(_replay(rep, batch, setup["q3_routing"], setup["q3_other"]))
         q2 = MegatronTrainer(moe_spec(setup["q2"], ep=2, moe_token_dispatcher_type="allgather", trainable=False))
         res["q2_ep2"] = q2.compute_logprobs(batch)
+        critic = MegatronTrainer(moe_spec(setup["q3"], ep=2, role="critic", cliprange_value=0.2, value_loss_coef=0.5,
+                                          routing_replay="rollout"))
+        res["critic_values"] = critic.compute_values(batch)
+        res["critic_step"] = critic.train(setup["critic_columns"])
+        res["critic_after"] = critic.compute_values(batch)
     return res
 
 
@@ -189,7 +194,14 @@ def setup(tmp_path_factory):
     batch = make_batch(96)
     logp, _ = hf_logprobs(q3, batch)
     routing = hf_routing(q3, batch)
+    from test_fsdp_critic import hf_values, value_columns
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(0)  # the trainers seed the new value head with their seed (0)
+    critic = AutoModelForTokenClassification.from_pretrained(q3, num_labels=1, dtype=torch.float32).eval()
+    values = hf_values(critic, batch)
     return {"q3": q3, "q2": q2, "batch": add_logprobs(batch, logp), "q3_hf_logp": logp,
+            "critic_values": values, "critic_columns": value_columns(batch, values),
             "q3_hf_logp_t": hf_logprobs(q3, batch, temperature=TEMPERATURE)[0],
             "q2_hf_logp": hf_logprobs(q2, batch)[0], "q3_routing": routing,
             "q3_other": shuffled_routing(routing, 4)}
@@ -441,3 +453,13 @@ def test_checkpoint_of_another_expert_count_is_refused(tmp_path):
         fmt.read_meta(str(tmp_path), {**layout, "num_experts": 4})
     with pytest.raises(UserError, match="expert_model_parallel_size 2"):
         fmt.read_meta(str(tmp_path), {**layout, "expert_model_parallel_size": 1})
+
+
+def test_critic_on_moe_works_at_ep2(setup, ep2):
+    """PPO's critic on the MoE model at EP2: the values of transformers' token-classification model with
+    the same initial head, and a finite step that moves them; it routes itself (routing_replay applies to
+    the policy and the reference)."""
+    for res in ep2[0]:
+        np.testing.assert_allclose(res["critic_values"], setup["critic_values"], rtol=0, atol=1e-5)
+        assert np.isfinite(res["critic_step"]["loss"]) and res["critic_step"]["grad_norm"] > 0
+        assert np.abs(res["critic_after"] - res["critic_values"]).max() > 1e-4
