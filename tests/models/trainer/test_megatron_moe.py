@@ -187,6 +187,22 @@ def job_tp2ep2(rank, world, setup, out):
     return res
 
 
+def job_pp2(rank, world, setup, out):
+    """PP2 (one MoE layer per stage) with routing replay and full recomputation: each stage replays its
+    own layer's records, in the forward and in the backward's recomputation."""
+    from megatron_shim import cpu_device_shim
+
+    with cpu_device_shim():
+        from chatlearn.models.trainer.megatron import MegatronTrainer
+
+        trainer = MegatronTrainer(moe_spec(setup["q3"], pipeline_model_parallel_size=2, routing_replay="rollout",
+                                           gradient_checkpointing=True))
+        res = _replay(trainer, setup["batch"], setup["q3_routing"], setup["q3_other"])
+        res["stage_slots"] = trainer._stage_moe_slots
+        res["step"] = trainer.train(dict(setup["batch"], routed_experts=setup["q3_other"]))
+    return res
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     q3 = make_moe_model(str(tmp_path_factory.mktemp("q3moe")), "qwen3_moe")
@@ -220,6 +236,11 @@ def reference(setup, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ep2(setup, tmp_path_factory):
     return _run(job_ep2, 2, setup, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pp2(setup, tmp_path_factory):
+    return _run(job_pp2, 2, setup, tmp_path_factory)[0]
 
 
 @pytest.fixture(scope="module")
@@ -463,3 +484,22 @@ def test_critic_on_moe_works_at_ep2(setup, ep2):
         np.testing.assert_allclose(res["critic_values"], setup["critic_values"], rtol=0, atol=1e-5)
         assert np.isfinite(res["critic_step"]["loss"]) and res["critic_step"]["grad_norm"] > 0
         assert np.abs(res["critic_after"] - res["critic_values"]).max() > 1e-4
+
+
+def test_routing_replay_with_pipeline_parallelism(setup, ep2, pp2):
+    """PP2: stage s replays MoE layer s's records; the log-probs under the router's own routing are
+    transformers', under another routing those of EP2 with the same routing; training replays too."""
+    assert [r["stage_slots"] for r in pp2] == [[0], [1]]
+    for res in pp2:
+        np.testing.assert_allclose(res["replay_own"], setup["q3_hf_logp"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(res["replay_other"], ep2[0][0]["replay_other"], rtol=0, atol=1e-5)
+        assert res["replay_metrics"]["loss"] == pytest.approx(ep2[0][0]["replay_metrics"]["loss"], abs=1e-5)
+        assert np.isfinite(res["step"]["grad_norm"]) and res["step"]["grad_norm"] > 0
+    for stage, res in enumerate(pp2):  # the experts stage s's router used: layer s's given ones
+        given = setup["q3_other"][:, stage]
+        used = res["used"][0].reshape(-1, 8, 2)
+        off = setup["batch"]["offsets"]
+        for i in range(8):
+            n = int(off[i + 1] - off[i])
+            rec = given[off[i]:off[i + 1], 0] >= 0
+            assert np.array_equal(used[:n, i].numpy()[rec], given[off[i]:off[i + 1]][rec])
