@@ -503,3 +503,13 @@ def test_routing_replay_with_pipeline_parallelism(setup, ep2, pp2):
             n = int(off[i + 1] - off[i])
             rec = given[off[i]:off[i + 1], 0] >= 0
             assert np.array_equal(used[:n, i].numpy()[rec], given[off[i]:off[i + 1]][rec])
+
+
+def test_routed_experts_column_is_decoded_as_declared():
+    """The column's compact encodings (chatlearn/batch.py): uint8 with 255, int16 with -1, for no record."""
+    from chatlearn.models.trainer.megatron.replay import decode_column
+
+    for dtype, none in ((np.uint8, 255), (np.int16, -1)):
+        col = np.array([[[1, none], [3, 2]], [[none, none], [0, 1]]], dtype)
+        got = decode_column(col, 2, 2)
+        assert got.dtype == np.int64 and got.tolist() == [[[1, -1], [3, 2]], [[-1, -1], [0, 1]]]

@@ -121,17 +121,10 @@ def layer_targets(routed: torch.Tensor, stage_moe_slots: list[int], tp: int, tp_
 
 def decode_column(column, num_moe_layers: int, top_k: int) -> np.ndarray:
     """The batch's ``routed_experts`` token column as int64 ``[tokens, moe_layers, top_k]`` (-1: no
-    record). The column's own decoder (``chatlearn.models.moe.layout.decode``) where it is
-    installed; else its documented encoding (``chatlearn/batch.py``): uint8 with 255, or a signed
-    integer with -1, for no record."""
-    try:
-        from chatlearn.models.moe.layout import decode  # type: ignore[import-not-found]
-    except ImportError:
-        decode = None
+    record), from its declared encoding (``chatlearn/batch.py``, ``chatlearn.models.moe.layout``): uint8
+    with 255, or a signed integer with -1 (any negative value), for no record."""
     arr = np.asarray(column)
-    if decode is not None:
-        out = np.asarray(decode(arr), dtype=np.int64)
-    else:
-        out = arr.astype(np.int64)
-        out[(out < 0) | ((arr == 255) if arr.dtype == np.uint8 else False)] = -1
+    out = arr.astype(np.int64)
+    none = (arr == np.iinfo(np.uint8).max) if arr.dtype == np.uint8 else (out < 0)
+    out[none] = -1
     return out.reshape(arr.shape[0], num_moe_layers, top_k)

@@ -97,6 +97,7 @@ from chatlearn.models.trainer.megatron.model import (
     MoEOptions,
     build_gpt_model,
     canonical_name,
+    grouped_gemm_available,
     initial_value_head,
     thd_packed_seq_params,
     transformer_config,
@@ -355,8 +356,6 @@ class MegatronTrainer(Trainer):
                           "experts, so there is nothing to overlap; the key has no effect.", stacklevel=2)
         grouped = bool(spec.groupgemm)
         if grouped:
-            from chatlearn.models.trainer.megatron.model import grouped_gemm_available
-
             ok, why = grouped_gemm_available(self.device)
             if not ok:
                 warnings.warn(f"{key('groupgemm')}: not used here: {why}. The experts run as one GEMM each "
