@@ -112,8 +112,10 @@ def _replay(trainer, batch, own: np.ndarray, other: np.ndarray) -> dict:
     metrics = trainer.compute_grads(dict(batch, routed_experts=other))  # training forward (and backward) too
     used_train = [r.recorded_topk_idx.clone() for r in trainer._replays]
     trainer.zero_grad()
+    own_metrics = trainer.compute_grads(dict(batch, routed_experts=own))
+    trainer.zero_grad()
     return {"replay_own": logp_own, "replay_other": logp_other, "used": used, "used_train": used_train,
-            "replay_metrics": metrics}
+            "replay_metrics": metrics, "replay_own_metrics": own_metrics}
 
 
 def moe_spec(path: str, tp: int = 1, ep: int = 1, **over):
@@ -513,3 +515,18 @@ def test_routed_experts_column_is_decoded_as_declared():
         col = np.array([[[1, none], [3, 2]], [[none, none], [0, 1]]], dtype)
         got = decode_column(col, 2, 2)
         assert got.dtype == np.int64 and got.tolist() == [[[1, -1], [3, 2]], [[-1, -1], [0, 1]]]
+
+
+def test_moe_metrics(reference, ep2, pp2):
+    """``moe/load_imbalance`` (max over mean top-k choices per expert, >= 1) on every MoE training step;
+    ``moe/routing_agreement`` under replay: 1 when the rollout's routing is the router's own, below 1 for
+    another routing (PP2 and EP2 agree: the counts are over all ranks)."""
+    assert reference["ep1"]["metrics"]["moe/load_imbalance"] >= 1.0
+    assert "moe/routing_agreement" not in reference["ep1"]["metrics"]
+    for runs in (ep2[0], pp2):
+        for res in runs:
+            assert res["replay_own_metrics"]["moe/routing_agreement"] == 1.0
+            assert 0.0 < res["replay_metrics"]["moe/routing_agreement"] < 0.9
+            assert res["replay_metrics"]["moe/load_imbalance"] >= 1.0
+    assert pp2[0]["replay_metrics"]["moe/routing_agreement"] == pytest.approx(
+        ep2[0][0]["replay_metrics"]["moe/routing_agreement"])

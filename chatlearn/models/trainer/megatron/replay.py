@@ -46,6 +46,9 @@ def partial_replay_class():
         call (see the module docstring). ``recompute``: the layer is recomputed in backward."""
 
         recompute = False
+        agree = 0.0  # recorded top-k choices the router made itself (training forwards; :func:`agreement`)
+        slots = 0.0  # recorded top-k choices
+        count = False  # count them (the training pass)
 
         def set_target_indices(self, topk_indices: torch.Tensor):
             self.target_topk_idx = topk_indices
@@ -69,8 +72,12 @@ def partial_replay_class():
                 raise RuntimeError(f"routing replay: {tuple(target.shape)} routed experts for {scores.shape[0]} "
                                    f"tokens of top-{topk}")
             own = (target < 0).any(dim=1)
+            _, mine = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+            if self.count and torch.is_grad_enabled() != self.recompute:  # each forward once, not its recompute
+                rec = ~own
+                self.agree += float((target[rec][:, :, None] == mine[rec][:, None, :]).any(-1).sum())
+                self.slots += float(rec.sum()) * topk
             if bool(own.any()):
-                _, mine = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
                 target = torch.where(own[:, None], mine, target)
             probs = scores.gather(1, target)
             self.record_indices(target)

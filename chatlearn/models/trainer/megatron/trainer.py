@@ -231,6 +231,7 @@ class _MicroBatch:
     pos: np.ndarray  # [M] its position in batch["tokens"]
     samples: np.ndarray  # indices of the samples in the batch (real rows only)
     routed: torch.Tensor | None = None  # int64 [rows, width, moe_layers, k]: the experts to replay, -1: none
+    valid: torch.Tensor | None = None  # bool [rows, width]: a sample's token (not padding)
 
 
 class MegatronTrainer(Trainer):
@@ -308,6 +309,7 @@ class MegatronTrainer(Trainer):
         self._stage_moe_slots = [self.arch.moe_layers.index(layer.layer_number - 1)
                                  for layer in self.gpt.decoder.layers
                                  if layer.layer_number - 1 in self.arch.moe_layers]
+        self._moe_counts = self._count_routes() if self.arch.is_moe else None
         self._load_hf(spec.load)
         self.model, self.optimizer = self._wrap()
         self._stashes: dict = {}
@@ -373,6 +375,62 @@ class MegatronTrainer(Trainer):
             force_load_balancing=bool(spec.moe_router_force_load_balancing),
             layer_recompute=bool(spec.moe_layer_recompute), shared_expert_overlap=overlap,
             grouped_gemm=grouped, replay=spec.routing_replay == "rollout" and not self.critic)
+
+    def _count_routes(self) -> torch.Tensor:
+        """``[moe_layers, experts]`` float64 counts of the top-k choices of the training pass's real
+        tokens (padding left out), filled by a forward hook on this stage's routers while
+        ``self._counting`` (each router's output ``(probs, routing_map [tokens, experts])``); the
+        step's ``moe/load_imbalance``."""
+        counts = torch.zeros(len(self.arch.moe_layers), self.arch.num_experts, dtype=torch.float64)
+        self._counting, self._valid_tokens = False, None
+        slots = iter(self._stage_moe_slots)
+        for layer in self.gpt.decoder.layers:
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is None:
+                continue
+            slot = next(slots)
+
+            def hook(module, inputs, output, slot=slot):
+                # once per forward: not again in a recomputation (a full or MoE-layer recompute runs the
+                # first forward without autograd, the recomputation with it)
+                if not self._counting or torch.is_grad_enabled() == self._recomputes_moe():
+                    return
+                routing_map = output[1]
+                valid = self._valid_tokens
+                if valid is not None and valid.numel() == routing_map.shape[0]:
+                    routing_map = routing_map[valid]
+                counts[slot] += routing_map.sum(dim=0).to("cpu", torch.float64)
+
+            router.register_forward_hook(hook)
+        return counts
+
+    def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """:meth:`Trainer.compute_grads`; on a MoE model also ``moe/load_imbalance`` (per MoE layer the
+        most top-k choices any expert got over the mean, over the step's real tokens on every rank, then
+        the mean over layers: the FSDP trainer's definition) and, with routing replay, ``moe/routing_agreement``
+        (the share of the recorded top-k choices that the routers made themselves in the training forward)."""
+        if self._moe_counts is None:
+            return super().compute_grads(batch, temperature)
+        self._moe_counts.zero_()
+        for r in self._replays:
+            r.agree, r.slots, r.count = 0.0, 0.0, True
+        self._counting = True
+        try:
+            metrics = super().compute_grads(batch, temperature)
+        finally:
+            self._counting = False
+            for r in self._replays:
+                r.count = False
+        agree = [sum(r.agree for r in self._replays), sum(r.slots for r in self._replays)]
+        sums = torch.cat([self._moe_counts.reshape(-1), torch.tensor(agree, dtype=torch.float64)]).to(self.device)
+        dist.all_reduce(sums)  # tensor-parallel copies (without sequence parallelism) scale a layer's row evenly
+        sums = sums.cpu()
+        counts = sums[:-2].reshape(self._moe_counts.shape)
+        rows = [c for c in counts if float(c.sum()) > 0]
+        metrics["moe/load_imbalance"] = (sum(float(c.max() / c.mean()) for c in rows) / len(rows)) if rows else 0.0
+        if self.moe.replay and "routed_experts" in batch:
+            metrics["moe/routing_agreement"] = float(sums[-2] / sums[-1]) if float(sums[-1]) else 1.0
+        return metrics
 
     def _recomputes_moe(self) -> bool:
         """Whether an MoE layer's forward runs again in backward (full recomputation, or
@@ -595,6 +653,7 @@ class MegatronTrainer(Trainer):
         rows, cols, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         routed = (None if getattr(self, "_routed", None) is None else
                   torch.full((nrows, width, *self._routed.shape[1:]), -1, dtype=torch.long))
+        valid = torch.zeros(nrows, width, dtype=torch.bool)
         start = 0
         for b, (i, n) in enumerate(zip(mb, mb_lens)):
             n = int(n)
@@ -604,6 +663,7 @@ class MegatronTrainer(Trainer):
                 positions[0, col:col + n] = torch.arange(n)
                 segment[col:col + n] = b
                 start += n
+            valid[row, col:col + n] = True
             if routed is not None:
                 routed[row, col:col + n] = torch.from_numpy(self._routed[off[i]:off[i + 1]])
             resp = response_positions(batch, i)  # the model's tokens (not a multi-turn observation)
@@ -620,7 +680,7 @@ class MegatronTrainer(Trainer):
             rows=torch.from_numpy(np.concatenate(rows)).to(self.device),
             cols=torch.from_numpy(np.concatenate(cols)).to(self.device),
             pos=np.concatenate(pos), samples=mb,
-            routed=None if routed is None else routed.to(self.device))
+            routed=None if routed is None else routed.to(self.device), valid=valid.to(self.device))
 
     def _packed_attention(self, mb_lens: np.ndarray, segment: torch.Tensor, width: int):
         """``(mask, packed)`` confining attention to each sample of a packed row (``segment``:
@@ -681,6 +741,11 @@ class MegatronTrainer(Trainer):
                                                bool(self.config.sequence_parallel))
                 for r, t in zip(self._replays, targets):
                     r.set_target_indices(t)
+            if self._moe_counts is not None:  # the real tokens in the routers' order ([s, b], this rank's slice)
+                valid = mb.valid.t()
+                if self.config.sequence_parallel and self.tp > 1:
+                    valid = valid.chunk(self.tp, dim=0)[self.tp_rank]
+                self._valid_tokens = valid.reshape(-1)
             logits = model(input_ids=mb.ids, position_ids=mb.positions, attention_mask=mb.mask,
                            packed_seq_params=mb.packed)
             return logits, partial(loss_func, mb)
