@@ -201,7 +201,19 @@ def job_pp2(rank, world, setup, out):
                                            gradient_checkpointing=True))
         res = _replay(trainer, setup["batch"], setup["q3_routing"], setup["q3_other"])
         res["stage_slots"] = trainer._stage_moe_slots
-        res["step"] = trainer.train(dict(setup["batch"], routed_experts=setup["q3_other"]))
+        other = dict(setup["batch"], routed_experts=setup["q3_other"])
+        trainer.compute_grads(other)
+        res["grads_full_recompute"] = trainer.full_grads()
+        trainer.zero_grad()
+        res["step"] = trainer.train(other)
+        layer = MegatronTrainer(moe_spec(setup["q3"], pipeline_model_parallel_size=2, routing_replay="rollout",
+                                         moe_layer_recompute=True))
+        res["layer_recompute"] = layer.config.recompute_granularity, list(layer.config.recompute_modules)
+        res["layer_recompute_metrics"] = layer.compute_grads(other)
+        res["grads_layer_recompute"] = layer.full_grads()
+        plain = MegatronTrainer(moe_spec(setup["q3"], pipeline_model_parallel_size=2, routing_replay="rollout"))
+        plain.compute_grads(other)
+        res["grads_no_recompute"] = plain.full_grads()
     return res
 
 
@@ -530,3 +542,19 @@ def test_moe_metrics(reference, ep2, pp2):
             assert res["replay_metrics"]["moe/load_imbalance"] >= 1.0
     assert pp2[0]["replay_metrics"]["moe/routing_agreement"] == pytest.approx(
         ep2[0][0]["replay_metrics"]["moe/routing_agreement"])
+
+
+def test_replay_under_moe_layer_recompute(pp2):
+    """moe_layer_recompute (megatron-core's selective recompute of the MoE layer) and full recomputation
+    replay the same routing in the recomputation: the loss, agreement and gradients without
+    recomputation."""
+    for res in pp2:
+        assert res["layer_recompute"][0] == "selective" and "moe" in res["layer_recompute"][1]
+        assert res["layer_recompute_metrics"]["loss"] == pytest.approx(res["replay_metrics"]["loss"], abs=1e-6)
+        assert res["layer_recompute_metrics"]["moe/routing_agreement"] == res["replay_metrics"]["moe/routing_agreement"]
+    plain = pp2[0]["grads_no_recompute"]
+    for name in ("grads_full_recompute", "grads_layer_recompute"):
+        got = pp2[0][name]
+        assert set(got) == set(plain) and len(plain) > 0
+        for key, g in plain.items():
+            np.testing.assert_allclose(got[key].numpy(), g.numpy(), rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
