@@ -131,7 +131,8 @@ def job_reference(rank, world, setup, out):
 
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
-    res = {"fsdp": _parity(FSDPTrainer(trainer_spec(setup["q3"], lr=LR)), setup["batch"])}
+    res = {"fsdp": _parity(FSDPTrainer(trainer_spec(setup["q3"], lr=LR)), setup["batch"]),
+           "fsdp_q2": _parity(FSDPTrainer(trainer_spec(setup["q2"], lr=LR)), setup["batch"])}
     with cpu_device_shim():
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
@@ -161,8 +162,9 @@ def job_ep2(rank, world, setup, out):
         res["resume_weights"] = (_exported(trainer), _exported(resumed))
         rep = MegatronTrainer(moe_spec(setup["q3"], ep=2, routing_replay="rollout", gradient_checkpointing=True))
         res.update(_replay(rep, batch, setup["q3_routing"], setup["q3_other"]))
-        q2 = MegatronTrainer(moe_spec(setup["q2"], ep=2, moe_token_dispatcher_type="allgather", trainable=False))
+        q2 = MegatronTrainer(moe_spec(setup["q2"], ep=2, moe_token_dispatcher_type="allgather"))
         res["q2_ep2"] = q2.compute_logprobs(batch)
+        res["q2_parity"] = _parity(q2, batch)
         critic = MegatronTrainer(moe_spec(setup["q3"], ep=2, role="critic", cliprange_value=0.2, value_loss_coef=0.5,
                                           routing_replay="rollout"))
         res["critic_values"] = critic.compute_values(batch)
@@ -558,3 +560,17 @@ def test_replay_under_moe_layer_recompute(pp2):
         assert set(got) == set(plain) and len(plain) > 0
         for key, g in plain.items():
             np.testing.assert_allclose(got[key].numpy(), g.numpy(), rtol=1e-5, atol=1e-7, err_msg=f"{name} {key}")
+
+
+def test_qwen2_moe_shared_expert_trains_as_fsdp(reference, ep2):
+    """Qwen2-MoE at EP2 with the allgather dispatcher: the shared expert and its sigmoid gate, the
+    router and the experts get FSDP2's gradients, and one step gives its weights."""
+    fsdp = reference["fsdp_q2"]
+    res = ep2[0][0]["q2_parity"]
+    assert "model.layers.0.mlp.shared_expert_gate.weight" in fsdp["grads"]
+    assert set(res["grads"]) == set(fsdp["grads"])
+    for key, g in fsdp["grads"].items():
+        np.testing.assert_allclose(res["grads"][key].numpy(), g.numpy(), rtol=1e-4, atol=1e-6, err_msg=key)
+    assert res["step"]["grad_norm"] == pytest.approx(fsdp["step"]["grad_norm"], rel=1e-4)
+    for key, w in fsdp["weights1"].items():
+        np.testing.assert_allclose(res["weights1"][key], w, rtol=0, atol=1e-5, err_msg=key)
