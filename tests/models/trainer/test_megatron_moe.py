@@ -18,7 +18,7 @@ import torch
 from test_fsdp_trainer import add_logprobs, hf_logprobs, make_batch, run_ranks, trainer_spec
 from test_megatron_trainer import needs_megatron
 
-pytestmark = [needs_megatron, pytest.mark.slow]
+pytestmark = [needs_megatron, pytest.mark.timeout(600)]  # the rank jobs: 4 of 1 to 4 ranks, about 40 s in all
 
 TEMPERATURE = 0.8
 LR = 1e-4
