@@ -62,6 +62,34 @@ class LoraSpec(_Spec):
                    modules_to_save=tuple(str(m) for m in lora.modules_to_save), push=str(lora.push))
 
 
+@dataclass(frozen=True)
+class MoeSpec(_Spec):
+    """A trainer section's MoE keys (``chatlearn/models/trainer/moe.py`` acts on them in the FSDP trainer) (``chatlearn/config/schema.py`` ``TrainerModel``), as the trainers read them."""
+
+    aux_loss_coeff: Optional[float]  # None: config.json's router_aux_loss_coef
+    z_loss_coeff: float
+    force_load_balancing: bool
+    layer_recompute: bool
+    groupgemm: bool
+    token_dispatcher_type: str
+    shared_expert_overlap: bool
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: Optional[int]
+
+    @classmethod
+    def from_config(cls, t) -> "MoeSpec":
+        """From a trainer section ``t`` of the validated config."""
+        return cls(aux_loss_coeff=None if t.moe_aux_loss_coeff is None else float(t.moe_aux_loss_coeff),
+                   z_loss_coeff=float(t.moe_z_loss_coeff),
+                   force_load_balancing=bool(t.moe_router_force_load_balancing),
+                   layer_recompute=bool(t.moe_layer_recompute), groupgemm=bool(t.groupgemm),
+                   token_dispatcher_type=str(t.moe_token_dispatcher_type),
+                   shared_expert_overlap=bool(t.moe_shared_expert_overlap),
+                   expert_model_parallel_size=int(t.expert_model_parallel_size),
+                   expert_tensor_parallel_size=(None if t.expert_tensor_parallel_size is None
+                                                else int(t.expert_tensor_parallel_size)))
+
+
 # models.*.recompute_granularity as the config spells it -> as megatron-core does
 RECOMPUTE = {None: None, "full": "full", "sel": "selective", "selective": "selective"}
 
@@ -140,21 +168,14 @@ class TrainerSpec(_Spec):
     sequence_parallel: bool
     use_distributed_optimizer: bool
     lora: Optional[LoraSpec]  # policy_trainer's adapters (models.policy_trainer.lora); None: full fine-tuning
-    # mixture of experts (docs/config.md, "Mixture of experts"): read where the model has experts
-    expert_model_parallel_size: int
-    expert_tensor_parallel_size: Optional[int]
-    moe_token_dispatcher_type: str
-    moe_aux_loss_coeff: Optional[float]
-    moe_z_loss_coeff: float
-    moe_router_force_load_balancing: bool
-    moe_layer_recompute: bool
-    moe_shared_expert_overlap: bool
-    groupgemm: bool
-    routing_replay: str  # the policy trainer's: off | rollout
+    moe: MoeSpec  # the section's MoE keys (read where the model has experts)
     # runtime_args.plugins and the directory they are found from (the driver's): the worker imports them before it
     # builds the backend, so that a plugged policy loss or KL estimator is registered where the loss runs
     plugins: tuple
     plugins_dir: str
+    # models.policy_trainer.routing_replay (off | rollout): every forward of an MoE model routes the tokens to
+    # the experts the rollout recorded (the batch's routed_experts; chatlearn/models/moe), the reference's too
+    routing_replay: str
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
@@ -193,14 +214,8 @@ class TrainerSpec(_Spec):
             tensor_model_parallel_size=t.tensor_model_parallel_size,
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
             use_distributed_optimizer=t.use_distributed_optimizer,
-            lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None,
-            expert_model_parallel_size=t.expert_model_parallel_size,
-            expert_tensor_parallel_size=t.expert_tensor_parallel_size,
-            moe_token_dispatcher_type=t.moe_token_dispatcher_type, moe_aux_loss_coeff=t.moe_aux_loss_coeff,
-            moe_z_loss_coeff=t.moe_z_loss_coeff, moe_router_force_load_balancing=t.moe_router_force_load_balancing,
-            moe_layer_recompute=t.moe_layer_recompute, moe_shared_expert_overlap=t.moe_shared_expert_overlap,
-            groupgemm=t.groupgemm, routing_replay=pt.routing_replay,
-            plugins=tuple(rt.plugins), plugins_dir=os.getcwd())
+            lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None, moe=MoeSpec.from_config(t),
+            plugins=tuple(rt.plugins), plugins_dir=os.getcwd(), routing_replay=pt.routing_replay)
 
 
 @dataclass(frozen=True)
@@ -222,6 +237,9 @@ class RolloutSpec(_Spec):
     tensor_model_parallel_size: int
     deterministic_inference: Optional[bool]  # None until resolved: on for CPU, off on CUDA
     cpu_threads: Optional[int]  # torch threads of a CPU engine (None: leave as is)
+    # models.policy_trainer.routing_replay: rollout makes the engine record each token's routed experts (the
+    # batch's routed_experts column) for the trainers to replay
+    routing_replay: str
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
@@ -237,7 +255,8 @@ class RolloutSpec(_Spec):
             dtype=p.dtype, gpu_memory_utilization=p.gpu_memory_utilization, kv_cache=p.kv_cache,
             enforce_eager=p.enforce_eager,
             tensor_model_parallel_size=p.tensor_model_parallel_size,
-            deterministic_inference=p.deterministic_inference, cpu_threads=None)
+            deterministic_inference=p.deterministic_inference, cpu_threads=None,
+            routing_replay=cfg.models.policy_trainer.routing_replay)
 
 
 @dataclass(frozen=True)

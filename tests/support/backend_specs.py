@@ -8,7 +8,12 @@ value it relies on.
 """
 from __future__ import annotations
 
-from chatlearn.models.specs import RolloutSpec, TrainerSpec
+from chatlearn.models.specs import MoeSpec, RolloutSpec, TrainerSpec
+
+# the MoE keys at the schema's defaults (moe_aux_loss_coeff null: the model's config.json)
+MOE_DEFAULTS = MoeSpec(aux_loss_coeff=None, z_loss_coeff=0.0, force_load_balancing=False, layer_recompute=False,
+                       groupgemm=False, token_dispatcher_type="alltoall", shared_expert_overlap=False,
+                       expert_model_parallel_size=1, expert_tensor_parallel_size=None)
 
 TRAINER_DEFAULTS = dict(
     trust_remote_code=False, seed=0, trainable=True, role="policy",
@@ -23,16 +28,14 @@ TRAINER_DEFAULTS = dict(
     cliprange_value=0.5, value_loss_coef=0.5,
     gradient_checkpointing=False, recompute_granularity=None, bf16=False, meta_init=False,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
-    use_distributed_optimizer=False, lora=None, plugins=(), plugins_dir="",
-    expert_model_parallel_size=1, expert_tensor_parallel_size=None, moe_token_dispatcher_type="alltoall",
-    moe_aux_loss_coeff=None, moe_z_loss_coeff=0.0, moe_router_force_load_balancing=False, moe_layer_recompute=False,
-    moe_shared_expert_overlap=False, groupgemm=False, routing_replay="off")
+    use_distributed_optimizer=False, lora=None, moe=MOE_DEFAULTS, plugins=(), plugins_dir="",
+    routing_replay="off")
 
 ROLLOUT_DEFAULTS = dict(
     trust_remote_code=False, seed=1234, generation_batch_size=8, max_prompt_tokens_length=32,
     max_response_tokens_length=16, seq_length=None, max_num_batched_tokens=None, dtype="float32",
     gpu_memory_utilization=0.5, kv_cache="fit", enforce_eager=True, tensor_model_parallel_size=1,
-    deterministic_inference=True, cpu_threads=None, device="cpu")
+    deterministic_inference=True, cpu_threads=None, routing_replay="off", device="cpu")
 
 
 def trainer_spec(load: str = "", **fields) -> TrainerSpec:

@@ -118,10 +118,21 @@ def _replay(trainer, batch, own: np.ndarray, other: np.ndarray) -> dict:
             "replay_metrics": metrics, "replay_own_metrics": own_metrics}
 
 
+MOE_KEYS = {"expert_tensor_parallel_size": "expert_tensor_parallel_size", "moe_layer_recompute": "layer_recompute",
+            "moe_token_dispatcher_type": "token_dispatcher_type", "moe_aux_loss_coeff": "aux_loss_coeff"}
+
+
 def moe_spec(path: str, tp: int = 1, ep: int = 1, **over):
+    """The trainer spec of the MoE tests: the router's aux loss off (``moe_aux_loss_coeff`` 0), one
+    micro-batch of the replica's samples; the config keys of ``MOE_KEYS`` go to ``spec.moe``."""
+    import dataclasses
+
+    from backend_specs import MOE_DEFAULTS
+
+    moe = {MOE_KEYS[k]: over.pop(k) for k in list(over) if k in MOE_KEYS}
+    moe = dataclasses.replace(MOE_DEFAULTS, **{"aux_loss_coeff": 0.0, "expert_model_parallel_size": ep, **moe})
     return trainer_spec(path, **{"lr": LR, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1,
-                                 "sequence_parallel": False, "use_distributed_optimizer": False,
-                                 "expert_model_parallel_size": ep, "moe_aux_loss_coeff": 0.0,
+                                 "sequence_parallel": False, "use_distributed_optimizer": False, "moe": moe,
                                  "logprob_micro_batch_size": 8, "train_micro_batch_size": 8, **over})
 
 

@@ -336,18 +336,19 @@ class MegatronTrainer(Trainer):
         return out
 
     def _moe_options(self) -> MoEOptions:
-        """The MoE keys of this trainer's spec (docs/config.md, "Mixture of experts"), with the
+        """The MoE keys of this trainer's spec (``spec.moe``, ``spec.routing_replay``; docs/config.md,
+        "Mixture of experts on the Megatron trainer"), with the
         checks only this backend can make (one paragraph each): the dispatcher's name,
         shared-expert overlap (megatron-core overlaps only with the alltoall dispatcher, and only a
         model with shared experts has anything to overlap), grouped GEMM (a CUDA kernel: on the CPU
         the experts run one after the other, with a warning), routing replay (the policy and the
         reference replay; the critic, a value model of its own, routes itself)."""
-        spec, key = self.spec, self._config_key
-        dispatcher = str(spec.moe_token_dispatcher_type)
+        spec, moe, key = self.spec, self.spec.moe, self._config_key
+        dispatcher = str(moe.token_dispatcher_type)
         if dispatcher not in ("alltoall", "allgather"):
             raise UserError(f"{dispatcher!r} is not a token dispatcher of this trainer: choose alltoall or "
                             "allgather.", key=key("moe_token_dispatcher_type"))
-        overlap = bool(spec.moe_shared_expert_overlap)
+        overlap = bool(moe.shared_expert_overlap)
         if overlap and dispatcher != "alltoall":
             raise UserError("moe_shared_expert_overlap computes the shared experts while the alltoall dispatcher "
                             "moves the tokens; megatron-core has no overlap with the allgather dispatcher. Set "
@@ -356,7 +357,7 @@ class MegatronTrainer(Trainer):
         if overlap and not self.arch.shared_expert_ffn_hidden_size:
             warnings.warn(f"{key('moe_shared_expert_overlap')}: the model ({self.arch.model_type}) has no shared "
                           "experts, so there is nothing to overlap; the key has no effect.", stacklevel=2)
-        grouped = bool(spec.groupgemm)
+        grouped = bool(moe.groupgemm)
         if grouped:
             ok, why = grouped_gemm_available(self.device)
             if not ok:
@@ -364,16 +365,15 @@ class MegatronTrainer(Trainer):
                               "(megatron-core's SequentialMLP; the same weights, checkpoints and results).",
                               stacklevel=2)
                 grouped = False
-        if bool(spec.moe_layer_recompute) and recompute_of(spec) == "full":
+        if bool(moe.layer_recompute) and recompute_of(spec) == "full":
             warnings.warn(f"{key('moe_layer_recompute')}: every layer is already recomputed whole (full "
                           "recomputation), the MoE layers with them.", stacklevel=2)
-        etp = spec.expert_tensor_parallel_size
+        etp = moe.expert_tensor_parallel_size
         return MoEOptions(
-            ep=int(spec.expert_model_parallel_size), etp=None if etp is None else int(etp), dispatcher=dispatcher,
-            aux_loss_coeff=None if spec.moe_aux_loss_coeff is None else float(spec.moe_aux_loss_coeff),
-            z_loss_coeff=float(spec.moe_z_loss_coeff),
-            force_load_balancing=bool(spec.moe_router_force_load_balancing),
-            layer_recompute=bool(spec.moe_layer_recompute), shared_expert_overlap=overlap,
+            ep=int(moe.expert_model_parallel_size), etp=None if etp is None else int(etp), dispatcher=dispatcher,
+            aux_loss_coeff=None if moe.aux_loss_coeff is None else float(moe.aux_loss_coeff),
+            z_loss_coeff=float(moe.z_loss_coeff), force_load_balancing=bool(moe.force_load_balancing),
+            layer_recompute=bool(moe.layer_recompute), shared_expert_overlap=overlap,
             grouped_gemm=grouped, replay=spec.routing_replay == "rollout" and not self.critic)
 
     def _count_routes(self) -> torch.Tensor:
