@@ -185,9 +185,8 @@ def job_ep2(rank, world, setup, out):
 
 
 def job_tp2ep2(rank, world, setup, out):
-    """TP2 x EP2 on 4 ranks (sequence parallel; each expert whole on its rank, expert tensor parallel
-    1: with expert tensor parallelism megatron-core all-gathers uneven token counts over the
-    expert-tensor-parallel ranks, which gloo's all-gather refuses): parity and a checkpoint to merge."""
+    """TP2 x EP2 on 4 ranks (sequence parallel; each expert whole on its rank: expert tensor parallel 1):
+    parity and a checkpoint to merge."""
     from megatron_shim import cpu_device_shim
 
     with cpu_device_shim():
@@ -227,6 +226,20 @@ def job_pp2(rank, world, setup, out):
         plain = MegatronTrainer(moe_spec(setup["q3"], pipeline_model_parallel_size=2, routing_replay="rollout"))
         plain.compute_grads(other)
         res["grads_no_recompute"] = plain.full_grads()
+    return res
+
+
+def job_etp2(rank, world, setup, out):
+    """TP2 x EP2 with megatron-core's default expert tensor parallelism (= TP: each expert split over 2
+    ranks), sequence parallel: parity."""
+    from megatron_shim import cpu_device_shim
+
+    with cpu_device_shim():
+        from chatlearn.models.trainer.megatron import MegatronTrainer
+
+        trainer = MegatronTrainer(moe_spec(setup["q3"], tp=2, ep=2, sequence_parallel=True))
+        res = _parity(trainer, setup["batch"])
+        res["etp"] = trainer.etp
     return res
 
 
@@ -271,21 +284,30 @@ def pp2(setup, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def etp2(setup, tmp_path_factory):
+    return _run(job_etp2, 4, setup, tmp_path_factory)[0]
+
+
+@pytest.fixture(scope="module")
 def tp2ep2(setup, tmp_path_factory):
     return _run(job_tp2ep2, 4, setup, tmp_path_factory)
 
 
-def _megatron_runs(reference, ep2, tp2ep2) -> dict:
-    return {"ep1": [reference["ep1"]], "ep2": ep2[0], "tp2xep2": tp2ep2[0]}
+def _megatron_runs(reference, ep2, tp2ep2, etp2=None) -> dict:
+    runs = {"ep1": [reference["ep1"]], "ep2": ep2[0], "tp2xep2": tp2ep2[0]}
+    if etp2 is not None:
+        runs["tp2xep2xetp2"] = etp2
+    return runs
 
 
-def test_moe_logprobs_match_transformers_and_fsdp(setup, reference, ep2, tp2ep2):
+def test_moe_logprobs_match_transformers_and_fsdp(setup, reference, ep2, tp2ep2, etp2):
     """Qwen3-MoE (q/k norms, renormalised top-2) at EP1, EP2 and TP2 x EP2, and Qwen2-MoE (shared
     expert and its gate, qkv bias, top-2 not renormalised) at EP1 and EP2 with the allgather
     dispatcher: the log-probs of plain transformers and of the FSDP2 trainer."""
     fsdp = reference["fsdp"]
     np.testing.assert_allclose(fsdp["logp"], setup["q3_hf_logp_t"], rtol=0, atol=1e-5)
-    for name, ranks in _megatron_runs(reference, ep2, tp2ep2).items():
+    assert etp2[0]["etp"] == 2
+    for name, ranks in _megatron_runs(reference, ep2, tp2ep2, etp2).items():
         for res in ranks:
             np.testing.assert_allclose(res["logp"], fsdp["logp"], rtol=0, atol=1e-5, err_msg=name)
             np.testing.assert_allclose(res["entropy"], fsdp["entropy"], rtol=0, atol=1e-5, err_msg=name)
@@ -304,14 +326,14 @@ def module_weights(path: str) -> dict:
     return {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
 
 
-def test_moe_export_is_transformers_module_layout(setup, reference, ep2, tp2ep2):
+def test_moe_export_is_transformers_module_layout(setup, reference, ep2, tp2ep2, etp2):
     """The weight export before any step: transformers' module tensors (a layer's experts fused,
     gate_up_proj [E, 2I, H] and down_proj [E, H, I], the names the FSDP2 trainer exports), equal to
     the model's own bit for bit, on rank 0 only; the other ranks' buckets are empty."""
     initial = module_weights(setup["q3"])
     assert initial["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
     assert set(reference["fsdp"]["weights0"]) == set(initial)
-    for name, ranks in _megatron_runs(reference, ep2, tp2ep2).items():
+    for name, ranks in _megatron_runs(reference, ep2, tp2ep2, etp2).items():
         got = ranks[0]["weights0"]
         assert set(got) == set(initial), name
         for key, w in initial.items():
@@ -320,14 +342,14 @@ def test_moe_export_is_transformers_module_layout(setup, reference, ep2, tp2ep2)
             assert other["weights0"] == {}, name
 
 
-def test_moe_gradients_and_step_match_fsdp(setup, reference, ep2, tp2ep2):
+def test_moe_gradients_and_step_match_fsdp(setup, reference, ep2, tp2ep2, etp2):
     """Gradients of every tensor (experts gathered over the expert-parallel ranks), the clipped
     grad norm and the weights after one Adam step: those of the FSDP2 trainer."""
     fsdp = reference["fsdp"]
     initial = module_weights(setup["q3"])
     moved = [k for k, w in fsdp["weights1"].items() if not np.array_equal(w, initial[k])]
     assert "model.layers.1.mlp.experts.gate_up_proj" in moved and "model.layers.0.mlp.gate.weight" in moved
-    for name, ranks in _megatron_runs(reference, ep2, tp2ep2).items():
+    for name, ranks in _megatron_runs(reference, ep2, tp2ep2, etp2).items():
         res = ranks[0]
         assert set(res["grads"]) == set(fsdp["grads"]), name
         for key, g in fsdp["grads"].items():
