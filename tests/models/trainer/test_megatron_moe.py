@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from test_fsdp_trainer import add_logprobs, hf_logprobs, make_batch, run_ranks, trainer_spec
+from test_megatron_gpu_paths import _fake_te_spec, fake_transformer_engine  # noqa: F401 (a fixture)
 from test_megatron_trainer import needs_megatron
 
 pytestmark = [needs_megatron, pytest.mark.timeout(600)]  # the rank jobs: 4 of 1 to 4 ranks, about 40 s in all
@@ -607,3 +608,24 @@ def test_qwen2_moe_shared_expert_trains_as_fsdp(reference, ep2):
     assert res["step"]["grad_norm"] == pytest.approx(fsdp["step"]["grad_norm"], rel=1e-4)
     for key, w in fsdp["weights1"].items():
         np.testing.assert_allclose(res["weights1"][key], w, rtol=0, atol=1e-5, err_msg=key)
+
+
+def test_transformer_engine_moe_spec_and_grouped_expert_names(fake_transformer_engine):
+    """On CUDA with TransformerEngine: the TE layer spec with the experts (grouped GEMM where asked) and
+    Qwen3's q/k norms; TEGroupedMLP's ``weight<j>`` of a grouped linear is local expert j's weight.
+    Without CUDA (or TE) grouped GEMM is reported unavailable, with the reason."""
+    from chatlearn.models.trainer.megatron import model
+
+    assert model.layer_spec(True, num_experts=4, grouped_gemm=True, qk_norm=True) == "te-layer-spec"
+    assert fake_transformer_engine.calls[-1] == dict(num_experts=4, qk_layernorm=True,
+                                                     multi_latent_attention=False, moe_grouped_gemm=True)
+    assert model.grouped_gemm_available(torch.device("cuda", 0)) == (True, "")
+    ok, why = model.grouped_gemm_available(torch.device("cpu"))
+    assert not ok and "CPU" in why
+    assert model.canonical_name("decoder.layers.1.mlp.experts.linear_fc1.weight3") == \
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+    assert model.canonical_name("decoder.layers.0.mlp.experts.linear_fc2.weight0") == \
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
+    local = model.layer_spec(False, num_experts=4, qk_norm=True)  # the CPU twin
+    attention = local.submodules.self_attention.submodules
+    assert attention.q_layernorm is model.RMSNorm and attention.k_layernorm is model.RMSNorm

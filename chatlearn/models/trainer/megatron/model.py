@@ -105,18 +105,17 @@ def moe_config(arch: HFArch, moe: MoEOptions, recompute: str | None) -> dict:
 
 
 def grouped_gemm_available(device: torch.device) -> tuple[bool, str]:
-    """``(available, why not)``: megatron-core's grouped GEMM experts need CUDA kernels
-    (TransformerEngine's ``TEGroupedMLP`` with the TE spec, else the ``grouped_gemm`` package's
-    legacy ``GroupedMLP``)."""
+    """``(available, why not)``: megatron-core's grouped GEMM experts run CUDA kernels; this trainer
+    takes TransformerEngine's (``TEGroupedMLP``, built by the TE layer spec: each local expert's
+    weight is ``weight<j>`` of one grouped linear, in ``SequentialMLP``'s layout, see
+    :func:`canonical_name`). megatron-core's legacy ``GroupedMLP`` (the ``grouped_gemm`` package, the
+    local spec) keeps every local expert in one fused tensor that the weight mapping does not read."""
     if device.type != "cuda":
-        return False, ("grouped GEMM runs CUDA kernels (TransformerEngine's grouped linear or the "
-                       "grouped_gemm package) and this trainer runs on the CPU")
-    if uses_transformer_engine(device):
-        return True, ""
-    try:
-        import grouped_gemm  # noqa: F401
-    except ImportError:
-        return False, "neither TransformerEngine nor the grouped_gemm package is importable"
+        return False, ("grouped GEMM runs CUDA kernels (TransformerEngine's grouped linear) and this "
+                       "trainer runs on the CPU")
+    if not uses_transformer_engine(device):
+        return False, ("TransformerEngine is not importable (megatron-core's legacy GroupedMLP of the "
+                       "grouped_gemm package is not supported)")
     return True, ""
 
 
