@@ -244,6 +244,22 @@ def job_etp2(rank, world, setup, out):
     return res
 
 
+def job_ep2pp2(rank, world, setup, out):
+    """EP2 x PP2 on 4 ranks (each stage one MoE layer, its experts over 2 ranks; 2 data-parallel
+    replicas) with the distributed optimizer: log-probs, loss, one step."""
+    from megatron_shim import cpu_device_shim
+
+    with cpu_device_shim():
+        from chatlearn.models.trainer.megatron import MegatronTrainer
+
+        trainer = MegatronTrainer(moe_spec(setup["q3"], ep=2, pipeline_model_parallel_size=2,
+                                           use_distributed_optimizer=True))
+        weights0 = _exported(trainer)
+        logp, ent = trainer.compute_logprobs(setup["batch"], temperature=TEMPERATURE, with_entropy=True)
+        step = trainer.train(setup["batch"])
+        return {"weights0": weights0, "logp": logp, "entropy": ent, "step": step, "weights1": _exported(trainer)}
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     q3 = make_moe_model(str(tmp_path_factory.mktemp("q3moe")), "qwen3_moe")
@@ -282,6 +298,11 @@ def ep2(setup, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp2(setup, tmp_path_factory):
     return _run(job_pp2, 2, setup, tmp_path_factory)[0]
+
+
+@pytest.fixture(scope="module")
+def ep2pp2(setup, tmp_path_factory):
+    return _run(job_ep2pp2, 4, setup, tmp_path_factory)[0]
 
 
 @pytest.fixture(scope="module")
@@ -629,3 +650,17 @@ def test_transformer_engine_moe_spec_and_grouped_expert_names(fake_transformer_e
     local = model.layer_spec(False, num_experts=4, qk_norm=True)  # the CPU twin
     attention = local.submodules.self_attention.submodules
     assert attention.q_layernorm is model.RMSNorm and attention.k_layernorm is model.RMSNorm
+
+
+def test_expert_parallelism_with_pipeline_parallelism(setup, reference, ep2pp2):
+    """EP2 x PP2 (and the distributed optimizer over the replicas): FSDP2's log-probs, grad norm and
+    weights after one step, exported from both stages and both expert-parallel ranks."""
+    fsdp = reference["fsdp"]
+    for res in ep2pp2:
+        np.testing.assert_allclose(res["logp"], fsdp["logp"], rtol=0, atol=1e-5)
+        assert res["step"]["grad_norm"] == pytest.approx(fsdp["step"]["grad_norm"], rel=1e-4)
+        assert res["step"]["loss"] == pytest.approx(fsdp["step"]["loss"], abs=1e-5)
+    got = ep2pp2[0]["weights1"]
+    assert set(got) == set(fsdp["weights1"])
+    for key, w in fsdp["weights1"].items():
+        np.testing.assert_allclose(got[key], w, rtol=0, atol=1e-5, err_msg=key)
