@@ -174,6 +174,12 @@ def job_ep2(rank, world, setup, out):
         res["resume_weights"] = (_exported(trainer), _exported(resumed))
         rep = MegatronTrainer(moe_spec(setup["q3"], ep=2, routing_replay="rollout", gradient_checkpointing=True))
         res.update(_replay(rep, batch, setup["q3_routing"], setup["q3_other"]))
+        res["replay_none"] = rep.compute_logprobs(batch)
+        try:
+            rep.compute_logprobs(dict(batch, routed_experts=setup["q3_routing"][:, :1]))
+            res["replay_bad"] = ""
+        except Exception as err:  # noqa: BLE001 (the message is what is checked)
+            res["replay_bad"] = str(err)
         q2 = MegatronTrainer(moe_spec(setup["q2"], ep=2, moe_token_dispatcher_type="allgather"))
         res["q2_ep2"] = q2.compute_logprobs(batch)
         res["q2_parity"] = _parity(q2, batch)
@@ -664,3 +670,11 @@ def test_expert_parallelism_with_pipeline_parallelism(setup, reference, ep2pp2):
     assert set(got) == set(fsdp["weights1"])
     for key, w in fsdp["weights1"].items():
         np.testing.assert_allclose(got[key], w, rtol=0, atol=1e-5, err_msg=key)
+
+
+def test_replay_without_the_column_routes_itself_and_a_wrong_column_is_refused(setup, ep2):
+    """Under replay a batch without routed_experts (the weight push's landing probe) routes itself: the
+    log-probs of no replay; a column of another shape is one paragraph naming routing_replay."""
+    for res in ep2[0]:
+        np.testing.assert_allclose(res["replay_none"], setup["q3_hf_logp"], rtol=0, atol=1e-5)
+        assert "models.policy_trainer.routing_replay" in res["replay_bad"] and "another model" in res["replay_bad"]

@@ -571,15 +571,13 @@ class MegatronTrainer(Trainer):
 
     def _routed_column(self, batch: Batch) -> np.ndarray | None:
         """The batch's ``routed_experts`` as int64 ``[tokens, moe_layers, k]`` where this trainer
-        replays them (:mod:`.replay`), else None. A batch without the column under replay, or with
-        one of another shape, is refused in one paragraph."""
-        if not (self.moe and self.moe.replay):
+        replays them (:mod:`.replay`), else None: replay off, the critic, or a batch without the column
+        (the weight push's landing probe; a rollout that records none is refused by the driver at its
+        first generate), whose tokens route themselves. A column of another shape is refused in one
+        paragraph."""
+        if not (self.moe and self.moe.replay) or "routed_experts" not in batch:
             return None
         key = "models.policy_trainer.routing_replay"
-        if "routed_experts" not in batch:
-            raise UserError("routing replay is on, but the batch carries no routed_experts column: the rollout "
-                            "engine did not record the experts it chose. Use a rollout backend that records them, or "
-                            "set routing_replay: off.", key=key)
         layers, k = len(self.arch.moe_layers), self.arch.moe_topk
         col = np.asarray(batch["routed_experts"])
         total = int(batch["offsets"][-1])
