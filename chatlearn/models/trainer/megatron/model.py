@@ -1,4 +1,5 @@
-"""A megatron-core ``GPTModel`` for a Hugging Face Qwen2 / Llama checkpoint.
+"""A megatron-core ``GPTModel`` for a Hugging Face Qwen2 / Llama checkpoint, or a Qwen3-MoE / Qwen2-MoE
+one: megatron-core's ``MoELayer`` in the layers with experts (:func:`moe_config`, :func:`layer_spec`).
 
 Architecture (from ``config.json``, :class:`chatlearn.checkpoint.megatron_mapping.HFArch`):
 grouped-query attention (``num_query_groups``), RMSNorm, SwiGLU MLP, rotary embeddings with

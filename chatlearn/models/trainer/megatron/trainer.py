@@ -235,7 +235,8 @@ class _MicroBatch:
 
 
 class MegatronTrainer(Trainer):
-    """Megatron-core trainer of a Hugging Face Qwen2 / Llama checkpoint (``trainable``:
+    """Megatron-core trainer of a Hugging Face Qwen2 / Llama checkpoint, or a Qwen3-MoE / Qwen2-MoE one with
+    expert parallelism (docs/architecture.md, "The Megatron trainer on mixture-of-experts models") (``trainable``:
     policy_trainer; else ref_policy: frozen, no optimizer, forward only), or, with ``spec.role``
     critic, of the PPO critic (a value head in place of the LM head: see the module docstring)."""
 
