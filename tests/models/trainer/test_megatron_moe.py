@@ -150,6 +150,15 @@ def job_reference(rank, world, setup, out):
 
         res["ep1"] = _parity(MegatronTrainer(moe_spec(setup["q3"])), setup["batch"])
         res["q2_ep1"] = MegatronTrainer(moe_spec(setup["q2"], trainable=False)).compute_logprobs(setup["batch"])
+        for name, moe in (("aux", {"aux_loss_coeff": 0.1}), ("z", {"z_loss_coeff": 0.1}),
+                          ("force", {"force_load_balancing": True})):
+            import dataclasses
+
+            spec = moe_spec(setup["q3"])
+            trainer = MegatronTrainer(dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, **moe)))
+            metrics = trainer.compute_grads(setup["batch"])
+            res[f"key_{name}"] = {"metrics": metrics, "grads": trainer.full_grads(),
+                                  "logp": trainer.compute_logprobs(setup["batch"], temperature=TEMPERATURE)}
     return res
 
 
@@ -678,3 +687,19 @@ def test_replay_without_the_column_routes_itself_and_a_wrong_column_is_refused(s
     for res in ep2[0]:
         np.testing.assert_allclose(res["replay_none"], setup["q3_hf_logp"], rtol=0, atol=1e-5)
         assert "models.policy_trainer.routing_replay" in res["replay_bad"] and "another model" in res["replay_bad"]
+
+
+def test_router_loss_keys_and_forced_balancing_act(reference):
+    """moe_aux_loss_coeff and moe_z_loss_coeff add megatron-core's router losses to the gradients (the
+    router's and everything before it), not to the reported loss; moe_router_force_load_balancing routes
+    by random logits (other log-probs)."""
+    base = reference["ep1"]
+    for name in ("aux", "z"):
+        got = reference[f"key_{name}"]
+        assert got["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-6), name
+        router = "model.layers.1.mlp.gate.weight"
+        assert not np.allclose(got["grads"][router].numpy(), base["grads"][router].numpy(), atol=1e-6), name
+        lm = "lm_head.weight"  # after the last router: untouched
+        np.testing.assert_allclose(got["grads"][lm].numpy(), base["grads"][lm].numpy(), rtol=1e-5, atol=1e-8)
+    forced = reference["key_force"]
+    assert np.abs(forced["logp"] - base["logp"]).max() > 1e-3
