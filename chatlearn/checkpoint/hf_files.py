@@ -75,10 +75,15 @@ def value_head_config(config: dict) -> dict:
     return config
 
 
-def expected_tensors(config, trust_remote_code: bool = False, value_head: bool = False):
+def expected_tensors(config, trust_remote_code: bool = False, value_head: bool = False,
+                     checkpoint_names: bool = False):
     """``({name: (shape, dtype)}, {alias: name})`` of the causal LM that ``config``
     describes (with ``value_head``: the critic, the token-classification model with one label),
-    built on the ``meta`` device (no memory); tied aliases are not in the first."""
+    built on the ``meta`` device (no memory); tied aliases are not in the first.
+    ``checkpoint_names``: the names and shapes ``save_pretrained`` writes, where transformers keeps
+    some tensors otherwise in the module (a MoE layer's experts, fused in the module as
+    ``mlp.experts.gate_up_proj`` / ``down_proj``, are written per expert:
+    ``mlp.experts.<e>.gate_proj.weight`` ...; transformers' ``revert_weight_conversion``)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     auto = AutoModelForCausalLM
@@ -87,7 +92,12 @@ def expected_tensors(config, trust_remote_code: bool = False, value_head: bool =
     with torch.device("meta"):
         model = auto.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     aliases = sharded.tied_aliases(model)
-    expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+    state = model.state_dict()
+    if checkpoint_names:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(model, state)
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in state.items()
                 if name not in aliases}
     return expected, aliases
 
@@ -135,17 +145,21 @@ def check_trust(ckpt: str, meta: dict, src: str, trust_remote_code: bool) -> boo
 
 
 def plan_tensors(ckpt: str, meta: dict, src: str, out_dtype: torch.dtype, found: dict,
-                 problems: list[str] | None = None, trust_remote_code: bool = False) -> list[Entry]:
+                 problems: list[str] | None = None, trust_remote_code: bool = False,
+                 checkpoint_names: bool = False) -> list[Entry]:
     """Check the checkpoint's model tensors (``found``: ``{name: (shape, dtype) or None}``)
     against config.json; the tensors to write, in the model's order. ``problems``: ones
     already found by the reader, reported with the others. ``trust_remote_code``: the
-    caller's permission to run the model folder's own code (see :func:`check_trust`)."""
+    caller's permission to run the model folder's own code (see :func:`check_trust`).
+    ``checkpoint_names``: ``found`` holds the names ``save_pretrained`` writes (see
+    :func:`expected_tensors`), as a Megatron checkpoint's mapping gives them."""
     from transformers import AutoConfig
 
     trust = check_trust(ckpt, meta, src, trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(src, trust_remote_code=trust)
-        expected, aliases = expected_tensors(config, trust, value_head=is_value_model(meta, found))
+        expected, aliases = expected_tensors(config, trust, value_head=is_value_model(meta, found),
+                                             checkpoint_names=checkpoint_names)
     except Exception as err:  # anything raised here comes from config.json (or its code)
         cause = " ".join(str(err).split()) or type(err).__name__
         raise UserError(f"cannot build the model described by {os.path.join(src, CONFIG_NAME)!r} "

@@ -17,7 +17,11 @@ A folder written by ``MegatronTrainer.save_checkpoint``::
     rng/rank_<rank>.safetensors    that rank's torch / numpy / python RNG states
                                    (``chatlearn.checkpoint.sharded``)
     chatlearn_checkpoint.json      metadata, by rank 0: format, parallel sizes, world size,
-                                   whether the optimizer had stepped, the model's source
+                                   whether the optimizer had stepped, the model's source; a
+                                   MoE model's expert-parallel sizes and expert count, and
+                                   every rank's place (``ranks``: tp, pp, dp, ep, etp, edp),
+                                   where ``chatlearn merge`` finds the shards (a routed
+                                   expert's parameters are named by their global id)
     .complete                      written last by rank 0, once every rank has finished
 
 The shards are those of the parallel layout that wrote them: a checkpoint loads on the same
@@ -36,6 +40,7 @@ FORMAT = "chatlearn-megatron"
 VERSION = 1
 LAYOUT_KEYS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                "use_distributed_optimizer", "dtype")
+# a mixture-of-experts model's too: expert_model_parallel_size, expert_tensor_parallel_size, num_experts
 
 
 def rank_file(path: str, rank: int) -> str:
@@ -63,6 +68,11 @@ def read_meta(path: str, expected: dict) -> dict:
     if "version" in meta and meta["version"] > VERSION:  # no version: written before versions
         raise UserError(f"checkpoint {path!r} has format version {meta['version']}, newer "
                         f"than this chatlearn reads ({VERSION}). Upgrade chatlearn.")
+    if "num_experts" in expected and meta.get("num_experts") != expected["num_experts"]:
+        raise UserError(f"checkpoint {path!r} holds a model with {meta.get('num_experts')!r} experts per MoE "
+                        f"layer, and the model loaded now has {expected['num_experts']}: it was saved from "
+                        f"another model ({meta.get('hf_source')!r}). Load a checkpoint of this model, or load "
+                        "that model.")
     differ = [f"{k} {meta.get(k)!r} (now {v!r})" for k, v in expected.items() if meta.get(k) != v]
     if differ:
         raise UserError(f"checkpoint {path!r} was written with another parallel layout: "

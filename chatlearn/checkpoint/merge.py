@@ -53,6 +53,7 @@ from chatlearn.errors import UserError
 from chatlearn.hub import looks_like_hub_id, snapshot
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+_EXPERT_PARAM = ".mlp.experts.local_experts."  # a routed expert's parameter (by global id) in a Megatron checkpoint
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
           "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -178,30 +179,41 @@ class _MegatronSource:
         except (KeyError, TypeError, ValueError) as err:
             raise UserError(f"the metadata of checkpoint {ckpt!r} has no valid parallel layout "
                             f"({err}): the checkpoint is damaged. Use another checkpoint.") from None
-        dp = world // (self.tp * self.pp)
-        # Megatron's rank order (tp-cp-ep-dp-pp): rank = tp_rank + tp * (dp_rank + dp * pp_rank);
-        # the ranks of data-parallel rank 0 hold one copy of every shard
+        saved_experts = meta.get("num_experts")
+        if saved_experts is not None and saved_experts != self.arch.num_experts:
+            raise UserError(f"checkpoint {ckpt!r} holds a model with {saved_experts} experts per MoE layer, and "
+                            f"{os.path.join(src, CONFIG_NAME)!r} describes {self.arch.num_experts}. Pass --hf-config "
+                            "DIR with the folder of the model the trainer loaded.")
+        self.etp = int(meta.get("expert_tensor_parallel_size") or self.tp)
+        coords = self._rank_coords(ckpt, meta, world)
+        # the ranks of data-parallel rank 0 hold one copy of every shard of the attention and the dense
+        # MLPs (by tensor-parallel rank); those of expert-data-parallel rank 0 one copy of every routed
+        # expert's (by expert-tensor-parallel rank; each expert-parallel rank its own experts, by global id)
         self.shards: dict[str, dict[int, tuple[str, tuple, str]]] = {}
-        for pp_rank in range(self.pp):
-            for tp_rank in range(self.tp):
-                rank = tp_rank + self.tp * dp * pp_rank
-                file = megatron_format.rank_file(ckpt, rank)
-                if not os.path.isfile(file):
-                    raise UserError(f"checkpoint {ckpt!r} has no shard for rank {rank} ({file} "
-                                    "is missing): the checkpoint is damaged. Use another "
-                                    "checkpoint.")
-                from chatlearn.config.load import safetensors_problem  # noqa: PLC0415
+        for rank, c in enumerate(coords):
+            if c["dp"] != 0 and c.get("edp", c["dp"]) != 0:
+                continue
+            file = megatron_format.rank_file(ckpt, rank)
+            if not os.path.isfile(file):
+                raise UserError(f"checkpoint {ckpt!r} has no shard for rank {rank} ({file} "
+                                "is missing): the checkpoint is damaged. Use another "
+                                "checkpoint.")
+            from chatlearn.config.load import safetensors_problem  # noqa: PLC0415
 
-                problem = safetensors_problem(file)
-                if problem:
-                    raise UserError(f"checkpoint {ckpt!r}: the shard of rank {rank}, {file}, {problem}. The "
-                                    "checkpoint is damaged. Use another checkpoint, or restore it from a copy.")
-                with safe_open(file, framework="pt") as f:
-                    for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
-                        if key.startswith("model."):
-                            sl = f.get_slice(key)
-                            self.shards.setdefault(key[len("model."):], {})[tp_rank] = (
-                                file, tuple(sl.get_shape()), sl.get_dtype())
+            problem = safetensors_problem(file)
+            if problem:
+                raise UserError(f"checkpoint {ckpt!r}: the shard of rank {rank}, {file}, {problem}. The "
+                                "checkpoint is damaged. Use another checkpoint, or restore it from a copy.")
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                    if not key.startswith("model."):
+                        continue
+                    expert = _EXPERT_PARAM in key
+                    if (c.get("edp", c["dp"]) if expert else c["dp"]) != 0:
+                        continue
+                    sl = f.get_slice(key)
+                    self.shards.setdefault(key[len("model."):], {})[c.get("etp", c["tp"]) if expert else c["tp"]] = (
+                        file, tuple(sl.get_shape()), sl.get_dtype())
         self.value_head = meta.get("role") == "critic"
         self.mappings = {}
         for m in mappings(self.arch, value_head=self.value_head):
@@ -221,17 +233,38 @@ class _MegatronSource:
             done.add(m.megatron)
             self._describe(m)
 
+    @staticmethod
+    def _rank_coords(ckpt: str, meta: dict, world: int) -> list[dict]:
+        """Each rank's ``tp``, ``pp``, ``dp`` (and for a MoE model ``ep``, ``etp``, ``edp``): as the
+        checkpoint recorded them (``ranks``), else Megatron's default order without experts
+        (tp-dp-pp: rank = tp_rank + tp * (dp_rank + dp * pp_rank))."""
+        ranks = meta.get("ranks")
+        if ranks is not None:
+            if (not isinstance(ranks, list) or len(ranks) != world
+                    or not all(isinstance(c, dict) and {"tp", "pp", "dp"} <= set(c) for c in ranks)):
+                raise UserError(f"the metadata of checkpoint {ckpt!r} lists its ranks wrongly: the checkpoint is "
+                                "damaged. Use another checkpoint.")
+            return ranks
+        tp, pp = int(meta["tensor_model_parallel_size"]), int(meta["pipeline_model_parallel_size"])
+        dp = world // (tp * pp)
+        return [{"tp": r % tp, "dp": (r // tp) % dp, "pp": r // (tp * dp)} for r in range(world)]
+
+    def _split(self, m) -> int:
+        """How many ranks split ``m``: a routed expert's expert-tensor-parallel ones, else the tensor-parallel."""
+        return self.etp if m.expert is not None else self.tp
+
     def _full_shape(self, m) -> tuple[tuple, torch.dtype] | None:
         shards = self.shards.get(m.megatron)
         if shards is None:
             return None  # reported as missing Hugging Face keys
-        if sorted(shards) != list(range(self.tp)):
-            absent = sorted(set(range(self.tp)) - set(shards))
+        n = self._split(m)
+        if sorted(shards) != list(range(n)):
+            absent = sorted(set(range(n)) - set(shards))
             self.problems.append(f"Megatron parameter {m.megatron!r} has no shard for "
-                                 f"tensor-parallel rank(s) {absent}")
+                                 f"{'expert-' if m.expert is not None else ''}tensor-parallel rank(s) {absent}")
             return None
-        shapes = [shards[r][1] for r in range(self.tp)]
-        dtypes = {shards[r][2] for r in range(self.tp)}
+        shapes = [shards[r][1] for r in range(n)]
+        dtypes = {shards[r][2] for r in range(n)}
         if len(dtypes) > 1 or next(iter(dtypes)) not in FROM_SAFETENSORS:
             self.problems.append(f"Megatron parameter {m.megatron!r} has dtype(s) "
                                  f"{sorted(dtypes)} in the checkpoint")
@@ -254,7 +287,7 @@ class _MegatronSource:
             return
         shape, dtype = got
         try:
-            outs = to_hf(self.arch, m, torch.empty(shape, dtype=dtype, device="meta"), self.tp)
+            outs = to_hf(self.arch, m, torch.empty(shape, dtype=dtype, device="meta"), self._split(m))
         except RuntimeError as err:
             self.problems.append(f"Megatron parameter {m.megatron!r} of shape {list(shape)} "
                                  f"does not split into {list(m.hf)} "
@@ -275,13 +308,13 @@ class _MegatronSource:
         else:  # one shard at a time into the full tensor
             full = torch.empty(shape, dtype=dtype)
             start = 0
-            for r in range(self.tp):
+            for r in range(self._split(m)):
                 file, shard_shape, _ = shards[r]
                 size = shard_shape[m.split_dim]
                 with safe_open(file, framework="pt") as f:
                     full.narrow(m.split_dim, start, size).copy_(f.get_tensor(f"model.{m.megatron}"))
                 start += size
-        outs = dict(zip(m.hf, to_hf(self.arch, m, full, self.tp)))
+        outs = dict(zip(m.hf, to_hf(self.arch, m, full, self._split(m))))
         del full
         tensor = outs.pop(entry.name)
         self._cache.update(outs)
@@ -343,7 +376,7 @@ def merge_checkpoint(ckpt_dir: str, out_dir: str, *, hf_config: str | None = Non
         source = _MegatronSource(ckpt, meta, src)
         value_head = source.value_head
         entries = plan_tensors(ckpt, meta, src, DTYPES[dtype], source.found, source.problems,
-                        trust_remote_code=trust_remote_code)
+                               trust_remote_code=trust_remote_code, checkpoint_names=True)
         read = source.read
     else:
         found = dcp_found(ckpt)

@@ -87,6 +87,9 @@ class _NullStream:
     def query(self):
         return True
 
+    def record_event(self, *args, **kwargs):  # an event to synchronise with later (MoE token dispatch)
+        return _NullStream()
+
     def elapsed_time(self, other):
         return 0.0
 
@@ -136,6 +139,48 @@ def cpu_device_shim() -> Iterator[None]:
         with _CudaToCpu():
             return engine_run(*args, **kwargs)
 
+    # the MoE token dispatcher moves its split sizes "to the CPU" (as numpy arrays: the alltoall
+    # takes them as lists of ints) only from CUDA tensors; here they already are on the CPU
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    patches[(moe_utils, "maybe_move_tensor_to_cpu")] = move_to_cpu
+    # with expert tensor parallelism the MoE dispatcher all-gathers (and reduce-scatters back) uneven token
+    # counts over the expert-tensor-parallel ranks (tensor_parallel.mappings, output_split_sizes), which
+    # NCCL takes and gloo refuses: pad to the largest, as the collective would need, and cut
+    import torch.distributed as dist
+
+    real_all_gather, real_all_reduce = dist.all_gather, dist.all_reduce
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.shape[0] if t.dim() else 0 for t in tensor_list]
+        if tensor.dim() == 0 or len(set(sizes + [tensor.shape[0]])) == 1:
+            return real_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        # the largest count over the group (every rank's own input, so that all pad alike)
+        top = torch.tensor([tensor.shape[0]], dtype=torch.int64)
+        real_all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        longest = int(top.item())
+        padded = tensor.new_zeros(longest, *tensor.shape[1:])
+        padded[:tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in tensor_list]
+        real_all_gather(parts, padded, group=group)
+        for out, part, n in zip(tensor_list, parts, sizes):
+            out.copy_(part[:n])
+        return None
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        longest = max(t.shape[0] for t in input_list)
+        stacked = torch.stack([torch.cat([t, t.new_zeros(longest - t.shape[0], *t.shape[1:])]) for t in input_list])
+        real_all_reduce(stacked, op=op, group=group)
+        output.copy_(stacked[dist.get_rank(group)][:output.shape[0]])
+        return None
+
+    patches[(dist, "all_gather")] = all_gather
+    patches[(dist, "reduce_scatter")] = reduce_scatter
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        patches[(token_dispatcher, "maybe_move_tensor_to_cpu")] = move_to_cpu
     patches[(torch.autograd, "_engine_run_backward")] = run_backward_in_mode
     patches[(torch.autograd.graph, "_engine_run_backward")] = run_backward_in_mode
     with contextlib.ExitStack() as stack:

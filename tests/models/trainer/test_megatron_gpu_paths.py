@@ -300,7 +300,8 @@ def _fake_te_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
                   kitchen_attention_backend="sdpa"):
     """megatron-core 0.16's ``get_gpt_layer_with_transformer_engine_spec`` signature."""
     _fake_te_spec.calls.append(dict(num_experts=num_experts, qk_layernorm=qk_layernorm,
-                                    multi_latent_attention=multi_latent_attention))
+                                    multi_latent_attention=multi_latent_attention,
+                                    moe_grouped_gemm=moe_grouped_gemm))
     return "te-layer-spec"
 
 
@@ -337,7 +338,7 @@ def test_transformer_engine_spec_is_chosen_on_cuda_with_te(fake_transformer_engi
     assert model.uses_transformer_engine(cuda) and not model.uses_transformer_engine(cpu)
     assert model.layer_spec(True) == "te-layer-spec"
     assert fake_transformer_engine.calls == [dict(num_experts=None, qk_layernorm=False,
-                                                  multi_latent_attention=False)]
+                                                  multi_latent_attention=False, moe_grouped_gemm=False)]
     local = model.layer_spec(False)  # the CPU twin: local spec with RMSNorm
     assert local.submodules.input_layernorm is model.RMSNorm
     monkeypatch.setitem(sys.modules, "transformer_engine", None)  # not installed

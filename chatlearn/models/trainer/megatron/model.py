@@ -1,4 +1,5 @@
-"""A megatron-core ``GPTModel`` for a Hugging Face Qwen2 / Llama checkpoint.
+"""A megatron-core ``GPTModel`` for a Hugging Face Qwen2 / Llama checkpoint, or a Qwen3-MoE / Qwen2-MoE
+one: megatron-core's ``MoELayer`` in the layers with experts (:func:`moe_config`, :func:`layer_spec`).
 
 Architecture (from ``config.json``, :class:`chatlearn.checkpoint.megatron_mapping.HFArch`):
 grouped-query attention (``num_query_groups``), RMSNorm, SwiGLU MLP, rotary embeddings with
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +47,82 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEOptions:
+    """The trainer's mixture-of-experts keys (``TrainerModel``: docs/config.md, "Mixture of
+    experts"), as megatron-core takes them (:func:`moe_config`)."""
+
+    ep: int = 1  # expert_model_parallel_size
+    etp: int | None = None  # expert_tensor_parallel_size; None: the tensor-parallel size
+    dispatcher: str = "alltoall"  # moe_token_dispatcher_type
+    aux_loss_coeff: float | None = None  # None: config.json's router_aux_loss_coef
+    z_loss_coeff: float = 0.0
+    force_load_balancing: bool = False
+    layer_recompute: bool = False
+    shared_expert_overlap: bool = False
+    grouped_gemm: bool = False  # honoured on CUDA only (:func:`grouped_gemm_available`)
+    replay: bool = False  # routing_replay: rollout (:mod:`.replay`)
+
+
+def moe_config(arch: HFArch, moe: MoEOptions, recompute: str | None) -> dict:
+    """megatron-core 0.16 ``TransformerConfig`` fields of ``arch``'s experts.
+
+    Routing: Hugging Face's Qwen3-MoE / Qwen2-MoE router takes the softmax over every expert,
+    keeps the top-k and, with ``norm_topk_prob``, renormalises them to sum to 1. megatron-core's
+    softmax router without ``moe_router_pre_softmax`` takes the top-k of the logits and the
+    softmax over those k, which is the renormalised probabilities (same experts: the softmax is
+    monotonic); with ``moe_router_pre_softmax`` the softmax over every expert, then the top-k,
+    which is Hugging Face without renormalisation. Dropless (no capacity factor), the router in
+    the model's dtype (as Hugging Face's ``F.linear``). Layers without experts
+    (``mlp_only_layers`` / ``decoder_sparse_step``) are the dense MLP: ``moe_layer_freq`` as a
+    list. The aux loss is megatron-core's switch load-balancing loss (``aux_loss``), the z-loss
+    its ST-MoE z-loss; both act in training only (they add to the gradients, not to the reported
+    loss). ``moe_layer_recompute`` under full recomputation is already done (each whole layer is
+    recomputed; megatron-core refuses the two together), so it is not passed then."""
+    if arch.moe_topk == 1 and arch.norm_topk_prob:
+        raise NotImplementedError(
+            "num_experts_per_tok 1 with norm_topk_prob: the renormalised weight is always 1, which "
+            "megatron-core's router refuses (its softmax over one expert has no gradient); use "
+            "train_backend: fsdp")
+    aux = arch.router_aux_loss_coef if moe.aux_loss_coeff is None else float(moe.aux_loss_coeff)
+    return dict(
+        num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_layer_freq=[1 if i in arch.moe_layers else 0 for i in range(arch.num_layers)],
+        moe_router_score_function="softmax", moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux,
+        moe_z_loss_coeff=float(moe.z_loss_coeff) or None,
+        moe_token_dispatcher_type=moe.dispatcher,
+        moe_router_force_load_balancing=bool(moe.force_load_balancing),
+        moe_layer_recompute=bool(moe.layer_recompute) and recompute != "full",
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=bool(arch.shared_expert_ffn_hidden_size),
+        moe_shared_expert_overlap=bool(moe.shared_expert_overlap) and bool(arch.shared_expert_ffn_hidden_size),
+        moe_grouped_gemm=bool(moe.grouped_gemm),
+        moe_enable_routing_replay=bool(moe.replay),
+        moe_permute_fusion=False, moe_router_fusion=False,
+        expert_model_parallel_size=moe.ep, expert_tensor_parallel_size=moe.etp,
+    )
+
+
+def grouped_gemm_available(device: torch.device) -> tuple[bool, str]:
+    """``(available, why not)``: megatron-core's grouped GEMM experts run CUDA kernels; this trainer
+    takes TransformerEngine's (``TEGroupedMLP``, built by the TE layer spec: each local expert's
+    weight is ``weight<j>`` of one grouped linear, in ``SequentialMLP``'s layout, see
+    :func:`canonical_name`). megatron-core's legacy ``GroupedMLP`` (the ``grouped_gemm`` package, the
+    local spec) keeps every local expert in one fused tensor that the weight mapping does not read."""
+    if device.type != "cuda":
+        return False, ("grouped GEMM runs CUDA kernels (TransformerEngine's grouped linear) and this "
+                       "trainer runs on the CPU")
+    if not uses_transformer_engine(device):
+        return False, ("TransformerEngine is not importable (megatron-core's legacy GroupedMLP of the "
+                       "grouped_gemm package is not supported)")
+    return True, ""
+
+
 def transformer_config(arch: HFArch, *, tp: int, pp: int, sequence_parallel: bool,
-                       params_dtype: torch.dtype, cpu_init: bool, recompute: str | None):
+                       params_dtype: torch.dtype, cpu_init: bool, recompute: str | None,
+                       moe: MoEOptions | None = None):
     """The megatron-core ``TransformerConfig`` of ``arch``.
 
     Fusions that need compiled extensions (softmax, rope, gradient accumulation) are off;
@@ -64,6 +140,10 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, sequence_parallel: boo
     if arch.num_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size {pp} must divide the number of layers "
                          f"({arch.num_layers})")
+    extra_moe = moe_config(arch, moe or MoEOptions(), recompute) if arch.is_moe else {}
+    if arch.is_moe and arch.moe_ffn_hidden_size % (extra_moe["expert_tensor_parallel_size"] or tp):
+        raise ValueError(f"expert_tensor_parallel_size {extra_moe['expert_tensor_parallel_size'] or tp} must divide "
+                         f"the experts' intermediate size ({arch.moe_ffn_hidden_size})")
     if recompute not in (None, "full", "selective"):
         raise ValueError(f"recompute must be None, 'full' or 'selective', not {recompute!r}")
     # full: every layer's input kept, the whole layer recomputed in backward (one layer per unit);
@@ -85,8 +165,8 @@ def transformer_config(arch: HFArch, *, tp: int, pp: int, sequence_parallel: boo
         use_cpu_initialization=cpu_init, perform_initialization=True,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        calculate_per_token_loss=True,
-        **extra)
+        calculate_per_token_loss=True, qk_layernorm=arch.qk_norm,
+        **extra, **extra_moe)
 
 
 # TE spec parameter name -> local spec name (the norms fused into the following linear)
@@ -94,11 +174,20 @@ TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weig
             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
 
 
+# TransformerEngine's grouped experts (TEGroupedMLP): local expert j's weight is weight<j> of
+# one grouped linear, in the layout of the sequential experts' linear_fc1 / linear_fc2
+_TE_GROUPED = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
 def canonical_name(name: str) -> str:
-    """A parameter's name under the local layer spec, whichever spec built it."""
+    """A parameter's name under the local layer spec (sequential experts), whichever spec built
+    it. Experts keep their local index here (the trainer renames them by global id)."""
     for te, local in TE_NAMES.items():
         if name.endswith("." + te):
             return name[:-len(te)] + local
+    m = _TE_GROUPED.search(name)
+    if m:
+        return name[:m.start()] + f".mlp.experts.local_experts.{m.group(2)}.{m.group(1)}.weight"
     return name
 
 
@@ -172,17 +261,28 @@ def _gpt_model_class():
     return PositionedGPTModel
 
 
-def layer_spec(transformer_engine: bool):
+def layer_spec(transformer_engine: bool, num_experts: int | None = None, grouped_gemm: bool = False,
+               qk_norm: bool = False):
     """The transformer layer's ``ModuleSpec``: megatron-core's TransformerEngine spec, or its
-    local spec with :class:`RMSNorm` norms (see the module docstring)."""
+    local spec with :class:`RMSNorm` norms (see the module docstring). ``num_experts``: the
+    layer's MLP is megatron-core's ``MoELayer`` (router, experts as ``SequentialMLP``, or grouped
+    GEMMs with ``grouped_gemm``, shared experts); ``qk_norm``: RMSNorm of each query and key
+    head (Qwen3)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if transformer_engine:
-        # norms fused into linear_qkv / linear_fc1 (RMSNorm: config.normalization)
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        # norms fused into linear_qkv / linear_fc1 (RMSNorm: config.normalization); an MoE
+        # layer's pre-MLP norm is its own TENorm
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=qk_norm)
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm,
+                                                     qk_layernorm=qk_norm, normalization="RMSNorm")
+    attention = layer.submodules.self_attention
+    if qk_norm:
+        attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+            attention.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm))
     return dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm))
+        layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm, self_attention=attention))
 
 
 class ValueHead(torch.nn.Linear):
@@ -257,6 +357,17 @@ def initial_value_head(path: str, seed: int) -> tuple[torch.Tensor, torch.Tensor
     return head.weight.detach().clone(), head.bias.detach().clone()
 
 
+def _moe_without_transformer_engine() -> None:
+    """megatron-core 0.16's router (``moe_utils.router_gating_linear``) tests
+    ``te_general_gemm is not None``, a name its module binds only when TransformerEngine imports:
+    without TE every MoE forward raises ``NameError``. Bind it to None there (megatron-core's own
+    fallback, a plain ``torch.mm``, then runs); nothing changes where TE is installed."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_gpt_model(arch: HFArch, config, transformer_engine: bool = False, value_head: bool = False):
     """This pipeline stage's ``GPTModel`` (parallel state must be initialised) with the layer
     spec of :func:`layer_spec`, with rotary positions taken from ``position_ids`` (see
@@ -271,9 +382,17 @@ def build_gpt_model(arch: HFArch, config, transformer_engine: bool = False, valu
         get_num_layers_to_build,
     )
 
-    layer = layer_spec(transformer_engine)
-    block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
-                                       layer_norm=RMSNorm)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if arch.is_moe:
+        _moe_without_transformer_engine()
+    offset = get_transformer_layer_offset(config)
+    specs = []
+    for i in range(offset, offset + get_num_layers_to_build(config)):
+        moe = i in arch.moe_layers
+        specs.append(layer_spec(transformer_engine, num_experts=arch.num_experts if moe else None,
+                                grouped_gemm=bool(config.moe_grouped_gemm) and moe, qk_norm=arch.qk_norm))
+    block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
     tp = config.tensor_model_parallel_size
     model = _gpt_model_class()(
         config=config, transformer_layer_spec=block, vocab_size=arch.padded_vocab(tp),

@@ -57,7 +57,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -73,9 +75,11 @@ from chatlearn.checkpoint import sharded
 from chatlearn.checkpoint.megatron_mapping import (
     HFArch,
     Mapping,
+    fuse_module_view,
     hf_shapes,
     local_shard,
     mappings,
+    module_views,
     tied_output_mapping,
     to_hf,
     to_megatron,
@@ -87,10 +91,13 @@ from chatlearn.models.base import Batch, Trainer, response_positions, step_is_fi
 from chatlearn.models.hf_folder import HFCheckpoint
 from chatlearn.models.stash import release_device_memory
 from chatlearn.models.trainer.fsdp import collective_timeout, init_distributed
+from chatlearn.models.trainer.megatron import replay
 from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
 from chatlearn.models.trainer.megatron.model import (
+    MoEOptions,
     build_gpt_model,
     canonical_name,
+    grouped_gemm_available,
     initial_value_head,
     thd_packed_seq_params,
     transformer_config,
@@ -107,6 +114,7 @@ from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batch
 if TYPE_CHECKING:
     from chatlearn.models.specs import TrainerSpec
 
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json",
                     ".bin.index.json")
 
@@ -151,23 +159,65 @@ def recompute_of(spec) -> str | None:
     return spec.recompute_granularity or ("full" if spec.gradient_checkpointing else None)
 
 
-def _init_model_parallel(tp: int, pp: int) -> None:
+def _init_model_parallel(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+    """megatron-core's parallel groups: tensor x pipeline x data for the attention (and dense
+    MLPs), expert-tensor x expert x expert-data x pipeline for the experts (the same ranks,
+    ``world = tp * dp * pp = etp * ep * edp * pp``); :func:`check_parallel_sizes` first."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():  # a second trainer in the same process
         have = (ps.get_tensor_model_parallel_world_size(),
-                ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise ValueError(f"MegatronTrainer: this process already uses (tp, pp) = {have}, "
-                             f"not {(tp, pp)}")
+                ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size())
+        want = (tp, pp, ep, etp or tp)
+        if have != want:
+            raise ValueError(f"MegatronTrainer: this process already uses (tp, pp, ep, etp) = {have}, "
+                             f"not {want}")
         return
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"MegatronTrainer: {world} ranks do not divide into "
-                         f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}")
     timeout = collective_timeout()  # its groups time out as the default group does
     minutes = {"distributed_timeout_minutes": math.ceil(timeout.total_seconds() / 60)} if timeout is not None else {}
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **minutes)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, **minutes)
+
+
+def check_parallel_sizes(world: int, tp: int, pp: int, ep: int, etp: int | None, arch: HFArch | None,
+                         key) -> None:
+    """The parallel layout against the ranks and the model, before any group is made (one
+    paragraph each; ``key(name)``: the config key of this model). Experts not divisible by
+    ``expert_model_parallel_size`` is a config check of its own (``chatlearn.config.moe_keys``);
+    it is repeated here for a direct caller."""
+    if world % (tp * pp):
+        raise UserError(f"{world} trainer ranks do not divide into tensor_model_parallel_size {tp} x "
+                        f"pipeline_model_parallel_size {pp}: the data-parallel size would not be whole. Set the "
+                        "sizes so that their product divides the trainer's devices.",
+                        key=key("tensor_model_parallel_size"))
+    moe = arch is not None and arch.is_moe
+    if not moe:
+        if ep != 1 or etp not in (None, tp):
+            raise UserError(f"expert_model_parallel_size {ep} / expert_tensor_parallel_size {etp} apply to a "
+                            "mixture-of-experts model, and this one has no experts. Leave them at 1 / null.",
+                            key=key("expert_model_parallel_size"))
+        return
+    etp_ = etp or tp
+    if ep < 1 or etp_ < 1:
+        raise UserError(f"expert_model_parallel_size {ep} and expert_tensor_parallel_size {etp} must be >= 1.",
+                        key=key("expert_model_parallel_size"))
+    if world % (etp_ * ep * pp):
+        raise UserError(
+            f"{world} trainer ranks do not divide into expert_tensor_parallel_size {etp_} x expert_model_parallel_size "
+            f"{ep} x pipeline_model_parallel_size {pp} (megatron-core lays the experts over the same ranks as the "
+            f"attention: tp x dp x pp = etp x ep x expert-dp x pp). Choose expert_model_parallel_size (and "
+            f"expert_tensor_parallel_size) so that their product with pipeline_model_parallel_size divides {world}.",
+            key=key("expert_model_parallel_size"))
+    if arch.num_experts % ep:
+        raise UserError(f"the model's {arch.num_experts} experts do not divide over expert_model_parallel_size "
+                        f"{ep}: each expert-parallel rank holds an equal share. Choose a divisor of "
+                        f"{arch.num_experts}.", key=key("expert_model_parallel_size"))
+    if arch.moe_ffn_hidden_size % etp_:
+        raise UserError(f"expert_tensor_parallel_size {etp_} does not divide the experts' intermediate size "
+                        f"{arch.moe_ffn_hidden_size} (moe_intermediate_size in config.json). Choose a divisor, or "
+                        "1 (each expert whole on one rank).", key=key("expert_tensor_parallel_size"))
 
 
 @dataclass
@@ -180,10 +230,13 @@ class _MicroBatch:
     cols: torch.Tensor  # [M] its column (the logits that predict it are at cols - 1)
     pos: np.ndarray  # [M] its position in batch["tokens"]
     samples: np.ndarray  # indices of the samples in the batch (real rows only)
+    routed: torch.Tensor | None = None  # int64 [rows, width, moe_layers, k]: the experts to replay, -1: none
+    valid: torch.Tensor | None = None  # bool [rows, width]: a sample's token (not padding)
 
 
 class MegatronTrainer(Trainer):
-    """Megatron-core trainer of a Hugging Face Qwen2 / Llama checkpoint (``trainable``:
+    """Megatron-core trainer of a Hugging Face Qwen2 / Llama checkpoint, or a Qwen3-MoE / Qwen2-MoE one with
+    expert parallelism (docs/architecture.md, "The Megatron trainer on mixture-of-experts models") (``trainable``:
     policy_trainer; else ref_policy: frozen, no optimizer, forward only), or, with ``spec.role``
     critic, of the PPO critic (a value head in place of the LM head: see the module docstring)."""
 
@@ -210,7 +263,13 @@ class MegatronTrainer(Trainer):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.trainable = bool(spec.trainable)
         self.critic = spec.role == "critic"
-        _init_model_parallel(self.tp, self.pp)
+        self.arch = HFArch.from_folder(spec.load)
+        self.moe = self._moe_options() if self.arch.is_moe else None
+        self.ep = self.moe.ep if self.moe else 1
+        self.etp = (self.moe.etp or self.tp) if self.moe else self.tp
+        check_parallel_sizes(self.world, self.tp, self.pp, self.ep, self.moe.etp if self.moe else None, self.arch,
+                             self._config_key)
+        _init_model_parallel(self.tp, self.pp, self.ep, self.moe.etp if self.moe else None)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
@@ -218,6 +277,10 @@ class MegatronTrainer(Trainer):
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.is_last_stage = ps.is_pipeline_last_stage()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.etp_rank = ps.get_expert_tensor_parallel_rank()
+        self.edp_rank = ps.get_expert_data_parallel_rank()
+        self.etp_group = ps.get_expert_tensor_parallel_group()
         if self.rank == 0 and (self.tp_rank, self.pp_rank, self.dp_rank) != (0, 0, 0):
             raise RuntimeError("MegatronTrainer: global rank 0 must be tensor, pipeline and "
                                "data-parallel rank 0 (Megatron's default rank order)")
@@ -225,13 +288,12 @@ class MegatronTrainer(Trainer):
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-        self.arch = HFArch.from_folder(spec.load)
         self.dtype = (torch.bfloat16 if spec.bf16 and self.device.type == "cuda"
                       else torch.float32)
         self.config = transformer_config(
             self.arch, tp=self.tp, pp=self.pp, sequence_parallel=bool(spec.sequence_parallel),
             params_dtype=self.dtype, cpu_init=self.device.type == "cpu",
-            recompute=recompute_of(spec))
+            recompute=recompute_of(spec), moe=self.moe)
         local_vocab = self.arch.padded_vocab(self.tp) // self.tp
         self.vocab_start = self.tp_rank * local_vocab
         self.vocab_valid = max(0, min(local_vocab, self.arch.vocab_size - self.vocab_start))
@@ -242,10 +304,18 @@ class MegatronTrainer(Trainer):
         self._params = self._global_names()
         self.mappings = mappings(self.arch, value_head=self.critic)
         self._layer_stage = self._gather_layer_stages()
+        self._coords = self._gather_coords()
+        self._replays = (replay.install(self.gpt, self._recomputes_moe()) if self.moe and self.moe.replay else [])
+        # this stage's MoE layers as indices among the model's MoE layers (the routed_experts column's order)
+        self._stage_moe_slots = [self.arch.moe_layers.index(layer.layer_number - 1)
+                                 for layer in self.gpt.decoder.layers
+                                 if layer.layer_number - 1 in self.arch.moe_layers]
+        self._moe_counts = self._count_routes() if self.arch.is_moe else None
         self._load_hf(spec.load)
         self.model, self.optimizer = self._wrap()
         self._stashes: dict = {}
         self._grads_freed = False
+        self._routed: np.ndarray | None = None  # the pass's routed_experts (:meth:`_routed_column`)
 
     # ------------------------------------------------------------------ setup
     def _global_names(self) -> dict[str, torch.nn.Parameter]:
@@ -253,11 +323,129 @@ class MegatronTrainer(Trainer):
         layer spec's names, :func:`.model.canonical_name`)."""
         out = {}
         layers = self.gpt.decoder.layers
+        local_experts = self.arch.num_experts // self.ep if self.arch.is_moe else 0
         for name, p in self.gpt.named_parameters():
             if name.startswith("decoder.layers."):
                 local, rest = name[len("decoder.layers."):].split(".", 1)
                 name = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
-            out[canonical_name(name)] = p
+            name = canonical_name(name)
+            m = _LOCAL_EXPERT.search(name)
+            if m:  # megatron-core's index among this expert-parallel rank's experts -> the global id
+                expert = self.ep_rank * local_experts + int(m.group(1))
+                name = f"{name[:m.start()]}.mlp.experts.local_experts.{expert}.{name[m.end():]}"
+            out[name] = p
+        return out
+
+    def _moe_options(self) -> MoEOptions:
+        """The MoE keys of this trainer's spec (``spec.moe``, ``spec.routing_replay``; docs/config.md,
+        "Mixture of experts on the Megatron trainer"), with the
+        checks only this backend can make (one paragraph each): the dispatcher's name,
+        shared-expert overlap (megatron-core overlaps only with the alltoall dispatcher, and only a
+        model with shared experts has anything to overlap), grouped GEMM (a CUDA kernel: on the CPU
+        the experts run one after the other, with a warning), routing replay (the policy and the
+        reference replay; the critic, a value model of its own, routes itself)."""
+        spec, moe, key = self.spec, self.spec.moe, self._config_key
+        dispatcher = str(moe.token_dispatcher_type)
+        if dispatcher not in ("alltoall", "allgather"):
+            raise UserError(f"{dispatcher!r} is not a token dispatcher of this trainer: choose alltoall or "
+                            "allgather.", key=key("moe_token_dispatcher_type"))
+        overlap = bool(moe.shared_expert_overlap)
+        if overlap and dispatcher != "alltoall":
+            raise UserError("moe_shared_expert_overlap computes the shared experts while the alltoall dispatcher "
+                            "moves the tokens; megatron-core has no overlap with the allgather dispatcher. Set "
+                            "moe_token_dispatcher_type: alltoall, or moe_shared_expert_overlap: false.",
+                            key=key("moe_shared_expert_overlap"))
+        if overlap and not self.arch.shared_expert_ffn_hidden_size:
+            warnings.warn(f"{key('moe_shared_expert_overlap')}: the model ({self.arch.model_type}) has no shared "
+                          "experts, so there is nothing to overlap; the key has no effect.", stacklevel=2)
+        grouped = bool(moe.groupgemm)
+        if grouped:
+            ok, why = grouped_gemm_available(self.device)
+            if not ok:
+                warnings.warn(f"{key('groupgemm')}: not used here: {why}. The experts run as one GEMM each "
+                              "(megatron-core's SequentialMLP; the same weights, checkpoints and results).",
+                              stacklevel=2)
+                grouped = False
+        if bool(moe.layer_recompute) and recompute_of(spec) == "full":
+            warnings.warn(f"{key('moe_layer_recompute')}: every layer is already recomputed whole (full "
+                          "recomputation), the MoE layers with them.", stacklevel=2)
+        etp = moe.expert_tensor_parallel_size
+        return MoEOptions(
+            ep=int(moe.expert_model_parallel_size), etp=None if etp is None else int(etp), dispatcher=dispatcher,
+            aux_loss_coeff=None if moe.aux_loss_coeff is None else float(moe.aux_loss_coeff),
+            z_loss_coeff=float(moe.z_loss_coeff), force_load_balancing=bool(moe.force_load_balancing),
+            layer_recompute=bool(moe.layer_recompute), shared_expert_overlap=overlap,
+            grouped_gemm=grouped, replay=spec.routing_replay == "rollout" and not self.critic)
+
+    def _count_routes(self) -> torch.Tensor:
+        """``[moe_layers, experts]`` float64 counts of the top-k choices of the training pass's real
+        tokens (padding left out), filled by a forward hook on this stage's routers while
+        ``self._counting`` (each router's output ``(probs, routing_map [tokens, experts])``); the
+        step's ``moe/load_imbalance``."""
+        counts = torch.zeros(len(self.arch.moe_layers), self.arch.num_experts, dtype=torch.float64)
+        self._counting, self._valid_tokens = False, None
+        slots = iter(self._stage_moe_slots)
+        for layer in self.gpt.decoder.layers:
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is None:
+                continue
+            slot = next(slots)
+
+            def hook(module, inputs, output, slot=slot):
+                # once per forward: not again in a recomputation (a full or MoE-layer recompute runs the
+                # first forward without autograd, the recomputation with it)
+                if not self._counting or torch.is_grad_enabled() == self._recomputes_moe():
+                    return
+                routing_map = output[1]
+                valid = self._valid_tokens
+                if valid is not None and valid.numel() == routing_map.shape[0]:
+                    routing_map = routing_map[valid]
+                counts[slot] += routing_map.sum(dim=0).to("cpu", torch.float64)
+
+            router.register_forward_hook(hook)
+        return counts
+
+    def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """:meth:`Trainer.compute_grads`; on a MoE model also ``moe/load_imbalance`` (per MoE layer the
+        most top-k choices any expert got over the mean, over the step's real tokens on every rank, then
+        the mean over layers: the FSDP trainer's definition) and, with routing replay, ``moe/routing_agreement``
+        (the share of the recorded top-k choices that the routers made themselves in the training forward)."""
+        if self._moe_counts is None:
+            return super().compute_grads(batch, temperature)
+        self._moe_counts.zero_()
+        for r in self._replays:
+            r.agree, r.slots, r.count = 0.0, 0.0, True
+        self._counting = True
+        try:
+            metrics = super().compute_grads(batch, temperature)
+        finally:
+            self._counting = False
+            for r in self._replays:
+                r.count = False
+        agree = [sum(r.agree for r in self._replays), sum(r.slots for r in self._replays)]
+        sums = torch.cat([self._moe_counts.reshape(-1), torch.tensor(agree, dtype=torch.float64)]).to(self.device)
+        dist.all_reduce(sums)  # tensor-parallel copies (without sequence parallelism) scale a layer's row evenly
+        sums = sums.cpu()
+        counts = sums[:-2].reshape(self._moe_counts.shape)
+        rows = [c for c in counts if float(c.sum()) > 0]
+        metrics["moe/load_imbalance"] = (sum(float(c.max() / c.mean()) for c in rows) / len(rows)) if rows else 0.0
+        if self.moe.replay and "routed_experts" in batch:
+            metrics["moe/routing_agreement"] = float(sums[-2] / sums[-1]) if float(sums[-1]) else 1.0
+        return metrics
+
+    def _recomputes_moe(self) -> bool:
+        """Whether an MoE layer's forward runs again in backward (full recomputation, or
+        ``moe_layer_recompute``): routing replay then replays it too."""
+        return self.trainable and (recompute_of(self.spec) == "full" or bool(self.config.moe_layer_recompute))
+
+    def _gather_coords(self) -> list[dict]:
+        """Every rank's place in the parallel layout (on every rank; a collective): the
+        checkpoint's metadata records it for ``chatlearn merge``, the export finds an expert's
+        holder with it."""
+        mine = {"tp": self.tp_rank, "pp": self.pp_rank, "dp": self.dp_rank, "ep": self.ep_rank,
+                "etp": self.etp_rank, "edp": self.edp_rank}
+        out = [None] * self.world
+        dist.all_gather_object(out, mine)
         return out
 
     def _gather_layer_stages(self) -> dict[int, int]:
@@ -282,9 +470,10 @@ class MegatronTrainer(Trainer):
         if "output_layer.weight" in self._params and self.arch.tied_embeddings and not self.critic:
             todo.append(tied_output_mapping())  # last stage's copy of the tied embeddings
         for m in todo:
-            full = to_megatron(self.arch, m, [new[n] if n in new else ckpt.get(n) for n in m.hf], self.tp)
+            size, rank = self._split(m)
+            full = to_megatron(self.arch, m, [new[n] if n in new else ckpt.get(n) for n in m.hf], size)
             param = self._params[m.megatron]
-            shard = local_shard(full, m, self.tp, self.tp_rank)
+            shard = local_shard(full, m, size, rank)
             if shard.shape != param.shape:
                 raise ValueError(f"{path}: {m.hf} give a {tuple(shard.shape)} shard for "
                                  f"{m.megatron}, which is {tuple(param.shape)}")
@@ -365,6 +554,7 @@ class MegatronTrainer(Trainer):
         idx = self._my_samples(batch)
         if len(idx) == 0:
             raise ValueError("MegatronTrainer: the batch has no samples")
+        self._routed = self._routed_column(batch)
         all_lens = np.diff(batch["offsets"])
         lens = all_lens[idx]
         fixed = (None if self.spec.packing or self.spec.seq_length is None
@@ -373,11 +563,30 @@ class MegatronTrainer(Trainer):
         plan, longest = self._plan_micro_batches(all_lens, idx, size)
         out, computed = [], 0
         for mb in plan:
-            nrows, width = self._micro_batch_shape(all_lens[mb], lens, size, longest, fixed)
+            nrows, width = self._micro_batch_shape(all_lens[mb], all_lens if self._same_shape_over_replicas()
+                                                   else lens, size, longest, fixed)
             out.append(self._build_micro_batch(batch, mb, all_lens[mb], nrows, width))
             if len(mb):
                 computed += nrows * width
         return out, self._pass_stats(lens, computed, len(out))
+
+    def _routed_column(self, batch: Batch) -> np.ndarray | None:
+        """The batch's ``routed_experts`` as int64 ``[tokens, moe_layers, k]`` where this trainer
+        replays them (:mod:`.replay`), else None: replay off, the critic, or a batch without the column
+        (the weight push's landing probe; a rollout that records none is refused by the driver at its
+        first generate), whose tokens route themselves. A column of another shape is refused in one
+        paragraph."""
+        if not (self.moe and self.moe.replay) or "routed_experts" not in batch:
+            return None
+        key = "models.policy_trainer.routing_replay"
+        layers, k = len(self.arch.moe_layers), self.arch.moe_topk
+        col = np.asarray(batch["routed_experts"])
+        total = int(batch["offsets"][-1])
+        if col.shape[0] != total or col.size != total * layers * k:
+            raise UserError(f"the batch's routed_experts column has shape {list(col.shape)}, not [{total} tokens, "
+                            f"{layers} MoE layers, top-{k}] of this model ({self.spec.load}): it was recorded with "
+                            "another model. Roll out with the model this trainer loads.", key=key)
+        return replay.decode_column(col, layers, k)
 
     def _plan_micro_batches(self, all_lens: np.ndarray, idx: np.ndarray, size: int
                             ) -> tuple[list[np.ndarray], int | None]:
@@ -392,7 +601,15 @@ class MegatronTrainer(Trainer):
         plans, _ = plan_micro_batches(all_lens, shares, size, True,
                                       int(self.spec.max_token_in_packing))
         plan = plans[self.dp_rank]
-        return plan, max(int(all_lens[mb].sum()) for mb in plan if len(mb))
+        mine = plans if self._same_shape_over_replicas() else [plan]
+        return plan, max(int(all_lens[mb].sum()) for p in mine for mb in p if len(mb))
+
+    def _same_shape_over_replicas(self) -> bool:
+        """Whether every micro-batch of every data-parallel replica has one shape: megatron-core's
+        allgather token dispatcher all-gathers the tokens over the tensor x expert-parallel ranks,
+        which hold different replicas' samples when ``expert_model_parallel_size`` > 1 (the alltoall
+        dispatcher takes any number of tokens per rank)."""
+        return bool(self.moe) and self.moe.dispatcher == "allgather" and self.ep > 1
 
     def _micro_batch_shape(self, mb_lens: np.ndarray, lens: np.ndarray, size: int,
                            longest: int | None, fixed: int | None) -> tuple[int, int]:
@@ -407,9 +624,11 @@ class MegatronTrainer(Trainer):
         its longest sample and a packed row is exactly its bin (a dummy row is one token).
         With ``fixed`` every micro-batch is exactly that wide (Megatron's fixed sequence
         length). Under sequence parallelism every width is a multiple of ``tp`` (rounded up
-        with padding; a ``seq_length`` must already be one).
+        with padding; a ``seq_length`` must already be one). With the allgather token dispatcher
+        over several expert-parallel ranks every replica's micro-batches have one shape too
+        (:meth:`_same_shape_over_replicas`: ``lens`` and ``longest`` are then over all replicas).
         """
-        uniform = self.pp > 1
+        uniform = self.pp > 1 or self._same_shape_over_replicas()
         if self.spec.packing:
             width = longest if uniform else max(int(mb_lens.sum()), 1)
             nrows = 1
@@ -431,6 +650,9 @@ class MegatronTrainer(Trainer):
         positions = torch.arange(width).repeat(nrows, 1)
         segment = torch.full((width,), -1, dtype=torch.long)  # -1: padding
         rows, cols, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        routed = (None if getattr(self, "_routed", None) is None else
+                  torch.full((nrows, width, *self._routed.shape[1:]), -1, dtype=torch.long))
+        valid = torch.zeros(nrows, width, dtype=torch.bool)
         start = 0
         for b, (i, n) in enumerate(zip(mb, mb_lens)):
             n = int(n)
@@ -440,6 +662,9 @@ class MegatronTrainer(Trainer):
                 positions[0, col:col + n] = torch.arange(n)
                 segment[col:col + n] = b
                 start += n
+            valid[row, col:col + n] = True
+            if routed is not None:
+                routed[row, col:col + n] = torch.from_numpy(self._routed[off[i]:off[i + 1]])
             resp = response_positions(batch, i)  # the model's tokens (not a multi-turn observation)
             rows.append(np.full(len(resp), row))
             cols.append(col + resp)
@@ -453,7 +678,8 @@ class MegatronTrainer(Trainer):
             mask=mask, packed=packed,
             rows=torch.from_numpy(np.concatenate(rows)).to(self.device),
             cols=torch.from_numpy(np.concatenate(cols)).to(self.device),
-            pos=np.concatenate(pos), samples=mb)
+            pos=np.concatenate(pos), samples=mb,
+            routed=None if routed is None else routed.to(self.device), valid=valid.to(self.device))
 
     def _packed_attention(self, mb_lens: np.ndarray, segment: torch.Tensor, width: int):
         """``(mask, packed)`` confining attention to each sample of a packed row (``segment``:
@@ -505,8 +731,20 @@ class MegatronTrainer(Trainer):
         ``loss_func`` reported for each (on the last pipeline stage; [] elsewhere)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        replay.begin(self._replays, on=micro_batches[0].routed is not None)
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if mb.routed is not None and self._replays:
+                targets = replay.layer_targets(mb.routed, self._stage_moe_slots, self.tp, self.tp_rank,
+                                               bool(self.config.sequence_parallel))
+                for r, t in zip(self._replays, targets):
+                    r.set_target_indices(t)
+            if self._moe_counts is not None:  # the real tokens in the routers' order ([s, b], this rank's slice)
+                valid = mb.valid.t()
+                if self.config.sequence_parallel and self.tp > 1:
+                    valid = valid.chunk(self.tp, dim=0)[self.tp_rank]
+                self._valid_tokens = valid.reshape(-1)
             logits = model(input_ids=mb.ids, position_ids=mb.positions, attention_mask=mb.mask,
                            packed_seq_params=mb.packed)
             return logits, partial(loss_func, mb)
@@ -622,7 +860,7 @@ class MegatronTrainer(Trainer):
         return bool(self.optimizer.step_with_ready_grads()), norm
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Gradients by Hugging Face name, unsharded, on the CPU: complete on rank 0, empty
+        """Gradients by Hugging Face module name (:meth:`_module_views`), unsharded, on the CPU: complete on rank 0, empty
         on the others (a collective; for tests). Not available with the distributed
         optimizer, which keeps only each replica's reduced shard of the gradients."""
         if not self.trainable:
@@ -630,7 +868,7 @@ class MegatronTrainer(Trainer):
         if self.spec.use_distributed_optimizer:
             raise NotImplementedError("MegatronTrainer.full_grads: gradients are "
                                       "reduce-scattered under the distributed optimizer")
-        return {name: t for name, t in self._gather_hf("grads") if t is not None}
+        return {name: t for name, t in self._gather_views("grads", None, host=True) if t is not None}
 
     def zero_grad(self) -> None:
         """Zero Megatron's gradient buffers and the optimizer's gradients (nothing to do for a
@@ -714,10 +952,16 @@ class MegatronTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def _layout(self) -> dict:
-        return {"world_size": self.world, "tensor_model_parallel_size": self.tp,
-                "pipeline_model_parallel_size": self.pp,
-                "use_distributed_optimizer": bool(self.spec.use_distributed_optimizer),
-                "dtype": sharded.dtype_name(self.dtype)}
+        """The layout a checkpoint records and must be resumed with (a MoE model's: its expert-parallel
+        sizes and expert count too)."""
+        out = {"world_size": self.world, "tensor_model_parallel_size": self.tp,
+               "pipeline_model_parallel_size": self.pp,
+               "use_distributed_optimizer": bool(self.spec.use_distributed_optimizer),
+               "dtype": sharded.dtype_name(self.dtype)}
+        if self.arch.is_moe:
+            out.update({"expert_model_parallel_size": self.ep, "expert_tensor_parallel_size": self.etp,
+                        "num_experts": self.arch.num_experts})
+        return out
 
     def save_checkpoint(self, path: str) -> None:
         """Write this rank's parameter shards, optimizer state and RNG states, and (rank 0)
@@ -768,6 +1012,7 @@ class MegatronTrainer(Trainer):
                 "hf_source": (os.path.abspath(self.spec.load) if os.path.isdir(self.spec.load)
                               else self.spec.load),
                 "torch_version": torch.__version__,
+                "ranks": self._coords,  # each rank's tp, pp, dp, ep, etp, edp: where chatlearn merge reads shards
             })
         dist.barrier()
         if self.rank == 0:
@@ -841,12 +1086,44 @@ class MegatronTrainer(Trainer):
         sharded.restore_rng_state(rng, self.device)
 
     # ------------------------------------------------------------------ weights out
+    def _split(self, m: Mapping) -> tuple[int, int]:
+        """``(ranks, this rank's index)`` of the ranks that split ``m``: a routed expert's over the
+        expert-tensor-parallel ranks, everything else over the tensor-parallel ranks."""
+        return (self.etp, self.etp_rank) if m.expert is not None else (self.tp, self.tp_rank)
+
     def _gather_tp(self, local: torch.Tensor, m: Mapping) -> torch.Tensor:
-        if m.split_dim is None or self.tp == 1:
+        size, _ = self._split(m)
+        if m.split_dim is None or size == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.tp)]
-        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=self.etp_group if m.expert is not None else self.tp_group)
         return torch.cat(parts, dim=m.split_dim)
+
+    def _gather_expert(self, m: Mapping, source: str, dtype: torch.dtype, shapes: list) -> list | None:
+        """A routed expert's Hugging Face tensors on rank 0 (None elsewhere): the ranks that hold it
+        (its expert-parallel rank on its stage, expert-data-parallel replica 0) gather its
+        expert-tensor-parallel shards; the first of them sends the result to rank 0 unless it is
+        rank 0 (point to point: the holder and rank 0 share no group in general)."""
+        owner_ep = m.expert // (self.arch.num_experts // self.ep)
+        stage = self._owner(m)
+        holders = [r for r, c in enumerate(self._coords)
+                   if c["pp"] == stage and c["ep"] == owner_ep and c["edp"] == 0]
+        hf = None
+        if self.rank in holders:
+            param = self._params[m.megatron]
+            local = param.main_grad if source == "grads" else param.detach()
+            hf = to_hf(self.arch, m, self._gather_tp(local.to(dtype), m), self.etp)
+        src = min(r for r in holders if self._coords[r]["etp"] == 0)
+        if src == 0:
+            return hf if self.rank == 0 else None
+        sizes = [int(np.prod(s)) for s in shapes]
+        if self.rank == src:
+            dist.send(torch.cat([t.reshape(-1) for t in hf]).contiguous(), dst=0)
+        elif self.rank == 0:
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+            dist.recv(flat, src=src)
+            return [t.view(s) for t, s in zip(flat.split(sizes), shapes)]
+        return None
 
     def _gather_hf(self, source: str, only: set | None = None, host: bool = True
                    ) -> Iterator[tuple[str, torch.Tensor | None]]:
@@ -868,6 +1145,12 @@ class MegatronTrainer(Trainer):
                 continue
             owner = self._owner(m)
             shapes = hf_shapes(self.arch, m)
+            if m.expert is not None:
+                hf = self._gather_expert(m, source, dtype, shapes)
+                for i, name in enumerate(m.hf):
+                    yield name, (None if self.rank != 0 else hf[i].to("cpu" if host else hf[i].device,
+                                                                    torch.float32, copy=True))
+                continue
             hf = None
             if self.pp_rank == owner and self.dp_rank == 0:
                 param = self._params[m.megatron]
@@ -887,30 +1170,68 @@ class MegatronTrainer(Trainer):
                 else:
                     yield name, hf[i].to(torch.float32, copy=True)
 
+    def _module_views(self) -> list[tuple[str, tuple, list[str], str | None, int]]:
+        """The exported tensors: :func:`chatlearn.checkpoint.megatron_mapping.module_views` of
+        every Hugging Face tensor, as ``(name, shape, checkpoint names, fusion, group)``:
+        transformers' module names (a MoE layer's experts fused, ``mlp.experts.gate_up_proj`` and
+        ``mlp.experts.down_proj``), the names the FSDP trainer exports. ``group``: the Megatron
+        parameter the names come from (fused QKV -> q/k/v, fused gate-up -> gate/up), or one
+        group per fused expert tensor, so that a bucket never splits a gather."""
+        if getattr(self, "_views", None) is None:
+            group, shape = {}, {}
+            for i, m in enumerate(self.mappings):
+                for name, sh in zip(m.hf, hf_shapes(self.arch, m)):
+                    group[name], shape[name] = i, tuple(sh)
+            views = module_views(self.arch, list(group))
+            self._views = [(name, tuple(sh) if sh is not None else shape[name], parts, fusion,
+                            group[name] if fusion is None else len(self.mappings) + k)
+                           for k, (name, sh, parts, fusion) in enumerate(views)]
+        return self._views
+
+    def _gather_views(self, source: str, wanted: set | None, host: bool
+                      ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """:meth:`_gather_hf` in the form of :meth:`_module_views` (``wanted``: those view names,
+        None: all): a fused expert tensor is yielded once every expert of it has arrived (one
+        layer's experts at a time on rank 0)."""
+        views = [v for v in self._module_views() if wanted is None or v[0] in wanted]
+        part_of = {p: v for v in views for p in v[2]}
+        pending: dict[str, dict] = {}
+        for name, tensor in self._gather_hf(source, only=set(part_of), host=host):
+            view = part_of.get(name)
+            if view is None:
+                continue
+            if view[3] is None:
+                yield name, tensor
+                continue
+            got = pending.setdefault(view[0], {})
+            got[name] = tensor
+            if len(got) == len(view[2]):
+                del pending[view[0]]
+                yield view[0], (None if self.rank != 0 else
+                                fuse_module_view(view[3], [got[p] for p in view[2]]))
+
     def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
-        """``(hf_name, "float32", shape, group)`` in ``export_tensors`` order (the same on
-        every rank; no collective). ``group`` is the Megatron parameter the names come from
-        (fused QKV -> q/k/v, fused gate-up -> gate/up), so a bucket never splits a gather.
-        Tied output embeddings are not listed (they are ``model.embed_tokens.weight``); the
-        critic's value head is ``score.weight`` and ``score.bias``."""
-        return [(name, "float32", tuple(shape), i) for i, m in enumerate(self.mappings)
-                for name, shape in zip(m.hf, hf_shapes(self.arch, m))]
+        """``(name, "float32", shape, group)`` in ``export_tensors`` order (the same on every
+        rank; no collective): transformers' module tensors (:meth:`_module_views`; a dense model's
+        are its checkpoint's). Tied output embeddings are not listed (they are
+        ``model.embed_tokens.weight``); the critic's value head is ``score.weight`` and
+        ``score.bias``."""
+        return [(name, "float32", shape, group) for name, shape, _, _, group in self._module_views()]
 
     @torch.no_grad()
     def export_tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """``(hf_name, float32 tensor on rank 0, None elsewhere)`` for the names given (whole
+        """``(name, float32 tensor on rank 0, None elsewhere)`` for the names given (whole
         groups of ``weight_specs``), gathered mapping by mapping (tensor-parallel all-gather,
-        pipeline broadcast to rank 0): a collective, every rank iterates with the same names.
+        pipeline broadcast to rank 0; a routed expert: expert-tensor-parallel all-gather, sent
+        from its expert-parallel rank to rank 0, the layer's experts stacked into the fused
+        tensors): a collective, every rank iterates with the same names.
 
         The tensors stay on this rank's device (a copy, never a view of a parameter): the
         weight push copies each into its own slot buffer (device to device for ``cuda_ipc``,
         or straight into its host slot), so no extra pass through pageable host memory is
         made here."""
         self._require_weights()
-        wanted = set(names)
-        for name, tensor in self._gather_hf("weights", only=wanted, host=False):
-            if name in wanted:
-                yield name, tensor
+        yield from self._gather_views("weights", set(names), host=False)
 
     def save_hf(self, path: str) -> None:
         """Write a Hugging Face folder at ``path`` (rank 0 writes; a collective): float32
