@@ -144,6 +144,9 @@ class TrainerSpec(_Spec):
     # builds the backend, so that a plugged policy loss or KL estimator is registered where the loss runs
     plugins: tuple
     plugins_dir: str
+    # models.policy_trainer.routing_replay (off | rollout): every forward of an MoE model routes the tokens to
+    # the experts the rollout recorded (the batch's routed_experts; chatlearn/models/moe), the reference's too
+    routing_replay: str
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
@@ -183,7 +186,7 @@ class TrainerSpec(_Spec):
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
             use_distributed_optimizer=t.use_distributed_optimizer,
             lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None,
-            plugins=tuple(rt.plugins), plugins_dir=os.getcwd())
+            plugins=tuple(rt.plugins), plugins_dir=os.getcwd(), routing_replay=pt.routing_replay)
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,9 @@ class RolloutSpec(_Spec):
     tensor_model_parallel_size: int
     deterministic_inference: Optional[bool]  # None until resolved: on for CPU, off on CUDA
     cpu_threads: Optional[int]  # torch threads of a CPU engine (None: leave as is)
+    # models.policy_trainer.routing_replay: rollout makes the engine record each token's routed experts (the
+    # batch's routed_experts column) for the trainers to replay
+    routing_replay: str
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
@@ -220,7 +226,8 @@ class RolloutSpec(_Spec):
             dtype=p.dtype, gpu_memory_utilization=p.gpu_memory_utilization, kv_cache=p.kv_cache,
             enforce_eager=p.enforce_eager,
             tensor_model_parallel_size=p.tensor_model_parallel_size,
-            deterministic_inference=p.deterministic_inference, cpu_threads=None)
+            deterministic_inference=p.deterministic_inference, cpu_threads=None,
+            routing_replay=cfg.models.policy_trainer.routing_replay)
 
 
 @dataclass(frozen=True)

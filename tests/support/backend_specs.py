@@ -23,13 +23,13 @@ TRAINER_DEFAULTS = dict(
     cliprange_value=0.5, value_loss_coef=0.5,
     gradient_checkpointing=False, recompute_granularity=None, bf16=False, meta_init=False,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
-    use_distributed_optimizer=False, lora=None, plugins=(), plugins_dir="")
+    use_distributed_optimizer=False, lora=None, plugins=(), plugins_dir="", routing_replay="off")
 
 ROLLOUT_DEFAULTS = dict(
     trust_remote_code=False, seed=1234, generation_batch_size=8, max_prompt_tokens_length=32,
     max_response_tokens_length=16, seq_length=None, max_num_batched_tokens=None, dtype="float32",
     gpu_memory_utilization=0.5, kv_cache="fit", enforce_eager=True, tensor_model_parallel_size=1,
-    deterministic_inference=True, cpu_threads=None, device="cpu")
+    deterministic_inference=True, cpu_threads=None, routing_replay="off", device="cpu")
 
 
 def trainer_spec(load: str = "", **fields) -> TrainerSpec:
