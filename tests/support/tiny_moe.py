@@ -2,14 +2,15 @@
 tests (until the asset ``assets/tiny_qwen3_moe`` is there): hidden 128, 4 heads (head_dim 32, what vLLM's CPU
 attention takes), 2 KV heads, ``layers`` decoder layers each with ``experts`` routed experts, top-``top_k``
 (Qwen2-MoE also a shared expert), the tokenizer of ``tiny_model.py``. The routers' weights are drawn with
-std ``router_std`` (large enough that a token's top-k is decided, not a near tie of equal scores)."""
+std ``router_std`` (large enough that a token's top-k is decided, not a near tie of equal scores), the experts'
+with std ``expert_std`` (large enough that which experts a token goes to moves its next-token distribution)."""
 from __future__ import annotations
 
 import os
 
 
 def make_tiny_moe(path: str, seed: int = 0, arch: str = "qwen3_moe", layers: int = 2, experts: int = 8,
-                  top_k: int = 2, router_std: float = 0.5, vocab_size: int = 320) -> str:
+                  top_k: int = 2, router_std: float = 0.5, expert_std: float = 0.15, vocab_size: int = 320) -> str:
     import torch
     from tiny_model import make_tokenizer
     from transformers import GenerationConfig
@@ -40,6 +41,8 @@ def make_tiny_moe(path: str, seed: int = 0, arch: str = "qwen3_moe", layers: int
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, router_std)
+            elif ".mlp.experts." in name:
+                p.normal_(0.0, expert_std)
     model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
