@@ -141,6 +141,28 @@ class RouterPatch:
         return logits, values, indices
 
 
+class DecodeRoutes:
+    """The routes a decoding loop records (:class:`RouterPatch` in capture mode), by row and position of its
+    ``[rows, width + steps]`` token grid: the prompt's (prefill) at once, then one position per step for the
+    rows still running. int16 on the model's device (no wait per step); -1 where nothing was recorded."""
+
+    def __init__(self, patch: RouterPatch, rows: int, width: int, steps: int, device: torch.device):
+        lay = patch.layout
+        self.patch, self.width = patch, width
+        self.grid = torch.full((rows, width + steps, lay.layers, lay.top_k), -1, dtype=torch.int16, device=device)
+        self.grid[:, :width] = patch.take().view(rows, width, lay.layers, lay.top_k).to(torch.int16)
+
+    def step(self, rows: torch.Tensor, position: int) -> None:
+        """After a decoding step that fed the token at ``position`` of each row of ``rows``."""
+        self.grid[rows, position] = self.patch.take().to(torch.int16)
+
+    def per_sample(self, prompt_lens: list[int], lengths) -> list[np.ndarray]:
+        """Each row's routes ``[prompt + response, layers, top_k]``: its left padding cut, then its prompt
+        and its ``lengths[i]`` response tokens."""
+        grid = self.grid.cpu().numpy()
+        return [grid[i, self.width - p:self.width + int(n)] for i, (p, n) in enumerate(zip(prompt_lens, lengths))]
+
+
 def sample_routes(column, start: int, end: int) -> np.ndarray:
     """Decoded routes ``[end - start, layers, top_k]`` (int64, -1: none) of a batch's token range."""
     return decode(column[start:end])

@@ -17,7 +17,7 @@ import torch
 from chatlearn.config.names import Part
 from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.moe import layout as moe_layout
-from chatlearn.models.moe.routing import RouterPatch, routers
+from chatlearn.models.moe.routing import DecodeRoutes, RouterPatch, routers
 from chatlearn.models.rollout.common import (check_lengths, context_length, eos_token_ids, pack_samples,
                                              parse_sampling, penalties_on, release_cuda_cache, response_budgets,
                                              set_cpu_threads, to_torch)
@@ -502,11 +502,7 @@ class HFRollout(Rollout):
         positions = (amask[:, :width].long().cumsum(-1) - 1).clamp_(min=0)
         out = self.model(input_ids=seqs[:, :width], attention_mask=amask[:, :width].long(), position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
-        routes = None
-        if self.routing is not None:  # [rows, positions, MoE layers, top_k]: the prompt's, then each step's
-            lay = self.routing.layout
-            routes = torch.full((n, width + steps, lay.layers, lay.top_k), -1, dtype=torch.int16, device=dev)
-            routes[:, :width] = self.routing.take().view(n, width, lay.layers, lay.top_k).to(torch.int16)
+        routes = DecodeRoutes(self.routing, n, width, steps, dev) if self.routing is not None else None
         batch = _RunningRows(budgets, [width - len(p) for p in prompts], amask, positions[:, -1:] + 1, dev)
         mask_kind = decode_mask_kind(self.model.config)
         for step in range(steps):
@@ -535,16 +531,12 @@ class HFRollout(Rollout):
             out = self.model(input_ids=batch.tokens[:, None], attention_mask=mask, position_ids=batch.next_pos,
                              past_key_values=cache, use_cache=True)
             if routes is not None:  # the routes of the token at position cur of each running row
-                routes[batch.rows, cur] = self.routing.take().to(torch.int16)
+                routes.step(batch.rows, cur)
             batch.next_pos = batch.next_pos + 1
 
         new_tokens, token_lp = seqs[:, width:].cpu().numpy(), token_lp.cpu().numpy()
         length, finished = length.cpu().numpy(), finished.cpu().numpy()
-        if routes is not None:  # each sample's prompt and response tokens (its left padding cut)
-            routes = routes.cpu().numpy()
-            per_sample = [routes[i, width - len(p):width + length[i]] for i, p in enumerate(prompts)]
-        else:
-            per_sample = [None] * n
+        per_sample = routes.per_sample([len(p) for p in prompts], length) if routes is not None else [None] * n
         return ([new_tokens[i, :length[i]] for i in range(n)], [token_lp[i, :length[i]] for i in range(n)],
                 [bool(f) for f in finished], per_sample)
 
