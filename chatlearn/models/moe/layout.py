@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,6 +30,9 @@ class MoeLayout:
     layers: int
     top_k: int
     num_experts: int
+    # the decoder layers that have them, in order (from config.json; empty when not known): vLLM reports
+    # routes for every decoder layer, these pick the MoE layers' out
+    decoder_layers: tuple = field(default=(), compare=False)
 
     @property
     def dtype(self) -> np.dtype:
@@ -53,11 +56,11 @@ def layout_of_config(conf: dict) -> MoeLayout | None:
         return None
     n = int(conf.get("num_hidden_layers", 0))
     if "num_local_experts" in conf and "num_experts" not in conf:  # Mixtral: every layer
-        return MoeLayout(n, int(k), int(experts))
+        return MoeLayout(n, int(k), int(experts), tuple(range(n)))
     step = int(conf.get("decoder_sparse_step") or 1)
     dense = set(conf.get("mlp_only_layers") or ())
-    layers = sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
-    return MoeLayout(layers, int(k), int(experts)) if layers else None
+    layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+    return MoeLayout(len(layers), int(k), int(experts), layers) if layers else None
 
 
 def layout_of_folder(folder: str) -> MoeLayout | None:

@@ -83,7 +83,9 @@ import torch
 
 from chatlearn.config.names import Part
 from chatlearn.logging import console
+from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Rollout
+from chatlearn.models.moe import layout as moe_layout
 from chatlearn.models.rollout import kv_cache
 from chatlearn.models.rollout.common import (check_lengths, context_length, pack_samples, parse_sampling,
                                              response_budgets, set_cpu_threads)
@@ -687,8 +689,12 @@ class VLLMRollout(Rollout):
             logprobs_mode="processed_logprobs",  # see the module docstring
             worker_extension_cls=f"{__name__}.WorkerExtension",
             use_tqdm_on_load=False,  # a bar per load: at start and at every reload from the folder
+            # routing_replay: rollout: every output carries the experts each MoE layer routed each token to
+            # (CompletionOutput.routed_experts; see routed_experts below)
+            enable_return_routed_experts=spec.routing_replay == "rollout",
             **sizing,
         )
+        self._moe = moe_layout.layout_of_folder(spec.load) if spec.routing_replay == "rollout" else None
         # An in-process engine core takes the tensors as they are; otherwise they are
         # serialised (see ``pack_weights``).
         from vllm.v1.engine.core_client import InprocClient
@@ -762,7 +768,7 @@ class VLLMRollout(Rollout):
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
-        responses, logprobs, finished = [], [], []
+        responses, logprobs, finished, routes = [], [], [], []
         for out in outputs:
             comp = out.outputs[0]
             if comp.finish_reason not in FINISH_REASONS:
@@ -771,7 +777,35 @@ class VLLMRollout(Rollout):
             responses.append(ids)
             logprobs.append([step[t].logprob for step, t in zip(comp.logprobs, ids)])
             finished.append(FINISH_REASONS[comp.finish_reason])
-        return pack_samples(prompts, responses, logprobs, finished)
+            if self.spec.routing_replay == "rollout":
+                routes.append(self.routed_experts(comp))
+        batch = pack_samples(prompts, responses, logprobs, finished)
+        if self.spec.routing_replay == "rollout":
+            batch["routed_experts"] = moe_layout.assemble(routes, np.diff(batch["offsets"]), self._moe)
+        return batch
+
+    def routed_experts(self, comp) -> np.ndarray:
+        """A finished request's routes ``[prompt + response - 1, MoE layers, top_k]`` (int64). vLLM 0.32
+        (``enable_return_routed_experts``) gives ``CompletionOutput.routed_experts``: ``[tokens, decoder layers,
+        top_k]``, uint8 (256 experts or fewer) or uint16, for every token it ran a forward of (the prompt's
+        from ``routed_experts_prompt_start``, 0, and every response token but the last sampled one:
+        ``aux_output_connector`` rows up to ``num_tokens - 1``), every decoder layer a row (a dense layer's
+        never written): the MoE layers' are kept, in order. None (not returned): a UserError naming the key."""
+        found = comp.routed_experts
+        if found is None or self._moe is None:
+            why = ("the model folder's config.json declares no mixture of experts" if self._moe is None else
+                   "vLLM returned none (CompletionOutput.routed_experts is None)")
+            raise UserError(
+                f"routing replay is on, but the vLLM rollout has no routed experts to record: {why}. vLLM 0.32 "
+                "returns them when started with enable_return_routed_experts (done here) on an MoE model, with its "
+                "Model Runner V2 (set VLLM_USE_V2_MODEL_RUNNER=1 where vLLM falls back to V1) and prefix caching "
+                "on. Fix that, use the hf rollout (runtime_args.rollout_backend: hf), or set routing_replay: off.",
+                key="models.policy_trainer.routing_replay")
+        found = np.asarray(found)
+        lay = self._moe
+        if found.shape[1] != lay.layers and lay.decoder_layers and found.shape[1] > max(lay.decoder_layers):
+            found = found[:, list(lay.decoder_layers)]  # every decoder layer's row -> the MoE layers'
+        return found.astype(np.int64)
 
     def shutdown(self) -> None:
         """Stop the engine: its core, its workers and the torch.distributed groups it joined (vLLM's
