@@ -70,6 +70,7 @@ follows in a training run, or from the model folder if the engine never received
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import inspect
@@ -613,6 +614,30 @@ def executor_backend(tp: int) -> str | None:
     return "mp" if tp > 1 else None
 
 
+@contextlib.contextmanager
+def routes_refused(routing_replay: str):
+    """Around the engine's start: with ``routing_replay: rollout``, vLLM's refusal of
+    ``enable_return_routed_experts`` (``VllmConfig._verify_aux_output_compatibility``: Model Runner V2 only,
+    which needs Triton; MoE models only; prefix caching on) becomes a UserError naming the key and the fixes."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - vLLM raises ValueError, pydantic wraps it
+        text = str(err)
+        if routing_replay != "rollout" or not any(s in text for s in ROUTES_REFUSED):
+            raise
+        reason = next((line.strip() for line in text.splitlines() if any(s in line for s in ROUTES_REFUSED)), text)
+        raise UserError(
+            f"routing replay is on, but this vLLM cannot return the routed experts: {reason} vLLM 0.32 returns "
+            "them (enable_return_routed_experts) only with its Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, which "
+            "needs Triton: CUDA builds have it, the CPU build here does not), prefix caching on, and an MoE model. "
+            "Run on such a vLLM, use the hf rollout (runtime_args.rollout_backend: hf), or set routing_replay: off.",
+            key="models.policy_trainer.routing_replay") from None
+
+
+# what vLLM says when it will not return routed experts (vllm/config/vllm.py)
+ROUTES_REFUSED = ("AuxOutput Connector", "Model Runner V2", "enable-return-routed-experts", "Routed-experts capture")
+
+
 class VLLMRollout(Rollout):
     """Rollout with ``vllm.LLM``.
 
@@ -673,27 +698,28 @@ class VLLMRollout(Rollout):
             if sized.note:
                 console.info(f"models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
                              f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead")
-        self.llm = vllm.LLM(
-            model=spec.load,
-            trust_remote_code=bool(spec.trust_remote_code),
-            dtype=spec.dtype,
-            seed=int(spec.seed),
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=int(batched_tokens) if batched_tokens else None,
-            gpu_memory_utilization=float(spec.gpu_memory_utilization),
-            enforce_eager=bool(spec.enforce_eager),
-            tensor_parallel_size=tp,
-            distributed_executor_backend=executor_backend(tp),
-            enable_sleep_mode=self._sleep_mode,
-            logprobs_mode="processed_logprobs",  # see the module docstring
-            worker_extension_cls=f"{__name__}.WorkerExtension",
-            use_tqdm_on_load=False,  # a bar per load: at start and at every reload from the folder
-            # routing_replay: rollout: every output carries the experts each MoE layer routed each token to
-            # (CompletionOutput.routed_experts; see routed_experts below)
-            enable_return_routed_experts=spec.routing_replay == "rollout",
-            **sizing,
-        )
+        with routes_refused(spec.routing_replay):  # routing_replay: rollout on a vLLM that cannot return them
+            self.llm = vllm.LLM(
+                model=spec.load,
+                trust_remote_code=bool(spec.trust_remote_code),
+                dtype=spec.dtype,
+                seed=int(spec.seed),
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=int(batched_tokens) if batched_tokens else None,
+                gpu_memory_utilization=float(spec.gpu_memory_utilization),
+                enforce_eager=bool(spec.enforce_eager),
+                tensor_parallel_size=tp,
+                distributed_executor_backend=executor_backend(tp),
+                enable_sleep_mode=self._sleep_mode,
+                logprobs_mode="processed_logprobs",  # see the module docstring
+                worker_extension_cls=f"{__name__}.WorkerExtension",
+                use_tqdm_on_load=False,  # a bar per load: at start and at every reload from the folder
+                # routing_replay: rollout: every output carries the experts each MoE layer routed each token to
+                # (CompletionOutput.routed_experts; see routed_experts below)
+                enable_return_routed_experts=spec.routing_replay == "rollout",
+                **sizing,
+            )
         self._moe = moe_layout.layout_of_folder(spec.load) if spec.routing_replay == "rollout" else None
         # An in-process engine core takes the tensors as they are; otherwise they are
         # serialised (see ``pack_weights``).

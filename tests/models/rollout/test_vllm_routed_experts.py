@@ -160,8 +160,79 @@ def test_vllm_routes_missing_or_refused_say_which_key(tiny_model_dir, tmp_path, 
         with pytest.raises(UserError, match="models.policy_trainer.routing_replay") as err:
             engine.generate([[3, 4]], {"temperature": 1.0, "max_tokens": 3, "seed": 1})
         assert "enable_return_routed_experts" in str(err.value) and "routing_replay: off" in str(err.value)
-        with pytest.raises(ValueError, match="only supports MoE models"):  # vLLM's own refusal, at start
+        # vLLM's own refusals at start (a dense model, Model Runner V1) name the key too
+        with pytest.raises(UserError, match="models.policy_trainer.routing_replay.*only supports MoE models"):
             VLLMRollout(_spec(tiny_model_dir, routing_replay="rollout"))
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-        with pytest.raises(ValueError, match="Model Runner V2"):
+        with pytest.raises(UserError, match="models.policy_trainer.routing_replay.*Model Runner V2"):
             VLLMRollout(_spec(path, routing_replay="rollout"))
+
+
+REAL_RUN = r'''
+import json, sys
+sys.path.insert(0, sys.argv[3])
+import numpy as np
+import backend_specs
+from chatlearn.errors import UserError
+from chatlearn.models.moe import layout
+from chatlearn.models.rollout.vllm import VLLMRollout
+
+if __name__ == "__main__":
+    spec = backend_specs.rollout_spec(sys.argv[1], routing_replay="rollout", generation_batch_size=4, device="cpu",
+                                      max_prompt_tokens_length=16, max_response_tokens_length=8)
+    try:
+        engine = VLLMRollout(spec)
+    except UserError as err:
+        print("RESULT" + json.dumps({"refused": str(err)}))
+        sys.exit(0)
+    prompts = json.loads(sys.argv[2])
+    batch = engine.generate(prompts, {"temperature": 0.0, "max_tokens": 6, "seed": 1})
+    print("RESULT" + json.dumps({"tokens": batch["tokens"].tolist(), "offsets": batch["offsets"].tolist(),
+                                 "routes": layout.decode(batch["routed_experts"]).tolist()}))
+    engine.shutdown()
+'''
+
+
+@pytest.mark.timeout(400)
+def test_the_installed_vllm_returns_routes_or_refuses_naming_the_key(real, tmp_path):
+    """The adapter on the installed vLLM and a tiny Qwen3-MoE: where vLLM can return routed experts (Model
+    Runner V2, with Triton), they are the transformers model's own top-k (float32, greedy); where it cannot
+    (this machine's CPU build has no Triton), the engine's start stops with the paragraph naming the key."""
+    import torch
+    from tiny_moe import make_tiny_moe
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.models.moe.routing import routers
+
+    path = make_tiny_moe(str(tmp_path / "moe"), seed=1)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    support = os.path.join(os.path.dirname(__file__), "..", "..", "support")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "ERROR",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                         if p and "fake_vllm" not in p]])}
+    proc = subprocess.run([sys.executable, "-c", REAL_RUN, path, json.dumps(prompts), support], capture_output=True,
+                          text=True, env=env, cwd=str(tmp_path), timeout=360)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    found = json.loads(lines[-1][len("RESULT"):])
+    if "refused" in found:
+        assert found["refused"].startswith("models.policy_trainer.routing_replay:"), found
+        assert "Model Runner V2" in found["refused"] and "routing_replay: off" in found["refused"]
+        return
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rec = []
+    for r in routers(model):
+        r.register_forward_hook(lambda m, i, o: rec.append(o[2]))
+    off, routes = found["offsets"], np.array(found["routes"])
+    agree = total = 0
+    for i in range(len(prompts)):
+        rec.clear()
+        with torch.no_grad():
+            model(input_ids=torch.tensor(found["tokens"][off[i]:off[i + 1]])[None])
+        own = np.sort(torch.stack(rec, 1).numpy(), -1)
+        got = routes[off[i]:off[i + 1]]
+        has = (got >= 0).all((-1, -2))
+        assert has[:-1].all() and not has[-1]
+        agree += int((np.sort(got[has], -1) == own[has]).all(-1).sum())
+        total += int(has.sum()) * own.shape[1]
+    assert agree >= 0.9 * total, (agree, total)
