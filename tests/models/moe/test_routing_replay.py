@@ -80,6 +80,23 @@ def test_the_column_travels_with_samples():
     assert sum(lens) == 12
 
 
+def test_replayed_episodes_keep_the_column_through_a_checkpoint(tmp_path):
+    from chatlearn.runtime.driver.algorithm import SEQUENCE_COLUMNS
+    from chatlearn.runtime.driver.replay import ReplayBuffer
+
+    rng = np.random.default_rng(3)
+    batch = {"tokens": np.arange(9), "offsets": np.array([0, 4, 9]), "prompt_lens": np.array([2, 3]),
+             "routed_experts": layout.encode(rng.integers(-1, 300, (9, 2, 4)), 300)}
+    buffer = ReplayBuffer(2, (*SEQUENCE_COLUMNS, "advantages"))
+    buffer.add(batch)
+    buffer.save(str(tmp_path))
+    again = ReplayBuffer(2, (*SEQUENCE_COLUMNS, "advantages"))
+    again.load(str(tmp_path))
+    kept = again.training_batch(batch)
+    assert kept["routed_experts"].dtype == np.int16
+    assert np.array_equal(kept["routed_experts"], np.concatenate([batch["routed_experts"]] * 2))
+
+
 # ----------------------------------------------------------------------------- the router patch
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
