@@ -168,12 +168,21 @@ def sample_routes(column, start: int, end: int) -> np.ndarray:
     return decode(column[start:end])
 
 
-def micro_batch_target(shape: tuple[int, int], layout: MoeLayout, pieces: list[tuple[int, int, np.ndarray]],
+def micro_batch_routes(shape: tuple[int, int], layout: MoeLayout, pieces: list[tuple[int, int, np.ndarray]],
                        device: torch.device) -> torch.Tensor:
-    """The replay target of a micro-batch of ``input_ids`` shape ``shape`` (``[batch, seq]``), flattened as
-    a router sees its tokens: ``[batch * seq, layers, top_k]`` int64, -1 everywhere but where ``pieces``
-    place routes: ``(row, col, routes [n, layers, top_k])`` puts them at ``[row, col:col + n]``."""
+    """The routes of a micro-batch of ``input_ids`` shape ``shape`` (``[batch, seq]``), aligned with it:
+    ``[batch, seq, MoE layers, top_k]`` int64 on ``device``, -1 (no record: the model routes the token itself)
+    everywhere but where ``pieces`` place routes: ``(row, col, routes [n, layers, top_k])`` (decoded, e.g.
+    :func:`sample_routes`) puts them at ``[row, col:col + n]``. What a trainer replays (the Megatron trainer's
+    ``RouterReplay`` takes each layer's ``[tokens, top_k]`` of it)."""
     out = np.full((shape[0], shape[1], layout.layers, layout.top_k), -1, dtype=np.int64)
     for row, col, routes in pieces:
         out[row, col:col + len(routes)] = routes
-    return torch.from_numpy(out.reshape(shape[0] * shape[1], layout.layers, layout.top_k)).to(device)
+    return torch.from_numpy(out).to(device)
+
+
+def micro_batch_target(shape: tuple[int, int], layout: MoeLayout, pieces: list[tuple[int, int, np.ndarray]],
+                       device: torch.device) -> torch.Tensor:
+    """:func:`micro_batch_routes` flattened as a Hugging Face router sees its tokens (row by row):
+    ``[batch * seq, layers, top_k]``, :meth:`RouterPatch.set_target`'s target."""
+    return micro_batch_routes(shape, layout, pieces, device).reshape(shape[0] * shape[1], layout.layers, layout.top_k)

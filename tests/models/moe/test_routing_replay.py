@@ -302,3 +302,26 @@ def test_replay_reports_agreement_and_trains_the_router(trained):
         assert trained[name]["metrics"]["moe/routing_agreement"] == pytest.approx(agreement, abs=0.02), name
     assert "moe/routing_agreement" not in trained["own"]["metrics"]
     assert all(g > 0 for g in trained["replay"]["router_grads"])
+
+
+def _two_rank_job(rank, world, path, batch):
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+    from test_fsdp_trainer import trainer_spec
+
+    t = FSDPTrainer(trainer_spec(path, routing_replay="rollout", kl_coef=0.0, entropy_coef=0.0,
+                                 logprob_micro_batch_size=3, train_micro_batch_size=3))
+    logp = t.compute_logprobs(batch)
+    return {"logp": logp, "metrics": t.compute_grads(dict(batch, old_logprobs=logp))}
+
+
+@pytest.mark.timeout(400)
+def test_two_ranks_replay_as_one(rollout_batch, trained, tmp_path):
+    from test_fsdp_trainer import run_ranks
+
+    path, batch = rollout_batch
+    ranks = run_ranks(_two_rank_job, 2, tmp_path, path, batch, timeout=240)
+    for res in ranks:
+        np.testing.assert_allclose(res["logp"], trained["padded"]["logp"], rtol=0, atol=1e-5)
+        # the agreement is counted over both ranks' tokens (all-reduced)
+        assert res["metrics"]["moe/routing_agreement"] == pytest.approx(
+            trained["padded"]["metrics"]["moe/routing_agreement"], abs=0.02)
