@@ -325,3 +325,21 @@ def test_two_ranks_replay_as_one(rollout_batch, trained, tmp_path):
         # the agreement is counted over both ranks' tokens (all-reduced)
         assert res["metrics"]["moe/routing_agreement"] == pytest.approx(
             trained["padded"]["metrics"]["moe/routing_agreement"], abs=0.02)
+
+
+def test_a_rollout_without_routes_stops_the_first_generate_naming_the_key():
+    from omegaconf import OmegaConf
+
+    from chatlearn.config.schema import Config
+    from chatlearn.errors import UserError
+    from chatlearn.runtime.driver.sampling import Sampling
+
+    cfg = OmegaConf.structured(Config)
+    batch = {"tokens": np.arange(4), "offsets": np.array([0, 4]), "prompt_lens": np.array([2])}
+    Sampling(cfg, None, None, None, None).check_routes(batch)  # replay off: nothing asked
+    cfg.models.policy_trainer.routing_replay = "rollout"
+    cfg.runtime_args.rollout_backend = "sglang"
+    with pytest.raises(UserError, match=r"^models.policy_trainer.routing_replay: .*\(sglang\).*routing_replay: off"):
+        Sampling(cfg, None, None, None, None).check_routes(batch)
+    Sampling(cfg, None, None, None, None).check_routes(
+        dict(batch, routed_experts=layout.empty(4, layout.MoeLayout(2, 2, 8))))
