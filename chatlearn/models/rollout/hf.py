@@ -368,7 +368,9 @@ class HFRollout(Rollout):
     ``self.spec``; the fields read: ``load`` (model folder), ``trust_remote_code``, ``seed``,
     ``generation_batch_size`` (sequences decoded together), ``max_prompt_tokens_length``,
     ``max_response_tokens_length``, ``seq_length``, ``dtype`` ("float32" | "bfloat16" | "float16"),
-    ``device`` ("cpu" | "cuda"), ``cpu_threads`` (None or a count: see ``set_cpu_threads``).
+    ``device`` ("cpu" | "cuda"), ``cpu_threads`` (None or a count: see ``set_cpu_threads``),
+    ``routing_replay`` ("rollout" on an MoE model: the batch carries ``routed_experts``, each token's top-k
+    experts per MoE layer as the prefill and the decoding steps routed it; ``chatlearn/models/moe``).
     """
 
     def __init__(self, spec: RolloutSpec):

@@ -255,7 +255,9 @@ class FSDPTrainer(Trainer):
         when trainable), clip_grad, train_micro_batch_size, logprob_micro_batch_size, gradient_checkpointing,
         bf16, packing, max_token_in_packing, seq_length, logprob_chunk_tokens, meta_init, share_prompt, the
         loss fields (:class:`chatlearn.algorithms.grpo.GRPOLoss`) and the learning-rate schedule's (the
-        lr_* iters resolved to optimizer steps), role (and the critic's cliprange_value and value_loss_coef);
+        lr_* iters resolved to optimizer steps), role (and the critic's cliprange_value and value_loss_coef),
+        routing_replay (rollout, on an MoE model: every forward of a batch with ``routed_experts`` routes its
+        tokens to the recorded experts, ``chatlearn/models/moe/routing.py``);
         the Megatron parallelism fields are not read."""
         self.spec = spec
         self.device = init_distributed()
