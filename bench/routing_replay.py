@@ -121,7 +121,8 @@ def main() -> None:
            "prompts": args.prompts, "max_new_tokens": args.new_tokens, "repeats": args.repeats,
            "batch_tokens": tokens, "load_average_1min_at_start": os.getloadavg()[0]}
     row["bytes_per_token"] = {"measured": col.nbytes / tokens, "declared": lay.bytes_per_token(),
-                              "dtype": str(col.dtype), "vs_tokens_and_logprobs": col.nbytes / tokens / OTHER_TOKEN_BYTES}
+                              "dtype": str(col.dtype),
+                              "vs_tokens_and_logprobs": col.nbytes / tokens / OTHER_TOKEN_BYTES}
     row["bytes_per_token_known_models"] = {
         name: {"bytes": layout.layout_of_config(c).bytes_per_token(),
                "vs_tokens_and_logprobs": layout.layout_of_config(c).bytes_per_token() / OTHER_TOKEN_BYTES}

@@ -70,7 +70,8 @@ def test_the_column_travels_with_samples():
              "routed_experts": layout.encode(rng.integers(-1, 8, (12, 2, 2)), 8)}
     check(batch)
     picked = select_samples(batch, [2, 0])
-    assert np.array_equal(picked["routed_experts"], np.concatenate([batch["routed_experts"][8:], batch["routed_experts"][:3]]))
+    col = batch["routed_experts"]
+    assert np.array_equal(picked["routed_experts"], np.concatenate([col[8:], col[:3]]))
     both = concat_batches([batch, picked])
     check(both)
     assert both["routed_experts"].shape == (19, lay.layers, lay.top_k)

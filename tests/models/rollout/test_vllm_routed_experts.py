@@ -113,7 +113,8 @@ def _moe_folder(tiny_model_dir: str, folder, **extra) -> str:
     return str(folder)
 
 
-def test_vllm_rollout_records_the_routes_of_every_token_but_the_last(tiny_model_dir, tmp_path, restore_threads):  # noqa: F811
+def test_vllm_rollout_records_the_routes_of_every_token_but_the_last(  # noqa: F811 (restore_threads)
+        tiny_model_dir, tmp_path, restore_threads):
     path = _moe_folder(tiny_model_dir, tmp_path / "moe")
     lay = layout.layout_of_folder(path)
     assert lay.layers == 1 and lay.decoder_layers == (1,)
@@ -141,7 +142,8 @@ def test_vllm_rollout_records_the_routes_of_every_token_but_the_last(tiny_model_
         assert off_engine.llm.llm_engine.vllm_config.aux_output_config.enable_return_routed_experts is False
 
 
-def test_vllm_routes_missing_or_refused_say_which_key(tiny_model_dir, tmp_path, restore_threads, monkeypatch):  # noqa: F811
+def test_vllm_routes_missing_or_refused_say_which_key(  # noqa: F811 (restore_threads)
+        tiny_model_dir, tmp_path, restore_threads, monkeypatch):
     path = _moe_folder(tiny_model_dir, tmp_path / "moe")
     with fake_vllm():
         from chatlearn.models.rollout.vllm import VLLMRollout
