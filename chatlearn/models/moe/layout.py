@@ -49,12 +49,13 @@ def layout_of_config(conf: dict) -> MoeLayout | None:
     Qwen3-MoE and Qwen2-MoE (``num_experts``, ``num_experts_per_tok``; a decoder layer ``i`` has a routed
     block unless ``i`` is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``, as their
     ``DecoderLayer`` decides) and Mixtral (``num_local_experts``: every layer)."""
-    conf = conf.get("text_config", conf) if isinstance(conf.get("text_config"), dict) else conf
+    if isinstance(conf.get("text_config"), dict):  # a multimodal model's language model
+        conf = conf["text_config"]
     experts = conf.get("num_experts") or conf.get("num_local_experts") or 0
     k = conf.get("num_experts_per_tok") or 0
     if not experts or not k:
         return None
-    n = int(conf.get("num_hidden_layers", 0))
+    n = int(conf["num_hidden_layers"]) if "num_hidden_layers" in conf else 0
     if "num_local_experts" in conf and "num_experts" not in conf:  # Mixtral: every layer
         return MoeLayout(n, int(k), int(experts), tuple(range(n)))
     step = int(conf.get("decoder_sparse_step") or 1)
