@@ -11,7 +11,10 @@ hidden 128; or ``--model`` a folder), with the transformers rollout and the FSDP
 * **capture**: the rollout's ``generate`` with routing replay on over off (same prompts and seed; the
   routers record each call's top-k, the batch carries the column);
 * **replayed forward**: the trainer's log-prob pass and its training forward + backward (``compute_grads``)
-  on the batch with the column over the same batch without it (the routers' own top-k).
+  on the batch with the column over the same batch without it (the routers' own top-k);
+* **what it buys**: a bfloat16 rollout against the float32 trainer (the usual split: the routers' near ties
+  fall differently in the two precisions), the mean and largest |rollout log-prob - trainer log-prob| of the
+  response tokens with replay off and on, and the routing agreement.
 
 Times are medians of ``--repeats`` calls, on and off taken in turn (robust to a machine that is not idle),
 as wall time and as the process's CPU time (``cpu_ratio``: the steadier of the two where other processes
@@ -66,6 +69,33 @@ def in_turn(off, on, repeats: int) -> dict:
     med = {f"{name}_{kind}": statistics.median(x[i] for x in runs)
            for name, runs in (("off", a), ("on", b)) for i, kind in enumerate(("s", "cpu_s"))}
     return {**med, "ratio": med["on_s"] / med["off_s"], "cpu_ratio": med["on_cpu_s"] / med["off_cpu_s"]}
+
+
+def precision_gap(path: str, prompts: list, sampling: dict, spec: dict, rng) -> dict:
+    """A bfloat16 rollout's samples (routes recorded) through the float32 trainer, replay off and on: the
+    rollout-vs-trainer log-prob gap over the response tokens, and the routing agreement."""
+    import numpy as np
+
+    import backend_specs
+    from chatlearn.models.base import response_mask
+    from chatlearn.models.rollout.hf import HFRollout
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    rollout = HFRollout(backend_specs.rollout_spec(path, routing_replay="rollout", dtype="bfloat16", **spec))
+    batch = rollout.generate(prompts, sampling)
+    del rollout
+    batch["advantages"] = rng.normal(size=len(prompts)).astype(np.float32)
+    mask = response_mask(batch)
+    out = {}
+    for replay in ("off", "rollout"):
+        trainer = FSDPTrainer(backend_specs.trainer_spec(path, routing_replay=replay, train_micro_batch_size=8,
+                                                         train_global_batch_size=len(prompts)))
+        logp = trainer.compute_logprobs(batch)
+        gap = np.abs(logp[mask] - batch["rollout_logprobs"][mask])
+        metrics = trainer.compute_grads(dict(batch, old_logprobs=logp))
+        out[f"replay_{replay}"] = {"gap_mean": float(gap.mean()), "gap_max": float(gap.max()),
+                                   "routing_agreement": metrics.get("moe/routing_agreement")}
+    return out
 
 
 def join_process_group() -> None:
@@ -148,6 +178,7 @@ def main() -> None:
     row["replayed_training_forward_backward"] = in_turn(lambda: grads(without), lambda: grads(batch), args.repeats)
     trainer.compute_grads(dict(batch, old_logprobs=logp))
     row["routing_agreement"] = trainer.compute_grads(dict(batch, old_logprobs=logp))["moe/routing_agreement"]
+    row["gap_bf16_rollout_vs_fp32_trainer"] = precision_gap(path, prompts, sampling, spec, rng)
 
     rows = []
     if os.path.exists(RESULTS):

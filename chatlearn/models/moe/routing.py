@@ -15,8 +15,9 @@
   gathered at them, then normalised as the model normalises its top-k (``norm_topk_prob``; Mixtral
   always), so the gradient reaches the router's weight through the gathered probabilities. Where the
   record equals the router's own choice the output is the unpatched router's. The share of the recorded
-  choices the router would have made itself is counted (:meth:`agreement`), once per layer and target
-  (a gradient-checkpointed layer's recomputation in backward is not counted twice).
+  choices the router would have made itself is counted (:meth:`agreement`, after :meth:`reset_agreement`),
+  once per layer and target (a gradient-checkpointed layer's recomputation in backward is not counted
+  twice), on the device.
 
 The tokens a router sees are the model's ``input_ids`` flattened row by row (``[batch * seq]``), which is
 how :func:`micro_batch_target` lays out ``target``.
@@ -69,8 +70,9 @@ class RouterPatch:
         self.records: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.target: torch.Tensor | None = None
         self._counted = [False] * len(self.routers)
-        self._agree = torch.zeros((), dtype=torch.float64)
-        self._slots = torch.zeros((), dtype=torch.float64)
+        self.counting = False  # count the agreement (reset_agreement turns it on)
+        self._agree: torch.Tensor | None = None  # on the model's device: no wait per layer
+        self._slots: torch.Tensor | None = None
         for layer, router in enumerate(self.routers):
             original = router.forward
             router.forward = types.MethodType(
@@ -98,12 +100,18 @@ class RouterPatch:
         self.target = target
         self._counted = [False] * len(self.routers)
 
-    def reset_agreement(self) -> None:
-        self._agree = torch.zeros((), dtype=torch.float64)
-        self._slots = torch.zeros((), dtype=torch.float64)
+    def reset_agreement(self, count: bool = True) -> None:
+        """Start counting the agreement of the replayed forwards that follow (``count`` False: stop)."""
+        self.counting = count
+        device = self.routers[0].weight.device
+        self._agree = torch.zeros((), dtype=torch.float64, device=device)
+        self._slots = torch.zeros((), dtype=torch.float64, device=device)
 
     def agreement(self) -> tuple[float, float]:
-        """``(recorded choices the routers made themselves, recorded choices)`` since :meth:`reset_agreement`."""
+        """``(recorded choices the routers made themselves, recorded choices)`` since :meth:`reset_agreement`
+        (one wait for the device)."""
+        if self._agree is None:
+            return 0.0, 0.0
         return float(self._agree), float(self._slots)
 
     def off(self) -> None:
@@ -132,12 +140,12 @@ class RouterPatch:
             values = values / values.sum(dim=-1, keepdim=True)
         if ROUTERS[type(router).__name__]:
             values = values.to(logits.dtype)
-        if not self._counted[layer]:
+        if self.counting and not self._counted[layer]:
             self._counted[layer] = True
             with torch.no_grad():
                 hit = (own[:, :, None] == target[:, None, :]).any(-1) & recorded[:, None]
-                self._agree += hit.sum().double().cpu()
-                self._slots += recorded.sum().double().cpu() * router.top_k
+                self._agree += hit.sum()
+                self._slots += recorded.sum() * router.top_k
         return logits, values, indices
 
 

@@ -601,6 +601,7 @@ class FSDPTrainer(Trainer):
         agree, slots = counts.tolist()
         metrics["moe/routing_agreement"] = agree / slots if slots else 1.0
         self.routing.set_target(None)
+        self.routing.reset_agreement(count=False)
         return metrics
 
     def _fixed_width(self, batch: Batch) -> int | None:

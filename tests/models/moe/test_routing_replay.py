@@ -124,6 +124,7 @@ def test_replay_routes_to_the_target_and_trains_the_router(moe_dir):
     plain, own = _own_routes(model, ids)
     patch = RouterPatch(model)
     assert patch.layout == layout.layout_of_folder(moe_dir)
+    patch.reset_agreement()
     patch.set_target(own.clone())  # the model's own routes: the unpatched forward bit for bit
     same, _ = _own_routes(model, ids)
     assert torch.equal(same, plain) and patch.agreement() == (own.numel(), own.numel())
