@@ -44,6 +44,9 @@ COLUMNS: dict[str, Column] = {c.name: c for c in (
     Column("rollout_logprobs", TOKEN, "f", "generate (rollout engine)",
            "the engine's log-probs of the sampled tokens (0 on prompt and observation tokens)"),
     Column("finish_reasons", SAMPLE, "iub", "generate (rollout engine)", "1: ended by EOS (or DONE), 0: truncated"),
+    Column("routed_experts", TOKEN, "iu", "generate (rollout engine, routing_replay: rollout)",
+           "[T, MoE layers, top_k] experts each MoE layer routed the token to (uint8 with 255, or int16 with -1: "
+           "no record; chatlearn/models/moe/layout.py)"),
     Column("loss_mask", TOKEN, "iu", "generate (multi-turn loop)",
            "1 on the model's own tokens of a multi-turn trajectory (absent: every response token)"),
     Column("policy_version", SAMPLE, "i", "generate (rollout pipeline, max_staleness)",

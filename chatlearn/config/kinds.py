@@ -52,7 +52,8 @@ class Kind:
 
 
 ROLLOUT = Kind("rollout", "rollout engine", (Part.WEIGHTS, Part.KV_CACHE), Stage.GENERATE,
-               ("tokens", "offsets", "prompt_lens", "rollout_logprobs", "finish_reasons"), trains=False,
+               ("tokens", "offsets", "prompt_lens", "rollout_logprobs", "finish_reasons", "routed_experts"),
+               trains=False,
                checkpoint_folder=None, backend="rollout", worker="rollout", distributed=False, build_rank=5,
                default_model="policy")
 TRAINER = Kind("trainer", "policy trainer", (Part.WEIGHTS, Part.OPTIMIZER, Part.GRADS), Stage.OLD_LOGPROBS,

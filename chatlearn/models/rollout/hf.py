@@ -16,6 +16,8 @@ import torch
 
 from chatlearn.config.names import Part
 from chatlearn.models.base import Batch, Rollout
+from chatlearn.models.moe import layout as moe_layout
+from chatlearn.models.moe.routing import DecodeRoutes, RouterPatch, routers
 from chatlearn.models.rollout.common import (check_lengths, context_length, eos_token_ids, pack_samples,
                                              parse_sampling, penalties_on, release_cuda_cache, response_budgets,
                                              set_cpu_threads, to_torch)
@@ -366,7 +368,9 @@ class HFRollout(Rollout):
     ``self.spec``; the fields read: ``load`` (model folder), ``trust_remote_code``, ``seed``,
     ``generation_batch_size`` (sequences decoded together), ``max_prompt_tokens_length``,
     ``max_response_tokens_length``, ``seq_length``, ``dtype`` ("float32" | "bfloat16" | "float16"),
-    ``device`` ("cpu" | "cuda"), ``cpu_threads`` (None or a count: see ``set_cpu_threads``).
+    ``device`` ("cpu" | "cuda"), ``cpu_threads`` (None or a count: see ``set_cpu_threads``),
+    ``routing_replay`` ("rollout" on an MoE model: the batch carries ``routed_experts``, each token's top-k
+    experts per MoE layer as the prefill and the decoding steps routed it; ``chatlearn/models/moe``).
     """
 
     def __init__(self, spec: RolloutSpec):
@@ -405,6 +409,10 @@ class HFRollout(Rollout):
             eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id,
             bos_token_id=getattr(loaded, "bos_token_id", None))
 
+        # routing_replay: rollout: every MoE router records each token's top-k experts while generating
+        # (prefill and decoding steps), returned as the batch's routed_experts (chatlearn/models/moe)
+        self.routing = (RouterPatch(self.model) if spec.routing_replay == "rollout" and routers(self.model)
+                        else None)
         own_storage(self.model.parameters())  # offload must be able to free the weights
         # Parameters by every name they are known under (a tied lm_head.weight included).
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -425,22 +433,32 @@ class HFRollout(Rollout):
                                    context_length(self.max_prompt_len, self.max_response_len, self.seq_length))
         seed = sp["seed"] if sp["seed"] is not None else int(self._rng.integers(2**31))
 
-        responses, logprobs, finished = [], [], []
+        responses, logprobs, finished, routes = [], [], [], []
         devices = [self.device] if self.device.type == "cuda" else []
         # A private RNG stream: same seed + same weights + same prompts => same samples,
         # without touching the caller's global RNG state.
         packed = (onednn_linears(self.model, min(self.batch_size, len(prompts)), PACK_MIN_ELEMENTS)
                   if onednn_linears_available(self.device, self.dtype) and max(budgets, default=0) >= PACK_MIN_STEPS
                   else contextlib.nullcontext())
-        with torch.random.fork_rng(devices=devices), packed:
-            torch.manual_seed(seed)
-            for start in range(0, len(prompts), self.batch_size):
-                r, lp, f = self._generate_chunk(prompts[start:start + self.batch_size], sp,
-                                                budgets[start:start + self.batch_size])
-                responses += r
-                logprobs += lp
-                finished += f
-        return pack_samples(prompts, responses, logprobs, finished)
+        if self.routing is not None:
+            self.routing.start_capture()
+        try:
+            with torch.random.fork_rng(devices=devices), packed:
+                torch.manual_seed(seed)
+                for start in range(0, len(prompts), self.batch_size):
+                    r, lp, f, rt = self._generate_chunk(prompts[start:start + self.batch_size], sp,
+                                                        budgets[start:start + self.batch_size])
+                    responses += r
+                    logprobs += lp
+                    finished += f
+                    routes += rt
+        finally:
+            if self.routing is not None:
+                self.routing.off()
+        out = pack_samples(prompts, responses, logprobs, finished)
+        if self.routing is not None:
+            out["routed_experts"] = moe_layout.assemble(routes, np.diff(out["offsets"]), self.routing.layout)
+        return out
 
     @torch.no_grad()
     def _generate_chunk(self, prompts: list[list[int]], sp: dict, budgets: list[int]):
@@ -486,6 +504,7 @@ class HFRollout(Rollout):
         positions = (amask[:, :width].long().cumsum(-1) - 1).clamp_(min=0)
         out = self.model(input_ids=seqs[:, :width], attention_mask=amask[:, :width].long(), position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
+        routes = DecodeRoutes(self.routing, n, width, steps, dev) if self.routing is not None else None
         batch = _RunningRows(budgets, [width - len(p) for p in prompts], amask, positions[:, -1:] + 1, dev)
         mask_kind = decode_mask_kind(self.model.config)
         for step in range(steps):
@@ -513,12 +532,15 @@ class HFRollout(Rollout):
             mask = step_mask(batch.amask, cur + 1, mask_kind, self.dtype, batch.padded)
             out = self.model(input_ids=batch.tokens[:, None], attention_mask=mask, position_ids=batch.next_pos,
                              past_key_values=cache, use_cache=True)
+            if routes is not None:  # the routes of the token at position cur of each running row
+                routes.step(batch.rows, cur)
             batch.next_pos = batch.next_pos + 1
 
         new_tokens, token_lp = seqs[:, width:].cpu().numpy(), token_lp.cpu().numpy()
         length, finished = length.cpu().numpy(), finished.cpu().numpy()
+        per_sample = routes.per_sample([len(p) for p in prompts], length) if routes is not None else [None] * n
         return ([new_tokens[i, :length[i]] for i in range(n)], [token_lp[i, :length[i]] for i in range(n)],
-                [bool(f) for f in finished])
+                [bool(f) for f in finished], per_sample)
 
     @torch.no_grad()
     def probe_logprobs(self, tokens: list[int]) -> dict:

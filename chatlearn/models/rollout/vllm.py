@@ -78,6 +78,7 @@ follows in a training run, or from the model folder if the engine never received
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import inspect
@@ -91,9 +92,10 @@ import numpy as np
 import torch
 
 from chatlearn.config.names import Part
-from chatlearn.errors import ConfigError
+from chatlearn.errors import ConfigError, UserError
 from chatlearn.logging import console
 from chatlearn.models.base import Batch, Rollout
+from chatlearn.models.moe import layout as moe_layout
 from chatlearn.models.rollout import kv_cache
 from chatlearn.models.rollout.common import (check_lengths, context_length, pack_samples, parse_sampling,
                                              response_budgets, set_cpu_threads)
@@ -712,6 +714,49 @@ def executor_backend(tp: int) -> str | None:
     return "mp" if tp > 1 else None
 
 
+@contextlib.contextmanager
+def routes_refused(routing_replay: str):
+    """Around the engine's start: with ``routing_replay: rollout``, vLLM's refusal of
+    ``enable_return_routed_experts`` (``VllmConfig._verify_aux_output_compatibility``: Model Runner V2 only,
+    which needs Triton; MoE models only; prefix caching on) becomes a UserError naming the key and the fixes."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - vLLM raises ValueError, pydantic wraps it
+        text = str(err)
+        if routing_replay != "rollout" or not any(s in text for s in ROUTES_REFUSED):
+            raise
+        reason = next((line.strip() for line in text.splitlines() if any(s in line for s in ROUTES_REFUSED)), text)
+        raise UserError(
+            f"routing replay is on, but this vLLM cannot return the routed experts: {reason} vLLM 0.32 returns "
+            "them (enable_return_routed_experts) only with its Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, which "
+            "needs Triton: CUDA builds have it, the CPU build here does not), prefix caching on, and an MoE model. "
+            "Run on such a vLLM, use the hf rollout (runtime_args.rollout_backend: hf), or set routing_replay: off.",
+            key="models.policy_trainer.routing_replay") from None
+
+
+# what vLLM says when it will not return routed experts (vllm/config/vllm.py)
+ROUTES_REFUSED = ("AuxOutput Connector", "Model Runner V2", "enable-return-routed-experts", "Routed-experts capture")
+
+
+def refuse_on_cpu(spec: RolloutSpec) -> None:
+    """What vLLM's CPU backend cannot run, refused before the engine starts: expert parallelism, and an MoE
+    model its CPU expert kernel cannot take (:func:`cpu_moe_problem`)."""
+    if int(spec.expert_model_parallel_size) > 1:
+        raise ConfigError(
+            f"is {spec.expert_model_parallel_size}, but vLLM's CPU backend cannot run expert parallelism: its "
+            "unquantized MoE kernel (CPUUnquantizedExperts.apply, vLLM 0.32) ignores the map from global to "
+            "local experts and indexes a rank's experts by global id, which crashed the worker (segmentation "
+            "fault) at the first forward here. Set it to 1 on a CPU (every expert split over the "
+            "tensor-parallel ranks instead); it acts on GPUs.", key="models.policy.expert_model_parallel_size")
+    if os.path.isfile(os.path.join(str(spec.load), "config.json")):
+        with open(os.path.join(str(spec.load), "config.json"), encoding="utf-8") as f:
+            problem = cpu_moe_problem(json.load(f))
+        if problem:
+            raise ConfigError(f"the model {spec.load} cannot run on vLLM's CPU backend: {problem}. Use "
+                              "runtime_args.rollout_backend=hf on this machine, or a GPU.",
+                              key="models.policy.load")
+
+
 class VLLMRollout(Rollout):
     """Rollout with ``vllm.LLM``.
 
@@ -763,20 +808,8 @@ class VLLMRollout(Rollout):
             batched_tokens = max(int(batched_tokens or 0), max_num_seqs * max_model_len)
         sizing = {}
         cpu = current_platform.is_cpu()
-        if cpu and int(spec.expert_model_parallel_size) > 1:
-            raise ConfigError(
-                f"is {spec.expert_model_parallel_size}, but vLLM's CPU backend cannot run expert parallelism: its "
-                "unquantized MoE kernel (CPUUnquantizedExperts.apply, vLLM 0.32) ignores the map from global to "
-                "local experts and indexes a rank's experts by global id, which crashed the worker (segmentation "
-                "fault) at the first forward here. Set it to 1 on a CPU (every expert split over the "
-                "tensor-parallel ranks instead); it acts on GPUs.", key="models.policy.expert_model_parallel_size")
-        if cpu and os.path.isfile(os.path.join(str(spec.load), "config.json")):
-            with open(os.path.join(str(spec.load), "config.json"), encoding="utf-8") as f:
-                problem = cpu_moe_problem(json.load(f))
-            if problem:
-                raise ConfigError(f"the model {spec.load} cannot run on vLLM's CPU backend: {problem}. Use "
-                                  "runtime_args.rollout_backend=hf on this machine, or a GPU.",
-                                  key="models.policy.load")
+        if cpu:
+            refuse_on_cpu(spec)
         if not (cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):  # on the CPU the variable wins
             sized = (kv_cache.fit(spec.load, spec.dtype, max_num_seqs, max_model_len, tp,
                                   float(spec.gpu_memory_utilization)) if spec.kv_cache == "fit"
@@ -788,27 +821,32 @@ class VLLMRollout(Rollout):
             if sized.note:
                 console.info(f"models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
                              f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead")
-        self.llm = vllm.LLM(
-            model=spec.load,
-            trust_remote_code=bool(spec.trust_remote_code),
-            dtype=spec.dtype,
-            seed=int(spec.seed),
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=int(batched_tokens) if batched_tokens else None,
-            gpu_memory_utilization=float(spec.gpu_memory_utilization),
-            enforce_eager=bool(spec.enforce_eager),
-            tensor_parallel_size=tp,
-            # whole experts spread over the engine's ranks (vLLM's expert parallel size is its tensor x data
-            # parallel size: ``tp`` here, one engine per replica) instead of every expert split over them
-            enable_expert_parallel=int(spec.expert_model_parallel_size) > 1,
-            distributed_executor_backend=executor_backend(tp),
-            enable_sleep_mode=self._sleep_mode,
-            logprobs_mode="processed_logprobs",  # see the module docstring
-            worker_extension_cls=f"{__name__}.WorkerExtension",
-            use_tqdm_on_load=False,  # a bar per load: at start and at every reload from the folder
-            **sizing,
-        )
+        with routes_refused(spec.routing_replay):  # routing_replay: rollout on a vLLM that cannot return them
+            self.llm = vllm.LLM(
+                model=spec.load,
+                trust_remote_code=bool(spec.trust_remote_code),
+                dtype=spec.dtype,
+                seed=int(spec.seed),
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=int(batched_tokens) if batched_tokens else None,
+                gpu_memory_utilization=float(spec.gpu_memory_utilization),
+                enforce_eager=bool(spec.enforce_eager),
+                tensor_parallel_size=tp,
+                # whole experts spread over the engine's ranks (vLLM's expert parallel size is its tensor x data
+                # parallel size: ``tp`` here, one engine per replica) instead of every expert split over them
+                enable_expert_parallel=int(spec.expert_model_parallel_size) > 1,
+                distributed_executor_backend=executor_backend(tp),
+                enable_sleep_mode=self._sleep_mode,
+                logprobs_mode="processed_logprobs",  # see the module docstring
+                worker_extension_cls=f"{__name__}.WorkerExtension",
+                use_tqdm_on_load=False,  # a bar per load: at start and at every reload from the folder
+                # routing_replay: rollout: every output carries the experts each MoE layer routed each token to
+                # (CompletionOutput.routed_experts; see routed_experts below)
+                enable_return_routed_experts=spec.routing_replay == "rollout",
+                **sizing,
+            )
+        self._moe = moe_layout.layout_of_folder(spec.load) if spec.routing_replay == "rollout" else None
         # An in-process engine core takes the tensors as they are; otherwise they are
         # serialised (see ``pack_weights``).
         from vllm.v1.engine.core_client import InprocClient
@@ -882,7 +920,7 @@ class VLLMRollout(Rollout):
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
-        responses, logprobs, finished = [], [], []
+        responses, logprobs, finished, routes = [], [], [], []
         for out in outputs:
             comp = out.outputs[0]
             if comp.finish_reason not in FINISH_REASONS:
@@ -891,7 +929,35 @@ class VLLMRollout(Rollout):
             responses.append(ids)
             logprobs.append([step[t].logprob for step, t in zip(comp.logprobs, ids)])
             finished.append(FINISH_REASONS[comp.finish_reason])
-        return pack_samples(prompts, responses, logprobs, finished)
+            if self.spec.routing_replay == "rollout":
+                routes.append(self.routed_experts(comp))
+        batch = pack_samples(prompts, responses, logprobs, finished)
+        if self.spec.routing_replay == "rollout":
+            batch["routed_experts"] = moe_layout.assemble(routes, np.diff(batch["offsets"]), self._moe)
+        return batch
+
+    def routed_experts(self, comp) -> np.ndarray:
+        """A finished request's routes ``[prompt + response - 1, MoE layers, top_k]`` (int64). vLLM 0.32
+        (``enable_return_routed_experts``) gives ``CompletionOutput.routed_experts``: ``[tokens, decoder layers,
+        top_k]``, uint8 (256 experts or fewer) or uint16, for every token it ran a forward of (the prompt's
+        from ``routed_experts_prompt_start``, 0, and every response token but the last sampled one:
+        ``aux_output_connector`` rows up to ``num_tokens - 1``), every decoder layer a row (a dense layer's
+        never written): the MoE layers' are kept, in order. None (not returned): a UserError naming the key."""
+        found = comp.routed_experts
+        if found is None or self._moe is None:
+            why = ("the model folder's config.json declares no mixture of experts" if self._moe is None else
+                   "vLLM returned none (CompletionOutput.routed_experts is None)")
+            raise UserError(
+                f"routing replay is on, but the vLLM rollout has no routed experts to record: {why}. vLLM 0.32 "
+                "returns them when started with enable_return_routed_experts (done here) on an MoE model, with its "
+                "Model Runner V2 (set VLLM_USE_V2_MODEL_RUNNER=1 where vLLM falls back to V1) and prefix caching "
+                "on. Fix that, use the hf rollout (runtime_args.rollout_backend: hf), or set routing_replay: off.",
+                key="models.policy_trainer.routing_replay")
+        found = np.asarray(found)
+        lay = self._moe
+        if found.shape[1] != lay.layers and lay.decoder_layers and found.shape[1] > max(lay.decoder_layers):
+            found = found[:, list(lay.decoder_layers)]  # every decoder layer's row -> the MoE layers'
+        return found.astype(np.int64)
 
     def shutdown(self) -> None:
         """Stop the engine: its core, its workers and the torch.distributed groups it joined (vLLM's

@@ -49,6 +49,8 @@ from chatlearn.checkpoint import sharded
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
+from chatlearn.models.moe import layout as moe_layout
+from chatlearn.models.moe.routing import RouterPatch, micro_batch_target, routers
 from chatlearn.models.stash import own_storage, release_device_memory
 from chatlearn.models.trainer import lora as lora_lib
 from chatlearn.models.trainer import moe as moe_lib
@@ -254,7 +256,9 @@ class FSDPTrainer(Trainer):
         when trainable), clip_grad, train_micro_batch_size, logprob_micro_batch_size, gradient_checkpointing,
         bf16, packing, max_token_in_packing, seq_length, logprob_chunk_tokens, meta_init, share_prompt, the
         loss fields (:class:`chatlearn.algorithms.grpo.GRPOLoss`) and the learning-rate schedule's (the
-        lr_* iters resolved to optimizer steps), role (and the critic's cliprange_value and value_loss_coef);
+        lr_* iters resolved to optimizer steps), role (and the critic's cliprange_value and value_loss_coef),
+        routing_replay (rollout, on an MoE model: every forward of a batch with ``routed_experts`` routes its
+        tokens to the recorded experts, ``chatlearn/models/moe/routing.py``);
         the Megatron parallelism fields are not read."""
         self.spec = spec
         self.device = init_distributed()
@@ -317,6 +321,9 @@ class FSDPTrainer(Trainer):
             self._check_value_head(model)
         self._wrap_lora(model, loaded)
         self.moe = self._apply_moe(model)
+        # routing_replay: rollout: the MoE routers route each token of a batch with routed_experts to the experts
+        # the rollout recorded (chatlearn/models/moe/routing.py), in every forward: log-probs, values, training
+        self.routing = (RouterPatch(model) if spec.routing_replay == "rollout" and routers(model) else None)
         model.config.use_cache = False
         self.share_prompt = self._resolve_share_prompt(model)
         if self.share_prompt:
@@ -512,9 +519,12 @@ class FSDPTrainer(Trainer):
         positions = torch.zeros(shape, dtype=torch.long)
         mask = None if packed else torch.zeros(shape, dtype=torch.long)
         rows, cols, pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        routes = [] if self._replaying(batch) else None  # (row, col, the sample's routes)
         start = 0
         for b, (i, n) in enumerate(zip(idx, lens)):
             row, col = (0, start) if packed else (b, 0)
+            if routes is not None:
+                routes.append((row, col, moe_layout.decode(batch["routed_experts"][off[i]:off[i + 1]])))
             ids[row, col:col + n] = torch.as_tensor(np.array(batch["tokens"][off[i]:off[i + 1]]))  # copy: Ray arrays are read-only
             positions[row, col:col + n] = torch.arange(n)
             if mask is not None:
@@ -531,6 +541,7 @@ class FSDPTrainer(Trainer):
         rows_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
         cols_t = torch.from_numpy(np.concatenate(cols)).to(self.device)
         ids, positions = ids.to(self.device), positions.to(self.device)
+        self._set_routes(tuple(ids.shape), routes)
         logp, entropy = self.model.token_logprobs(
             ids, None if mask is None else mask.to(self.device), positions, rows_t, cols_t,
             float(temperature), int(self.spec.logprob_chunk_tokens), with_entropy)
@@ -544,10 +555,13 @@ class FSDPTrainer(Trainer):
         off, plen, tokens = batch["offsets"], batch["prompt_lens"], batch["tokens"]
         pieces, positions, cols, prev, pos, layout_units = [], [], [], [], [], []
         start = 0
+        routes = [] if self._replaying(batch) else None  # (row 0, col, routes): the prompt's are its first sample's
         for members in shared_prompt.group_by_prompt(batch, idx):
             p = int(plen[members[0]])
             a = int(off[members[0]])
             unit = shared_prompt.Unit(start, p, [])
+            if routes is not None:
+                routes.append((0, start, moe_layout.decode(batch["routed_experts"][a:a + p])))
             pieces.append(np.asarray(tokens[a:a + p]))
             positions.append(np.arange(p))
             start += p
@@ -561,6 +575,8 @@ class FSDPTrainer(Trainer):
                 pos.append(a + resp)
                 if n:
                     unit.conts.append((start, n))
+                    if routes is not None:
+                        routes.append((0, start, moe_layout.decode(batch["routed_experts"][a + p:b])))
                     pieces.append(np.asarray(tokens[a + p:b]))
                     positions.append(np.arange(p, p + n))
                 start += n
@@ -568,6 +584,7 @@ class FSDPTrainer(Trainer):
         ids = torch.from_numpy(np.concatenate(pieces).astype(np.int64))[None].to(self.device)
         position_ids = torch.from_numpy(np.concatenate(positions).astype(np.int64))[None].to(self.device)
         cols_t = torch.from_numpy(np.concatenate(cols)).to(self.device)
+        self._set_routes(tuple(ids.shape), routes)
         # a 4-D mask is taken as given (transformers builds none); the layout is the real mask
         no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         if self._moe_recording:
@@ -578,6 +595,34 @@ class FSDPTrainer(Trainer):
             prev_cols=torch.from_numpy(np.concatenate(prev)).to(self.device),
             layout=shared_prompt.build_layout(layout_units, start, self.device))
         return logp, entropy, np.concatenate(pos)
+
+    def _replaying(self, batch: Batch) -> bool:
+        """Whether this forward replays the rollout's routes: an MoE model with ``routing_replay: rollout``
+        and a batch that carries ``routed_experts``."""
+        return self.routing is not None and "routed_experts" in batch
+
+    def _set_routes(self, shape: tuple, routes: list | None) -> None:
+        """The routers' replay target for the micro-batch of ``input_ids`` shape ``shape`` (``routes``:
+        ``(row, col, routes)`` of its samples' tokens), or their own routing (``routes`` None)."""
+        if self.routing is not None:
+            self.routing.set_target(None if routes is None else
+                                    micro_batch_target(shape, self.routing.layout, routes, self.device))
+
+    def compute_grads(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """:meth:`Trainer.compute_grads`; with routing replay also ``moe/routing_agreement``: the share of the
+        recorded top-k choices of the step's tokens that the routers, in the training forward, made
+        themselves (counted over every rank)."""
+        if not self._replaying(batch):
+            return super().compute_grads(batch, temperature)
+        self.routing.reset_agreement()
+        metrics = super().compute_grads(batch, temperature)
+        counts = torch.tensor(self.routing.agreement(), dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        agree, slots = counts.tolist()
+        metrics["moe/routing_agreement"] = agree / slots if slots else 1.0
+        self.routing.set_target(None)
+        self.routing.reset_agreement(count=False)
+        return metrics
 
     def _fixed_width(self, batch: Batch) -> int | None:
         """``seq_length`` (unpacked micro-batches padded to exactly that width) or None; a sample

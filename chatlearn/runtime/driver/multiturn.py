@@ -30,6 +30,9 @@ into :data:`STATUSES`), ``env/observation_tokens``, ``env/info`` (JSON of the in
 over the steps), ``env/error`` (text, empty without one) and ``env/prompt`` (JSON of the messages
 the reset returned in place of the row's prompt, empty without them: what the reward models score
 as the prompt): arrays, so that checkpoints of rollouts ahead and every batch operation keep them.
+With routing replay (an engine that returns ``routed_experts``) it carries the routes of the model's own
+tokens, as each turn's generation recorded them; the prompt's and the observations' tokens have none (the
+trainer routes those itself).
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ from chatlearn.env.base import BadEnvironmentOutput, as_messages, as_step_result
 from chatlearn.env.tools import Tool
 from chatlearn.errors import UserError
 from chatlearn.logging.console import warn as console_warn
+from chatlearn.models.moe import layout as moe_layout
 
 STATUSES = ("done", "max_turns", "token_limit", "error", "timeout")
 DONE, MAX_TURNS, TOKEN_LIMIT, ERROR, TIMEOUT = range(len(STATUSES))
@@ -137,6 +141,9 @@ class Trajectory:
     info: dict = field(default_factory=dict)
     answered: int = 0  # steps the environment answered (returned a usable result)
     prompt_messages: list | None = None  # the first observation reset returned, which replaced the row's prompt
+    # routing replay: (start, encoded routes [n, MoE layers, top_k]) of each model turn's tokens, start counted
+    # from the end of the prompt (every other token, the prompt's and the observations', has no record)
+    routes: list = field(default_factory=list)
 
     @property
     def response_len(self) -> int:
@@ -256,6 +263,8 @@ class MultiTurnLoop:
         for i, t in enumerate(active):
             start, end = int(off[i] + plen[i]), int(off[i + 1])
             new = [int(x) for x in out["tokens"][start:end]][:room[i]]
+            if "routed_experts" in out:  # the engine's routes of the model's own tokens only
+                t.routes.append((t.response_len, out["routed_experts"][start:start + len(new)]))
             t.append(new, [float(x) for x in out["rollout_logprobs"][start:start + len(new)]])
             t.turns += 1
             if t.failed is not None:
@@ -405,7 +414,8 @@ class MultiTurnLoop:
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
         zeros = [[0] * t.prompt_len for t in trajectories]
-        return {
+        routed = routed_column(trajectories, offsets)
+        return {**routed,
             "tokens": np.fromiter((x for t in trajectories for x in t.ids), np.int64, int(offsets[-1])),
             "offsets": offsets,
             "prompt_lens": np.array([t.prompt_len for t in trajectories], dtype=np.int64),
@@ -422,6 +432,21 @@ class MultiTurnLoop:
             "env/error": np.array([t.error for t in trajectories], dtype=str).reshape(n),
             "env/prompt": np.array([prompt_json(t.prompt_messages) for t in trajectories], dtype=str).reshape(n),
         }
+
+
+def routed_column(trajectories: list[Trajectory], offsets: np.ndarray) -> dict:
+    """``{"routed_experts": column}`` where the engine recorded routes (routing replay): each model turn's
+    tokens carry theirs, the prompt's and the observations' none; {} without routes."""
+    found = [r for t in trajectories for _, r in t.routes]
+    if not found:
+        return {}
+    first = found[0]
+    column = np.full((int(offsets[-1]), *first.shape[1:]), moe_layout.none_value(first.dtype), dtype=first.dtype)
+    for t, start in zip(trajectories, offsets[:-1]):
+        for at, r in t.routes:
+            begin = int(start) + t.prompt_len + at
+            column[begin:begin + len(r)] = r
+    return {"routed_experts": column}
 
 
 def prompt_json(messages: list | None) -> str:

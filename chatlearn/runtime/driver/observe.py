@@ -11,6 +11,7 @@ import numpy as np
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, response_mask
 from chatlearn.batch import select_samples
 from chatlearn.logging.console import warn
+from chatlearn.models.moe.layout import layout_of_folder
 from chatlearn.runtime.driver.multiturn import TOKEN_LIMIT, env_metrics, trajectory_fields
 from chatlearn.runtime.driver.sampling import EpisodeSamples, Sampling
 
@@ -65,6 +66,9 @@ class EpisodeReport:
         # those already warned about (once per run)
         self.constant_streaks: dict[str, int] = collections.defaultdict(int)
         self.warned_constant: set[str] = set()
+        # a mixture-of-experts policy: the rollout-vs-trainer gap is reported as train/moe/logprob_gap too
+        load = cfg.models.policy_trainer.load if cfg is not None else None
+        self.moe = bool(load) and layout_of_folder(str(load)) is not None
 
     def log_samples(self, episode: int, samples: EpisodeSamples) -> None:
         """Every ``log_samples_interval`` episodes, ``log_samples_num`` decoded rows to the sinks
@@ -105,6 +109,8 @@ class EpisodeReport:
         metrics.update(rollout_metrics(batch, scored.rewards, prefix="train"))
         metrics.update(self.sampling.reward_metrics(scored.parts, prefix="train"))
         metrics.update(mismatch_metrics(batch, self.plan.old_logprob_pass_from, first_step))
+        if self.moe or "routed_experts" in batch:  # with routing replay on and off alike (README: both)
+            metrics["train/moe/logprob_gap"] = metrics["train/logprob_diff_rollout_vs_trainer_mean"]
         metrics.update(env_metrics(batch, prefix="train"))
         self.warn_all_truncated(episode, batch)
         self.warn_constant_rewards(episode, scored.parts)

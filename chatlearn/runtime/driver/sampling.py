@@ -160,8 +160,26 @@ class Sampling:
                 for r, share in enumerate(shares)]
         outs, _ = self.policy.call_each("generate", args)
         batch = concat_batches([o for o, s in zip(outs, shares) if len(s)])
+        self.check_routes(batch)
         position = np.concatenate(shares)
         return select_samples(batch, np.argsort(position))
+
+    def check_routes(self, batch: dict) -> None:
+        """With ``routing_replay: rollout`` the rollout engine's batch carries ``routed_experts`` (the first
+        generate call of the run finds out); a UserError naming the key and the fix otherwise."""
+        if self.cfg.models.policy_trainer.routing_replay != "rollout" or "routed_experts" in batch:
+            return
+        if not len(batch["tokens"]):
+            return
+        backend = self.cfg.runtime_args.rollout_backend
+        raise UserError(
+            f"routing replay is on, but the rollout engine ({backend}) returned no routed experts (the batch's "
+            "routed_experts column is missing), so the trainers cannot route the tokens to the experts the "
+            "engine chose. The hf rollout records them on a Qwen3-MoE, Qwen2-MoE or Mixtral model; vLLM returns "
+            "them only when started with enable_return_routed_experts, which vLLM 0.32 allows with its Model "
+            "Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) and prefix caching, on an MoE model; the SGLang rollout does "
+            "not record them. Use the hf or vllm rollout on an MoE model, or set routing_replay: off.",
+            key="models.policy_trainer.routing_replay")
 
     def responses_text(self, batch: dict) -> list[str]:
         off, plen, tokens = batch["offsets"], batch["prompt_lens"], batch["tokens"]

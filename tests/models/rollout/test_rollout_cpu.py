@@ -454,7 +454,7 @@ def test_hf_ended_sequences_leave_the_batch(hf, read_every):
     hf.read_every = read_every
     try:
         sp = parse_sampling({"temperature": 0.0, "max_tokens": 12})
-        tokens, logprobs, finished = hf._generate_chunk(ps, sp, budgets)
+        tokens, logprobs, finished, _ = hf._generate_chunk(ps, sp, budgets)
         width = max(len(p) for p in ps)
         ids = torch.full((4, width), hf.pad_id, dtype=torch.long)
         mask = torch.zeros((4, width), dtype=torch.long)
@@ -474,7 +474,7 @@ def test_hf_ended_sequences_leave_the_batch(hf, read_every):
         sizes.clear()
         hook = hf.model.register_forward_pre_hook(
             lambda m, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
-        tokens, _, finished = hf._generate_chunk(ps, sp, [12] * 4)
+        tokens, _, finished, _ = hf._generate_chunk(ps, sp, [12] * 4)
         leaves = []  # the first decoding forward (1-based step) a row is no longer in
         for i in range(4):
             hits = (ref[i] == hf.eos_ids[0]).nonzero()

@@ -1,10 +1,14 @@
-"""``CompletionOutput`` and ``RequestOutput`` of vLLM 0.32 (``vllm/outputs.py``), the fields an
-offline ``LLM.generate`` fills. ``logprobs`` and ``cumulative_logprob`` are None unless the request
-asked for log-probs; ``finish_reason`` is "stop" (EOS or a stop token id, which is then the
+"""``CompletionOutput`` and ``RequestOutput`` of vLLM 0.32 (``vllm/outputs.py``), the fields an offline
+``LLM.generate`` fills. ``logprobs`` and ``cumulative_logprob`` are None unless the request asked for
+log-probs; ``routed_experts`` is None unless the engine was started with ``enable_return_routed_experts``
+(then ``[prompt + output tokens - 1, decoder layers, top_k]``, uint8 for 256 experts or fewer, else uint16:
+see ``entrypoints/llm.py``); ``finish_reason`` is "stop" (EOS or a stop token id, which is then the
 ``stop_reason``) or "length" (``max_tokens``, or the sequence reached ``max_model_len``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from vllm.logprobs import Logprob
 
@@ -16,6 +20,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
+    routed_experts: np.ndarray | None = None  # [seq_len,layer_num,topk]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -23,6 +23,19 @@ class ModelConfig:
     def get_vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
 
+    def get_total_num_hidden_layers(self) -> int:
+        return int(self.hf_config.get("num_hidden_layers", 0))
+
+    def get_num_experts(self) -> int:
+        return int(self.hf_config.get("num_experts") or self.hf_config.get("num_local_experts") or 0)
+
+    def get_num_experts_per_tok(self) -> int:
+        return int(self.hf_config.get("num_experts_per_tok") or 0)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.get_num_experts() > 0
+
 
 @dataclass
 class CacheConfig:
@@ -45,11 +58,21 @@ class ParallelConfig:
 
 
 @dataclass
+class AuxOutputConfig:
+    enable_return_routed_experts: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_return_routed_experts
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    aux_output_config: AuxOutputConfig
 
 
 @contextlib.contextmanager

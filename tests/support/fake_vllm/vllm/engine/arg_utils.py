@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+from vllm.config import AuxOutputConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOGPROBS_MODES = ("raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs")
@@ -50,6 +50,7 @@ class EngineArgs:
     worker_extension_cls: str = ""
     enable_sleep_mode: bool = False
     use_tqdm_on_load: bool = True
+    enable_return_routed_experts: bool = False
 
     def create_engine_config(self) -> VllmConfig:
         from vllm.platforms import current_platform
@@ -83,11 +84,19 @@ class EngineArgs:
             self.model, hf_config, generation_config, max_model_len, quantization=self.quantization,
             dtype="float32", seed=self.seed, max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
             enable_sleep_mode=self.enable_sleep_mode)
+        if self.enable_return_routed_experts:  # VllmConfig._verify_aux_output_compatibility
+            if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+                raise ValueError("AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1.")
+            if not model_config.is_moe:
+                raise ValueError("AuxOutput Connector only supports MoE models.")
+            if self.enable_prefix_caching is False:
+                raise ValueError("AuxOutput Connector requires prefix caching.")
         return VllmConfig(
             model_config,
             CacheConfig(self.block_size or DEFAULT_BLOCK_SIZE, self.gpu_memory_utilization, self.kv_cache_memory_bytes),
             SchedulerConfig(max_num_seqs, batched),
-            ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend, self.worker_extension_cls))
+            ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend, self.worker_extension_cls),
+            AuxOutputConfig(self.enable_return_routed_experts))
 
 
 def _read_model_folder(model: str) -> tuple[dict, dict]:

@@ -16,6 +16,12 @@ were discarded and not all reloaded fail (vLLM would hang or generate garbage). 
 clones of their ``SamplingParams`` with the EOS of the model (``config.json``) and the generation
 config's EOS ids, as the engine's input processor does. Outputs come in prompt order.
 
+With ``enable_return_routed_experts`` (an MoE model's config.json; vLLM 0.32's aux-output connector) each
+finished output carries ``routed_experts``: ``[prompt + output tokens - 1, num_hidden_layers, top_k]`` (every
+token the engine ran a forward of: the last sampled one has none), uint8 for 256 experts or fewer, else uint16;
+row ``l`` the decoder layer ``l`` (a dense layer's row, never written, is 0); the experts of a token are a
+function of the weights' fingerprint, the token and its position (distinct, a top-k's).
+
 Fake-only attributes for tests: ``requests`` (the ``SamplingParams`` objects passed, in order),
 ``prefix_resets`` (prefix-cache resets, including the one of every sleep), ``worker``.
 """
@@ -82,10 +88,16 @@ class LLM:
                                f"only; sleeping: {sorted(engine.model_executor.sleeping_tags)}); vLLM would queue "
                                "these requests and wait for ever. wake_up all tags first.")
         fingerprint = engine.worker.model_runner.weights_fingerprint()
-        return [RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
-                              outputs=[_fake_sampling.sample(ids, sp, i, fingerprint, self.model_config,
-                                                             engine.generator) for i in range(sp.n)])
-                for request_id, ids, sp in requests]
+        outputs = [RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
+                                 outputs=[_fake_sampling.sample(ids, sp, i, fingerprint, self.model_config,
+                                                                engine.generator) for i in range(sp.n)])
+                   for request_id, ids, sp in requests]
+        if engine.vllm_config.aux_output_config.enable_return_routed_experts:
+            for out in outputs:
+                for comp in out.outputs:
+                    comp.routed_experts = _fake_sampling.routed_experts(
+                        list(out.prompt_token_ids) + list(comp.token_ids), fingerprint, self.model_config)
+        return outputs
 
     def _add_request(self, prompt, params: SamplingParams) -> tuple[str, list[int], SamplingParams]:
         if not isinstance(params, SamplingParams):

@@ -90,6 +90,25 @@ def _step_logprobs(values: np.ndarray, token: int, k: int) -> dict[int, Logprob]
     return entries
 
 
+def routed_experts(tokens: list[int], fingerprint: int, model_config) -> np.ndarray:
+    """The fake's routes of a finished request's ``tokens`` (prompt and output) as vLLM 0.32 returns them
+    (``vllm/model_executor/layers/fused_moe/routed_experts_capturer.py``, ``aux_output_connector``): every
+    token but the last, every decoder layer, uint8 (256 experts or fewer) or uint16. The decoder layers
+    without a routed block (``mlp_only_layers``, ``decoder_sparse_step``) keep 0."""
+    layers, experts = model_config.get_total_num_hidden_layers(), model_config.get_num_experts()
+    k = model_config.get_num_experts_per_tok()
+    step = int(model_config.hf_config.get("decoder_sparse_step") or 1)
+    dense = set(model_config.hf_config.get("mlp_only_layers") or ())
+    out = np.zeros((max(len(tokens) - 1, 0), layers, k), dtype=np.uint8 if experts <= 256 else np.uint16)
+    for pos, tok in enumerate(tokens[:-1]):
+        for layer in range(layers):
+            if layer in dense or (layer + 1) % step:
+                continue
+            base = (tok * 7 + pos * 3 + layer * 5 + fingerprint) % experts
+            out[pos, layer] = [(base + j) % experts for j in range(k)]
+    return out
+
+
 def sample(prompt: list[int], sp, index: int, fingerprint: int, model_config,
            engine_rng: np.random.Generator) -> CompletionOutput:
     """One completion (the ``index``-th of the request) of ``prompt`` under ``sp``, a clone the
