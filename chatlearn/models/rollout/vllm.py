@@ -757,6 +757,25 @@ def refuse_on_cpu(spec: RolloutSpec) -> None:
                               key="models.policy.load")
 
 
+def kv_cache_sizing(spec: RolloutSpec, cpu: bool, max_num_seqs: int, max_model_len: int) -> dict:
+    """The engine's KV-cache size argument (``kv_cache_memory_bytes``), or none: vLLM sizes it from
+    ``gpu_memory_utilization``. On the CPU ``VLLM_CPU_KVCACHE_SPACE``, where set, wins."""
+    if cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return {}
+    tp = int(spec.tensor_model_parallel_size)
+    sized = (kv_cache.fit(spec.load, spec.dtype, max_num_seqs, max_model_len, tp,
+                          float(spec.gpu_memory_utilization)) if spec.kv_cache == "fit"
+             else kv_cache.KVCacheFit(None, None))
+    if sized.note:
+        console.info(f"models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
+                     f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead")
+    # without a size, vLLM on the CPU would read gpu_memory_utilization as a share of the
+    # machine's memory, leaving none for the trainer beside it: 1 GiB there
+    if sized.bytes is not None or cpu:
+        return {"kv_cache_memory_bytes": sized.bytes if sized.bytes is not None else 2 ** 30}
+    return {}
+
+
 class VLLMRollout(Rollout):
     """Rollout with ``vllm.LLM``.
 
@@ -806,21 +825,10 @@ class VLLMRollout(Rollout):
             # offset"), which it does when a prompt's prefill is split over steps (chunked
             # prefill). A step budget that fits every sequence whole never splits one.
             batched_tokens = max(int(batched_tokens or 0), max_num_seqs * max_model_len)
-        sizing = {}
         cpu = current_platform.is_cpu()
         if cpu:
             refuse_on_cpu(spec)
-        if not (cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE")):  # on the CPU the variable wins
-            sized = (kv_cache.fit(spec.load, spec.dtype, max_num_seqs, max_model_len, tp,
-                                  float(spec.gpu_memory_utilization)) if spec.kv_cache == "fit"
-                     else kv_cache.KVCacheFit(None, None))
-            # without a size, vLLM on the CPU would read gpu_memory_utilization as a share of the
-            # machine's memory, leaving none for the trainer beside it: 1 GiB there
-            if sized.bytes is not None or cpu:
-                sizing["kv_cache_memory_bytes"] = sized.bytes if sized.bytes is not None else 2 ** 30
-            if sized.note:
-                console.info(f"models.policy.kv_cache fit: {sized.note}; the KV cache is sized "
-                             f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead")
+        sizing = kv_cache_sizing(spec, cpu, max_num_seqs, max_model_len)
         with routes_refused(spec.routing_replay):  # routing_replay: rollout on a vLLM that cannot return them
             self.llm = vllm.LLM(
                 model=spec.load,
