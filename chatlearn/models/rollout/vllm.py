@@ -771,9 +771,10 @@ def kv_cache_sizing(spec: RolloutSpec, cpu: bool, max_num_seqs: int, max_model_l
                      f"{'at 1 GiB' if cpu else 'by vLLM from gpu_memory_utilization'} instead")
     # without a size, vLLM on the CPU would read gpu_memory_utilization as a share of the
     # machine's memory, leaving none for the trainer beside it: 1 GiB there
+    sizing = {}
     if sized.bytes is not None or cpu:
-        return {"kv_cache_memory_bytes": sized.bytes if sized.bytes is not None else 2 ** 30}
-    return {}
+        sizing["kv_cache_memory_bytes"] = sized.bytes if sized.bytes is not None else 2 ** 30
+    return sizing
 
 
 class VLLMRollout(Rollout):
