@@ -291,10 +291,13 @@ def _dotted_keys(node, prefix: str = "") -> Iterable[str]:
 
 
 def _apply_aliases(cfg: DictConfig) -> None:
-    """ChatLearn's legacy ``policy.max_new_tokens`` sets ``max_response_tokens_length``."""
+    """ChatLearn's legacy ``policy.max_new_tokens`` sets ``max_response_tokens_length``; a bare ``off`` that YAML
+    read as false is ``routing_replay``'s ``off``."""
     policy = cfg.models.policy
     if policy.max_new_tokens is not None:
         policy.max_response_tokens_length = policy.max_new_tokens
+    if str(cfg.models.policy_trainer.routing_replay).lower() == "false":
+        cfg.models.policy_trainer.routing_replay = "off"
 
 
 def _resolve(cfg: DictConfig) -> None:

@@ -120,3 +120,12 @@ def test_expert_parallelism_on_fsdp_is_refused(moe_folder):
 def test_bad_values(moe_folder, override, words):
     err = _refused(f"models.policy_trainer.load={moe_folder}", override)
     assert err.key == override.split("=")[0] and words in str(err)
+
+
+def test_a_bare_off_that_yaml_reads_as_false_is_off(moe_folder, tmp_path):
+    cfg, _ = load_run(GRPO, [HF, f"models.policy_trainer.load={moe_folder}", "models.policy_trainer.routing_replay=off"])
+    assert cfg.models.policy_trainer.routing_replay == "off"
+    path = tmp_path / "run.yaml"
+    path.write_text(open(GRPO).read().replace("  policy_trainer:\n", "  policy_trainer:\n    routing_replay: off\n", 1))
+    cfg, _ = load_run(str(path), [HF])
+    assert cfg.models.policy_trainer.routing_replay == "off"

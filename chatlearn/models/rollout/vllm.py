@@ -726,6 +726,7 @@ def routes_refused(routing_replay: str):
         if routing_replay != "rollout" or not any(s in text for s in ROUTES_REFUSED):
             raise
         reason = next((line.strip() for line in text.splitlines() if any(s in line for s in ROUTES_REFUSED)), text)
+        reason = reason.split(" [type=", 1)[0].removeprefix("Value error, ")  # pydantic's wrapping of vLLM's words
         raise UserError(
             f"routing replay is on, but this vLLM cannot return the routed experts: {reason} vLLM 0.32 returns "
             "them (enable_return_routed_experts) only with its Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, which "

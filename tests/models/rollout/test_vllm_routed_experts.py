@@ -238,3 +238,22 @@ def test_the_installed_vllm_returns_routes_or_refuses_naming_the_key(real, tmp_p
         agree += int((np.sort(got[has], -1) == own[has]).all(-1).sum())
         total += int(has.sum()) * own.shape[1]
     assert agree >= 0.9 * total, (agree, total)
+
+
+def test_the_refusal_gives_vllms_reason_without_pydantics_wrapping():
+    from chatlearn.errors import UserError
+    from chatlearn.models.rollout.vllm import routes_refused
+
+    raised = ("1 validation error for VllmConfig\n  Value error, AuxOutput Connector requires Model Runner V2; set "
+              "VLLM_USE_V2_MODEL_RUNNER=1. [type=value_error, input_value=ArgsKwargs((), {'model': 'x'}), "
+              "input_type=ArgsKwargs]")
+    with pytest.raises(UserError) as info:
+        with routes_refused("rollout"):
+            raise ValueError(raised)
+    text = str(info.value)
+    assert "routing replay is on, but this vLLM cannot return the routed experts: AuxOutput Connector requires " \
+           "Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1. vLLM 0.32" in text
+    assert "ArgsKwargs" not in text and "type=" not in text and info.value.key == "models.policy_trainer.routing_replay"
+    with pytest.raises(ValueError):  # replay off: vLLM's own error, untouched
+        with routes_refused("off"):
+            raise ValueError(raised)
