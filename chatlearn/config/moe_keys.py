@@ -25,7 +25,7 @@ MOE_KEYS = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe_to
             "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_force_load_balancing", "moe_layer_recompute",
             "moe_shared_expert_overlap", "groupgemm")
 # config.json's name for the number of routed experts, by family (Qwen2/3-MoE, Mixtral, DeepSeek)
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,11 @@ class Experts:
 
     count: int  # routed experts per MoE layer
     top_k: int  # experts each token is routed to
+
+
+def config_experts(conf: dict) -> int | None:
+    """The routed experts per MoE layer that a ``config.json`` dict names; None for a dense model."""
+    return next((conf[k] for k in EXPERT_COUNT_KEYS if isinstance(conf.get(k), int) and conf[k] > 0), None)
 
 
 def experts_of(path: str | None) -> Experts | None:
@@ -49,8 +54,8 @@ def experts_of(path: str | None) -> Experts | None:
     if not isinstance(conf, dict):
         return None
     text = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
-    count = next((text[k] for k in _EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), 0)
-    if count < 1:
+    count = config_experts(text)
+    if count is None:
         return None
     top_k = text.get("num_experts_per_tok")
     return Experts(count=count, top_k=top_k if isinstance(top_k, int) and top_k > 0 else 1)
@@ -88,7 +93,7 @@ def check_moe(cfg, trainers: tuple[str, ...]) -> None:
                 key = changed[0]
                 raise ConfigError(
                     f"is {t[key]!r}, but {t.load} is a dense model (its config.json names no experts: "
-                    f"{', '.join(_EXPERT_COUNT_KEYS)}), so it would act on nothing. Remove the key (or set it back "
+                    f"{', '.join(EXPERT_COUNT_KEYS)}), so it would act on nothing. Remove the key (or set it back "
                     f"to {_default(key)!r}), or load a mixture-of-experts model such as Qwen3-MoE.",
                     key=f"{prefix}.{key}")
             continue

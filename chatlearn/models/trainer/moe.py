@@ -49,6 +49,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from chatlearn.config.moe_keys import config_experts
 from chatlearn.errors import UserError
 from chatlearn.models.specs import MoeSpec
 
@@ -105,21 +106,9 @@ def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [] if cls is None else [m for m in model.modules() if isinstance(getattr(m, "gate", None), cls)]
 
 
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
 def num_experts(model: torch.nn.Module) -> Optional[int]:
     """The expert count of the model's config (``num_experts`` / ``num_local_experts``), None if dense."""
     return config_experts(model.config.to_dict())
-
-
-def config_experts(config: dict) -> Optional[int]:
-    """The expert count of a ``config.json`` dict; None for a dense model."""
-    for name in EXPERT_COUNT_KEYS:
-        value = config.get(name)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def expert_count_problem(path: str, saved_config: Optional[dict], model: torch.nn.Module, load: str) -> Optional[str]:
