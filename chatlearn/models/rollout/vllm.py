@@ -91,6 +91,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 import torch
 
+from chatlearn.config.moe_keys import config_experts
 from chatlearn.config.names import Part
 from chatlearn.errors import ConfigError, UserError
 from chatlearn.logging import console
@@ -216,8 +217,9 @@ def cpu_moe_problem(config: dict) -> str | None:
     (None: it can, or the model has no experts). The unquantized CPU MoE kernel computes in blocks of
     :data:`CPU_MOE_ALIGNMENT` over the hidden size; without a kernel vLLM stops at start with "No Unquantized
     MoE backend supports the deployment configuration"."""
-    config = config.get("text_config", config)
-    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)), 0)
+    if isinstance(config.get("text_config"), dict):  # a multimodal model's language model
+        config = config["text_config"]
+    experts = config_experts(config)
     hidden = config.get("hidden_size")
     if not experts or not isinstance(hidden, int) or hidden % CPU_MOE_ALIGNMENT == 0:
         return None
