@@ -694,8 +694,12 @@ def test_router_loss_keys_and_forced_balancing_act(reference):
     router's and everything before it), not to the reported loss; moe_router_force_load_balancing routes
     by random logits (other log-probs)."""
     base = reference["ep1"]
+    assert "moe/aux_loss" not in base["metrics"] and "moe/z_loss" not in base["metrics"]  # no coefficient: none
     for name in ("aux", "z"):
         got = reference[f"key_{name}"]
+        # the loss without its coefficient, logged: the Switch loss (1 when even, at most E / k) / the z-loss
+        value = got["metrics"][f"moe/{name}_loss"]
+        assert (0.5 < value < 8) if name == "aux" else value > 0, (name, value)
         assert got["metrics"]["loss"] == pytest.approx(base["metrics"]["loss"], abs=1e-6), name
         router = "model.layers.1.mlp.gate.weight"
         assert not np.allclose(got["grads"][router].numpy(), base["grads"][router].numpy(), atol=1e-6), name

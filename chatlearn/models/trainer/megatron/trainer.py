@@ -234,6 +234,10 @@ class _MicroBatch:
     valid: torch.Tensor | None = None  # bool [rows, width]: a sample's token (not padding)
 
 
+# megatron-core's names of the router losses in its aux-loss tracker -> the step's metrics
+ROUTER_LOSSES = {"load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
+
+
 class MegatronTrainer(Trainer):
     """Megatron-core trainer of a Hugging Face Qwen2 / Llama checkpoint, or a Qwen3-MoE / Qwen2-MoE one with
     expert parallelism (docs/architecture.md, "The Megatron trainer on mixture-of-experts models") (``trainable``:
@@ -412,7 +416,10 @@ class MegatronTrainer(Trainer):
         (the share of the recorded top-k choices that the routers made themselves in the training forward)."""
         if self._moe_counts is None:
             return super().compute_grads(batch, temperature)
+        from megatron.core.transformer.moe import moe_utils
+
         self._moe_counts.zero_()
+        moe_utils.clear_aux_losses_tracker()
         for r in self._replays:
             r.agree, r.slots, r.count = 0.0, 0.0, True
         self._counting = True
@@ -431,7 +438,29 @@ class MegatronTrainer(Trainer):
         metrics["moe/load_imbalance"] = (sum(float(c.max() / c.mean()) for c in rows) / len(rows)) if rows else 0.0
         if self.moe.replay and "routed_experts" in batch:
             metrics["moe/routing_agreement"] = float(sums[-2] / sums[-1]) if float(sums[-1]) else 1.0
+        metrics.update(self._router_losses(int(metrics["micro_steps"])))
         return metrics
+
+    def _router_losses(self, micro_steps: int) -> dict:
+        """``moe/aux_loss`` and ``moe/z_loss`` of the training pass, from megatron-core's aux-loss tracker
+        (``moe_utils``: each router adds its loss without the coefficient, per layer and micro-step, in training
+        forwards only, once also under recomputation), reduced as megatron-core's own logging reduces it (summed
+        over pipeline stages and the router's group, averaged over data-parallel replicas; a collective), then the
+        mean over the MoE layers and micro-steps: the FSDP trainer's definition, but over every token a micro-step
+        computes (megatron-core's loss counts padding too). Each only where its coefficient is set (megatron-core
+        computes neither otherwise)."""
+        from megatron.core.transformer.moe import moe_utils
+
+        tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+        names = [n for n in ROUTER_LOSSES if n in tracker]  # the same on every rank: the same config
+        if not names:
+            return {}
+        moe_utils.reduce_aux_losses_tracker_across_ranks(names)
+        layers = torch.tensor(self.arch.moe_layers, dtype=torch.long)
+        out = {ROUTER_LOSSES[n]: float(tracker[n]["values"].cpu()[layers].mean()) / max(micro_steps, 1)
+               for n in names}
+        moe_utils.clear_aux_losses_tracker()
+        return out
 
     def _recomputes_moe(self) -> bool:
         """Whether an MoE layer's forward runs again in backward (full recomputation, or
