@@ -51,10 +51,14 @@ NO_LIMIT = {"runtime_args.stage_timeout_s": ", or 0 for no deadline",
 _INDEXED_KEY = re.compile(r"[A-Za-z_][\w-]*(\[\d+\])*(\.[A-Za-z_][\w-]*(\[\d+\])*)*")
 
 
-def load_run(path: str, overrides: Sequence[str] = ()) -> tuple[DictConfig, Plan]:
+def load_run(path: str, overrides: Sequence[str] = (), defaults: Sequence[str] = ()) -> tuple[DictConfig, Plan]:
     """The resolved, validated config (a typed, read-only DictConfig) and the run's plan, which
-    validation computes (once per start: callers take this one rather than calling make_plan)."""
+    validation computes (once per start: callers take this one rather than calling make_plan). ``defaults``:
+    ``key=value`` defaults of the command in place of the schema's (the file and ``overrides`` set them over:
+    ``chatlearn sft`` fills RL's required keys, which it does not read)."""
     cfg = OmegaConf.structured(Config)
+    if defaults:
+        cfg = _merge(cfg, OmegaConf.from_dotlist(list(defaults)), source="the command's defaults")
     data, (cli, indexed) = _read_yaml(path), _parse_overrides(overrides)
     (base, named), (cli_base, cli_named) = _split_models(data), _split_models(cli)
     cfg = _merge(cfg, base, source=path)
@@ -69,9 +73,9 @@ def load_run(path: str, overrides: Sequence[str] = ()) -> tuple[DictConfig, Plan
     return cfg, plan
 
 
-def load_config(path: str, overrides: Sequence[str] = ()) -> DictConfig:
+def load_config(path: str, overrides: Sequence[str] = (), defaults: Sequence[str] = ()) -> DictConfig:
     """The resolved, validated config (a typed, read-only DictConfig): :func:`load_run` without the plan."""
-    return load_run(path, overrides)[0]
+    return load_run(path, overrides, defaults)[0]
 
 
 # --------------------------------------------------------------------------- reading
