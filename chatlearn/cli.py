@@ -207,14 +207,12 @@ def _eval(args) -> int:
 
 
 def _sft(args) -> int:
-    from chatlearn.runtime.driver.sft import SFT_DEFAULTS
-    from chatlearn.config.load import load_config
-    from chatlearn.runtime.driver.sft import run_sft
+    from chatlearn.runtime.driver.sft import load_sft_config, run_sft
 
     fresh = args.no_resume or args.overwrite
     overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if fresh else [])
     with ThirdPartyLogs() as logs:
-        cfg = load_config(args.config, overrides, defaults=SFT_DEFAULTS)
+        cfg = load_sft_config(args.config, overrides)
         logs.attach(cfg.runtime_args.output_dir)
         run_sft(cfg, overwrite=args.overwrite)
     return 0

@@ -36,6 +36,7 @@ from chatlearn.algorithms.sft import sft_nll
 from chatlearn.calls import put
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.config.algorithm_keys import validate_algorithm
+from chatlearn.config.load import load_config
 from chatlearn.config.plan import make_sft_plan
 from chatlearn.data.dataset import PromptSampler, load_tokenizer
 from chatlearn.data.sft import OVERLONG, SFTSet, load_sft
@@ -58,13 +59,26 @@ RESULT = "result"  # <output_dir>/result: the fine-tuned model, a Hugging Face f
 EVAL_CHUNK = 256  # eval conversations per log-prob call
 
 
+def load_sft_config(path: str, overrides) -> DictConfig:
+    """The config of ``chatlearn sft``: :func:`chatlearn.config.load.load_config` with :data:`SFT_DEFAULTS`; an
+    unset ``sft.data_path`` (which RL's ``runtime_args.data_path`` follows by default) is named as such."""
+    try:
+        return load_config(path, overrides, defaults=SFT_DEFAULTS)
+    except ConfigError as err:
+        if err.key == "runtime_args.data_path" and "${sft.data_path}" in err.message:
+            raise ConfigError(NO_DATA, key="sft.data_path") from None
+        raise
+
+
+NO_DATA = ("is not set: chatlearn sft trains on conversations (JSONL/parquet files whose rows hold "
+           "messages: [{role, content}, ...], or a Hub dataset id). Set it.")
+
+
 def check_sft(cfg: DictConfig) -> None:
     """The ``sft`` keys: what ``chatlearn sft`` needs set, and their ranges."""
     s = cfg.sft
     if not s.data_path:
-        raise ConfigError("is not set: chatlearn sft trains on conversations (JSONL/parquet files with "
-                          f"{s.messages_key!r}: [{{role, content}}, ...], or a Hub dataset id). Set it.",
-                          key="sft.data_path")
+        raise ConfigError(NO_DATA, key="sft.data_path")
     if s.overlong not in OVERLONG:
         raise ConfigError(f"is {s.overlong!r}; one of {', '.join(OVERLONG)}.", key="sft.overlong")
     for key in ("max_seq_len", "num_epochs", "global_batch_size"):
