@@ -51,10 +51,10 @@ from chatlearn.runtime.rundir.output_dir import move_aside, previous_run, refusa
 
 # RL's required keys, which chatlearn sft does not read: set for it unless the config sets them
 # (runtime_args.data_path: RL's prompts, e.g. those of chatlearn run after SFT)
-# (num_episode: RL's learning-rate schedule is checked over that many steps; SFT's over its own, check_schedule)
-SFT_DEFAULTS = ("runtime_args.data_path=${sft.data_path}", "runtime_args.num_episode=1000000",
+SFT_DEFAULTS = ("runtime_args.data_path=${sft.data_path}", "runtime_args.num_episode=1",
                 "runtime_args.sample_per_episode=${sft.global_batch_size}",
-                "runtime_args.train_global_batch_size=${sft.global_batch_size}")
+                "runtime_args.train_global_batch_size=${sft.global_batch_size}",
+                "runtime_args.enable_eval_before_training=false", "runtime_args.eval_episode_interval=0")
 RESULT = "result"  # <output_dir>/result: the fine-tuned model, a Hugging Face folder
 EVAL_CHUNK = 256  # eval conversations per log-prob call
 
@@ -63,7 +63,7 @@ def load_sft_config(path: str, overrides) -> DictConfig:
     """The config of ``chatlearn sft``: :func:`chatlearn.config.load.load_config` with :data:`SFT_DEFAULTS`; an
     unset ``sft.data_path`` (which RL's ``runtime_args.data_path`` follows by default) is named as such."""
     try:
-        return load_config(path, overrides, defaults=SFT_DEFAULTS)
+        return load_config(path, overrides, defaults=SFT_DEFAULTS, sft=True)
     except ConfigError as err:
         if err.key == "runtime_args.data_path" and "${sft.data_path}" in err.message:
             raise ConfigError(NO_DATA, key="sft.data_path") from None
