@@ -11,6 +11,7 @@ import sys
 import pytest
 import runs
 import torch
+from metrics_doc import undocumented
 from safetensors.torch import load_file
 
 from conftest import REPO
@@ -55,6 +56,7 @@ def test_sft_learns_loads_as_the_policy_and_resumes_exactly_after_sigkill(tmp_pa
     assert [("sft/eval_loss" in r) for r in rows] == [True, False, False, True, False, False, True]
     assert all(r["sft/num_tokens"] > 0 and r["sft/skipped_steps"] == 0 for r in rows[1:])
     assert rows[-1]["sft/eval_loss"] < rows[0]["sft/eval_loss"]  # it learns the held-out answers
+    assert not undocumented({k for r in runs.metric_rows(ref) for k in r if k != "time/wall"})  # docs/metrics.md
     assert sorted(os.listdir(ref / "checkpoints")) == ["episode_000004", "episode_000006", "latest"]
     result = ref / "result"
     assert "chatlearn run ... models.policy_trainer.load=" in stdout
