@@ -106,3 +106,44 @@ def test_sft_loss_terms_are_the_token_mean_over_the_global_batch():
     assert nll == pytest.approx(-float(full[batch["loss_mask"].astype(bool)].astype(np.float64).sum()), rel=1e-9)
     with pytest.raises(ValueError, match="loss_mask"):
         SFTLoss(None, {k: v for k, v in batch.items() if k != "loss_mask"}, torch.device("cpu"))
+
+
+def job_megatron(rank, world, path, batch):
+    """The Megatron trainer (TP = 2 under the CPU device shim): the same SFT loss through its loss hook."""
+    from megatron_shim import cpu_device_shim
+    from test_megatron_trainer import megatron_spec
+
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    fsdp = FSDPTrainer(trainer_spec(path, train_micro_batch_size=2, kl_coef=0.0, entropy_coef=0.0)).train_sft(batch)
+    with cpu_device_shim():
+        from chatlearn.models.trainer.megatron import MegatronTrainer
+
+        trainer = MegatronTrainer(megatron_spec(path, tp=1, train_micro_batch_size=2, kl_coef=0.0, entropy_coef=0.0))
+        trainer._sft_step = True
+        metrics = trainer.compute_grads(batch)
+        trainer._sft_step = False
+        trainer.zero_grad()
+        return {"metrics": metrics, "step": trainer.train_sft(batch), "fsdp": fsdp}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="the Megatron trainer's loss is the reference's, but its gradient norm on SFT "
+                   "batches is about 0.3-0.6% above the FSDP trainer's and the plain reference's (with or without a "
+                   "masked user turn); not yet understood, so chatlearn sft on Megatron is not claimed exact")
+def test_sft_through_the_megatron_trainer_gives_the_same_loss_and_gradient_norm(tmp_path):
+    from transformers import AutoConfig
+
+    from chatlearn.config import load as config_load
+
+    if not config_load._importable("megatron.core"):
+        pytest.skip("megatron-core is not installed")
+    path = make_tiny_model(str(tmp_path / "tiny"))
+    batch = sft_batch(AutoConfig.from_pretrained(path).vocab_size)
+    ref_loss, ref_grads = reference(path, batch)
+    ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
+    got = run_ranks(job_megatron, 1, tmp_path, path, batch)[0]
+    assert got["metrics"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert got["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    assert got["fsdp"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)  # before clipping
+    assert got["step"]["grad_norm"] == pytest.approx(got["fsdp"]["grad_norm"], rel=1e-5)
