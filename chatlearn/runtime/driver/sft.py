@@ -149,10 +149,10 @@ class SFTRun:
         if self.ev is None:
             return {}
         n = len(self.ev) // self.dp * self.dp
+        chunk = max(self.dp, EVAL_CHUNK // self.dp * self.dp)
         total, count = 0.0, 0
-        for lo in range(0, n, EVAL_CHUNK // self.dp * self.dp or self.dp):
-            rows = range(lo, min(n, lo + (EVAL_CHUNK // self.dp * self.dp or self.dp)))
-            batch = self.ev.batch(rows)
+        for lo in range(0, n, chunk):
+            batch = self.ev.batch(range(lo, min(n, lo + chunk)))
             outs, _ = self.group.call("compute_logprobs", put(batch), 1.0)
             nll, k = sft_nll(outs[0], batch)
             total, count = total + nll, count + k
@@ -225,6 +225,8 @@ def run_sft(cfg: DictConfig, *, overwrite: bool = False) -> dict:
     plan = make_sft_plan(cfg, steps)
     validate_algorithm(cfg, steps)  # the learning-rate schedule over SFT's steps
     reward = cfg.sft.eval_reward and bool(rt.eval_data_path)
+    if cfg.sft.eval_reward and not reward:
+        info("sft.eval_reward: runtime_args.eval_data_path is not set, so the task reward is not sampled")
     result = os.path.abspath(os.path.join(rt.output_dir, RESULT))
     with RunLock(rt.output_dir) as lock:
         prepare_output(cfg, lock, overwrite)
