@@ -1,4 +1,6 @@
 """Command line: ``chatlearn run CONFIG [key.path=value ...] [--dry-run] [--accept-config-changes]``,
+``chatlearn sft CONFIG [key.path=value ...]`` (supervised fine-tuning of the policy on conversations: the ``sft``
+keys),
 ``chatlearn merge CKPT_DIR OUT_DIR`` (trainer checkpoint -> Hugging Face folder; a LoRA checkpoint -> peft's
 adapter folder, or with ``--merged`` the merged model) and
 ``chatlearn plot OUTPUT_DIR`` (PNG plots of a run's metrics).
@@ -81,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--verbose", action="store_true",
                     help="show third-party logs on the console too (by default: OUTPUT_DIR/eval/logs/)")
     ev.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    _sft_parser(sub)
     _merge_parser(sub)
     plot = sub.add_parser("plot", help="plot a run's metrics, or compare runs",
                           description="Write PNG plots of OUTPUT_DIR/metrics.jsonl into OUTPUT_DIR/plots/; with "
@@ -91,6 +94,25 @@ def _parser() -> argparse.ArgumentParser:
                       help="where to write the PNG files (default: RUN/plots; required with several runs)")
     plot.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     return parser
+
+
+def _sft_parser(sub) -> None:
+    """``chatlearn sft``'s arguments."""
+    sft = sub.add_parser("sft", help="supervised fine-tuning on conversations (the sft keys)",
+                         description="Fine-tune models.policy_trainer on the conversations of sft.data_path (loss on "
+                                     "the assistant tokens), with the run's trainer, checkpoints and resume; the "
+                                     "result, OUTPUT_DIR/result, is a Hugging Face folder that chatlearn run loads "
+                                     "as models.policy_trainer.load. Extra arguments key.path=value override the "
+                                     "config.", epilog=CONFIG_IS_CODE)
+    sft.add_argument("config", help="YAML config, e.g. template/sft.yaml")
+    sft.add_argument("overrides", nargs="*", help="overrides such as sft.max_steps=100")
+    sft.add_argument("--no-resume", action="store_true",
+                     help="start fresh instead of continuing the run in output_dir; refused when output_dir already "
+                          "holds a run, unless --overwrite is given")
+    sft.add_argument("--overwrite", action="store_true",
+                     help="start fresh (implies --no-resume); a run already in output_dir is moved aside")
+    sft.add_argument("--verbose", action="store_true", help="show third-party logs on the console too")
+    sft.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
 
 
 def _merge_parser(sub) -> None:
@@ -131,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if rest:
-        if args.command not in ("run", "eval"):
+        if args.command not in ("run", "eval", "sft"):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides or []) + rest
     debug = args.debug or os.environ.get("CHATLEARN_DEBUG") == "1"
@@ -145,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "eval":
             return _eval(args)
+        if args.command == "sft":
+            return _sft(args)
         if args.command == "plot":
             return _plot(args)
         if args.command == "merge":
@@ -179,6 +203,18 @@ def _eval(args) -> int:
         logs.attach(os.path.join(cfg.runtime_args.output_dir, "eval"))
         evaluate_only(cfg, checkpoint=args.checkpoint, overwrite=args.overwrite, keep_merged=args.keep_merged,
                       base=args.base)
+    return 0
+
+
+def _sft(args) -> int:
+    from chatlearn.runtime.driver.sft import load_sft_config, run_sft
+
+    fresh = args.no_resume or args.overwrite
+    overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if fresh else [])
+    with ThirdPartyLogs() as logs:
+        cfg = load_sft_config(args.config, overrides)
+        logs.attach(cfg.runtime_args.output_dir)
+        run_sft(cfg, overwrite=args.overwrite)
     return 0
 
 
@@ -368,7 +404,7 @@ def entry() -> None:
     once its output is flushed. Every file of the run is closed by then; what is left is the
     interpreter's teardown of the libraries a run without Ray loaded into this process (torch, vLLM:
     seconds of native destructors and thread pools on a CPU machine), which does nothing for the user."""
-    ends = len(sys.argv) > 1 and sys.argv[1] in ("run", "eval")
+    ends = len(sys.argv) > 1 and sys.argv[1] in ("run", "eval", "sft")
     if ends:
         from chatlearn.runtime.cluster import local  # heavy: +12 ms at start (multiprocessing)
 

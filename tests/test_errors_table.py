@@ -89,6 +89,19 @@ def _model_without_template(c: Ctx) -> str:
     return c.model_copy("nochat", drop=["chat_template.jinja"], replace={"tokenizer_config.json": json.dumps(conf)})
 
 
+SFT_TEMPLATE = "template/sft.yaml"
+SFT_ROW = {"messages": [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "\\boxed{3}"}]}
+
+
+def sft_case(*lines, overrides=()):
+    """``chatlearn sft`` on the conversations ``lines`` (none: the template's data)."""
+    def argv(c):
+        data = [f"sft.data_path={c.file('sft/train.jsonl', ''.join(line + chr(10) for line in lines))}"] if lines else []
+        return ["sft", SFT_TEMPLATE, f"models.policy_trainer.load={c.model}", f"runtime_args.output_dir={c.tmp}/sft",
+                "sft.eval_data_path=null", "sft.eval_reward=false", *data, *overrides]
+    return argv
+
+
 MIN_YAML = "runtime_args:\n  num_episode: 1\nmodels:\n  policy_trainer:\n    load: {model}\n"
 
 # id, argv(ctx), words naming the culprit, words saying how to fix it
@@ -216,6 +229,17 @@ CASES = [
      ["models.policy_trainer.moe_aux_loss_coeff", "dense model"], ["load a mixture-of-experts model"]),
     ("routing replay on a dense model", run_with("models.policy_trainer.routing_replay=rollout"),
      ["models.policy_trainer.routing_replay", "dense model"], ["Set it to off"]),
+    ("SFT conversation without an assistant turn",
+     sft_case(json.dumps(SFT_ROW), json.dumps({"messages": SFT_ROW["messages"][:1]})),
+     ["sft.data_path", "train.jsonl:2", "has no assistant turn (1 such row(s))"], ["Add the assistant's reply"]),
+    ("SFT conversations longer than the context", sft_case(*[json.dumps(SFT_ROW)] * 3, overrides=["sft.max_seq_len=10"]),
+     ["sft.overlong", "3 row(s) are longer than sft.max_seq_len (10 tokens)", "train.jsonl:1"],
+     ["Raise sft.max_seq_len", "truncate", "drop"]),
+    ("SFT row without messages", sft_case(json.dumps(ROW)), ["train.jsonl:1", "no 'messages' field"],
+     ["sft.messages_key"]),
+    ("SFT without data", sft_case(overrides=["sft.data_path=null"]), ["sft.data_path", "is not set"], ["Set it"]),
+    ("SFT unknown overlong", sft_case(overrides=["sft.overlong=cut"]), ["sft.overlong", "'cut'"],
+     ["refuse, truncate, drop"]),
     ("model folder without chat template", with_model(_model_without_template, dry_run=False),
      ["models.policy.load", "no chat template"], ["Add one to the folder"]),
     ("model folder with a broken tokenizer",

@@ -13,6 +13,9 @@ Writes, under ``--out`` (default ``assets/``):
   once greedy accuracy on held-out training examples reaches ``--target-accuracy``, so
   the model reliably answers in the form ``\\boxed{N}<|im_end|>`` but gets the sum
   right only some of the time: a starting point where GRPO has something to learn.
+* ``arith_sft/train.jsonl`` and ``arith_sft/eval.jsonl``: the same splits as conversations for
+  ``chatlearn sft`` (``messages``: the question, then the answer in the toy's format
+  ``\\boxed{N}``); ``--sft-data`` writes them alone from an existing ``arith/``.
 * ``README.md``: what is in the folder and the numbers measured at build time.
 
 With ``--model tiny_qwen3_moe`` it builds, instead, the mixture-of-experts toy
@@ -157,6 +160,21 @@ def make_splits(seed: int) -> tuple[list[dict], list[dict]]:
     train = [make_record(a, b, "train", i) for i, (a, b) in enumerate(train_pairs)]
     evals = [make_record(a, b, "eval", i) for i, (a, b) in enumerate(eval_pairs)]
     return train, evals
+
+
+def sft_record(rec: dict) -> dict:
+    """An ``arith`` record as a conversation for ``chatlearn sft``: the question, then its answer."""
+    answer = RESPONSE_TEMPLATE.format(answer=rec["reward_model"]["ground_truth"])
+    return {"data_source": rec["data_source"],
+            "messages": [*rec["prompt"], {"role": "assistant", "content": answer}]}
+
+
+def write_sft_splits(out: Path, train: list[dict], evals: list[dict]) -> None:
+    """``arith_sft/{train,eval}.jsonl``: the task's splits as conversations (:func:`sft_record`)."""
+    folder = out / "arith_sft"
+    folder.mkdir(parents=True, exist_ok=True)
+    write_jsonl(folder / "train.jsonl", [sft_record(r) for r in train])
+    write_jsonl(folder / "eval.jsonl", [sft_record(r) for r in evals])
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -714,6 +732,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--check-only", action="store_true", help="check an existing folder; build nothing"
     )
+    p.add_argument(
+        "--sft-data",
+        action="store_true",
+        help="write arith_sft/ (the conversations of chatlearn sft) from the existing arith/; build nothing else",
+    )
     return p.parse_args(argv)
 
 
@@ -724,6 +747,10 @@ def main(argv=None) -> int:
     moe = args.model == "tiny_qwen3_moe"
     model_dir, data_dir = out / args.model, out / "arith"
     t0 = time.perf_counter()
+    if args.sft_data:
+        write_sft_splits(out, read_jsonl(data_dir / "train.jsonl"), read_jsonl(data_dir / "eval.jsonl"))
+        print(f"wrote {out / 'arith_sft'}", flush=True)
+        return 0
 
     if not args.check_only:
         train, evals = make_splits(args.seed)
@@ -748,6 +775,7 @@ def main(argv=None) -> int:
                 d.mkdir(parents=True)
             write_jsonl(data_dir / "train.jsonl", train)
             write_jsonl(data_dir / "eval.jsonl", evals)
+            write_sft_splits(out, train, evals)
 
         tokenizer = build_tokenizer(train + evals)
         model = (build_moe_model if moe else build_model)(tokenizer, args.seed)

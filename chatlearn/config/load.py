@@ -51,10 +51,16 @@ NO_LIMIT = {"runtime_args.stage_timeout_s": ", or 0 for no deadline",
 _INDEXED_KEY = re.compile(r"[A-Za-z_][\w-]*(\[\d+\])*(\.[A-Za-z_][\w-]*(\[\d+\])*)*")
 
 
-def load_run(path: str, overrides: Sequence[str] = ()) -> tuple[DictConfig, Plan]:
+def load_run(path: str, overrides: Sequence[str] = (), defaults: Sequence[str] = (),
+             sft: bool = False) -> tuple[DictConfig, Plan | None]:
     """The resolved, validated config (a typed, read-only DictConfig) and the run's plan, which
-    validation computes (once per start: callers take this one rather than calling make_plan)."""
+    validation computes (once per start: callers take this one rather than calling make_plan). ``defaults``:
+    ``key=value`` defaults of the command in place of the schema's (the file and ``overrides`` set them over:
+    ``chatlearn sft`` fills RL's required keys, which it does not read). ``sft``: validated for ``chatlearn sft``
+    (:func:`validate_sft`; no plan: the SFT driver makes its own)."""
     cfg = OmegaConf.structured(Config)
+    if defaults:
+        cfg = _merge(cfg, OmegaConf.from_dotlist(list(defaults)), source="the command's defaults")
     data, (cli, indexed) = _read_yaml(path), _parse_overrides(overrides)
     (base, named), (cli_base, cli_named) = _split_models(data), _split_models(cli)
     cfg = _merge(cfg, base, source=path)
@@ -64,14 +70,14 @@ def load_run(path: str, overrides: Sequence[str] = ()) -> tuple[DictConfig, Plan
     _apply_aliases(cfg)
     _resolve(cfg)
     user_keys = frozenset(_dotted_keys(data)) | frozenset(_dotted_keys(cli)) | _indexed_parents(indexed)
-    plan = validate(cfg, user_keys)
+    plan = validate_sft(cfg, user_keys) if sft else validate(cfg, user_keys)
     OmegaConf.set_readonly(cfg, True)
     return cfg, plan
 
 
-def load_config(path: str, overrides: Sequence[str] = ()) -> DictConfig:
+def load_config(path: str, overrides: Sequence[str] = (), defaults: Sequence[str] = (), sft: bool = False) -> DictConfig:
     """The resolved, validated config (a typed, read-only DictConfig): :func:`load_run` without the plan."""
-    return load_run(path, overrides)[0]
+    return load_run(path, overrides, defaults, sft)[0]
 
 
 # --------------------------------------------------------------------------- reading
@@ -398,6 +404,28 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     check_sizes(cfg, plan)  # a size whose buffer alone needs more memory than the machine has
     validate_algorithm(cfg, plan.policy_steps)  # the policy's schedule spans its own steps
     return plan
+
+
+def validate_sft(cfg: DictConfig, user_keys: frozenset = frozenset()) -> None:
+    """:func:`validate`'s checks of what ``chatlearn sft`` reads (the policy trainer, the paths and folders, the
+    rollout engine and reward functions of its reward evaluation), without RL's episode and batch sizes, which it
+    does not read (its own: ``chatlearn.runtime.driver.sft.check_sft`` and ``make_sft_plan``)."""
+    _check_finite(OmegaConf.to_container(cfg, resolve=True), "")
+    _check_timeouts(OmegaConf.to_container(cfg, resolve=True), "")
+    _check_backends(cfg.runtime_args)
+    load_plugins(cfg.runtime_args.plugins, base_dir=os.getcwd())
+    check_kinds(cfg)
+    resolve_algorithm(cfg, user_keys)
+    _check_model_sections(cfg)
+    _check_seeds(cfg)
+    _check_policy(cfg)
+    _check_trainers(cfg)
+    _check_trainer_roles(cfg.models)
+    _check_reward(cfg)
+    _check_paths(cfg)
+    check_lora(cfg)
+    check_moe(cfg, ("policy_trainer",))
+    check_functions(OmegaConf.to_container(cfg.models.reward, resolve=True), with_environment=False)
 
 
 def _check_reward_signal(rt: DictConfig) -> None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from chatlearn.config.algorithms import declared
-from chatlearn.config.kinds import CRITIC, REFERENCE, REWARD, REWARD_MODEL, ROLLOUT, Kind, model_kinds, section
+from chatlearn.config.kinds import (CRITIC, REFERENCE, REWARD, REWARD_MODEL, ROLLOUT, TRAINER, Kind, model_kinds,
+                                    section)
 from chatlearn.errors import ConfigError
 
 
@@ -403,6 +404,36 @@ def make_eval_plan(cfg: DictConfig, num_prompts: int, samples_per_prompt: int) -
                 rollout_replicas=rollout.num_actors, device_groups=[["policy"]], devices_per_group=[pol.num_gpu],
                 placements=placements, kinds={"policy": ROLLOUT, "reward": REWARD},
                 single_process=_single_process(cfg, placements, False))
+
+
+def make_sft_plan(cfg: DictConfig, total_steps: int) -> Plan:
+    """The plan of a supervised fine-tuning run (``chatlearn sft``): the policy trainer alone on its devices,
+    ``sft.global_batch_size`` samples an optimizer step, ``total_steps`` steps (what its learning-rate schedule
+    spans); no rollout engine, no reward. Without Ray (``runtime_args.single_process`` not false) where the
+    trainer is one FSDP rank on this machine."""
+    t, rt, gbs = cfg.models.policy_trainer, cfg.runtime_args, cfg.sft.global_batch_size
+    _check_model_parallel(t, "policy_trainer", rt.train_backend)
+    dp = t.num_gpu // (t.tensor_model_parallel_size * t.pipeline_model_parallel_size)
+    if gbs < 1 or gbs % dp:
+        raise ConfigError(f"is {gbs}: it must be a positive multiple of the trainer's data-parallel size ({dp}).",
+                          key="sft.global_batch_size")
+    micro = t.train_micro_batch_size
+    if not t.packing and (micro < 1 or (gbs // dp) % micro):
+        raise ConfigError(f"the per-rank batch (sft.global_batch_size {gbs} / {dp} rank(s)) must be a whole number "
+                          f"of micro-batches of train_micro_batch_size ({micro}).",
+                          key="models.policy_trainer.train_micro_batch_size")
+    placements = {"policy_trainer": ModelPlacement("policy_trainer", t.num_gpu, 0, list(range(t.num_gpu)))}
+    why = ("RAY_ADDRESS is set" if os.environ.get("RAY_ADDRESS") else f"train_backend {rt.train_backend}"
+           if rt.train_backend != "fsdp" else f"the trainer has {t.num_gpu} ranks" if t.num_gpu != 1 else None)
+    if why is not None and rt.single_process:
+        raise ConfigError(f"is true, but the trainer cannot live in the driver's process: {why}. Set it to null "
+                          "or false.", key="runtime_args.single_process")
+    return Plan(group_size=1, prompts_per_episode=gbs, samples_per_episode=gbs * total_steps, trainer_dp=dp,
+                samples_per_step=gbs, samples_per_rank_per_step=gbs // dp,
+                micro_batches_per_step=max(1, gbs // dp // max(micro, 1)), steps_per_episode=total_steps,
+                rollout_replicas=0, device_groups=[["policy_trainer"]], devices_per_group=[t.num_gpu],
+                placements=placements, uses_ref=False, num_episode=1, kinds={"policy_trainer": TRAINER},
+                algorithm="sft", single_process=why is None and rt.single_process is not False)
 
 
 def _single_process(cfg, placements: dict, fused: bool) -> bool:

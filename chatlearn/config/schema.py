@@ -573,10 +573,40 @@ class RuntimeEnv:
 
 
 @dataclass
+class SFT:
+    """``chatlearn sft``: supervised fine-tuning of ``models.policy_trainer`` on conversations (docs/config.md,
+    "Supervised fine-tuning"). Read by ``chatlearn sft`` alone; ``chatlearn run`` ignores the section."""
+
+    # conversations: JSONL / JSON / parquet files or folders, or a Hub dataset id (comma-separated); each row
+    # holds messages_key: [{role, content}, ...] with at least one assistant turn
+    data_path: Optional[str] = None
+    data_split: str = "train"  # the split of a Hub dataset
+    # held-out conversations: the SFT loss on them every eval_interval steps (null: no eval loss)
+    eval_data_path: Optional[str] = None
+    eval_data_split: str = "test"
+    messages_key: str = "messages"
+    max_seq_len: int = 1024  # tokens of one rendered conversation
+    overlong: str = "refuse"  # a longer conversation: refuse (count them, stop) | truncate | drop
+    num_epochs: int = 1  # passes over the data
+    max_steps: Optional[int] = None  # optimizer steps (null: num_epochs passes)
+    # samples (conversations) per optimizer step; the loss is the token mean over all of their assistant
+    # tokens. A step runs in micro-batches of models.policy_trainer.train_micro_batch_size samples (with
+    # packing: of up to max_token_in_packing tokens) per rank, its gradients accumulated
+    global_batch_size: int = 32
+    shuffle: bool = True  # a new order of the data each epoch (seeded by runtime_args.seed)
+    eval_interval: int = 0  # steps between evaluations of the eval loss (0: at the start and the end only)
+    save_interval: int = 0  # steps between checkpoints (0: the last step only)
+    # the task reward by sampling (runtime_args.eval_data_path's prompts, the rollout engine and the reward
+    # functions of chatlearn eval) of the model before and after fine-tuning
+    eval_reward: bool = True
+
+
+@dataclass
 class Config:
     runtime_args: RuntimeArgs = field(default_factory=RuntimeArgs)
     models: Models = field(default_factory=Models)
     runtime_env: RuntimeEnv = field(default_factory=RuntimeEnv)
+    sft: SFT = field(default_factory=SFT)
 
 
 

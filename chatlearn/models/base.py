@@ -197,9 +197,11 @@ class Trainer(Model):
         for a critic, :class:`chatlearn.algorithms.grpo.GRPOLoss` otherwise (a ValueError names the
         backend when the batch does not fit it)."""
         from chatlearn.algorithms.grpo import GRPOLoss
+        from chatlearn.algorithms.sft import SFTLoss
         from chatlearn.algorithms.value_loss import ValueLoss
 
-        kind = ValueLoss if self.spec.role == "critic" else GRPOLoss
+        kind = (ValueLoss if self.spec.role == "critic" else SFTLoss if getattr(self, "_sft_step", False)
+                else GRPOLoss)
         try:
             return kind(self.spec, batch, self.device)
         except ValueError as err:
@@ -264,6 +266,19 @@ class Trainer(Model):
         metrics["lr"] = lr
         metrics["skipped_steps"] = 0.0 if stepped else 1.0
         return metrics
+
+    def train_sft(self, batch: Batch) -> dict:
+        """One optimizer step of supervised fine-tuning on one global batch: :meth:`train` with the loss of
+        :class:`chatlearn.algorithms.sft.SFTLoss` (the token mean of -log p over the batch's assistant
+        tokens: ``loss_mask`` 1) in place of the policy's; the same micro-batches, gradient clipping,
+        learning-rate schedule and skipped non-finite steps. A collective."""
+        if self.spec.role != "policy":
+            raise RuntimeError(f"{type(self).__name__}: supervised fine-tuning trains a policy (role {self.spec.role!r})")
+        self._sft_step = True
+        try:
+            return self.train(batch, 1.0)
+        finally:
+            self._sft_step = False
 
     @abc.abstractmethod
     def weight_specs(self) -> list[tuple[str, str, tuple, int]]:

@@ -6,7 +6,7 @@ import re
 
 from conftest import REPO
 
-PREFIXES = ("train", "eval", "time", "sched", "sync", "perf", "memory")
+PREFIXES = ("train", "eval", "time", "sched", "sync", "perf", "memory", "sft")
 
 
 def documented_patterns() -> dict[str, re.Pattern]:

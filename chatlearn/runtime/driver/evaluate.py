@@ -352,6 +352,18 @@ def evaluate_only(cfg: DictConfig, checkpoint: str | None = None, *, overwrite: 
             info(f"the merged model is kept in {model.folder}")
 
 
+def evaluate_model(cfg: DictConfig, folder: str, out_dir: str) -> dict:
+    """The task reward of the Hugging Face model folder ``folder`` on ``runtime_args.eval_data_path``, sampled and
+    scored as ``chatlearn eval`` does, into ``out_dir`` (``chatlearn sft``: before and after fine-tuning). An
+    earlier result there is moved aside."""
+    rt = cfg.runtime_args
+    eval_data = check_data_paths(rt.eval_data_path, "runtime_args.eval_data_path", subset=rt.eval_data_subset,
+                                 split=rt.eval_data_split)
+    check_scored_without_models(cfg)
+    cfg = OmegaConf.merge(cfg, {"models": {"policy": {"load": folder}}})
+    return _evaluate(cfg, eval_data, out_dir, {"checkpoint": None, "model": folder, "model_deleted": False})
+
+
 def _evaluate(cfg: DictConfig, eval_data: str, out_dir: str, source: dict) -> dict:
     """Sample and score the evaluation set; ``source`` (what was evaluated) heads ``metrics.json``."""
     rt, p = cfg.runtime_args, cfg.models.policy
