@@ -234,14 +234,14 @@ def run_sft(cfg: DictConfig, *, overwrite: bool = False) -> dict:
              f"rank(s) of {rt.train_backend}")
         before = (evaluate_model(cfg, t.load, os.path.join(rt.output_dir, "eval_before"))
                   if reward and not os.path.isfile(os.path.join(rt.output_dir, "eval_before", "metrics.json"))
-                  else {})
+                  else {"all": {}})
         with Cluster(cfg, plan) as cluster:
             group = cluster.create("policy_trainer")
             last = SFTRun(cfg, group, train, ev, steps, plan.trainer_dp).loop()
             group.call("save_hf", result)
         info(f"the fine-tuned model: {result} (chatlearn run ... models.policy_trainer.load={result})")
-        after = evaluate_model(cfg, result, os.path.join(rt.output_dir, "eval")) if reward else {}
-    if not last and not after:
+        after = evaluate_model(cfg, result, os.path.join(rt.output_dir, "eval")) if reward else {"all": {}}
+    if not last and not after["all"]:
         raise UserError("chatlearn sft took no step.")
-    return {**last, **{f"eval_before/{k}": v for k, v in before.get("all", {}).items()},
-            **{f"eval/{k}": v for k, v in after.get("all", {}).items()}}
+    return {**last, **{f"eval_before/{k}": v for k, v in before["all"].items()},
+            **{f"eval/{k}": v for k, v in after["all"].items()}}
