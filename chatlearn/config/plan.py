@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from chatlearn.config.algorithms import declared
-from chatlearn.config.kinds import CRITIC, REFERENCE, REWARD, REWARD_MODEL, ROLLOUT, Kind, model_kinds, section
+from chatlearn.config.kinds import CRITIC, JUDGE, REFERENCE, REWARD, REWARD_MODEL, ROLLOUT, Kind, model_kinds, section
 from chatlearn.errors import ConfigError
 
 
@@ -183,6 +183,9 @@ class Plan:
         for name in self.reward_models:
             lines.append(f"  {name}: {REWARD_MODEL.label}, scores every sample (models.{section(name)}), its score "
                          "weighted and added to the reward functions'")
+        for name in self.of_kind(JUDGE):
+            lines.append(f"  {name}: {JUDGE.label}, gives every sample a verdict (models.{name}), its score "
+                         "weighted and added to the reward")
         if self.single_process:
             lines.append("processes: the models in this (the driver's) process, the reward workers in processes "
                          "of their own; no Ray (runtime_args.single_process)")
