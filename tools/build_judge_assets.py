@@ -116,7 +116,7 @@ def load_backend(judge_dir: Path, parser: str):
     from chatlearn.models.reward.judge import JudgeModel
     from chatlearn.models.specs import JudgeSpec
 
-    return JudgeModel(JudgeSpec.for_folder(str(judge_dir), parser=parser, max_new_tokens=4, batch_size=256))
+    return JudgeModel(JudgeSpec.for_folder(str(judge_dir), parser=parser, max_verdict_tokens=4, batch_size=256))
 
 
 def verdicts(judge, records: list[dict], responses: list[str], per: int) -> dict:

@@ -49,7 +49,7 @@ def check_judge_keys(cfg) -> None:
         if j.temperature < 0:
             raise ConfigError(f"must be >= 0 (0: greedy), got {j.temperature}.", key=f"{key}.temperature")
         if j.parser != "yes_prob":
-            positive(j.max_new_tokens, f"{key}.max_new_tokens")
+            positive(j.max_verdict_tokens, f"{key}.max_verdict_tokens")
         if len(j.score_range) != 2 or not j.score_range[0] < j.score_range[1]:
             raise ConfigError(f"must be two numbers [low, high] with low < high, got {list(j.score_range)}.",
                               key=f"{key}.score_range")
@@ -93,7 +93,7 @@ def check_judge_folder(cfg, name: str) -> None:
     the template with the policy's longest prompt and response (counted in the policy's tokens)."""
     j, key = cfg.models[name], f"models.{name}"
     context = model_context_length(j.load)
-    verdict = 1 if j.parser == "yes_prob" else int(j.max_new_tokens)
+    verdict = 1 if j.parser == "yes_prob" else int(j.max_verdict_tokens)
     if context is not None and j.max_prompt_tokens_length + verdict > context:
         raise ConfigError(f"is {j.max_prompt_tokens_length}, but the judge's context ({j.load}: {context} tokens) is "
                           f"shorter than that prompt and its verdict ({verdict} tokens). Lower it to at most "

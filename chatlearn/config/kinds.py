@@ -68,9 +68,10 @@ CRITIC = Kind("critic", "critic", (Part.WEIGHTS, Part.OPTIMIZER, Part.GRADS), St
 REWARD_MODEL = Kind("reward_model", "reward model", (Part.WEIGHTS,), Stage.REWARD_MODEL, ("reward_model_scores",),
                     trains=False, checkpoint_folder=None, backend="reward_model", worker="trainer", distributed=True,
                     build_rank=3, default_model="reward_model", max_count=None, schema=RewardModel)
-# an LLM judge: a causal LM on a rollout backend (chatlearn/models/reward/judge.py); its verdicts join the reward
+# an LLM judge: a causal LM on a rollout backend (chatlearn/models/reward/judge.py); its verdicts join the reward.
+# Built after the reward workers, before the policy's rollout engine (which sizes its cache from what is left)
 JUDGE = Kind("judge", "judge", (Part.WEIGHTS, Part.KV_CACHE), Stage.JUDGE, (), trains=False, checkpoint_folder=None,
-             backend="judge", worker="rollout", distributed=False, build_rank=3, default_model=None, max_count=None,
+             backend="judge", worker="rollout", distributed=False, build_rank=4.5, default_model=None, max_count=None,
              schema=Judge)
 REWARD = Kind("reward", "reward functions", (), Stage.REWARD, (), trains=False, checkpoint_folder=None,
               backend="reward", worker="reward", distributed=False, build_rank=4, default_model="reward",

@@ -582,7 +582,7 @@ class Judge:
     no_word: str = "no"  # ... and wrong
     default_score: float = 0.0  # an unparseable verdict's score (counted: train/judge/<name>/unparsed)
     temperature: float = 0.0  # 0: greedy
-    max_new_tokens: int = 16  # the verdict's length limit (yes_prob generates nothing)
+    max_verdict_tokens: int = 16  # the verdict's length limit in tokens (yes_prob generates nothing)
     max_prompt_tokens_length: int = 512  # the longest rendered prompt in the judge's tokens; longer is an error
     generation_batch_size: int = 64  # prompts decoded together
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16

@@ -10,7 +10,7 @@ its own tokenizer:
 then, on the rollout engine of its ``backend`` (``chatlearn/models/rollout/hf.py`` or ``vllm.py``,
 built from a :class:`~chatlearn.models.specs.RolloutSpec` of the judge's folder), either
 
-* generates a verdict (greedy at ``temperature`` 0, at most ``max_new_tokens`` tokens), returned as
+* generates a verdict (greedy at ``temperature`` 0, at most ``max_verdict_tokens`` tokens), returned as
   text for the driver's parser, or
 * with ``want_probs`` (parser ``yes_prob``) reads the probability of the reply's first token being
   ``yes_word``'s first token rather than ``no_word``'s: ``p = P(yes) / (P(yes) + P(no))`` at the
@@ -82,7 +82,7 @@ class JudgeModel(Model):
             out["yes_probs"] = self.yes_probs(ids)
         if not want or probs:  # probs=True (tools, tests): both
             batch = self.engine.generate(ids, {"temperature": self.spec.temperature,
-                                               "max_tokens": self.spec.max_new_tokens, "seed": self.spec.seed})
+                                               "max_tokens": self.spec.max_verdict_tokens, "seed": self.spec.seed})
             offsets, lens = batch["offsets"], batch["prompt_lens"]
             tokens = np.asarray(batch["tokens"])
             texts = []
