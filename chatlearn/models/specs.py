@@ -356,6 +356,7 @@ class JudgeSpec(_Spec):
     ``temperature``, at most ``max_verdict_tokens``), and with ``want_probs`` the probability of ``yes_word``'s
     first token against ``no_word``'s at the reply's first position."""
 
+    name: str  # its section: models.<name>
     load: str
     trust_remote_code: bool
     seed: int
@@ -374,9 +375,10 @@ class JudgeSpec(_Spec):
     @classmethod
     def from_config(cls, cfg, name: str) -> "JudgeSpec":
         j = cfg.models[name]
-        return cls(load=j.load, trust_remote_code=bool(j.trust_remote_code), seed=int(j.seed), backend=j.backend,
-                   apply_chat_template=bool(j.apply_chat_template), temperature=float(j.temperature),
-                   max_verdict_tokens=int(j.max_verdict_tokens), max_prompt_tokens_length=int(j.max_prompt_tokens_length),
+        return cls(name=name, load=j.load, trust_remote_code=bool(j.trust_remote_code), seed=int(j.seed),
+                   backend=j.backend, apply_chat_template=bool(j.apply_chat_template),
+                   temperature=float(j.temperature), max_verdict_tokens=int(j.max_verdict_tokens),
+                   max_prompt_tokens_length=int(j.max_prompt_tokens_length),
                    generation_batch_size=int(j.generation_batch_size), dtype=j.dtype,
                    gpu_memory_utilization=float(j.gpu_memory_utilization), yes_word=j.yes_word,
                    no_word=j.no_word, want_probs=j.parser == "yes_prob")
@@ -388,7 +390,7 @@ class JudgeSpec(_Spec):
         from chatlearn.config.schema import Judge
 
         d = Judge()
-        return cls(load=load, trust_remote_code=False, seed=0, backend=d.backend,
+        return cls(name="judge", load=load, trust_remote_code=False, seed=0, backend=d.backend,
                    apply_chat_template=d.apply_chat_template, temperature=d.temperature,
                    max_verdict_tokens=max_verdict_tokens, max_prompt_tokens_length=d.max_prompt_tokens_length,
                    generation_batch_size=batch_size, dtype=d.dtype,
@@ -402,6 +404,7 @@ class JudgeSpec(_Spec):
                            max_prompt_tokens_length=self.max_prompt_tokens_length,
                            max_response_tokens_length=max(1, self.max_verdict_tokens), seq_length=None,
                            max_num_batched_tokens=max(8192, self.max_prompt_tokens_length + self.max_verdict_tokens),
-                           dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization, kv_cache="fit", enforce_eager=True,
+                           dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization, kv_cache="fit",
+                           enforce_eager=True,
                            tensor_model_parallel_size=1, expert_model_parallel_size=1,
                            deterministic_inference=None, cpu_threads=None, routing_replay="off")

@@ -53,7 +53,7 @@ class JudgeModel(Model):
         ids = self.tokenizer(word, add_special_tokens=False)["input_ids"]
         if not ids:
             raise UserError(f"{word!r} is no token of the judge's tokenizer ({self.spec.load})",
-                            key="models.<judge>.yes_word")
+                            key=f"models.{self.spec.name}.yes_word")
         return int(ids[0])
 
     def render(self, messages: list[dict]) -> list[int]:
@@ -74,6 +74,7 @@ class JudgeModel(Model):
         (a list of chat messages)."""
         want = self.spec.want_probs if probs is None else probs
         ids = [self.render(p) for p in prompts]
+        self.check_lengths(ids)
         n = len(ids)
         out = {"texts": [""] * n, "yes_probs": np.full(n, np.nan, np.float32), "generated_tokens": 0}
         if not n:
@@ -92,6 +93,18 @@ class JudgeModel(Model):
                 out["generated_tokens"] += end - start
             out["texts"] = texts
         return out
+
+    def check_lengths(self, ids: list[list[int]]) -> None:
+        """A rendered prompt longer than ``max_prompt_tokens_length`` (or empty) is a UserError naming the key."""
+        limit = int(self.spec.max_prompt_tokens_length)
+        over = [(i, len(x)) for i, x in enumerate(ids) if len(x) > limit or not x]
+        if over:
+            i, length = max(over, key=lambda t: t[1])
+            raise UserError(f"{len(over)} judge prompt(s) are longer than max_prompt_tokens_length ({limit} tokens) "
+                            f"or empty: the longest, sample {i}, renders to {length} tokens in the judge's tokenizer "
+                            f"({self.spec.load}). Raise max_prompt_tokens_length (within the judge's context), or "
+                            "shorten the template, the prompts or models.policy.max_response_tokens_length.",
+                            key=f"models.{self.spec.name}.max_prompt_tokens_length")
 
     @torch.no_grad()
     def yes_probs(self, ids: list[list[int]]) -> np.ndarray:
