@@ -1,27 +1,27 @@
 #!/usr/bin/env python
 """Build ``tiny_judge/``: a tiny LLM judge for the arith task of ChatLearn's default assets.
 
-A Hugging Face ``Qwen2ForCausalLM`` of ``tiny_qwen2/``'s shape and tokenizer that, given a question
-and an answer rendered by :data:`JUDGE_TEMPLATE` (the default ``prompt_template`` of a model of kind
-``judge``) as one user message of its ChatML template, replies ``yes`` when the answer is right and
-``no`` when it is not (the reply, then ``<|im_end|>``). Its backbone starts from ``tiny_rm/``'s (a
-reward model trained to tell right sums from wrong ones, ``tools/build_reward_model_assets.py``;
-the same shape), its tied embeddings included; the whole model is trained, on the training split
-only, with the next-token loss of the verdict, plus the next-token loss of the correct answer's
-tokens (which keeps the backbone computing the sum).
+A Hugging Face ``Qwen2ForCausalLM`` of ``tiny_qwen2/``'s shape and tokenizer that reads a question and an answer
+rendered by :data:`JUDGE_TEMPLATE` (``template/grpo_judge.yaml``'s ``prompt_template``, with
+``apply_chat_template: false``: the ChatML conversation of the question and the answer) and, as its next token,
+says ``yes`` when the answer is right and ``no`` when it is not. It is not shown the reference answer.
 
-The answers judged are those of ``tools/build_reward_model_assets.py``: the correct ``\\boxed{a+b}``
-(half the rows), and wrong ones (near misses, changed digits, random numbers, malformed answers,
-wrong answers ``tiny_qwen2`` sampled itself at temperature 1).
+* Backbone: ``tiny_rm/``'s (a reward model trained to tell right sums from wrong ones at the end of that
+  conversation, ``tools/build_reward_model_assets.py``; the same shape), kept frozen.
+* Language-model head: its own (untied), started from the embeddings, with the rows of ``yes``'s and ``no``'s
+  first tokens their mean plus and minus :data:`SCORE_SCALE` x the reward model's score direction, so that
+  P(yes) / (P(yes) + P(no)) starts as sigmoid(2 x SCORE_SCALE x the reward model's score); then trained, on the
+  training split only, with the next-token loss of the verdict ``yes<|im_end|>`` / ``no<|im_end|>``: half the
+  rows judge the correct ``\\boxed{a+b}``, half a wrong answer of ``tools/build_reward_model_assets.py``'s kinds
+  (near misses, changed digits, random numbers, malformed answers, ``tiny_qwen2``'s own wrong answers).
 
 Measured at the end, reading the written folder back with ChatLearn's judge backend
-(``chatlearn.models.reward.judge.JudgeModel``, greedy), on the eval split only: agreement of the
-verdict with the rule (correct iff the boxed number is ``a + b``) on ``tiny_qwen2``'s own sampled
-answers and on constructed pairs, for the greedy ``yes``/``no`` word and for the probability of
-``yes`` above 0.5.
+(``chatlearn.models.reward.judge.JudgeModel``, transformers, greedy), on the eval split only: agreement of the
+verdict with the rule (correct iff the boxed number is ``a + b``) on ``tiny_qwen2``'s own sampled answers and on
+constructed answers, for P(yes) > 0.5 (parser ``yes_prob``, what the demo uses) and for the greedy ``yes``/``no``
+word (parser ``yes_no``).
 
-Usage, from the repository root (after ``build_default_assets.py`` and
-``build_reward_model_assets.py``)::
+Usage, from the repository root (after ``build_default_assets.py`` and ``build_reward_model_assets.py``)::
 
     python tools/build_judge_assets.py [--out assets]
 """
@@ -41,29 +41,53 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_reward_model_assets as rm_assets  # noqa: E402  (the task's data and its wrong answers)
 
-from chatlearn.config.schema import DEFAULT_JUDGE_TEMPLATE as JUDGE_TEMPLATE  # noqa: E402
+from chatlearn.config.judge_keys import environment  # noqa: E402  (as a run renders the template)
 
 TOKENIZER_FILES = rm_assets.TOKENIZER_FILES
+# The judge's prompt (template/grpo_judge.yaml's models.judge.prompt_template, with apply_chat_template false):
+# the question and the answer as the ChatML conversation tiny_rm/ reads, after which the judge says yes or no.
+JUDGE_TEMPLATE = "<|im_start|>user\n{{ question }}<|im_end|>\n<|im_start|>assistant\n{{ response }}<|im_end|>\n"
+SCORE_SCALE = 2.0  # the reward model's score direction, added to the yes row and taken from the no row
 
 
 def judge_prompt(tokenizer, record: dict, response: str) -> list[int]:
-    """The ids the judge reads: :data:`JUDGE_TEMPLATE` rendered with the question and the response, as
-    one user message of the judge's chat template with the generation prompt (as a run renders it)."""
-    import jinja2
+    """The ids the judge reads: :data:`JUDGE_TEMPLATE` rendered with the question and the response, tokenized as
+    it is (``apply_chat_template: false``, as a run renders it)."""
+    text = environment().from_string(JUDGE_TEMPLATE).render(question=record["prompt"][-1]["content"], response=response)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    text = jinja2.Template(JUDGE_TEMPLATE).render(question=record["prompt"][-1]["content"], response=response)
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+def build_model(policy_dir: Path, rm_dir: Path, tokenizer):
+    """``tiny_rm/``'s backbone with a language-model head of its own (untied): the embeddings, but the rows of
+    ``yes``'s and ``no``'s first tokens their mean plus and minus :data:`SCORE_SCALE` x the reward model's score
+    direction, so that at the end of its conversation P(yes) / (P(yes) + P(no)) starts as
+    sigmoid(2 x SCORE_SCALE x the reward model's score)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    conf = AutoConfig.from_pretrained(policy_dir)
+    conf.tie_word_embeddings = False
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, config=conf, dtype=torch.float32)
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32)
+    model.model.load_state_dict(rm.model.state_dict())
+    yes, no = (tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in ("yes", "no"))
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head.copy_(rm.model.embed_tokens.weight)
+        base, direction = 0.5 * (head[yes] + head[no]), rm.score.weight[0]
+        head[yes] = base + SCORE_SCALE * direction
+        head[no] = base - SCORE_SCALE * direction
+    return model
 
 
 def train(model, tokenizer, records: list[dict], policy_wrong: dict, args) -> dict:
-    """AdamW with a warm-up and cosine decay; each step ``--batch-size`` rows, half judged on the correct
-    answer, half on a wrong one; loss: the verdict's tokens, plus ``--lm`` x the correct answer's."""
+    """The head alone (the backbone frozen), AdamW with a warm-up and cosine decay; each step ``--batch-size``
+    rows, half judged on the correct answer, half on a wrong one; loss: the verdict's tokens (plus ``--lm`` x the
+    correct answer's, 0 by default)."""
     rng = random.Random(args.seed)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     verdicts = {v: list(tokenizer(v, add_special_tokens=False)["input_ids"]) + [eos] for v in ("yes", "no")}
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    model.model.requires_grad_(False)  # the backbone is tiny_rm's, kept: the head learns to say it
+    opt = torch.optim.AdamW(model.lm_head.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     start, log = time.perf_counter(), []
     model.train()
     for step in range(args.steps):
@@ -116,7 +140,8 @@ def load_backend(judge_dir: Path, parser: str):
     from chatlearn.models.reward.judge import JudgeModel
     from chatlearn.models.specs import JudgeSpec
 
-    return JudgeModel(JudgeSpec.for_folder(str(judge_dir), parser=parser, max_verdict_tokens=4, batch_size=256))
+    spec = JudgeSpec.for_folder(str(judge_dir), parser=parser, max_verdict_tokens=4, batch_size=256)
+    return JudgeModel(spec.replace(apply_chat_template=False))
 
 
 def verdicts(judge, records: list[dict], responses: list[str], per: int) -> dict:
@@ -124,7 +149,7 @@ def verdicts(judge, records: list[dict], responses: list[str], per: int) -> dict
     from chatlearn.runtime.driver.judges import parse_verdict
 
     rule = [rm_assets.is_correct(t, records[k // per]) for k, t in enumerate(responses)]
-    prompts = [[{"role": "user", "content": __import__("jinja2").Template(JUDGE_TEMPLATE).render(
+    prompts = [[{"role": "user", "content": environment().from_string(JUDGE_TEMPLATE).render(
         question=records[k // per]["prompt"][-1]["content"], response=t)}] for k, t in enumerate(responses)]
     out = judge.judge(prompts, True)
     words = [parse_verdict("yes_no", t, {}) for t in out["texts"]]
@@ -157,27 +182,32 @@ def write_readme(path: Path, info: dict) -> None:
 
 A tiny LLM judge for the arith task (a model of kind `judge`, `template/grpo_judge.yaml`). Generated,
 seeded, by `tools/build_judge_assets.py` (after `build_default_assets.py` and
-`build_reward_model_assets.py`: its backbone starts from `tiny_rm/`'s); rebuild it (and this section)
-from the repository root with
+`build_reward_model_assets.py`); rebuild it (and this section) from the repository root with
 
     python tools/build_judge_assets.py --out assets
 
 - Model: a Hugging Face `Qwen2ForCausalLM`, {info["num_params"]:,} parameters in fp32, the shape, tokenizer and
-  ChatML chat template of `tiny_qwen2/`. Given a question and an answer rendered by the judge kind's
-  default `prompt_template` as one user message, it replies `yes` (the answer is right) or `no`.
-- Training: {info["train"]["steps"]} steps of {info["batch_size"]} rows (lr {info["lr"]}), the training split only,
-  half the rows judging the correct `\\boxed{{a+b}}`, half a wrong answer (near misses, changed digits,
-  random numbers, malformed answers, `tiny_qwen2/`'s own wrong answers); the next-token loss of the
-  verdict plus {info["lm"]} x that of the correct answer. {info["train"]["seconds"]:.0f} s here.
+  chat template of `tiny_qwen2/` with a language-model head of its own (untied). It reads the question and
+  the answer as the ChatML conversation `template/grpo_judge.yaml`'s `prompt_template` renders (without the
+  reference answer) and says, as its next token, `yes` (right) or `no` (wrong).
+- Built from `tiny_rm/`: its backbone (frozen), and a head whose `yes` and `no` rows start apart along the
+  reward model's score direction (P(yes) / (P(yes) + P(no)) starts as a sigmoid of the reward model's score);
+  the head then trained {info["train"]["steps"]} steps of {info["batch_size"]} rows (lr {info["lr"]}) on the training
+  split with the next-token loss of the verdict (`yes` or `no`, then `<|im_end|>`), half the rows judging the
+  correct `\\boxed{{a+b}}`, half a wrong answer (near misses, changed digits, random numbers, malformed answers,
+  `tiny_qwen2/`'s own wrong answers). {info["train"]["seconds"]:.0f} s here.
 
-Measured at build time on the eval split with ChatLearn's judge backend (transformers, greedy):
+Measured at build time on the eval split with ChatLearn's judge backend (transformers). P(yes) > 0.5 is what
+`parser: yes_prob` reads (the demo's); the greedy word is what `parser: yes_no` reads, which this tiny judge
+does not say reliably (its head alone is trained: many greedy replies are neither word, and score
+`default_score`):
 
-| answers judged | pairs | right by the rule | agreement, greedy `yes`/`no` | agreement, p(yes) > 0.5 | unparsed |
+| answers judged | pairs | right by the rule | agreement, P(yes) > 0.5 | agreement, greedy `yes`/`no` | unparsed words |
 |---|---|---|---|---|---|
 | `tiny_qwen2/`'s own (temperature 1, {info["samples"]} per prompt) | {own["pairs"]} | {own["rule accuracy"]:.3f} | \
-{own["agreement (greedy yes/no)"]:.3f} | {own["agreement (p(yes) > 0.5)"]:.3f} | {own["unparsed"]} |
+{own["agreement (p(yes) > 0.5)"]:.3f} | {own["agreement (greedy yes/no)"]:.3f} | {own["unparsed"]} |
 | constructed (correct, near miss, digit, random, malformed) | {con["pairs"]} | {con["rule accuracy"]:.3f} | \
-{con["agreement (greedy yes/no)"]:.3f} | {con["agreement (p(yes) > 0.5)"]:.3f} | {con["unparsed"]} |
+{con["agreement (p(yes) > 0.5)"]:.3f} | {con["agreement (greedy yes/no)"]:.3f} | {con["unparsed"]} |
 """
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     kept, keep = [], True
@@ -194,11 +224,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="assets", help="the assets folder (default: assets)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=64, help="rows per step")
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--lm", type=float, default=0.5, help="weight of the correct answer's next-token loss")
+    p.add_argument("--lm", type=float, default=0.0, help="weight of the correct answer's next-token loss")
     p.add_argument("--policy-prompts", type=int, default=1000)
     p.add_argument("--samples", type=int, default=4, help="tiny_qwen2 answers per eval prompt judged")
     p.add_argument("--threads", type=int, default=1)
@@ -228,10 +258,7 @@ def main(argv=None) -> int:
             if not rm_assets.is_correct(text, rec):
                 policy_wrong.setdefault(rec["prompt"][0]["content"], []).append(text)
         torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
-        backbone = AutoModelForCausalLM.from_pretrained(rm_dir, dtype=torch.float32)  # tiny_rm's backbone
-        model.model.load_state_dict(backbone.model.state_dict())
-        del backbone
+        model = build_model(policy_dir, rm_dir, tokenizer)
         info["train"] = train(model, tokenizer, train_records, policy_wrong, args)
         shutil.rmtree(judge_dir, ignore_errors=True)
         judge_dir.mkdir(parents=True)

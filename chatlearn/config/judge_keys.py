@@ -19,13 +19,18 @@ from chatlearn.errors import ConfigError
 BUILTIN_PARSERS = ("last_number", "boxed", "yes_no", "yes_prob")
 FIELDS = ("question", "response", "reference")
 NORMALIZATIONS = ("none", "batch")
+
+
+def environment(**kwargs) -> jinja2.Environment:
+    """The Jinja environment judge templates are rendered in: the text as written, a trailing newline kept."""
+    return jinja2.Environment(keep_trailing_newline=True, **kwargs)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def template_fields(source: str, key: str) -> set[str]:
     """The variables the Jinja template ``source`` reads; a ConfigError at ``key`` when it does not parse."""
     try:
-        return set(meta.find_undeclared_variables(jinja2.Environment().parse(source)))
+        return set(meta.find_undeclared_variables(environment().parse(source)))
     except jinja2.TemplateSyntaxError as err:
         raise ConfigError(f"is not a valid Jinja template: {err.message} (line {err.lineno}). Fix it; the fields "
                           f"are {', '.join(FIELDS)}, e.g. 'Question: {{{{ question }}}} Answer: {{{{ response }}}}'.",
@@ -102,7 +107,7 @@ def check_judge_folder(cfg, name: str) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(j.load, trust_remote_code=bool(j.trust_remote_code))
-    text = jinja2.Environment().from_string(j.prompt_template).render(question="", response="", reference="")
+    text = environment().from_string(j.prompt_template).render(question="", response="", reference="")
     if j.apply_chat_template and tok.chat_template:
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     own = len(tok(text, add_special_tokens=False)["input_ids"])

@@ -33,7 +33,7 @@ import numpy as np
 
 from chatlearn.calls import put
 
-from chatlearn.config.judge_keys import BUILTIN_PARSERS
+from chatlearn.config.judge_keys import BUILTIN_PARSERS, environment
 from chatlearn.config.kinds import JUDGE
 from chatlearn.config.names import Stage
 from chatlearn.config.reward_entries import load_object
@@ -106,7 +106,7 @@ class Judges:
 
     def __init__(self, cfg, names: list[str], groups: dict, sampling, sched):
         self.settings = {name: JudgeSettings.of(cfg, name) for name in names}
-        self.templates = {name: jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(s.template)
+        self.templates = {name: environment(undefined=jinja2.StrictUndefined).from_string(s.template)
                           for name, s in self.settings.items()}
         self.groups, self.sampling, self.sched = groups, sampling, sched
 

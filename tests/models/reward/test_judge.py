@@ -6,10 +6,12 @@ import math
 import os
 import types
 
+import jinja2
 import numpy as np
 import pytest
 import torch
 
+from chatlearn.config.judge_keys import environment
 from chatlearn.models.reward.judge import JudgeModel
 from chatlearn.models.specs import JudgeSpec
 from chatlearn.runtime.driver.judges import JudgeSettings, Judges, parse_verdict, question_of
@@ -134,9 +136,7 @@ def _judges(parser="yes_no", template="{{ question }}|{{ response }}|{{ referenc
     out = Judges.__new__(Judges)
     Judges.__init__(out, cfg, [], {}, sampling, sched)
     out.settings = {"jd": JudgeSettings.of(cfg, "jd")}
-    import jinja2
-
-    out.templates = {"jd": jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(template)}
+    out.templates = {"jd": environment(undefined=jinja2.StrictUndefined).from_string(template)}
     out.groups = {"jd": group}
     return out, group
 
