@@ -51,6 +51,9 @@ def check_judge_keys(cfg) -> None:
             positive(j[k], f"{key}.{k}")
         if j.gpu_per_process not in (None, 1):
             raise ConfigError("must be 1: each Ray actor of the judge drives one device.", key=f"{key}.gpu_per_process")
+        if j.max_unparsed_episodes < 0:
+            raise ConfigError(f"must be >= 0 (0: never stop), got {j.max_unparsed_episodes}.",
+                              key=f"{key}.max_unparsed_episodes")
         if j.temperature < 0:
             raise ConfigError(f"must be >= 0 (0: greedy), got {j.temperature}.", key=f"{key}.temperature")
         if j.parser != "yes_prob":

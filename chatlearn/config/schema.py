@@ -581,6 +581,8 @@ class Judge:
     yes_word: str = "yes"  # yes_no and yes_prob: the word that means right (its first token for yes_prob)
     no_word: str = "no"  # ... and wrong
     default_score: float = 0.0  # an unparseable verdict's score (counted: train/judge/<name>/unparsed)
+    # the run stops when every verdict of this many episodes in a row is unparseable (0: never)
+    max_unparsed_episodes: int = 3
     temperature: float = 0.0  # 0: greedy
     max_verdict_tokens: int = 16  # the verdict's length limit in tokens (yes_prob generates nothing)
     max_prompt_tokens_length: int = 512  # the longest rendered prompt in the judge's tokens; longer is an error

@@ -87,6 +87,7 @@ class JudgeSettings:
     parse: str | Callable  # a built-in's name, or the user's function
     options: dict
     default_score: float
+    max_unparsed_episodes: int
     weight: float
     normalize: str
     weight_key: str
@@ -98,7 +99,8 @@ class JudgeSettings:
             j.parser, key=f"{key}.parser", base_dir=base_dir, what="judge parser", runs_in="the driver")
         return cls(name, key, j.prompt_template, j.parser, parse,
                    {"score_range": tuple(float(x) for x in j.score_range), "yes_word": j.yes_word,
-                    "no_word": j.no_word}, float(j.default_score), float(j.weight), j.normalize, f"{key}.weight")
+                    "no_word": j.no_word}, float(j.default_score), int(j.max_unparsed_episodes), float(j.weight), j.normalize,
+                   f"{key}.weight")
 
 
 class Judges:
@@ -109,9 +111,23 @@ class Judges:
         self.templates = {name: environment(undefined=jinja2.StrictUndefined).from_string(s.template)
                           for name, s in self.settings.items()}
         self.groups, self.sampling, self.sched = groups, sampling, sched
+        self.failed_in_a_row = {name: 0 for name in self.settings}  # training episodes with no verdict read
 
     def __bool__(self) -> bool:
         return bool(self.settings)
+
+    def count_failures(self, name: str, unparsed: int, n: int) -> None:
+        """After a training episode: a judge none of whose ``n`` verdicts could be read in
+        ``max_unparsed_episodes`` episodes in a row stops the run (a UserError naming the key)."""
+        s = self.settings[name]
+        self.failed_in_a_row[name] = self.failed_in_a_row[name] + 1 if n and unparsed == n else 0
+        if s.max_unparsed_episodes and self.failed_in_a_row[name] >= s.max_unparsed_episodes:
+            raise UserError(f"judge {name!r}: its parser ({s.parser}) could read none of its verdicts in "
+                            f"{self.failed_in_a_row[name]} episodes in a row, so every sample scored default_score "
+                            "and nothing was learned from it; the run stops. Check the judge's replies against its "
+                            "parser (train/judge/<name>/unparsed), its prompt_template and max_verdict_tokens, or "
+                            "raise max_unparsed_episodes (0: never stop).",
+                            key=f"{s.key}.max_unparsed_episodes")
 
     def fields(self, batch: dict, prompts) -> list[dict]:
         """Each sample's template fields (see the module docstring)."""
@@ -129,7 +145,7 @@ class Judges:
                             f"{type(err).__name__}: {err}. The fields are question, response and reference.",
                             key=f"models.{name}.prompt_template") from None
 
-    def score_all(self, batch: dict, prompts, run=None) -> tuple[dict[str, np.ndarray], dict]:
+    def score_all(self, batch: dict, prompts, run=None, training: bool = False) -> tuple[dict[str, np.ndarray], dict]:
         """Every judge's score of each sample (float64 [N]), each in its turn (a ``run`` times the turns as the
         ``judge`` stage of each), and their metrics (``judge/<name>/unparsed``, ``judge/<name>/tokens``, without
         the prefix)."""
@@ -147,6 +163,8 @@ class Judges:
             else:
                 found = [parse_verdict(s.parse, t, s.options) for out in outs for t in out["texts"]]
             unparsed = sum(v is None for v in found)
+            if training:
+                self.count_failures(name, unparsed, len(found))
             scores[name] = np.asarray([s.default_score if v is None else v for v in found], np.float64)
             metrics.update({f"judge/{name}/unparsed": float(unparsed),
                             f"judge/{name}/tokens": float(sum(out["generated_tokens"] for out in outs))})
@@ -172,7 +190,7 @@ class ScoringModels:
 
     def score_all(self, batch: dict, prompts, run=None) -> ModelScores:
         found = ModelScores(self.reward_models.score_all(batch, prompts, run))
-        judged, found.metrics = self.judges.score_all(batch, prompts, run)
+        judged, found.metrics = self.judges.score_all(batch, prompts, run, training=run is not None)
         found.update(judged)
         return found
 

@@ -127,7 +127,8 @@ class _Group:
 
 def _judges(parser="yes_no", template="{{ question }}|{{ response }}|{{ reference }}", **over):
     j = {"prompt_template": template, "parser": parser, "score_range": [0.0, 10.0], "yes_word": "yes",
-         "no_word": "no", "default_score": 0.25, "weight": 2.0, "normalize": "none", **over}
+         "no_word": "no", "default_score": 0.25, "max_unparsed_episodes": 2, "weight": 2.0, "normalize": "none",
+         **over}
     cfg = types.SimpleNamespace(models={"jd": types.SimpleNamespace(**j)})
     sampling = types.SimpleNamespace(prompts_text=lambda b: ["p1", "p2", "p3"],
                                       responses_text=lambda b: ["r1", "r2", "r3"])
@@ -181,3 +182,51 @@ def test_a_prompt_past_the_limit_is_a_user_error():
     short = JudgeModel(JudgeSpec.for_folder(MODEL, parser="yes_prob").replace(max_prompt_tokens_length=20))
     with pytest.raises(UserError, match="max_prompt_tokens_length"):
         short.judge(PROMPTS)
+
+
+VLLM_RUN = r'''
+import json, sys
+from chatlearn.models.reward.judge import JudgeModel
+from chatlearn.models.specs import JudgeSpec
+if __name__ == "__main__":
+    prompts = json.loads(sys.argv[2])
+    spec = JudgeSpec.for_folder(sys.argv[1], parser="yes_prob", max_verdict_tokens=4, batch_size=8)
+    out = JudgeModel(spec.replace(backend="vllm", dtype="float32")).judge(prompts, True)
+    print("RESULT" + json.dumps({"texts": out["texts"], "yes_probs": [float(p) for p in out["yes_probs"]]}))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_vllm_judge_gives_the_transformers_verdicts(judge, tmp_path):
+    """The same judge on the installed vLLM (CPU build, in-process engine): the same P(yes) (its probe_logprobs of
+    either token) and the same greedy verdicts as on transformers."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "ERROR",
+           "PYTHONPATH": os.pathsep.join([REPO, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                  if p and "fake_vllm" not in p]])}
+    proc = subprocess.run([sys.executable, "-c", VLLM_RUN, MODEL, json.dumps(PROMPTS)], capture_output=True,
+                          text=True, env=env, cwd=str(tmp_path), timeout=360)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    found = json.loads(lines[-1][len("RESULT"):])
+    want = judge.judge(PROMPTS, probs=True)
+    np.testing.assert_allclose(found["yes_probs"], want["yes_probs"], atol=1e-3)
+    assert found["texts"] == want["texts"]
+
+
+def test_a_judge_never_read_stops_the_run_after_n_episodes(monkeypatch):
+    from chatlearn.errors import UserError
+
+    monkeypatch.setattr("chatlearn.runtime.driver.judges.put", lambda x: x)
+    judges, group = _judges()
+    prompts = types.SimpleNamespace(messages=None, truths=["1", "2", "3"])
+    judges.score_all({}, prompts, training=True)  # one verdict of three unparsed: counts nothing
+    group.texts = ["?", "?", "?"]
+    judges.score_all({}, prompts)  # an evaluation: not counted
+    judges.score_all({}, prompts, training=True)
+    with pytest.raises(UserError, match="models.jd.max_unparsed_episodes"):
+        judges.score_all({}, prompts, training=True)
