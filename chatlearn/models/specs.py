@@ -27,6 +27,7 @@ from chatlearn.config.kinds import kind_of, reward_model_settings
 from chatlearn.config.model_shapes import model_context_length
 from chatlearn.config.plan import resolve_schedule
 from chatlearn.config.reward_entries import resolve_entries
+from chatlearn.config.schema import Judge
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -387,8 +388,6 @@ class JudgeSpec(_Spec):
     def for_folder(cls, load: str, parser: str = "yes_no", max_verdict_tokens: int = 16,
                    batch_size: int = 64) -> "JudgeSpec":
         """A judge of the folder ``load`` with the schema's defaults (tools and tests)."""
-        from chatlearn.config.schema import Judge
-
         d = Judge()
         return cls(name="judge", load=load, trust_remote_code=False, seed=0, backend=d.backend,
                    apply_chat_template=d.apply_chat_template, temperature=d.temperature,

@@ -20,6 +20,7 @@ Parts: ``weights`` and ``kv_cache``, those of its rollout engine, which it offlo
 """
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -39,8 +40,6 @@ class JudgeModel(Model):
 
     def __init__(self, spec: JudgeSpec):
         from transformers import AutoTokenizer
-
-        import importlib
 
         self.spec = spec
         device = "cuda" if torch.cuda.is_available() else "cpu"
