@@ -65,6 +65,6 @@ def test_chatlearn_eval_scores_with_the_judge(tmp_path):
     _run("eval", "template/grpo_judge.yaml", f"runtime_args.output_dir={out}",
          "models.policy.eval_num_inference_per_prompt=1", "runtime_args.rollout_backend=hf")
     found = json.loads((out / "eval" / "metrics.json").read_text())
-    flat = found["all"] if "all" in found else found
+    flat = found["metrics"]["all"]
     assert "judge/judge/unparsed" in flat and 0.0 <= flat["reward/judge/score"] <= 1.0
     assert flat["reward_mean"] == pytest.approx(flat["reward/judge/score"], abs=1e-5)  # the rule has weight 0

@@ -191,7 +191,7 @@ from chatlearn.models.specs import JudgeSpec
 if __name__ == "__main__":
     prompts = json.loads(sys.argv[2])
     spec = JudgeSpec.for_folder(sys.argv[1], parser="yes_prob", max_verdict_tokens=4, batch_size=8)
-    out = JudgeModel(spec.replace(backend="vllm", dtype="float32")).judge(prompts, True)
+    out = JudgeModel(spec.replace(backend="vllm", dtype="float32", max_prompt_tokens_length=200)).judge(prompts, True)
     print("RESULT" + json.dumps({"texts": out["texts"], "yes_probs": [float(p) for p in out["yes_probs"]]}))
 '''
 
