@@ -99,8 +99,8 @@ class JudgeSettings:
             j.parser, key=f"{key}.parser", base_dir=base_dir, what="judge parser", runs_in="the driver")
         return cls(name, key, j.prompt_template, j.parser, parse,
                    {"score_range": tuple(float(x) for x in j.score_range), "yes_word": j.yes_word,
-                    "no_word": j.no_word}, float(j.default_score), int(j.max_unparsed_episodes), float(j.weight), j.normalize,
-                   f"{key}.weight")
+                    "no_word": j.no_word}, float(j.default_score), int(j.max_unparsed_episodes), float(j.weight),
+                   j.normalize, f"{key}.weight")
 
 
 class Judges:
