@@ -53,9 +53,10 @@ def test_the_episode_is_one_short_function_with_a_call_per_stage():
                                                                                         "OLD_LOGPROBS"]
     # PPO's: the policy's, then the critic's values (the critic, resident for them, stays to train)
     assert _stages_named(_method(driver / "algorithm.py", "CriticUpdate", "passes")) == ["VALUES"]
+    assert _stages_named(_method(driver / "judges.py", "Judges", "score_all")) == ["JUDGE"]  # each judge's turn
     from chatlearn.config.names import Stage
 
-    covered = {"GENERATE", "REWARD", "REWARD_MODEL", "TRAIN", "CHECKPOINT", "WEIGHT_PUSH", "REF_LOGPROBS",
+    covered = {"GENERATE", "REWARD", "REWARD_MODEL", "JUDGE", "TRAIN", "CHECKPOINT", "WEIGHT_PUSH", "REF_LOGPROBS",
                "OLD_LOGPROBS", "VALUES", "EVAL"}
     assert {s.name for s in Stage} == covered
 

@@ -23,7 +23,7 @@ import difflib
 from dataclasses import dataclass
 
 from chatlearn.config.names import Part, Stage
-from chatlearn.config.schema import RewardModel
+from chatlearn.config.schema import Judge, RewardModel
 from chatlearn.errors import ConfigError
 
 
@@ -68,11 +68,16 @@ CRITIC = Kind("critic", "critic", (Part.WEIGHTS, Part.OPTIMIZER, Part.GRADS), St
 REWARD_MODEL = Kind("reward_model", "reward model", (Part.WEIGHTS,), Stage.REWARD_MODEL, ("reward_model_scores",),
                     trains=False, checkpoint_folder=None, backend="reward_model", worker="trainer", distributed=True,
                     build_rank=3, default_model="reward_model", max_count=None, schema=RewardModel)
+# an LLM judge: a causal LM on a rollout backend (chatlearn/models/reward/judge.py); its verdicts join the reward.
+# Built after the reward workers, before the policy's rollout engine (which sizes its cache from what is left)
+JUDGE = Kind("judge", "judge", (Part.WEIGHTS, Part.KV_CACHE), Stage.JUDGE, (), trains=False, checkpoint_folder=None,
+             backend="judge", worker="rollout", distributed=False, build_rank=4.5, default_model=None, max_count=None,
+             schema=Judge)
 REWARD = Kind("reward", "reward functions", (), Stage.REWARD, (), trains=False, checkpoint_folder=None,
               backend="reward", worker="reward", distributed=False, build_rank=4, default_model="reward",
               own_deadline=True)
 
-KINDS: dict[str, Kind] = {k.name: k for k in (ROLLOUT, TRAINER, REFERENCE, CRITIC, REWARD_MODEL, REWARD)}
+KINDS: dict[str, Kind] = {k.name: k for k in (ROLLOUT, TRAINER, REFERENCE, CRITIC, REWARD_MODEL, JUDGE, REWARD)}
 # the models of today's configs and the kind of each (models.reward.load adds reward_model)
 DEFAULT_MODELS: dict[str, Kind] = {"policy": ROLLOUT, "policy_trainer": TRAINER, "ref_policy": REFERENCE,
                                    "critic": CRITIC, "reward": REWARD}

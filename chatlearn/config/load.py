@@ -25,6 +25,7 @@ from chatlearn.config.checks import choice as _choice
 from chatlearn.config.checks import positive as _positive
 from chatlearn.config.data_sources import resolve_data_sources
 from chatlearn.config.env_entries import check_multi_turn
+from chatlearn.config.judge_keys import check_judge_folder, check_judge_keys
 from chatlearn.config.kinds import (DEFAULT_MODELS, KINDS, REWARD_MODEL, ROLLOUT, check_kinds, kind_named, model_kinds,
                                    models_of, section)
 from chatlearn.config.lora_keys import check_lora
@@ -391,6 +392,7 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     check_ppo(cfg, user_keys)
     _check_reward(cfg)
     check_reward_model_keys(cfg)
+    check_judge_keys(cfg)
     _check_colocation(cfg.runtime_args)
     _check_paths(cfg)
     check_lora(cfg)  # reads the policy trainer's model folder (resolved by _check_paths)
@@ -689,7 +691,8 @@ def _check_paths(cfg: DictConfig) -> None:
     # the driver: load becomes the local snapshot folder (what every worker reads), hub_id records the id
     resolved: dict = {}
     rm = models_of(cfg, REWARD_MODEL)
-    for name in (*_trainer_models(cfg), "policy", *(section(n) for n in rm)):
+    judges = models_of(cfg, KINDS["judge"])
+    for name in (*_trainer_models(cfg), "policy", *(section(n) for n in rm), *judges):
         mc, key = cfg.models[name], f"models.{name}.load"
         if mc.load not in resolved:
             resolved[mc.load] = resolve_model(mc.load, key)
@@ -700,6 +703,8 @@ def _check_paths(cfg: DictConfig) -> None:
     _check_context_length(cfg)
     for name in rm:
         check_reward_model_folder(cfg, name, policy_sequence_length(cfg.models.policy))
+    for name in judges:
+        check_judge_folder(cfg, name)
     check_output_folder(rt.output_dir, "runtime_args.output_dir")
     la = rt.log_args_dict
     check_output_folder(la.log_dir, "runtime_args.log_args_dict.log_dir")

@@ -39,6 +39,7 @@ class Stage(_Name):
     GENERATE = "generate"
     REWARD = "reward"
     REWARD_MODEL = "reward_model"  # the reward model scores the samples (models.reward.load)
+    JUDGE = "judge"  # an LLM judge gives the samples its verdicts (a model of kind judge)
     REF_LOGPROBS = "ref_logprobs"
     OLD_LOGPROBS = "old_logprobs"
     VALUES = "values"  # the critic's values of the samples' tokens (PPO)
@@ -54,6 +55,7 @@ class Stage(_Name):
 
 
 STAGE_LABELS = {Stage.GENERATE: "generate", Stage.REWARD: "reward", Stage.REWARD_MODEL: "reward model",
+                Stage.JUDGE: "judge",
                 Stage.REF_LOGPROBS: "ref log-probs", Stage.OLD_LOGPROBS: "old log-probs", Stage.VALUES: "values",
                 Stage.TRAIN: "train", Stage.CHECKPOINT: "checkpoint",
                 Stage.WEIGHT_PUSH: "weight push", Stage.EVAL: "eval"}

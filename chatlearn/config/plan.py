@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from chatlearn.config.algorithms import declared
-from chatlearn.config.kinds import (CRITIC, REFERENCE, REWARD, REWARD_MODEL, ROLLOUT, TRAINER, Kind, model_kinds,
-                                    section)
+from chatlearn.config.kinds import (CRITIC, JUDGE, REFERENCE, REWARD, REWARD_MODEL, ROLLOUT, TRAINER, Kind,
+                                    model_kinds, section)
 from chatlearn.errors import ConfigError
 
 
@@ -184,6 +184,9 @@ class Plan:
         for name in self.reward_models:
             lines.append(f"  {name}: {REWARD_MODEL.label}, scores every sample (models.{section(name)}), its score "
                          "weighted and added to the reward functions'")
+        for name in self.of_kind(JUDGE):
+            lines.append(f"  {name}: {JUDGE.label}, gives every sample a verdict (models.{name}), its score "
+                         "weighted and added to the reward")
         if self.single_process:
             lines.append("processes: the models in this (the driver's) process, the reward workers in processes "
                          "of their own; no Ray (runtime_args.single_process)")
@@ -390,19 +393,27 @@ def _check_critic_sizes(cfg, spe: int, gbs: int) -> None:
 
 
 def make_eval_plan(cfg: DictConfig, num_prompts: int, samples_per_prompt: int) -> Plan:
-    """The plan of an evaluation-only run (``chatlearn eval``): the rollout engine alone on its devices
-    (one device group, placed and checked as :func:`make_plan` places and checks it) and the reward
-    workers on CPUs; ``num_prompts`` prompts x ``samples_per_prompt`` samples, no trainer (no
+    """The plan of an evaluation-only run (``chatlearn eval``): the rollout engine on its devices
+    (one device group, placed and checked as :func:`make_plan` places and checks it), each judge on devices of
+    its own, and the reward workers on CPUs; ``num_prompts`` prompts x ``samples_per_prompt`` samples, no trainer (no
     optimizer step)."""
     pol = cfg.models.policy
     _check_rollout_parallel(pol, cfg.runtime_args.rollout_backend)
     rollout = rollout_placement(pol, 0)
     placements = {"policy": rollout, "reward": reward_cpu_placement(cfg.models.reward)}
+    groups, sizes, kinds = [["policy"]], [pol.num_gpu], {"policy": ROLLOUT, "reward": REWARD}
+    for name, kind in model_kinds(cfg).items():  # each judge on devices of its own (it scores the samples)
+        if kind is JUDGE:
+            num = cfg.models[name].num_gpu
+            placements[name] = ModelPlacement(name, num, len(groups), list(range(num)))
+            groups.append([name])
+            sizes.append(num)
+            kinds[name] = JUDGE
     return Plan(group_size=samples_per_prompt, prompts_per_episode=num_prompts,
                 samples_per_episode=num_prompts * samples_per_prompt, trainer_dp=1, samples_per_step=1,
                 samples_per_rank_per_step=1, micro_batches_per_step=1, steps_per_episode=0,
-                rollout_replicas=rollout.num_actors, device_groups=[["policy"]], devices_per_group=[pol.num_gpu],
-                placements=placements, kinds={"policy": ROLLOUT, "reward": REWARD},
+                rollout_replicas=rollout.num_actors, device_groups=groups, devices_per_group=sizes,
+                placements=placements, kinds=kinds,
                 single_process=_single_process(cfg, placements, False))
 
 

@@ -238,13 +238,15 @@ ROLLOUT_BACKENDS = Registry("rollout backend", {
 REWARD_BACKEND = "chatlearn.models.reward.functions:RewardManager"
 # the reward model's class (models.reward.load: a sequence-classification model, FSDP2 inference)
 REWARD_MODEL_BACKEND = "chatlearn.models.reward.model:RewardModel"
+# an LLM judge's class (a model of kind judge: a causal LM on a rollout engine)
+JUDGE_BACKEND = "chatlearn.models.reward.judge:JudgeModel"
 
 
 def backend_factories() -> dict[str, str]:
     """``{backend name: "module:Class"}`` of every worker backend, ``"reward"`` included."""
     return {**{n: TRAIN_BACKENDS.get(n) for n in TRAIN_BACKENDS},
             **{n: ROLLOUT_BACKENDS.get(n) for n in ROLLOUT_BACKENDS}, "reward": REWARD_BACKEND,
-            "reward_model": REWARD_MODEL_BACKEND}
+            "reward_model": REWARD_MODEL_BACKEND, "judge": JUDGE_BACKEND}
 
 
 # --------------------------------------------------------------------------- reward functions

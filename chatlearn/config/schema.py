@@ -552,6 +552,49 @@ class RewardModel:
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
 
 
+# the judge kind's default prompt (a Jinja template; the fields: question, response, reference)
+DEFAULT_JUDGE_TEMPLATE = "Question: {{ question }}\nAnswer: {{ response }}\nIs the answer right? Reply yes or no."
+
+
+@dataclass
+class Judge:
+    """An LLM judge of the user's naming (``models.<name>: {kind: judge, ...}``; any number of them): a causal
+    LM on a rollout backend that reads each sample through ``prompt_template`` (Jinja; the fields ``question``:
+    the prompt's last user message, ``response``, ``reference``: the row's ground truth) and gives a verdict,
+    read by ``parser`` into a score; the score x ``weight`` is added to the reward. On devices of its own or
+    of its colocation group (name it in ``runtime_args.colocation`` to let it take turns)."""
+
+    kind: str = "judge"
+    load: str = MISSING  # a causal LM folder, or Hub model id
+    hub_id: Optional[str] = None  # written by chatlearn: the Hub id load was resolved from, pinned
+    trust_remote_code: bool = False
+    seed: int = "${runtime_args.seed}"  # type: ignore[assignment]
+    num_gpu: int = "${models.policy_trainer.num_gpu}"  # type: ignore[assignment]
+    gpu_per_process: Optional[int] = 1
+    backend: str = "hf"  # the rollout backend it runs on: hf (transformers) | vllm
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE  # Jinja; fields: question, response, reference
+    apply_chat_template: bool = True  # the rendered text as one user message of the judge's chat template
+    # how the verdict becomes a score: last_number | yes_no | boxed | yes_prob | module:function (text -> float
+    # or None)
+    parser: str = "yes_no"
+    score_range: List[float] = field(default_factory=lambda: [0.0, 10.0])  # last_number / boxed: kept in, else unparsed
+    yes_word: str = "yes"  # yes_no and yes_prob: the word that means right (its first token for yes_prob)
+    no_word: str = "no"  # ... and wrong
+    default_score: float = 0.0  # an unparseable verdict's score (counted: train/judge/<name>/unparsed)
+    # the run stops when every verdict of this many episodes in a row is unparseable (0: never)
+    max_unparsed_episodes: int = 3
+    temperature: float = 0.0  # 0: greedy
+    max_verdict_tokens: int = 16  # the verdict's length limit in tokens (yes_prob generates nothing)
+    max_prompt_tokens_length: int = 512  # the longest rendered prompt in the judge's tokens; longer is an error
+    generation_batch_size: int = 64  # prompts decoded together
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    gpu_memory_utilization: float = 0.3  # backend vllm: the share of a device its engine may take
+    weight: float = 1.0  # its score x weight is added to the reward
+    normalize: str = "none"  # none | batch (whitened over the episode's samples: zero mean, unit std)
+    # its weights leave the devices during the other models' turns (its KV cache always does)
+    free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
+
+
 @dataclass
 class Models:
     policy: Policy = field(default_factory=Policy)

@@ -27,6 +27,7 @@ from chatlearn.config.kinds import kind_of, reward_model_settings
 from chatlearn.config.model_shapes import model_context_length
 from chatlearn.config.plan import resolve_schedule
 from chatlearn.config.reward_entries import resolve_entries
+from chatlearn.config.schema import Judge
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -347,3 +348,62 @@ def resolve_for_device(spec, device: str):
         if spec.bf16 is None:
             changes["bf16"] = bool(cuda and _cuda_bf16())
     return dataclasses.replace(spec, **changes)
+
+
+@dataclass(frozen=True)
+class JudgeSpec(_Spec):
+    """An LLM judge (a model of kind judge): a causal LM on a rollout backend (``backend``: hf | vllm) that
+    reads prompts the driver rendered from its ``prompt_template`` and replies with a verdict (generated with
+    ``temperature``, at most ``max_verdict_tokens``), and with ``want_probs`` the probability of ``yes_word``'s
+    first token against ``no_word``'s at the reply's first position."""
+
+    name: str  # its section: models.<name>
+    load: str
+    trust_remote_code: bool
+    seed: int
+    backend: str
+    apply_chat_template: bool
+    temperature: float
+    max_verdict_tokens: int
+    max_prompt_tokens_length: int
+    generation_batch_size: int
+    dtype: str
+    gpu_memory_utilization: float
+    yes_word: str
+    no_word: str
+    want_probs: bool  # parser yes_prob: the probability is read (and nothing is generated)
+
+    @classmethod
+    def from_config(cls, cfg, name: str) -> "JudgeSpec":
+        j = cfg.models[name]
+        return cls(name=name, load=j.load, trust_remote_code=bool(j.trust_remote_code), seed=int(j.seed),
+                   backend=j.backend, apply_chat_template=bool(j.apply_chat_template),
+                   temperature=float(j.temperature), max_verdict_tokens=int(j.max_verdict_tokens),
+                   max_prompt_tokens_length=int(j.max_prompt_tokens_length),
+                   generation_batch_size=int(j.generation_batch_size), dtype=j.dtype,
+                   gpu_memory_utilization=float(j.gpu_memory_utilization), yes_word=j.yes_word,
+                   no_word=j.no_word, want_probs=j.parser == "yes_prob")
+
+    @classmethod
+    def for_folder(cls, load: str, parser: str = "yes_no", max_verdict_tokens: int = 16,
+                   batch_size: int = 64) -> "JudgeSpec":
+        """A judge of the folder ``load`` with the schema's defaults (tools and tests)."""
+        d = Judge()
+        return cls(name="judge", load=load, trust_remote_code=False, seed=0, backend=d.backend,
+                   apply_chat_template=d.apply_chat_template, temperature=d.temperature,
+                   max_verdict_tokens=max_verdict_tokens, max_prompt_tokens_length=d.max_prompt_tokens_length,
+                   generation_batch_size=batch_size, dtype=d.dtype,
+                   gpu_memory_utilization=d.gpu_memory_utilization, yes_word=d.yes_word, no_word=d.no_word,
+                   want_probs=parser == "yes_prob")
+
+    def rollout_spec(self) -> RolloutSpec:
+        """The spec of the rollout engine the judge runs on (its device settings unresolved)."""
+        return RolloutSpec(load=self.load, trust_remote_code=self.trust_remote_code, seed=self.seed,
+                           generation_batch_size=self.generation_batch_size,
+                           max_prompt_tokens_length=self.max_prompt_tokens_length,
+                           max_response_tokens_length=max(1, self.max_verdict_tokens), seq_length=None,
+                           max_num_batched_tokens=max(8192, self.max_prompt_tokens_length + self.max_verdict_tokens),
+                           dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization, kv_cache="fit",
+                           enforce_eager=True,
+                           tensor_model_parallel_size=1, expert_model_parallel_size=1,
+                           deterministic_inference=None, cpu_threads=None, routing_replay="off")

@@ -24,7 +24,7 @@ from chatlearn.errors import UserError
 from chatlearn.logging.console import (NativeOutputToLog, info, ray_init_options, raylet_lines_to_log, reroute_logs,
                                        workers_stream_to_driver)
 from chatlearn.logging.gpu_memory import visible_gpu_count
-from chatlearn.models.specs import RewardModelSpec, RewardSpec, RolloutSpec, TrainerSpec
+from chatlearn.models.specs import JudgeSpec, RewardModelSpec, RewardSpec, RolloutSpec, TrainerSpec
 from chatlearn.runtime.cluster import local
 from chatlearn.runtime.cluster.group import WorkerGroup, create_group, start_actors
 from chatlearn.runtime.cluster.leftovers import clean_leftovers, mark_driver
@@ -271,6 +271,9 @@ class Cluster:
         if kind.backend == "rollout":
             backend = cfg.runtime_args.rollout_backend
             spec, env = RolloutSpec.from_config(cfg), worker_env(kind.worker, backend, threads)
+        elif kind.backend == "judge":  # a causal LM on a rollout engine of its own
+            backend = "judge"
+            spec, env = JudgeSpec.from_config(cfg, name), worker_env(kind.worker, cfg.models[name].backend, threads)
         elif kind.backend == "reward_model":  # FSDP2 inference, whatever the training backend
             backend = "reward_model"
             spec, env = RewardModelSpec.from_config(cfg, name), worker_env(kind.worker, "fsdp", threads)

@@ -56,7 +56,7 @@ from chatlearn.runtime.driver.multiturn import MultiTurnLoop
 from chatlearn.runtime.driver.observe import EpisodeReport
 from chatlearn.runtime.driver.overlap import RolloutPipeline
 from chatlearn.runtime.driver.replay import ReplayBuffer
-from chatlearn.runtime.driver.reward_models import RewardModels
+from chatlearn.runtime.driver.judges import ScoringModels
 from chatlearn.runtime.driver.sampling import EpisodeSamples, Prompts, Sampling, Scored
 from chatlearn.runtime.driver.scheduler import Scheduler, Timeline, movable_parts
 from chatlearn.runtime.weight_push.driver import WeightPush
@@ -78,7 +78,7 @@ class Engine:
         groups = build_models(cfg, plan, cluster, self.sched)
         self.sampling = Sampling(cfg, tokenizer, groups["policy"], groups["reward"], cluster.specs["reward"],
                                  multi_turn)
-        self.reward_models = RewardModels(cfg, plan.reward_models, groups, self.sampling, self.sched)
+        self.reward_models = ScoringModels(cfg, plan, groups, self.sampling, self.sched)  # reward models, judges
         self.progress = RunProgress(rt.num_episode)
         self.instrument = Instrument(self.sched, self.progress, rt.num_training_epoch)
         calls = ModelCalls(self.sched, train_temperature(cfg))

@@ -31,7 +31,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from chatlearn.checkpoint.manager import MARKER, check_against_manifest
-from chatlearn.config.kinds import REWARD_MODEL, models_of, reward_model_settings
+from chatlearn.config.kinds import JUDGE, REWARD_MODEL, models_of, reward_model_settings
 from chatlearn.config.load import check_data_paths, check_model_folder
 from chatlearn.config.manifest import MANIFEST
 from chatlearn.config.plan import make_eval_plan
@@ -41,6 +41,7 @@ from chatlearn.hub import looks_like_hub_id, snapshot
 from chatlearn.logging.console import info, warn
 from chatlearn.logging.jsonl import write_text_atomic
 from chatlearn.runtime.cluster.cluster import Cluster
+from chatlearn.runtime.driver.judges import Judges
 from chatlearn.runtime.driver.multiturn import MultiTurnLoop, env_metrics, trajectory_fields
 from chatlearn.runtime.driver.sampling import Prompts, Sampling
 from chatlearn.runtime.rundir.preflight import check_output_folder
@@ -175,8 +176,8 @@ def check_scored_without_models(cfg: DictConfig) -> None:
     function of weight 0): chatlearn eval runs the reward functions only, so every sample would score 0."""
     names = models_of(cfg, REWARD_MODEL)
     functions = cfg.models.reward.functions or []
-    if not names or not functions or any(float(f.weight) != 0 for f in functions):
-        return
+    if not names or not functions or any(float(f.weight) != 0 for f in functions) or models_of(cfg, JUDGE):
+        return  # (judges do score in chatlearn eval)
     models = ", ".join(f"{n} ({reward_model_settings(cfg, n).load})" for n in names)
     raise UserError(
         f"this config's reward comes from its reward model{'s' if len(names) > 1 else ''} {models}, and chatlearn eval "
@@ -275,9 +276,23 @@ class Evaluator:
 
     def __init__(self, cfg: DictConfig, cluster: Cluster, tokenizer, multi_turn: MultiTurnLoop | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer
-        cluster.prestart(["policy", "reward"])
+        judges = models_of(cfg, JUDGE)
+        cluster.prestart(["policy", "reward", *judges])
         policy = cluster.create("policy")
         self.sampling = Sampling(cfg, tokenizer, policy, cluster.create("reward"), cluster.specs["reward"], multi_turn)
+        # each judge on devices of its own: nothing to move between turns
+        self.judges = Judges(cfg, judges, {n: cluster.create(n) for n in judges}, self.sampling,
+                             _OwnDevices())
+
+    def judged(self, batch: dict, prompts: Prompts, rewards: np.ndarray, parts: dict) -> tuple[np.ndarray, dict]:
+        """The judges' weighted scores added to ``rewards`` (not whitened: an evaluation's), each judge's raw score
+        in ``parts`` as ``<name>/score``; and the judges' metrics (``judge/<name>/*``)."""
+        scores, metrics = self.judges.score_all(batch, prompts)
+        rewards = np.asarray(rewards, np.float64)
+        for name, raw in scores.items():
+            rewards = rewards + self.judges.settings[name].weight * raw
+            parts[f"{name}/score"] = raw
+        return rewards.astype(np.float32), metrics
 
     def correct(self, rewards: np.ndarray, parts: dict[str, np.ndarray]) -> np.ndarray:
         """Which samples count as solved for pass@k: the math reward's score equals
@@ -297,6 +312,9 @@ class Evaluator:
         texts = self.sampling.responses_text(batch)
         rewards, reward_parts = self.sampling.score(batch, truths, sources, prompts.extra, texts=texts,
                                            what="the evaluation set")
+        judge_metrics = {}
+        if self.judges:
+            rewards, judge_metrics = self.judged(batch, prompts, rewards, reward_parts)
         correct = self.correct(rewards, reward_parts)
         resp_lens = (batch["offsets"][1:] - batch["offsets"][:-1]) - batch["prompt_lens"]
         truncated = batch["finish_reasons"] == 0
@@ -309,8 +327,16 @@ class Evaluator:
                    for i in range(len(texts))]
         metrics = aggregate(rewards, correct, resp_lens, truncated, sources, k)
         metrics["all"].update({f"reward/{key}": float(v.mean()) for key, v in reward_parts.items()})
+        metrics["all"].update(judge_metrics)
         metrics["all"].update({k.split("/", 1)[1]: v for k, v in env_metrics(batch, prefix="eval").items()})
         return samples, metrics
+
+
+class _OwnDevices:
+    """The scheduler of an evaluation's judges: each on devices of its own, its turn needs no move."""
+
+    def take_turn(self, name: str) -> None:
+        return None
 
 
 def evaluate_only(cfg: DictConfig, checkpoint: str | None = None, *, overwrite: bool = False,

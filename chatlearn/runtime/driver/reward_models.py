@@ -20,10 +20,10 @@ from chatlearn.errors import UserError
 from chatlearn.runtime.driver.sampling import Prompts, Sampling, Scored
 
 
-def metric_prefix(prefix: str, name: str) -> str:
+def metric_prefix(prefix: str, name: str, family: str = "reward_model") -> str:
     """Where reward model ``name``'s metrics go: ``train/reward_model/`` for ``reward_model``,
-    ``train/reward_model/<name>/`` for one of the user's naming."""
-    return f"{prefix}/reward_model/" + ("" if name == REWARD_MODEL.default_model else f"{name}/")
+    ``train/reward_model/<name>/`` for one of the user's naming (``family`` judge: ``train/judge/<name>/``)."""
+    return f"{prefix}/{family}/" + ("" if name == REWARD_MODEL.default_model else f"{name}/")
 
 
 class RewardModels:
@@ -31,6 +31,7 @@ class RewardModels:
 
     def __init__(self, cfg, names: list[str], groups: dict, sampling: Sampling, sched):
         self.settings = {name: reward_model_settings(cfg, name) for name in names}
+        self.others: dict = {}
         self.groups, self.sampling, self.sched = groups, sampling, sched
 
     def __bool__(self) -> bool:
@@ -48,26 +49,31 @@ class RewardModels:
         return scores
 
     def add(self, scored: Scored, scores: dict[str, np.ndarray], prefix: str = "train",
-            normalize: bool = True) -> tuple[Scored, dict]:
+            normalize: bool = True, others: dict | None = None) -> tuple[Scored, dict]:
         """``scored`` with each model's score added: ``weight`` x the score, normalised by its ``normalize``
         (none; batch: whitened over the batch, zero mean and unit std) unless not ``normalize`` (an
         evaluation: whitened, every evaluation's mean would be 0), added to the rewards and the shaped
-        rewards. Returns it and each model's metrics (:func:`metric_prefix`)."""
+        rewards. Returns it and each model's metrics (:func:`metric_prefix`; also, as every reward source's,
+        ``<prefix>/reward/<name>/score``: the raw score's mean, and ``.../reward``: what it adds, on average).
+        ``others``: the settings of scoring models that are not reward models (the judges, by name)."""
         added_all = np.zeros(len(scored.rewards), np.float64)
         metrics, adds = {}, {}
         for name, raw in scores.items():
-            s = self.settings[name]
+            s = self.settings[name] if name in self.settings else others[name]
             raw = np.asarray(raw, np.float64)
             norm = raw
             if s.normalize == "batch" and normalize:
                 norm = (raw - raw.mean()) / (raw.std() + 1e-6) if len(raw) > 1 else raw * 0.0
             adds[name] = added = s.weight * norm
             added_all = added_all + added
-            where = metric_prefix(prefix, name)
+            where = metric_prefix(prefix, name, "reward_model" if name in self.settings else "judge")
             metrics.update({f"{where}{k}": v for k, v in (
                 ("score_mean", float(raw.mean())), ("score_std", float(raw.std())), ("score_min", float(raw.min())),
                 ("score_max", float(raw.max())), ("reward_mean", float(added.mean())))})
+            metrics.update({f"{prefix}/reward/{name}/score": float(raw.mean()),
+                            f"{prefix}/reward/{name}/reward": float(added.mean())})
         total = np.asarray(scored.rewards, np.float64) + added_all
+        self.others = others or {}
         self.check_float32(total, adds)
         return Scored(total.astype(np.float32), scored.parts,
                       np.asarray(scored.shaped, np.float64) + added_all), metrics
@@ -82,9 +88,9 @@ class RewardModels:
             return
         i = int(over[0])
         name = max(adds, key=lambda n: abs(float(adds[n][i])))
-        s = self.settings[name]
+        s = self.settings[name] if name in self.settings else self.others[name]
         raise UserError(
-            f"reward model {name!r} adds {float(adds[name][i]):.6g} ({s.weight_key} {s.weight:g} x its score) to "
+            f"{'reward model' if name in self.settings else 'judge'} {name!r} adds {float(adds[name][i]):.6g} ({s.weight_key} {s.weight:g} x its score) to "
             f"the reward of sample {i}, which becomes "
             f"{total[i]:.6g}, past float32's largest number ({float(np.finfo(np.float32).max):.4g}), the dtype "
             "rewards are trained in: it would become inf, so the run stops before anything is trained on it. "
