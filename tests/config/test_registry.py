@@ -110,7 +110,7 @@ def test_backends_and_builtin_rewards_name_real_objects():
     assert TRAIN_BACKENDS == registry.TRAIN_BACKENDS.names == ("fsdp", "megatron")
     assert ROLLOUT_BACKENDS == registry.ROLLOUT_BACKENDS.names == ("vllm", "sglang", "hf")
     factories = registry.backend_factories()
-    assert set(factories) == {"fsdp", "megatron", "vllm", "sglang", "hf", "reward", "reward_model"}
+    assert set(factories) == {"fsdp", "megatron", "vllm", "sglang", "hf", "reward", "reward_model", "judge"}
     targets = list(factories.values()) + [registry.BUILTIN_REWARDS.get(n) for n in registry.BUILTIN_REWARDS]
     for target in targets:  # the backends import their engines lazily: importable without them
         module, _, attr = target.partition(":")

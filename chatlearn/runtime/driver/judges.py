@@ -45,7 +45,7 @@ BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def _in_range(value: float, options: dict) -> float | None:
-    low, high = options.get("score_range", (-math.inf, math.inf))
+    low, high = options["score_range"]
     return value if math.isfinite(value) and low <= value <= high else None
 
 
@@ -65,7 +65,7 @@ def parse_verdict(parser: str | Callable, text: str, options: dict) -> float | N
     if parser == "yes_no":
         words = re.findall(r"[A-Za-z]+", text)
         first = words[0].lower() if words else ""
-        yes, no = str(options.get("yes_word", "yes")).lower(), str(options.get("no_word", "no")).lower()
+        yes, no = str(options["yes_word"]).lower(), str(options["no_word"]).lower()
         return 1.0 if first == yes else 0.0 if first == no else None
     raise ValueError(f"unknown judge parser {parser!r}")
 
@@ -73,7 +73,8 @@ def parse_verdict(parser: str | Callable, text: str, options: dict) -> float | N
 def question_of(messages: list[dict] | None, text: str) -> str:
     """A sample's question: the last user message of its chat messages, else the prompt's text."""
     users = [m for m in messages or [] if m.get("role") == "user"]
-    return str(users[-1].get("content", "")) if users else text
+    content = users[-1].get("content") if users else text
+    return "" if content is None else str(content)
 
 
 @dataclass(frozen=True)
