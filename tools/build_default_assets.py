@@ -816,6 +816,9 @@ def main(argv=None) -> int:
         if moe:
             model.config.output_router_logits = False  # the saved config: transformers' default
         tokenizer.save_pretrained(model_dir)
+        if teacher:  # byte for byte the student's tokenizer files
+            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                shutil.copyfile(out / "tiny_qwen2" / name, model_dir / name)
         model.save_pretrained(model_dir)
         del model
     else:
