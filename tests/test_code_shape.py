@@ -54,10 +54,12 @@ def test_the_episode_is_one_short_function_with_a_call_per_stage():
     # PPO's: the policy's, then the critic's values (the critic, resident for them, stays to train)
     assert _stages_named(_method(driver / "algorithm.py", "CriticUpdate", "passes")) == ["VALUES"]
     assert _stages_named(_method(driver / "judges.py", "Judges", "score_all")) == ["JUDGE"]  # each judge's turn
+    # distillation's: the teacher's log-probs, before the policy's
+    assert _stages_named(_method(driver / "algorithm.py", "TeacherPass", "passes")) == ["TEACHER_LOGPROBS"]
     from chatlearn.config.names import Stage
 
     covered = {"GENERATE", "REWARD", "REWARD_MODEL", "JUDGE", "TRAIN", "CHECKPOINT", "WEIGHT_PUSH", "REF_LOGPROBS",
-               "OLD_LOGPROBS", "VALUES", "EVAL"}
+               "OLD_LOGPROBS", "VALUES", "TEACHER_LOGPROBS", "EVAL"}
     assert {s.name for s in Stage} == covered
 
 

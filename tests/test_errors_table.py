@@ -82,6 +82,36 @@ def _folder_with_dir_entry(c: Ctx) -> str:
     return os.path.join(c.tmp, "dfolder")
 
 
+def teacher(make_teacher, algorithm="opd"):
+    """The config with a teacher (``models.teacher``) of the folder ``make_teacher(ctx)`` builds."""
+    return lambda c: ["run", TEMPLATE, *c.base, f"models.policy_trainer.algorithm={algorithm}",
+                      "models.teacher.kind=teacher", f"models.teacher.load={make_teacher(c)}", "--dry-run"]
+
+
+def _teacher_other_vocabulary(c: Ctx) -> str:
+    with open(os.path.join(c.model, "tokenizer.json")) as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    first = next(t for t in vocab if t.isalpha())  # a plain word piece renamed: another vocabulary
+    vocab["zz" + first] = vocab.pop(first)
+    return c.model_copy("teacher_vocab", replace={"tokenizer.json": json.dumps(tok)})
+
+
+def _teacher_other_template(c: Ctx) -> str:
+    with open(os.path.join(c.model, "tokenizer_config.json")) as f:
+        conf = json.load(f)
+    conf["chat_template"] = "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    return c.model_copy("teacher_template", drop=["chat_template.jinja"],
+                        replace={"tokenizer_config.json": json.dumps(conf)})
+
+
+def _teacher_short_context(c: Ctx) -> str:
+    with open(os.path.join(c.model, "config.json")) as f:
+        conf = json.load(f)
+    conf["max_position_embeddings"] = 16
+    return c.model_copy("teacher_short", replace={"config.json": json.dumps(conf)})
+
+
 def _model_without_template(c: Ctx) -> str:
     with open(os.path.join(c.model, "tokenizer_config.json")) as f:
         conf = json.load(f)
@@ -264,6 +294,20 @@ CASES = [
     ("model folder with a broken tokenizer",
      with_model(lambda c: c.model_copy("badtok", replace={"tokenizer.json": "{oops"}), dry_run=False),
      ["models.policy.load", "cannot load a tokenizer"], ["Point it at a model folder that holds the tokenizer files"]),
+    # ---------------------------------------------------------------- distillation (a teacher)
+    ("distillation without a teacher", dry("models.policy_trainer.algorithm=opd"),
+     ["models.policy_trainer.algorithm", "'opd'", "kind teacher", "declares none"],
+     ["models.teacher: {kind: teacher, load: path/to/model}"]),
+    ("a teacher no algorithm reads", teacher(lambda c: c.model, algorithm="grpo"),
+     ["models.teacher.kind", "reads no teacher"], ["algorithm: opd", "remove models.teacher"]),
+    ("a teacher of another vocabulary", teacher(_teacher_other_vocabulary),
+     ["models.teacher.load", "teacher's tokenizer", "differs from the student's"],
+     ["Use a teacher with the student's tokenizer"]),
+    ("a teacher of another chat template", teacher(_teacher_other_template),
+     ["models.teacher.load", "teacher's chat template", "differs from the student's"],
+     ["Use a teacher with the student's chat template"]),
+    ("a teacher of a shorter context", teacher(_teacher_short_context),
+     ["models.teacher.load", "takes 16 tokens", "longest prompt + response"], ["Use a teacher with a longer context"]),
 ]
 
 

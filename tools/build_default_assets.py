@@ -128,7 +128,10 @@ MOE_SHAPE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
-MODELS = {"tiny_qwen2": "Qwen2ForCausalLM", "tiny_qwen3_moe": "Qwen3MoeForCausalLM"}
+MODELS = {"tiny_qwen2": "Qwen2ForCausalLM", "tiny_qwen3_moe": "Qwen3MoeForCausalLM",
+          "tiny_qwen2_teacher": "Qwen2ForCausalLM"}
+# --target-accuracy's default per model: the student toys start weak; the distillation teacher is trained on
+TARGET_ACCURACY = {"tiny_qwen2": 0.3, "tiny_qwen3_moe": 0.3, "tiny_qwen2_teacher": 0.9}
 
 # Evaluation settings (the defaults ChatLearn uses for evaluation).
 EVAL_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
@@ -627,6 +630,51 @@ def expert_load(model, tokenizer, records) -> list[float]:
     return loads
 
 
+def write_teacher_readme(path: Path, info: dict) -> None:
+    """The README's section on ``tiny_qwen2_teacher/``, in place of the one there (the other sections kept)."""
+    g, s = info["eval"]["greedy"], info["eval"]["sampled"]
+    samples = s["responses"] // info["num_eval"]
+    settings = ", ".join(f"{k} {v}" for k, v in EVAL_SAMPLING.items())
+    section = f"""## `tiny_qwen2_teacher/`: the distillation teacher
+
+The teacher of `template/distill.yaml` (on-policy distillation, `algorithm: opd`): `tiny_qwen2/`'s
+shape, tokenizer and chat template (the same files), trained on where the student stops. Rebuild it
+(and this section) from the repository root, after the dense model, with
+
+    python tools/build_default_assets.py --model tiny_qwen2_teacher --out assets
+
+- Shape: {info["num_params"]:,} parameters in fp32, as `tiny_qwen2/`.
+- Weights: random init, then the same supervised warm start as `tiny_qwen2/` (the same seed, batch
+  {info["batch_size"]}, lr {info["lr"]}), stopped once greedy accuracy on {info["num_val"]} held-out training
+  examples reaches {info["target"]}; here after {info["sft"]["steps"]} steps.
+
+Measured at build time on the eval split ({info["num_eval"]} prompts, at most
+{MAX_NEW_TOKENS} new tokens, Hugging Face `generate`):
+
+| decoding | accuracy | ends with eos |
+|---|---|---|
+| greedy | {g["accuracy"]:.3f} | {g["eos_rate"]:.3f} |
+| sampled ({settings}; {samples} per prompt) | {s["accuracy"]:.3f} | {s["eos_rate"]:.3f} |
+
+"""
+    replace_section(path, section)
+
+
+def replace_section(path: Path, section: str) -> None:
+    """``section`` (a ``## `` heading and its text) in place of the README's section of that heading, or at its
+    end; the other sections kept."""
+    heading = section.splitlines()[0]
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Default assets\n\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip("\n") == heading), None)
+    if start is None:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+        text = "".join(lines[:start]) + section + "".join(lines[end:])
+    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+
+
 def write_moe_readme(path: Path, info: dict) -> None:
     """The README's section on ``tiny_qwen3_moe/``, in place of the one there (the other sections kept)."""
     g, s = info["eval"]["greedy"], info["eval"]["sampled"]
@@ -663,16 +711,7 @@ Measured at build time on the eval split ({info["num_eval"]} prompts, at most
 | sampled ({settings}; {samples} per prompt) | {s["accuracy"]:.3f} | {s["eos_rate"]:.3f} |
 
 """
-    heading = section.splitlines()[0]
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Default assets\n\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip("\n") == heading), None)
-    if start is None:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
-        text = "".join(lines[:start]) + section + "".join(lines[end:])
-    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+    replace_section(path, section)
 
 
 def others_sections(path: Path, ours: str) -> str:
@@ -705,11 +744,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--target-accuracy",
         type=float,
-        default=0.3,
-        help="stop the warm start once greedy validation accuracy reaches this",
+        default=None,
+        help="stop the warm start once greedy validation accuracy reaches this (default: 0.3; "
+        "0.9 for tiny_qwen2_teacher)",
     )
     p.add_argument("--min-sft-steps", type=int, default=100)
-    p.add_argument("--max-sft-steps", type=int, default=1500)
+    p.add_argument("--max-sft-steps", type=int, default=None, help="default 1500; 4000 for the teacher")
     p.add_argument("--check-every", type=int, default=5, help="steps between validation checks")
     p.add_argument(
         "--num-val", type=int, default=200, help="validation examples held out of the warm start"
@@ -725,8 +765,9 @@ def parse_args(argv=None):
         "--model",
         choices=sorted(MODELS),
         default="tiny_qwen2",
-        help="the model folder to build: tiny_qwen2 (and the arith task; the default) or "
-        "tiny_qwen3_moe (the mixture-of-experts toy, on the task's existing files)",
+        help="the model folder to build: tiny_qwen2 (and the arith task; the default), "
+        "tiny_qwen3_moe (the mixture-of-experts toy, on the task's existing files) or "
+        "tiny_qwen2_teacher (the distillation teacher: tiny_qwen2's tokenizer, trained on)",
     )
     p.add_argument("--check-vllm", action="store_true", help="also load and sample with vLLM")
     p.add_argument(
@@ -745,6 +786,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     moe = args.model == "tiny_qwen3_moe"
+    teacher = args.model == "tiny_qwen2_teacher"
+    if args.target_accuracy is None:
+        args.target_accuracy = TARGET_ACCURACY[args.model]
+    if args.max_sft_steps is None:
+        args.max_sft_steps = 4000 if teacher else 1500
     model_dir, data_dir = out / args.model, out / "arith"
     t0 = time.perf_counter()
     if args.sft_data:
@@ -760,7 +806,7 @@ def main(argv=None) -> int:
         train_keys = {r["prompt"][0]["content"] for r in train}
         assert not any(r["prompt"][0]["content"] in train_keys for r in evals)
 
-        if moe:  # the task's files are the dense build's (the same seed gives the same split)
+        if moe or teacher:  # the task's files are the dense build's (the same seed gives the same split)
             shutil.rmtree(model_dir, ignore_errors=True)
             model_dir.mkdir(parents=True)
             if (data_dir / "eval.jsonl").exists():
@@ -777,7 +823,12 @@ def main(argv=None) -> int:
             write_jsonl(data_dir / "eval.jsonl", evals)
             write_sft_splits(out, train, evals)
 
-        tokenizer = build_tokenizer(train + evals)
+        if teacher:  # the student's own tokenizer files: a teacher scores the student's token ids
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(out / "tiny_qwen2")
+        else:
+            tokenizer = build_tokenizer(train + evals)
         model = (build_moe_model if moe else build_model)(tokenizer, args.seed)
         num_params = sum(p.numel() for p in model.parameters())
         prompt_lens = [len(p) for p, _ in encode_examples(tokenizer, evals)]
@@ -793,6 +844,9 @@ def main(argv=None) -> int:
         if moe:
             model.config.output_router_logits = False  # the saved config: transformers' default
         tokenizer.save_pretrained(model_dir)
+        if teacher:  # byte for byte the student's tokenizer files
+            for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+                shutil.copyfile(out / "tiny_qwen2" / name, model_dir / name)
         model.save_pretrained(model_dir)
         del model
     else:
@@ -832,7 +886,7 @@ def main(argv=None) -> int:
     if moe:
         info["expert_load"] = expert_load(model, tokenizer, evals)
     if not args.check_only:
-        (write_moe_readme if moe else write_readme)(out / "README.md", info)
+        (write_moe_readme if moe else write_teacher_readme if teacher else write_readme)(out / "README.md", info)
 
     vllm_result = None
     if args.check_vllm:
@@ -880,12 +934,14 @@ def main(argv=None) -> int:
             f"e.g. {vs['texts'][0]!r}"
         )
     # The intended operating point: right format, sum right only some of the time.
-    if min(g["eos_rate"], s["eos_rate"]) < 0.95 or not 0.1 <= s["accuracy"] <= 0.45:
+    if teacher and g["accuracy"] < 0.8:
+        print("WARNING: the teacher's greedy accuracy is below 0.8; raise --target-accuracy or --max-sft-steps")
+    elif not teacher and (min(g["eos_rate"], s["eos_rate"]) < 0.95 or not 0.1 <= s["accuracy"] <= 0.45):
         print(
             "WARNING: the model is outside its intended range (eos rate >= 0.95, sampled "
             "accuracy about 0.15 to 0.35); adjust --target-accuracy or --lr"
         )
-    for f in sorted(p for p in (model_dir.rglob("*") if moe else out.rglob("*")) if p.is_file()):
+    for f in sorted(p for p in (model_dir.rglob("*") if moe or teacher else out.rglob("*")) if p.is_file()):
         print(f"  {f.relative_to(out)!s:34s} {f.stat().st_size:>10,d} bytes")
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0

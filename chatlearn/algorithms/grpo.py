@@ -271,11 +271,19 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+# with_entropy of the log-prob passes: the second output is the argmax agreement, not the entropy
+TOP1 = "top1"
+
+
 def _chunk_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor,
                             temperature: float, with_entropy: bool):
-    """One chunk: z = float(hidden @ weight.T + bias) / temperature, then log-probs (entropy)."""
+    """One chunk: z = float(hidden @ weight.T + bias) / temperature, then log-probs and, with ``with_entropy``,
+    the entropy (True) or, with ``"top1"``, 1.0 where the target is the distribution's most likely token (a
+    distillation teacher's agreement with the student's samples)."""
     z = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
     logp = logprobs_from_logits(z, targets)
+    if with_entropy == TOP1:
+        return logp, (z.argmax(dim=-1) == targets).float()
     return (logp, entropy_from_logits(z)) if with_entropy else (logp,)
 
 
@@ -286,7 +294,8 @@ def chunked_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
     ``chunk`` rows at a time, so that no ``[rows, V]`` tensor is ever made.
 
     hidden [M, H], weight [V, H] (an LM head), targets int64 [M]. Returns ``(logp [M],
-    entropy [M] or None)`` in float32 (the logits are cast to float32 before the division by
+    entropy [M] or None)`` in float32 (``with_entropy`` :data:`TOP1`: 1.0/0.0 argmax agreement in place of
+    the entropy) (the logits are cast to float32 before the division by
     the temperature, as the unchunked path does). Values equal :func:`logprobs_from_logits` /
     :func:`entropy_from_logits` of the full logits up to matmul blocking (float32 rounding).
 

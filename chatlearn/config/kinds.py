@@ -13,9 +13,9 @@ fixed kind (:data:`DEFAULT_MODELS`): ``policy`` (rollout), ``policy_trainer`` (t
 ``models.reward.load`` adds the reward model ``reward_model`` of kind ``reward_model``, configured by
 ``models.reward``'s ``model_*`` keys and named ``reward`` in ``runtime_args.colocation`` (as in
 ChatLearn's configs). Any other section names a model of its own and says its ``kind``; only kinds
-with a :attr:`Kind.schema` allow that (``reward_model`` today: ``models.rm_math: {kind:
-reward_model, load: ..., weight: 0.5}``), and a kind with ``max_count`` 1 allows its default model
-alone.
+with a :attr:`Kind.schema` allow that (``reward_model``: ``models.rm_math: {kind:
+reward_model, load: ..., weight: 0.5}``; ``teacher``: ``models.teacher: {kind: teacher, load: ...}``, one per
+run and no default model), and a kind with ``max_count`` 1 allows its default model alone.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import difflib
 from dataclasses import dataclass
 
 from chatlearn.config.names import Part, Stage
-from chatlearn.config.schema import Judge, RewardModel
+from chatlearn.config.schema import Judge, RewardModel, Teacher
 from chatlearn.errors import ConfigError
 
 
@@ -73,11 +73,17 @@ REWARD_MODEL = Kind("reward_model", "reward model", (Part.WEIGHTS,), Stage.REWAR
 JUDGE = Kind("judge", "judge", (Part.WEIGHTS, Part.KV_CACHE), Stage.JUDGE, (), trains=False, checkpoint_folder=None,
              backend="judge", worker="rollout", distributed=False, build_rank=4.5, default_model=None, max_count=None,
              schema=Judge)
+# a distillation teacher (models.<name>: {kind: teacher, ...}): the training backend's inference path, as the
+# reference; built first (frozen weights alone: it leaves the devices before the others are built)
+TEACHER = Kind("teacher", "teacher", (Part.WEIGHTS,), Stage.TEACHER_LOGPROBS, ("teacher_logprobs", "teacher_top1"),
+               trains=False, checkpoint_folder=None, backend="train", worker="trainer", distributed=True,
+               build_rank=-1, default_model=None, max_count=1, schema=Teacher, role="teacher")
 REWARD = Kind("reward", "reward functions", (), Stage.REWARD, (), trains=False, checkpoint_folder=None,
               backend="reward", worker="reward", distributed=False, build_rank=4, default_model="reward",
               own_deadline=True)
 
-KINDS: dict[str, Kind] = {k.name: k for k in (ROLLOUT, TRAINER, REFERENCE, CRITIC, REWARD_MODEL, JUDGE, REWARD)}
+KINDS: dict[str, Kind] = {k.name: k for k in (ROLLOUT, TRAINER, REFERENCE, CRITIC, REWARD_MODEL, JUDGE, TEACHER,
+                                               REWARD)}
 # the models of today's configs and the kind of each (models.reward.load adds reward_model)
 DEFAULT_MODELS: dict[str, Kind] = {"policy": ROLLOUT, "policy_trainer": TRAINER, "ref_policy": REFERENCE,
                                    "critic": CRITIC, "reward": REWARD}
@@ -178,7 +184,8 @@ def check_kinds(cfg) -> None:
     for kind_name, names in counts.items():
         kind = KINDS[kind_name]
         if kind.max_count is not None and len(names) > kind.max_count:
-            extra = [n for n in names if n not in DEFAULT_MODELS][0]
+            extra = [n for n in names if n not in DEFAULT_MODELS][-1 if kind.default_model is None else 0]
+            keep = kind.default_model or names[0]
             raise ConfigError(f"is a second model of kind {kind.name} ({', '.join(names)}): a run has one "
-                              f"{kind.label}. Remove models.{extra}, or configure models.{kind.default_model}.",
+                              f"{kind.label}. Remove models.{extra}, or configure models.{keep}.",
                               key=f"models.{extra}.kind")

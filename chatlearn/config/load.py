@@ -26,7 +26,8 @@ from chatlearn.config.checks import positive as _positive
 from chatlearn.config.data_sources import resolve_data_sources
 from chatlearn.config.env_entries import check_multi_turn
 from chatlearn.config.judge_keys import check_judge_folder, check_judge_keys
-from chatlearn.config.kinds import (DEFAULT_MODELS, KINDS, REWARD_MODEL, ROLLOUT, check_kinds, kind_named, model_kinds,
+from chatlearn.config.kinds import (DEFAULT_MODELS, KINDS, REWARD_MODEL, ROLLOUT, TEACHER, check_kinds, kind_named,
+                                    model_kinds,
                                    models_of, section)
 from chatlearn.config.lora_keys import check_lora
 from chatlearn.config.manifest import manifest_problems
@@ -39,6 +40,7 @@ from chatlearn.config.ppo_keys import check_ppo, check_reward_model_folder, chec
 from chatlearn.config.registry import ROLLOUT_BACKENDS, TRAIN_BACKENDS
 from chatlearn.config.reward_entries import check_functions
 from chatlearn.config.schema import Config
+from chatlearn.config.teacher_keys import check_teacher, check_teacher_folder
 from chatlearn.config.secrets import remember_env_sources
 from chatlearn.errors import ConfigError, UserError
 from chatlearn.hub import resolve
@@ -393,6 +395,7 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     _check_reward(cfg)
     check_reward_model_keys(cfg)
     check_judge_keys(cfg)
+    check_teacher(cfg)
     _check_colocation(cfg.runtime_args)
     _check_paths(cfg)
     check_lora(cfg)  # reads the policy trainer's model folder (resolved by _check_paths)
@@ -473,9 +476,9 @@ def _check_runtime(rt: DictConfig) -> None:
 
 def _trainer_models(cfg: DictConfig) -> tuple[str, ...]:
     """The models on the training backend that this config uses (their kind's backend; the critic only with an
-    algorithm that needs one)."""
+    algorithm that needs one), a teacher aside (its section is its own: chatlearn/config/teacher_keys.py)."""
     return tuple(name for name, kind in model_kinds(cfg).items()
-                 if kind.backend == "train" and (kind.name != "critic" or uses_critic(cfg)))
+                 if kind.backend == "train" and kind is not TEACHER and (kind.name != "critic" or uses_critic(cfg)))
 
 
 def _check_model_sections(cfg: DictConfig) -> None:
@@ -692,7 +695,8 @@ def _check_paths(cfg: DictConfig) -> None:
     resolved: dict = {}
     rm = models_of(cfg, REWARD_MODEL)
     judges = models_of(cfg, KINDS["judge"])
-    for name in (*_trainer_models(cfg), "policy", *(section(n) for n in rm), *judges):
+    teachers = models_of(cfg, TEACHER)
+    for name in (*_trainer_models(cfg), "policy", *(section(n) for n in rm), *judges, *teachers):
         mc, key = cfg.models[name], f"models.{name}.load"
         if mc.load not in resolved:
             resolved[mc.load] = resolve_model(mc.load, key)
@@ -705,6 +709,8 @@ def _check_paths(cfg: DictConfig) -> None:
         check_reward_model_folder(cfg, name, policy_sequence_length(cfg.models.policy))
     for name in judges:
         check_judge_folder(cfg, name)
+    for name in teachers:
+        check_teacher_folder(cfg, name, policy_sequence_length(cfg.models.policy))
     check_output_folder(rt.output_dir, "runtime_args.output_dir")
     la = rt.log_args_dict
     check_output_folder(la.log_dir, "runtime_args.log_args_dict.log_dir")

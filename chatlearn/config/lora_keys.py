@@ -10,6 +10,7 @@ import importlib.util
 import os
 
 from chatlearn.config.algorithms import declared
+from chatlearn.config.kinds import KINDS
 from chatlearn.errors import ConfigError
 
 KEY = "models.policy_trainer.lora"
@@ -65,8 +66,9 @@ def check_lora(cfg) -> None:
     check_lora_rollout(rt.rollout_backend)
     _check_push(cfg)
     t = cfg.models.policy_trainer
-    if declared(t.algorithm, t.advantage_estimator).needs:
-        needs = ", ".join(declared(t.algorithm, t.advantage_estimator).needs)
+    trained = [k for k in declared(t.algorithm, t.advantage_estimator).needs if KINDS[k].trains]  # a teacher: frozen
+    if trained:
+        needs = ", ".join(trained)
         raise ConfigError(f"LoRA (models.policy_trainer.lora.rank > 0) trains the policy alone, but algorithm "
                           f"{t.algorithm!r} also needs {needs} (models.critic), which adapters do not cover. Use a "
                           "group-relative algorithm (algorithm: grpo), or models.policy_trainer.lora.rank=0.",

@@ -43,6 +43,7 @@ class Stage(_Name):
     REF_LOGPROBS = "ref_logprobs"
     OLD_LOGPROBS = "old_logprobs"
     VALUES = "values"  # the critic's values of the samples' tokens (PPO)
+    TEACHER_LOGPROBS = "teacher_logprobs"  # a distillation teacher's log-probs of the samples' tokens
     TRAIN = "train"
     CHECKPOINT = "checkpoint"
     WEIGHT_PUSH = "weight_push"
@@ -57,5 +58,6 @@ class Stage(_Name):
 STAGE_LABELS = {Stage.GENERATE: "generate", Stage.REWARD: "reward", Stage.REWARD_MODEL: "reward model",
                 Stage.JUDGE: "judge",
                 Stage.REF_LOGPROBS: "ref log-probs", Stage.OLD_LOGPROBS: "old log-probs", Stage.VALUES: "values",
+                Stage.TEACHER_LOGPROBS: "teacher log-probs",
                 Stage.TRAIN: "train", Stage.CHECKPOINT: "checkpoint",
                 Stage.WEIGHT_PUSH: "weight push", Stage.EVAL: "eval"}

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from chatlearn.config.algorithms import declared
-from chatlearn.config.kinds import (CRITIC, JUDGE, REFERENCE, REWARD, REWARD_MODEL, ROLLOUT, TRAINER, Kind,
-                                    model_kinds, section)
+from chatlearn.config.kinds import (CRITIC, JUDGE, REFERENCE, REWARD, REWARD_MODEL, ROLLOUT, TEACHER, TRAINER,
+                                    Kind, model_kinds, section)
 from chatlearn.errors import ConfigError
 
 
@@ -451,7 +451,7 @@ def _single_process(cfg, placements: dict, fused: bool) -> bool:
     """``runtime_args.single_process`` for this layout: whether the run's models are built in the
     driver's process (no Ray; the reward workers in processes of their own). They can be where every
     model but the reward workers lives in one process on this machine: one FSDP trainer rank with its
-    fused rollout replica and, if any other model, the reference model colocated with it (the two
+    fused rollout replica and, if any other model, the reference model or a teacher colocated with it (they
     then share the process's one-rank process group and take turns), or an evaluation's one rollout replica of
     tensor parallel 1 whose engine runs in the calling process (:func:`fusable_rollout`); and no
     ``RAY_ADDRESS`` (a cluster to join)."""
@@ -459,6 +459,11 @@ def _single_process(cfg, placements: dict, fused: bool) -> bool:
     if rt.single_process is False:
         return False
     models = sorted(n for n in placements if n != "reward")
+    # the reference and a teacher (frozen, on the training backend) may share the trainer's one-rank process group
+    kinds = model_kinds(cfg)
+    beside = [m for m in models if m not in ("policy", "policy_trainer")]
+    apart = [m for m in beside if "policy_trainer" in placements and (
+        placements[m].num_actors != 1 or placements[m].device_group != placements["policy_trainer"].device_group)]
     why = None
     if os.environ.get("RAY_ADDRESS"):
         why = "RAY_ADDRESS is set: the run joins that Ray cluster"
@@ -468,12 +473,11 @@ def _single_process(cfg, placements: dict, fused: bool) -> bool:
         pl = placements["policy"]
         why = (f"the rollout has {pl.num_actors} replica(s) of tensor parallel {pl.devices_per_actor}"
                if pl.num_actors * pl.devices_per_actor != 1 else fusable_rollout(rt.rollout_backend))
-    elif models not in (["policy", "policy_trainer"], ["policy", "policy_trainer", "ref_policy"]):
-        others = [m for m in models if m not in ("policy", "policy_trainer", "ref_policy")]
+    elif "policy_trainer" not in models or [m for m in beside if kinds[m] not in (REFERENCE, TEACHER)]:
+        others = [m for m in models if m not in ("policy", "policy_trainer") and kinds[m] not in (REFERENCE, TEACHER)]
         why = f"the run places {', '.join(others)} beside the policy"
-    elif "ref_policy" in models and (placements["ref_policy"].num_actors != 1 or placements["ref_policy"].device_group
-                                     != placements["policy_trainer"].device_group):
-        why = "ref_policy is not one rank on the policy trainer's device (runtime_args.colocation)"
+    elif apart:
+        why = f"{apart[0]} is not one rank on the policy trainer's device (runtime_args.colocation)"
     elif not fused:
         why = "the rollout is not fused into the trainer's process (runtime_args.fuse_rollout)"
     elif placements["policy_trainer"].num_actors != 1:
@@ -583,8 +587,9 @@ def old_logprob_pass_from(t, rt, samples_per_step: int, samples_per_episode: int
     ``old_logprobs: rollout``: none (``samples_per_episode``): the rollout engine's stand for them."""
     if t.old_logprobs == "rollout":
         return samples_per_episode
+    # (a distillation algorithm's advantages read every sample's old log-probs: the student's, against the teacher's)
     own_first_step = (t.old_logprobs == "auto" and rt.num_training_epoch == 1 and rt.max_replay_episode == 0
-                      and not t.kl_in_reward)
+                      and not t.kl_in_reward and "teacher" not in declared(t.algorithm, t.advantage_estimator).needs)
     return samples_per_step if own_first_step else 0
 
 

@@ -221,6 +221,9 @@ ALGORITHMS = Registry("algorithm", {
                           "group-relative policy optimization and its family (Dr. GRPO, RLOO, REINFORCE++, DAPO, GSPO)"),
     "ppo": AlgorithmDecl("ppo", ("critic",), ("gae",), "chatlearn.runtime.driver.algorithm:ppo",
                          "PPO with a critic (models.critic) and GAE advantages"),
+    "opd": AlgorithmDecl("opd", ("teacher",), None, "chatlearn.runtime.driver.algorithm:opd",
+                         "on-policy distillation from a model of kind teacher: per-token reverse-KL advantages "
+                         "(distill_coef) beside the task reward's group advantages"),
 }, declared_as="ALGORITHMS", pluggable=True)
 
 # --------------------------------------------------------------------------- backends

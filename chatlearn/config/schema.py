@@ -311,6 +311,9 @@ class PolicyTrainer(TrainerModel):
     # MoE: off | rollout (the experts the rollout engine chose for each response token are recorded and every
     # trainer forward of those samples, the reference's included, routes them the same; chatlearn/models/moe)
     routing_replay: str = "off"
+    # algorithm: opd (on-policy distillation with a model of kind teacher): each response token's advantage is
+    # distill_coef x (teacher log-prob - student log-prob of the sampled token) plus the task reward's group advantage
+    distill_coef: float = 1.0
 
 
 @dataclass
@@ -592,6 +595,33 @@ class Judge:
     weight: float = 1.0  # its score x weight is added to the reward
     normalize: str = "none"  # none | batch (whitened over the episode's samples: zero mean, unit std)
     # its weights leave the devices during the other models' turns (its KV cache always does)
+    free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
+
+
+@dataclass
+class Teacher:
+    """A distillation teacher of the user's naming (``models.<name>: {kind: teacher, ...}``; one per run, read by
+    ``algorithm: opd``): a causal LM with the student's tokenizer and chat template, frozen, that gives the
+    log-probs of the student's sampled tokens (and whether each is its own most likely token) on the training
+    backend's inference path (FSDP2), on devices of its own or of its colocation group (name it in
+    ``runtime_args.colocation`` to let it take turns: its weights leave the devices during the others' turns)."""
+
+    kind: str = "teacher"
+    load: str = MISSING  # a causal LM folder, or Hub model id, with the student's tokenizer
+    hub_id: Optional[str] = None  # written by chatlearn: the Hub id load was resolved from, pinned
+    trust_remote_code: bool = False
+    seed: int = "${runtime_args.seed}"  # type: ignore[assignment]
+    num_gpu: int = "${models.policy_trainer.num_gpu}"  # type: ignore[assignment]
+    gpu_per_process: Optional[int] = 1
+    tensor_model_parallel_size: int = 1  # the FSDP backend: 1 (data-parallel shards over num_gpu)
+    pipeline_model_parallel_size: int = 1
+    generation_batch_size: int = 8  # samples per forward on one rank (unpacked)
+    packing: bool = False  # samples packed into rows of up to max_token_in_packing tokens
+    max_token_in_packing: int = 32768
+    logprob_chunk_tokens: int = 1024  # tokens per chunk of the [tokens, vocab] log-prob computation
+    bf16: Optional[bool] = None  # null: bf16 on CUDA devices that support it, fp32 on CPU
+    meta_init: bool = False  # FSDP: build on the meta device, rank 0 reads the checkpoint and broadcasts the shards
+    use_expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in its workers
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
 
 

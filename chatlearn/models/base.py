@@ -147,6 +147,18 @@ class Trainer(Model):
                 self._logprob_stats = kept
         return {"logprobs": np.asarray(found, dtype=np.float32), "dtype": "bfloat16" if self.spec.bf16 else "float32"}
 
+    def teacher_logprobs(self, batch: Batch, temperature: float = 1.0) -> dict:
+        """A distillation teacher's pass (``spec.role`` teacher): ``{"teacher_logprobs": float32 [T] of
+        :meth:`compute_logprobs`, "teacher_top1": float32 [T], 1.0 where the sampled token is the teacher's most
+        likely one at that position}`` (0 at prompt and observation tokens), from one forward. A collective."""
+        if self.spec.role != "teacher":
+            raise RuntimeError(f"{type(self).__name__}: teacher_logprobs needs a teacher (role teacher); this "
+                               f"model's role is {self.spec.role!r}")
+        from chatlearn.algorithms.grpo import TOP1
+
+        logp, top1 = self.compute_logprobs(batch, temperature, with_entropy=TOP1)
+        return {"teacher_logprobs": np.asarray(logp, np.float32), "teacher_top1": np.asarray(top1, np.float32)}
+
     def ref_logprobs(self, batch: Batch, temperature: float = 1.0):
         """The reference log-probs of a trainer that trains adapters (LoRA): :meth:`compute_logprobs`
         with the adapters disabled, i.e. under the base weights the run started from (the reference

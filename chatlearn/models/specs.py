@@ -185,6 +185,8 @@ class TrainerSpec(_Spec):
         keys, the policy trainer's optimizer and loss options (the reference model shares the
         backend), and the learning-rate schedule's iters resolved against the run's optimizer steps
         (``plan``: the run's :class:`~chatlearn.config.plan.Plan`, from ``load_run``)."""
+        if kind_of(cfg, name).role == "teacher":
+            return cls.teacher_from_config(cfg, name, plan)
         t, rt, pt = cfg.models[name], cfg.runtime_args, cfg.models.policy_trainer
         critic = name == "critic"
         opt = t.optimizer if critic else pt.optimizer  # the critic's own (each key inherits the policy's)
@@ -217,6 +219,20 @@ class TrainerSpec(_Spec):
             use_distributed_optimizer=t.use_distributed_optimizer,
             lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None, moe=MoeSpec.from_config(t),
             plugins=tuple(rt.plugins), plugins_dir=os.getcwd(), routing_replay=pt.routing_replay)
+
+    @classmethod
+    def teacher_from_config(cls, cfg, name: str, plan) -> "TrainerSpec":
+        """The spec of teacher ``name`` (``models.<name>``, kind teacher): its own model, devices, batches and
+        precision; frozen (no optimizer, no adapters, no routing replay: its experts route the student's tokens
+        its own way); the loss fields, which it never reads, the policy trainer's."""
+        t = cfg.models[name]
+        return cls.from_config(cfg, "policy_trainer", plan).replace(
+            load=t.load, trust_remote_code=t.trust_remote_code, seed=t.seed, trainable=False, role="teacher",
+            logprob_micro_batch_size=t.generation_batch_size, packing=t.packing,
+            max_token_in_packing=t.max_token_in_packing, seq_length=None, logprob_chunk_tokens=t.logprob_chunk_tokens,
+            share_prompt=None, gradient_checkpointing=False, bf16=t.bf16, meta_init=t.meta_init,
+            recompute_granularity=None, tensor_model_parallel_size=t.tensor_model_parallel_size,
+            pipeline_model_parallel_size=t.pipeline_model_parallel_size, lora=None, routing_replay="off")
 
 
 @dataclass(frozen=True)

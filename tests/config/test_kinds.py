@@ -129,3 +129,38 @@ def test_no_estimator_name_is_compared_outside_the_algorithms_declarations():
                     if names & set(consts):
                         found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
     assert not found, found
+
+
+def teacher_overrides(tiny_model_dir):
+    return ["models.policy_trainer.algorithm=opd", "models.teacher.kind=teacher", f"models.teacher.load={tiny_model_dir}",
+            "models.teacher.generation_batch_size=4", "runtime_args.rollout_backend=hf",
+            "runtime_args.colocation=[policy,policy_trainer,teacher]"]
+
+
+def test_a_teacher_is_placed_takes_turns_and_gets_its_own_spec(paths_overrides, tiny_model_dir):
+    from chatlearn.config.kinds import TEACHER
+    from chatlearn.models.specs import TrainerSpec
+
+    cfg, plan = load_run(GRPO, paths_overrides + teacher_overrides(tiny_model_dir))
+    assert plan.kind("teacher") is TEACHER and plan.algorithm == "opd"
+    assert plan.device_groups == [["policy", "policy_trainer", "teacher"]]
+    assert sorted(plan.colocated_with("teacher")) == ["policy", "policy_trainer"]
+    assert plan.single_process  # frozen on the training backend, one rank on the trainer's device: as the reference
+    assert plan.old_logprob_pass_from == 0  # the distillation advantages read every sample's old log-probs
+    spec = TrainerSpec.from_config(cfg, "teacher", plan)
+    assert (spec.role, spec.trainable, spec.lora, spec.logprob_micro_batch_size) == ("teacher", False, None, 4)
+    assert spec.load == tiny_model_dir and spec.routing_replay == "off"
+    assert cfg.models.teacher.num_gpu == cfg.models.policy_trainer.num_gpu  # the schema's default follows it
+    # with LoRA the student's adapters learn; the teacher (frozen) needs none
+    cfg, plan = load_run(GRPO, paths_overrides + teacher_overrides(tiny_model_dir) + ["models.policy_trainer.lora.rank=4"])
+    assert plan.kind("teacher") is TEACHER and cfg.models.policy_trainer.lora.rank == 4
+
+
+def test_a_second_teacher_and_megatron_are_refused(paths_overrides, tiny_model_dir):
+    over = paths_overrides + teacher_overrides(tiny_model_dir)
+    with pytest.raises(ConfigError) as err:
+        load_run(GRPO, over + ["models.teacher2.kind=teacher", f"models.teacher2.load={tiny_model_dir}"])
+    assert err.value.key == "models.teacher2.kind" and "a run has one teacher" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_run(GRPO, over + ["runtime_args.train_backend=megatron"])
+    assert err.value.key == "runtime_args.train_backend" and "FSDP2 inference path" in str(err.value)

@@ -2,7 +2,9 @@
 tests/reliability/test_reliability_e2e.py::test_kill_after_a_checkpoint_torn_rows_then_resume).
 
 The run is a multi-turn one (an environment from a file answers every model turn, its reward added
-to the math reward) with a KL term: the most state a resumed run must restore exactly. Single-turn
+to the math reward) with a KL term, distilled from a teacher (algorithm: opd, a model of kind teacher taking
+turns with the others; it scores the model's tokens only): the most state a resumed run must restore exactly,
+and a model that holds none but whose log-probs enter every update. Single-turn
 runs are resumed by the end-to-end tests of reliability, max_staleness, dynamic sampling and Megatron."""
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ RUN = ["runtime_args.num_episode=3", "runtime_args.keep_last_checkpoints=2", "ru
        "models.policy.max_response_tokens_length=64",
        "models.policy.multi_turn.environment=tests/support/multiturn_envs.py:CountdownEnv",
        "models.policy.multi_turn.environment_kwargs={turns: 2}", "models.policy.multi_turn.max_turn_tokens=12",
-       "models.reward.functions=[{name: math, path: 'builtin:math'}]"]
+       "models.reward.functions=[{name: math, path: 'builtin:math'}]",
+       "models.policy_trainer.algorithm=opd", "models.teacher.kind=teacher", "models.teacher.load=assets/tiny_qwen2_teacher",
+       "runtime_args.colocation=[policy,policy_trainer,ref_policy,teacher]"]
 
 
 def command(out):
@@ -50,6 +54,7 @@ def test_sigkill_during_a_save_resumes_exactly(tmp_path):
     expected = runs.learning_metrics(ref)
     assert [r["episode"] for r in expected] == [0, 1, 2, 3]
     assert all(r["train/env/turns_mean"] > 1 for r in expected[1:])  # really multi-turn
+    assert all(r["train/distill/reverse_kl"] != 0 for r in expected[1:])  # really distilled (a teacher's log-probs)
 
     # killed in the middle of writing checkpoint 2 (episode 2 trained): checkpoint 1 stays usable, and the
     # rerun trains episodes 2 and 3 again exactly

@@ -32,10 +32,12 @@ from typing import Callable
 import numpy as np
 
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages, token_kl
+from chatlearn.algorithms.distill import distill_metrics, distill_token_advantages
 from chatlearn.algorithms.gae import episode_gae
 from chatlearn.batch import columns, select_samples
 from chatlearn.calls import put
 from chatlearn.checkpoint.manager import CheckpointManager
+from chatlearn.config.kinds import TEACHER
 from chatlearn.config.registry import ALGORITHMS
 from chatlearn.config.names import Part, Stage
 from chatlearn.config.plan import Plan
@@ -99,6 +101,15 @@ class ModelCalls:
         outs, _ = self.group("policy_trainer").call("ref_logprobs", put(columns(batch, SEQUENCE_COLUMNS)),
                                                     self.temperature)
         return outs[0]
+
+    def teacher(self, model: str, batch: dict) -> np.ndarray:
+        """The teacher ``model``'s log-probs of the batch's tokens (its weights made resident), float32 [T]; its
+        agreement with the sampled tokens goes into ``batch["teacher_top1"]`` (the same forward)."""
+        self.sched.ensure(model, [Part.WEIGHTS])
+        outs, _ = self.group(model).call("teacher_logprobs", put(columns(batch, SEQUENCE_COLUMNS)),
+                                         self.temperature)
+        batch["teacher_top1"] = outs[0]["teacher_top1"]
+        return outs[0]["teacher_logprobs"]
 
     def values(self, model: str, batch: dict) -> np.ndarray:
         """Per-token values of the batch's response tokens under the critic ``model`` (its weights made
@@ -356,6 +367,45 @@ class GAEAdvantages:
         return {**out, **_overlong_metric(self.cfg, scored)}
 
 
+class DistillAdvantages:
+    """On-policy distillation's per-token advantages (``algorithm: opd``): the task reward's group advantage of
+    each sample (:class:`GroupAdvantages`) minus ``distill_coef`` x the reverse KL estimate of each of its tokens,
+    the student's (old) log-prob minus the teacher's (:func:`chatlearn.algorithms.distill.distill_token_advantages`);
+    every sample weighs 1. Its metrics: ``train/distill/*``."""
+
+    columns = ("token_advantages", "sample_weights")
+    column = "token_advantages"
+
+    def __init__(self, cfg, plan: Plan):
+        self.cfg, self.group = cfg, GroupAdvantages(cfg, plan)
+
+    def __call__(self, batch: dict, scored: Scored) -> dict:
+        metrics = self.group(batch, scored)
+        coef = self.cfg.models.policy_trainer.distill_coef
+        student, teacher = batch["old_logprobs"], batch["teacher_logprobs"]
+        batch["token_advantages"] = distill_token_advantages(batch, student, teacher, batch.pop("advantages"), coef)
+        batch["sample_weights"] = np.ones(len(batch["prompt_lens"]), np.float32)
+        metrics.update({f"train/distill/{k}": v for k, v in
+                        distill_metrics(batch, student, teacher, batch["teacher_top1"]).items()})
+        return metrics
+
+
+class TeacherPass:
+    """The teacher's part of a distillation algorithm: its log-probs of the samples' tokens as a pass (stage
+    ``teacher_logprobs``), before the policy's passes so that the policy trainer, resident for its old log-probs,
+    stays to train."""
+
+    replay_columns = ()
+
+    def __init__(self, plan: Plan, calls: ModelCalls):
+        self.model = plan.of_kind(TEACHER)[0]
+        self.calls = calls
+
+    def passes(self) -> list[Pass]:
+        return [Pass(Stage.TEACHER_LOGPROBS, self.model, "teacher_logprobs",
+                     lambda batch: self.calls.teacher(self.model, batch))]
+
+
 class ComposedAlgorithm(Algorithm):
     """An algorithm made of parts: the policy's (:class:`PolicyUpdate`), an advantage estimate
     (:class:`GroupAdvantages`, :class:`GAEAdvantages`) and, for actor-critic methods, the critic's
@@ -398,6 +448,26 @@ def ppo(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
     critic learns the returns before the policy steps."""
     return ComposedAlgorithm("ppo", PolicyUpdate(cfg, plan, calls, steps, GAEAdvantages.column),
                              GAEAdvantages(cfg), CriticUpdate(cfg, calls, steps))
+
+
+class DistillAlgorithm(ComposedAlgorithm):
+    """:class:`ComposedAlgorithm` with a teacher's pass first."""
+
+    def __init__(self, name: str, teacher: TeacherPass, policy: PolicyUpdate, advantages):
+        super().__init__(name, policy, advantages)
+        self.teacher = teacher
+
+    def passes(self) -> list[Pass]:
+        return [*self.teacher.passes(), *super().passes()]
+
+
+def opd(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
+    """On-policy distillation (``algorithm: opd``): the teacher's log-probs of the student's samples, the old
+    log-probs of every sample, per-token advantages from the reverse KL and the task reward
+    (:class:`DistillAdvantages`), the policy's clipped loss."""
+    return DistillAlgorithm("opd", TeacherPass(plan, calls),
+                            PolicyUpdate(cfg, plan, calls, steps, DistillAdvantages.column),
+                            DistillAdvantages(cfg, plan))
 
 
 def make_algorithm(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:

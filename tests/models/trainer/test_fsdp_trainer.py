@@ -375,6 +375,9 @@ def job_two_ranks(rank, world, path, batch, probe, out):
     res.update(_observations_part(path, batch))
     res.update(_residency_part(trainer, batch, probe))
     res.update(_export_part(trainer, probe, out))
+    # a distillation teacher (role teacher): its log-probs and top-1 agreement from one forward, over both ranks
+    teacher = FSDPTrainer(trainer_spec(path, trainable=False, role="teacher"))
+    res["teacher"] = teacher.teacher_logprobs(batch, temperature=TEMPERATURE)
     return res
 
 
@@ -575,6 +578,38 @@ def test_offload_frees_storage_and_onload_restores_bit_for_bit(two, one):
         assert res["onload_bytes"] == res["offload_bytes"]
         assert res["logits_equal"] and res["weights_equal"] and res["states_equal"]
         assert np.isfinite(res["after_onload"]["loss"])
+
+
+def hf_top1(path: str, batch: dict) -> np.ndarray:
+    """Reference: 1.0 where a response token is the argmax of plain transformers' logits at its position."""
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.models.base import response_mask
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    top1 = np.zeros(len(batch["tokens"]), np.float32)
+    off, mask = batch["offsets"], response_mask(batch)
+    with torch.no_grad():
+        for i in range(len(off) - 1):
+            ids = torch.from_numpy(batch["tokens"][off[i]:off[i + 1]])
+            best = model(input_ids=ids[None]).logits[0].argmax(-1)
+            for p in range(1, len(ids)):
+                top1[off[i] + p] = float(mask[off[i] + p] and best[p - 1] == ids[p])
+    return top1
+
+
+@pytest.mark.timeout(240)
+def test_teacher_pass_gives_log_probs_and_argmax_agreement(setup, two):
+    """The teacher's pass over 2 ranks: the log-probs of plain transformers, and 1.0 exactly where the sampled
+    token is the argmax of its logits (the batch's random tokens: some are, most are not)."""
+    (r0, r1), _ = two
+    logp, _ = hf_logprobs(setup["path"], setup["batch"], TEMPERATURE)
+    top1 = hf_top1(setup["path"], setup["batch"])
+    assert 0 < top1.sum() < (logp != 0).sum()
+    for res in (r0, r1):
+        assert set(res["teacher"]) == {"teacher_logprobs", "teacher_top1"}
+        np.testing.assert_allclose(res["teacher"]["teacher_logprobs"], logp, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(res["teacher"]["teacher_top1"], top1)
 
 
 @pytest.mark.timeout(240)

@@ -28,12 +28,13 @@ class FakeGroup:
         return [{"bytes": 8 * len(parts)}], 0.0
 
 
-def plan_of(device_groups: list[list[str]]) -> Plan:
+def plan_of(device_groups: list[list[str]], kinds: dict | None = None) -> Plan:
+    """``kinds``: the kinds of models that are not today's defaults (e.g. a teacher)."""
     plan = Plan.__new__(Plan)
     plan.device_groups = device_groups
     plan.placements = {n: ModelPlacement(n, 1, g, [0]) for g, names in enumerate(device_groups) for n in names}
     plan.placements["reward"] = ModelPlacement("reward", 1, -1, [], 1.0)
-    plan.kinds = {n: DEFAULT_MODELS[n] for n in plan.placements}
+    plan.kinds = {n: {**DEFAULT_MODELS, **(kinds or {})}[n] for n in plan.placements}
     return plan
 
 
@@ -144,3 +145,26 @@ def test_without_a_gpu_nothing_moves_unless_asked(ray_get, capsys):
             assert log == [] and notice
             assert sched.resident == {"policy_trainer": {"weights", "optimizer", "grads"},
                                       "policy": {"weights", "kv_cache"}}
+
+
+def test_a_teacher_takes_its_turn_and_leaves_for_the_others(ray_get):
+    """A distillation teacher colocated with the policy and its trainer: made resident for its pass (the others
+    leave), its weights leave for the trainer's turn; its turns and moves are in the timeline."""
+    from chatlearn.config.kinds import TEACHER
+
+    log: list = []
+    plan = plan_of([["policy", "policy_trainer", "teacher"]], {"teacher": TEACHER})
+    sched = Scheduler(plan, Timeline(None), offload_without_gpu=True)
+    for name in ("teacher", "policy_trainer", "reward", "policy"):  # the build order of their kinds
+        sched.add(name, lambda name=name: FakeGroup(name, log), plan.kinds[name].parts)
+    assert sched.snapshot() == {"policy": ["kv_cache", "weights"]}
+    log.clear()
+    sched.ensure("teacher", [Part.WEIGHTS])  # the teacher's log-probs
+    assert log == [("policy", "offload", ["kv_cache", "weights"]), ("teacher", "onload", ["weights"])]
+    assert sched.snapshot() == {"teacher": ["weights"]}
+    log.clear()
+    sched.take_turn("policy_trainer")  # old log-probs and training
+    assert log[0] == ("teacher", "offload", ["weights"]) and ("policy_trainer", "onload",
+                                                              ["grads", "optimizer", "weights"]) in log
+    moves = [(e["model"], e["action"]) for e in sched.timeline.events if e["kind"] == "transition"]
+    assert ("teacher", "onload") in moves and ("teacher", "offload") in moves

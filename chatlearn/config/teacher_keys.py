@@ -1,0 +1,106 @@
+"""The checks of a distillation teacher (``models.<name>: {kind: teacher, ...}``) and of the algorithms that read
+one (``algorithm: opd``): one paragraph each, naming the key and the fix, before anything starts.
+
+:func:`check_teacher` reads the keys alone (the algorithm and the teacher go together; the teacher's devices, batch
+and backend); :func:`check_teacher_folder` reads the teacher's folder once its ``load`` is resolved: a causal LM
+whose context holds the policy's longest sequence, with the student's tokenizer (the same vocabulary, token for
+id) and chat template: the teacher scores the student's token ids as they are, so another tokenizer would score
+other words (cross-tokenizer distillation is out of scope).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from chatlearn.config.algorithms import declared
+from chatlearn.config.checks import positive as _positive
+from chatlearn.config.kinds import KINDS, TEACHER, models_of
+from chatlearn.config.model_shapes import model_context_length
+from chatlearn.errors import ConfigError
+
+ALGORITHM_KEY = "models.policy_trainer.algorithm"
+
+
+def check_teacher(cfg) -> None:
+    """The algorithm's needed kinds are declared (``opd``: a teacher) and a teacher has an algorithm that reads it;
+    the teacher's keys (devices, batch, backend)."""
+    t = cfg.models.policy_trainer
+    decl = declared(t.algorithm, t.advantage_estimator)
+    teachers = models_of(cfg, TEACHER)
+    for need in decl.needs:
+        if KINDS[need].schema is not None and not models_of(cfg, KINDS[need]):
+            raise ConfigError(
+                f"is {t.algorithm!r}, which learns from a model of kind {need}, but the config declares none. Add "
+                f"one, e.g. models.{need}: {{kind: {need}, load: path/to/model}} (a model with the student's "
+                f"tokenizer; docs/config.md, \"Distillation\"), or train with another algorithm (grpo).",
+                key=ALGORITHM_KEY)
+    for name in teachers:
+        key = f"models.{name}"
+        if "teacher" not in decl.needs:
+            raise ConfigError(
+                f"is a teacher, but algorithm {t.algorithm!r} reads no teacher, so it would start and never run. "
+                f"Set {ALGORITHM_KEY}: opd (on-policy distillation), or remove {key}.", key=f"{key}.kind")
+        s = cfg.models[name]
+        if s.num_gpu < 1:
+            raise ConfigError("must be at least 1 (a logical device on a machine without a GPU); name the teacher "
+                              "in runtime_args.colocation to let it take turns with the other models.",
+                              key=f"{key}.num_gpu")
+        if s.gpu_per_process not in (None, 1):
+            raise ConfigError("must be 1: each Ray actor of the teacher drives one device.", key=f"{key}.gpu_per_process")
+        _positive(s.generation_batch_size, f"{key}.generation_batch_size")
+        _positive(s.logprob_chunk_tokens, f"{key}.logprob_chunk_tokens")
+        if s.packing:
+            _positive(s.max_token_in_packing, f"{key}.max_token_in_packing")
+        if cfg.runtime_args.train_backend != "fsdp":
+            raise ConfigError(
+                f"is {cfg.runtime_args.train_backend!r}, but the teacher {name} runs on the FSDP2 inference path "
+                "only: its pass takes, beside its log-prob of each sampled token, its most likely token at every "
+                "position (train/distill/top1_agreement), which Megatron's log-prob path (the vocabulary split over "
+                "tensor-parallel ranks) does not give. Use train_backend: fsdp for distillation.",
+                key="runtime_args.train_backend")
+
+
+def check_teacher_folder(cfg, name: str, longest: int) -> None:
+    """Teacher ``name``'s ``load`` (a resolved local folder): a context of at least ``longest`` tokens (the policy's
+    prompt + response), the student's vocabulary and chat template (the policy's model folder)."""
+    s, key = cfg.models[name], f"models.{name}.load"
+    student = cfg.models.policy.load
+    limit = model_context_length(s.load)
+    if limit is not None and limit < longest:
+        raise ConfigError(
+            f"the teacher takes {limit} tokens ({s.load}/config.json), fewer than the policy's longest prompt + "
+            f"response ({longest} tokens, models.policy): it scores every sample whole. Use a teacher with a "
+            "longer context, or lower models.policy.max_prompt_tokens_length / max_response_tokens_length.", key=key)
+    with open(os.path.join(s.load, "config.json"), encoding="utf-8") as f:
+        archs = json.load(f).get("architectures") or []
+    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+        raise ConfigError(f"{s.load!r} is not a causal language model: its config.json declares {archs}, and a "
+                          "teacher gives next-token log-probs (an LM head). Point it at a *ForCausalLM model.",
+                          key=key)
+    mine, theirs = _tokenizer(s.load, s.trust_remote_code, key), _tokenizer(
+        student, cfg.models.policy.trust_remote_code, "models.policy.load")
+    a, b = mine.get_vocab(), theirs.get_vocab()
+    if a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
+        raise ConfigError(
+            f"the teacher's tokenizer ({s.load}, {len(a)} tokens) differs from the student's ({student}, {len(b)} "
+            f"tokens; e.g. {', '.join(f'{tok!r}: {i}' for tok, i in differ)}): the teacher scores the student's "
+            "token ids as they are, so it would score other text. Use a teacher with the student's tokenizer (the "
+            "same model family), or copy the student's tokenizer files into the teacher's folder if they encode "
+            "the same text; cross-tokenizer distillation is not supported.", key=key)
+    if (mine.chat_template or None) != (theirs.chat_template or None):
+        raise ConfigError(
+            f"the teacher's chat template ({s.load}) differs from the student's ({student}): the prompts are "
+            "rendered with the student's, which the teacher was not trained on, so its log-probs would score an "
+            "unfamiliar format. Use a teacher with the student's chat template (tokenizer_config.json / "
+            "chat_template.jinja).", key=key)
+
+
+def _tokenizer(folder: str, trust_remote_code: bool, key: str):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - any failure to load is the user's folder
+        raise ConfigError(f"the tokenizer in {folder!r} does not load ({type(err).__name__}: {err}). Add its "
+                          "tokenizer files to the folder.", key=key) from None
