@@ -559,6 +559,17 @@ class ScoringModel(Model):
         array on every rank (a collective)."""
 
 
+class JudgingModel(Model):
+    """An LLM judge (a model of kind ``judge``): a causal LM on a rollout engine that gives a verdict on each
+    rendered prompt (``chatlearn/models/reward/judge.py``); it holds ``weights`` and ``kv_cache`` and takes turns
+    like the other models."""
+
+    @abc.abstractmethod
+    def judge(self, prompts: list[list[dict]], probs: bool | None = None) -> dict:
+        """``{"texts": the verdicts, "yes_probs": float32 [N] (NaN where not asked for), "generated_tokens": int}``
+        of each prompt (a list of chat messages); ``probs``: None, the judge's setting; True, both; False, texts."""
+
+
 class Reward(abc.ABC):
     """A reward worker: scores the responses of a share of the samples (on CPUs; it holds no
     parts). ``chatlearn.runtime.driver.sampling.Sampling.score`` calls :meth:`score_one` for each

@@ -16,11 +16,12 @@ import re
 
 import pytest
 
-from chatlearn.models.base import Model, Reward, Rollout, ScoringModel, Trainer
+from chatlearn.models.base import JudgingModel, Model, Reward, Rollout, ScoringModel, Trainer
 
 RUNTIME = os.path.join(os.path.dirname(__file__), "..", "..", "chatlearn", "runtime")
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "chatlearn", "config")
-BASES = {"Trainer": Trainer, "Rollout": Rollout, "Reward": Reward, "ScoringModel": ScoringModel, "Model": Model}
+BASES = {"Trainer": Trainer, "Rollout": Rollout, "Reward": Reward, "ScoringModel": ScoringModel,
+         "JudgingModel": JudgingModel, "Model": Model}
 BACKENDS = ["chatlearn.models.trainer.fsdp:FSDPTrainer",
             "chatlearn.models.trainer.megatron:MegatronTrainer",
             "chatlearn.models.rollout.hf:HFRollout",
@@ -38,7 +39,7 @@ def _complete(base: type) -> type:
                 {name: (lambda self, *a, **k: None) for name in base.__abstractmethods__})
 
 
-@pytest.mark.parametrize("base", [Trainer, Rollout, Reward, ScoringModel], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("base", [Trainer, Rollout, Reward, ScoringModel, JudgingModel], ids=lambda b: b.__name__)
 def test_a_backend_missing_an_abstract_method_fails_at_instantiation(base):
     _complete(base)()  # all of them: it builds
     assert base.__abstractmethods__
@@ -168,7 +169,7 @@ def test_every_method_the_runtime_calls_is_declared_on_its_base():
             "attach_weight_slots", "load_weight_slot", "detach_weight_slots"} <= found, found
     undeclared = []
     for name, base, where in calls:
-        bases = [BASES[base]] if base else [Trainer, Rollout, Reward, ScoringModel]
+        bases = [BASES[base]] if base else [Trainer, Rollout, Reward, ScoringModel, JudgingModel]
         if not any(_declared(b, name) for b in bases):
             undeclared.append(f"{name} ({where}, on {base or 'a backend'})")
     assert not undeclared, f"the runtime calls methods no base class declares: {undeclared}"
@@ -195,7 +196,7 @@ def test_every_backend_implements_its_contract(factory):
         cls = getattr(importlib.import_module(module), name)
     except ImportError as err:  # the backend's library is not installed here
         pytest.skip(f"{module}: {err}")
-    bases = [b for b in (Trainer, Rollout, Reward, ScoringModel) if issubclass(cls, b)]
-    assert len(bases) == 1, f"{factory} must derive from one of Trainer, Rollout, Reward, ScoringModel"
+    bases = [b for b in (Trainer, Rollout, Reward, ScoringModel, JudgingModel) if issubclass(cls, b)]
+    assert len(bases) == 1, f"{factory} must derive from one of Trainer, Rollout, Reward, ScoringModel, JudgingModel"
     assert not inspect.isabstract(cls), f"{factory} leaves {sorted(cls.__abstractmethods__)} unimplemented"
     assert not hasattr(cls, "update_weights")

@@ -28,14 +28,14 @@ import torch
 
 from chatlearn.config import registry
 from chatlearn.errors import UserError
-from chatlearn.models.base import Model
+from chatlearn.models.base import JudgingModel
 from chatlearn.models.specs import resolve_for_device
 
 if TYPE_CHECKING:
     from chatlearn.models.specs import JudgeSpec
 
 
-class JudgeModel(Model):
+class JudgeModel(JudgingModel):
     """A judge on one device (one engine; replicas are separate actors)."""
 
     def __init__(self, spec: JudgeSpec):
