@@ -254,56 +254,47 @@ def build_tokenizer(records: list[dict]):
 # --------------------------------------------------------------------------------------
 
 
-def build_model(tokenizer, seed: int):
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def _causal_lm(tokenizer, seed: int, config_cls, model_cls, shape: dict):
+    """``model_cls`` of ``shape`` over ``tokenizer``'s vocabulary (rounded up to ``VOCAB_MULTIPLE``), float32,
+    random init from ``seed``. Only the end-of-turn / padding ids in its generation config: no sampling
+    defaults, so that engines that read generation_config.json (vLLM does) keep the caller's sampling
+    parameters."""
+    from transformers import GenerationConfig
 
-    vocab_size = len(tokenizer)
-    vocab_size = -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    config = Qwen2Config(
+    config = config_cls(
         vocab_size=vocab_size,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         bos_token_id=None,
         dtype="float32",
-        architectures=["Qwen2ForCausalLM"],
-        **MODEL_SHAPE,
+        architectures=[model_cls.__name__],
+        **shape,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).float()
-    # Only the end-of-turn / padding ids: no sampling defaults, so that engines that read
-    # generation_config.json (vLLM does) keep the caller's sampling parameters.
+    model = model_cls(config).float()
     model.generation_config = GenerationConfig(
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
     )
     return model
 
 
+def build_model(tokenizer, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _causal_lm(tokenizer, seed, Qwen2Config, Qwen2ForCausalLM, MODEL_SHAPE)
+
+
 def build_moe_model(tokenizer, seed: int):
     """The mixture-of-experts toy: ``Qwen3MoeForCausalLM`` of ``MOE_SHAPE``, random init from ``seed``.
     ``output_router_logits`` is on while it is built (the warm start's loss then includes the router's
     load-balancing loss at ``router_aux_loss_coef``, transformers' own) and off in the saved config."""
-    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    eos_id = tokenizer.convert_tokens_to_ids(IM_END)
-    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    config = Qwen3MoeConfig(
-        vocab_size=vocab_size,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        bos_token_id=None,
-        dtype="float32",
-        architectures=["Qwen3MoeForCausalLM"],
-        **MOE_SHAPE,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).float()
+    model = _causal_lm(tokenizer, seed, Qwen3MoeConfig, Qwen3MoeForCausalLM, MOE_SHAPE)
     model.config.output_router_logits = True
-    model.generation_config = GenerationConfig(
-        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
-    )
     return model
 
 
