@@ -27,8 +27,14 @@ _started = False
 
 def context():
     """The multiprocessing context the rank jobs start their processes from (the fork server, started on
-    first use)."""
+    first use); on a machine with CUDA, ``spawn``: importing the preloaded modules there initialises CUDA
+    in the server, and a process forked from it then cannot use CUDA ("Cannot re-initialize CUDA in
+    forked subprocess", seen on an H200)."""
     global _started
+    import torch
+
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     if not _started:
         ctx.set_forkserver_preload(PRELOAD)

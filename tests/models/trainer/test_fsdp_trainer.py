@@ -751,3 +751,19 @@ def test_observation_tokens_get_no_loss_and_no_gradient(setup, two, one):
         torch.testing.assert_close(r0["obs_grads"][key], g, rtol=0, atol=1e-6, msg=key)
         differs |= not torch.allclose(one["unmasked_grads"][key], g, rtol=0, atol=1e-4)
     assert differs  # the observation tokens would have changed the gradient
+
+
+def job_where_am_i(rank, world):
+    return {"rank": rank, "world": world, "pid": os.getpid()}
+
+
+@pytest.mark.slow  # a spawned rank imports torch & co. itself: about 10 s
+def test_rank_jobs_are_spawned_where_cuda_is(monkeypatch, tmp_path):
+    """On a CUDA machine the fork server's imports initialise CUDA, which a forked rank cannot use; there the
+    ranks are spawned (a rank job still runs, its function found by reference as from the fork server)."""
+    import rank_processes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert rank_processes.context().get_start_method() == "spawn"
+    results = run_ranks(job_where_am_i, 1, tmp_path)
+    assert results[0]["rank"] == 0 and results[0]["world"] == 1 and results[0]["pid"] != os.getpid()
