@@ -80,6 +80,9 @@ class HFArch:
     shared_expert_ffn_hidden_size: int = 0  # Qwen2-MoE's shared expert (with its sigmoid gate); 0: none
     moe_layers: tuple = ()  # the layers whose MLP is the experts' (the others are dense)
     router_aux_loss_coef: float = 0.0
+    # the embedding's padding_idx (config.json's pad_token_id): the Hugging Face model's nn.Embedding gives
+    # that row no gradient from the input side; None: no such row
+    padding_idx: int | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -144,6 +147,7 @@ class HFArch:
             tied_embeddings=bool(conf.tie_word_embeddings),
             max_position_embeddings=conf.max_position_embeddings,
             attention_dropout=float(conf.attention_dropout),
+            padding_idx=getattr(conf, "pad_token_id", None),
             **moe,
         )
 

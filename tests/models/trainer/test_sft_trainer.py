@@ -109,7 +109,9 @@ def test_sft_loss_terms_are_the_token_mean_over_the_global_batch():
 
 
 def job_megatron(rank, world, path, batch):
-    """The Megatron trainer (TP = 2 under the CPU device shim): the same SFT loss through its loss hook."""
+    """The Megatron trainer (TP = 1 under the CPU device shim): the same SFT loss through its loss hook. The
+    batch holds the pad token (id 0 of the tiny model) as a real token: the Hugging Face embedding gives that
+    row no gradient from the input side (``padding_idx``), and the Megatron model must do the same."""
     from megatron_shim import cpu_device_shim
     from test_megatron_trainer import megatron_spec
 
@@ -128,9 +130,6 @@ def job_megatron(rank, world, path, batch):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="the Megatron trainer's loss is the reference's, but its gradient norm on SFT "
-                   "batches is about 0.3-0.6% above the FSDP trainer's and the plain reference's (with or without a "
-                   "masked user turn); not yet understood, so chatlearn sft on Megatron is not claimed exact")
 def test_sft_through_the_megatron_trainer_gives_the_same_loss_and_gradient_norm(tmp_path):
     from transformers import AutoConfig
 
@@ -140,6 +139,7 @@ def test_sft_through_the_megatron_trainer_gives_the_same_loss_and_gradient_norm(
         pytest.skip("megatron-core is not installed")
     path = make_tiny_model(str(tmp_path / "tiny"))
     batch = sft_batch(AutoConfig.from_pretrained(path).vocab_size)
+    assert AutoConfig.from_pretrained(path).pad_token_id == 0 and (batch["tokens"] == 0).any()
     ref_loss, ref_grads = reference(path, batch)
     ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
     got = run_ranks(job_megatron, 1, tmp_path, path, batch)[0]
@@ -147,3 +147,33 @@ def test_sft_through_the_megatron_trainer_gives_the_same_loss_and_gradient_norm(
     assert got["step"]["loss"] == pytest.approx(ref_loss, rel=1e-5)
     assert got["fsdp"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)  # before clipping
     assert got["step"]["grad_norm"] == pytest.approx(got["fsdp"]["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_megatron_embedding_gives_the_padding_row_no_input_gradient(sequence_parallel):
+    """The hook on megatron-core's word embeddings (``_no_gradient_at_padding_idx``) against
+    ``nn.Embedding(padding_idx=...)``, in both output layouts: ``[b, s, h]``, and under sequence parallelism
+    this rank's ``[s / tp, b, h]`` slice (rank 1 of 2 here)."""
+    from chatlearn.models.trainer.megatron import model as megatron_model
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[3, 0, 5, 0, 1, 2], [0, 4, 4, 1, 0, 3]])
+    weight = torch.randn(6, 4)
+    ref = torch.nn.Embedding(6, 4, padding_idx=0)
+    ref.weight.data.copy_(weight)
+    ref(ids).pow(2).sum().backward()
+
+    class Rank1:  # what the hook reads of VocabParallelEmbedding
+        reduce_scatter_embeddings = sequence_parallel
+        tp_group = type("Group", (), {"rank": staticmethod(lambda: 1)})()
+
+    w = weight.clone().requires_grad_(True)
+    out = torch.nn.functional.embedding(ids, w)
+    if sequence_parallel:  # this rank's half of the sequence, [s/2, b, h]
+        out = out.transpose(0, 1)[3:]
+    megatron_model._no_gradient_at_padding_idx(0)(Rank1(), (ids,), out).pow(2).sum().backward()
+    if sequence_parallel:  # the reference restricted to the same half
+        ref.weight.grad = None
+        ref(ids[:, 3:]).pow(2).sum().backward()
+    torch.testing.assert_close(w.grad, ref.weight.grad)
+    assert w.grad[0].abs().sum() == 0 and w.grad[3].abs().sum() > 0

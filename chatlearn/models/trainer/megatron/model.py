@@ -405,5 +405,25 @@ def build_gpt_model(arch: HFArch, config, transformer_engine: bool = False, valu
         rope_scaling_factor=arch.rope_scaling_factor or 8.0)
     if value_head and model.post_process:
         model.output_layer = ValueHead(config)
+    if arch.padding_idx is not None and model.pre_process:
+        model.embedding.word_embeddings.register_forward_hook(_no_gradient_at_padding_idx(arch.padding_idx))
     return model
+
+
+def _no_gradient_at_padding_idx(padding_idx: int):
+    """A forward hook for megatron-core's ``VocabParallelEmbedding`` that gives the embedding of
+    ``padding_idx`` no gradient from the input side, as the Hugging Face model's
+    ``nn.Embedding(padding_idx=...)`` does (the row still learns through a tied output layer): without it a
+    batch in which the pad token is also a real token trains that row differently from the FSDP2 trainer.
+    The output is ``[b, s, h]``, or under sequence parallelism this rank's ``[s / tp, b, h]`` slice."""
+
+    def hook(module, args, output):
+        at_pad = args[0] == padding_idx  # [b, s]
+        if getattr(module, "reduce_scatter_embeddings", False):
+            rows = output.shape[0]
+            start = module.tp_group.rank() * rows
+            at_pad = at_pad.transpose(0, 1)[start:start + rows]
+        return torch.where(at_pad[..., None], output.detach(), output)
+
+    return hook
 
