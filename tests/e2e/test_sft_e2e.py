@@ -84,3 +84,33 @@ def test_sft_learns_loads_as_the_policy_and_resumes_exactly_after_sigkill(tmp_pa
     assert sft_rows(out) == rows
     mine, theirs = load_file(out / "result" / "model.safetensors"), load_file(result / "model.safetensors")
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sft_on_the_megatron_trainer_tracks_fsdp(tmp_path):
+    """``chatlearn sft`` on the Megatron trainer (TP 2, the trainer actors under the test-only CPU device shim, as
+    in test_megatron_e2e.py): the same loss, gradient norm and eval loss per step as the FSDP2 run of the same
+    config (4 steps), and a result folder transformers loads."""
+    site = os.path.join(REPO, "tests", "support", "megatron_cpu_site")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATLEARN_TEST_MEGATRON_CPU_SHIM": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
+    short = ["sft.max_steps=4", "sft.eval_interval=2", "sft.save_interval=4"]
+    megatron = ["runtime_args.train_backend=megatron", "models.policy_trainer.num_gpu=2",
+                "models.policy_trainer.tensor_model_parallel_size=2"]
+    rows = {}
+    for name, extra in (("fsdp", []), ("megatron", megatron)):
+        out = tmp_path / name
+        proc = subprocess.run([*command(out), *short, *extra], cwd=REPO, capture_output=True, text=True, timeout=400,
+                              env=env if name == "megatron" else None)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        rows[name] = sft_rows(out)
+    assert len(rows["megatron"]) == len(rows["fsdp"]) == 5
+    for mine, theirs in zip(rows["megatron"], rows["fsdp"]):
+        assert set(mine) <= set(theirs)  # FSDP2 adds its prefix-sharing share (sft/shared_token_frac)
+        for key in ("sft/loss", "sft/grad_norm", "sft/eval_loss", "sft/num_tokens"):
+            if key in theirs:
+                assert mine[key] == pytest.approx(theirs[key], rel=2e-4), (mine["episode"], key)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "megatron" / "result")

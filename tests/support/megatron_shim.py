@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Iterator
 from unittest import mock
 
@@ -192,13 +193,25 @@ def cpu_device_shim() -> Iterator[None]:
 
 # --------------------------------------------------------------------------- end-to-end runs
 
+_inside = threading.local()
+
+
 def _shimmed(method):
-    """``method`` run inside the shim; a generator is drained inside it (into a list)."""
+    """``method`` run inside the shim; a generator is drained inside it (into a list). A shimmed method
+    called from another (``train_sft`` -> ``train`` -> ``compute_grads``) runs in the caller's shim: a nested
+    shim's exit would take the CUDA-to-CPU mode away from the rest of the caller."""
     @functools.wraps(method)
     def run(*args, **kwargs):
-        with cpu_device_shim():
+        if getattr(_inside, "depth", 0):
             out = method(*args, **kwargs)
             return list(out) if inspect.isgenerator(out) else out
+        _inside.depth = 1
+        try:
+            with cpu_device_shim():
+                out = method(*args, **kwargs)
+                return list(out) if inspect.isgenerator(out) else out
+        finally:
+            _inside.depth = 0
 
     return run
 
