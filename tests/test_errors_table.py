@@ -316,6 +316,9 @@ CASES = [
     ("a KL term with GKD", lambda c: [*teacher(lambda c: c.model, algorithm="gkd")(c)[:-1],
                                       "models.policy_trainer.kl_coef=0.1", "--dry-run"],
      ["models.policy_trainer.kl_coef", "generalized JSD to the teacher alone"], ["Set it to 0"]),
+    ("opd's distill_coef with GKD", lambda c: [*teacher(lambda c: c.model, algorithm="gkd")(c)[:-1],
+                                               "models.policy_trainer.distill_coef=0.5", "--dry-run"],
+     ["models.policy_trainer.distill_coef", "only algorithm: opd reads it"], ["Remove it"]),
 ]
 
 

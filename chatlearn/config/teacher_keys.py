@@ -78,11 +78,15 @@ def check_gkd_keys(cfg) -> None:
                     f"is set, but only algorithm: gkd reads it (the algorithm is {t.algorithm!r}), so it would not "
                     f"act. Set {ALGORITHM_KEY}: gkd, or remove {key}.{name}.", key=f"{key}.{name}")
         return
-    for name in ("kl_coef", "entropy_coef"):
+    for name in ("kl_coef", "entropy_coef", "filter_equal_groups"):
         if getattr(t, name) > 0:
             raise ConfigError(f"is {getattr(t, name)}, but algorithm gkd's loss is the generalized JSD to the "
-                              "teacher alone (no reference model, no entropy bonus), so it would not act. Set it "
-                              "to 0.", key=f"{key}.{name}")
+                              "teacher alone (no reference model, no entropy bonus, no advantages), so it would not "
+                              "act. Set it to 0 (False).", key=f"{key}.{name}")
+    if t.distill_coef != 1.0:
+        raise ConfigError(f"is {t.distill_coef}, but only algorithm: opd reads it (the weight of its reverse-KL "
+                          "advantage); gkd trains on the divergence alone, so it would not act. Remove it.",
+                          key=f"{key}.distill_coef")
     if not 0.0 <= t.gkd_beta <= 1.0:
         raise ConfigError(f"is {t.gkd_beta}: the generalized JSD's beta is in [0, 1] (0: forward KL from the "
                           "teacher, 1: reverse KL from the student, 0.5: the symmetric JSD).", key=f"{key}.gkd_beta")
