@@ -55,9 +55,9 @@ def check_teacher(cfg) -> None:
         if cfg.runtime_args.train_backend != "fsdp":
             raise ConfigError(
                 f"is {cfg.runtime_args.train_backend!r}, but the teacher {name} runs on the FSDP2 inference path "
-                "only: its pass takes, beside its log-prob of each sampled token, its most likely token at every "
-                "position (train/distill/top1_agreement), which Megatron's log-prob path (the vocabulary split over "
-                "tensor-parallel ranks) does not give. Use train_backend: fsdp for distillation.",
+                "only: a teacher on the Megatron backend (its most likely tokens gathered over the tensor-parallel "
+                "ranks' slices of the vocabulary) is not placed and tested end to end yet. Use train_backend: fsdp "
+                "for distillation.",
                 key="runtime_args.train_backend")
 
 
