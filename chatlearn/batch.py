@@ -63,6 +63,11 @@ COLUMNS: dict[str, Column] = {c.name: c for c in (
            "the distillation teacher's log-probs of the sampled tokens (0 on prompt and observation tokens)"),
     Column("teacher_top1", TOKEN, "f", "teacher_logprobs (teacher)",
            "1 where the sampled token is the teacher's most likely token at that position, else 0"),
+    Column("teacher_topk_logprobs", TOKEN, "f", "teacher_logprobs (teacher, algorithm: gkd)",
+           "[T, k] the teacher's log-probs of its k most likely tokens at each position, most likely first "
+           "(k: distill_topk, or the vocabulary; 0 on prompt and observation tokens)"),
+    Column("teacher_topk_ids", TOKEN, "iu", "teacher_logprobs (teacher, algorithm: gkd)",
+           "[T, k] the ids of those tokens"),
     Column("reward_model_scores", SAMPLE, "f", "reward_model (reward model)",
            "the reward model's raw score of each sample"),
     Column("sample_weights", SAMPLE, "f", "advantages (algorithm)",

@@ -23,7 +23,8 @@ def test_every_column_declares_what_it_is():
     for name, col in COLUMNS.items():
         assert col.name == name and col.per in (SAMPLE, TOKEN, "index") and col.kind and col.writer and col.doc
     assert set(token_columns()) == {"tokens", "rollout_logprobs", "old_logprobs", "ref_logprobs", "loss_mask",
-                                    "routed_experts", "teacher_logprobs", "teacher_top1",
+                                    "routed_experts", "teacher_logprobs", "teacher_top1", "teacher_topk_logprobs",
+                                    "teacher_topk_ids",
                                     "values", "returns", "token_advantages"}
     assert column("env/anything").per == SAMPLE
 

@@ -308,6 +308,17 @@ CASES = [
      ["Use a teacher with the student's chat template"]),
     ("a teacher of a shorter context", teacher(_teacher_short_context),
      ["models.teacher.load", "takes 16 tokens", "longest prompt + response"], ["Use a teacher with a longer context"]),
+    ("a GKD key under another algorithm", dry("models.policy_trainer.gkd_beta=0.1"),
+     ["models.policy_trainer.gkd_beta", "only algorithm: gkd reads it"], ["Set models.policy_trainer.algorithm: gkd"]),
+    ("a GKD beta out of [0, 1]", lambda c: [*teacher(lambda c: c.model, algorithm="gkd")(c)[:-1],
+                                            "models.policy_trainer.gkd_beta=1.5", "--dry-run"],
+     ["models.policy_trainer.gkd_beta", "is 1.5", "in [0, 1]"], ["0: forward KL"]),
+    ("a KL term with GKD", lambda c: [*teacher(lambda c: c.model, algorithm="gkd")(c)[:-1],
+                                      "models.policy_trainer.kl_coef=0.1", "--dry-run"],
+     ["models.policy_trainer.kl_coef", "generalized JSD to the teacher alone"], ["Set it to 0"]),
+    ("opd's distill_coef with GKD", lambda c: [*teacher(lambda c: c.model, algorithm="gkd")(c)[:-1],
+                                               "models.policy_trainer.distill_coef=0.5", "--dry-run"],
+     ["models.policy_trainer.distill_coef", "only algorithm: opd reads it"], ["Remove it"]),
 ]
 
 

@@ -628,7 +628,7 @@ def write_teacher_readme(path: Path, info: dict) -> None:
     settings = ", ".join(f"{k} {v}" for k, v in EVAL_SAMPLING.items())
     section = f"""## `tiny_qwen2_teacher/`: the distillation teacher
 
-The teacher of `template/distill.yaml` (on-policy distillation, `algorithm: opd`): `tiny_qwen2/`'s
+The teacher of `template/distill.yaml` (distillation, `algorithm: gkd` or `opd`): `tiny_qwen2/`'s
 shape, tokenizer and chat template (the same files), trained on where the student stops. Rebuild it
 (and this section) from the repository root, after the dense model, with
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from chatlearn.algorithms.advantages import loss_token_counts
+from chatlearn.algorithms.gkd import GKDRows, TeacherTopK
 from chatlearn.algorithms.kl import kl_penalty
 from chatlearn.config import registry
 
@@ -276,12 +277,19 @@ TOP1 = "top1"
 
 
 def _chunk_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor,
-                            temperature: float, with_entropy: bool):
+                            temperature: float, with_entropy):
     """One chunk: z = float(hidden @ weight.T + bias) / temperature, then log-probs and, with ``with_entropy``,
     the entropy (True) or, with ``"top1"``, 1.0 where the target is the distribution's most likely token (a
-    distillation teacher's agreement with the student's samples)."""
-    z = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    distillation teacher's agreement with the student's samples); with a
+    :class:`~chatlearn.algorithms.gkd.TeacherTopK` its outputs (the agreement, the top-k log-probs and ids),
+    with a :class:`~chatlearn.algorithms.gkd.GKDRows` (this chunk's) the GKD divergence of each row."""
+    raw = torch.nn.functional.linear(hidden, weight, bias).float()
+    z = raw / temperature
     logp = logprobs_from_logits(z, targets)
+    if isinstance(with_entropy, TeacherTopK):
+        return (logp, *with_entropy.outputs(z, targets))
+    if isinstance(with_entropy, GKDRows):
+        return logp, with_entropy.outputs(raw)
     if with_entropy == TOP1:
         return logp, (z.argmax(dim=-1) == targets).float()
     return (logp, entropy_from_logits(z)) if with_entropy else (logp,)
@@ -295,7 +303,9 @@ def chunked_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
 
     hidden [M, H], weight [V, H] (an LM head), targets int64 [M]. Returns ``(logp [M],
     entropy [M] or None)`` in float32 (``with_entropy`` :data:`TOP1`: 1.0/0.0 argmax agreement in place of
-    the entropy) (the logits are cast to float32 before the division by
+    the entropy; a :class:`~chatlearn.algorithms.gkd.TeacherTopK`: a tuple ``(agreement [M], top-k log-probs
+    [M, k], ids [M, k])``; a :class:`~chatlearn.algorithms.gkd.GKDRows` of the M rows: the GKD divergence [M],
+    differentiable) (the logits are cast to float32 before the division by
     the temperature, as the unchunked path does). Values equal :func:`logprobs_from_logits` /
     :func:`entropy_from_logits` of the full logits up to matmul blocking (float32 rounding).
 
@@ -313,17 +323,22 @@ def chunked_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
     logps, ents = [], []
-    for h, t in zip(torch.split(hidden, chunk), torch.split(targets, chunk)):
+    modes = (with_entropy.split(chunk) if isinstance(with_entropy, GKDRows)
+             else [with_entropy] * len(torch.split(targets, chunk)))
+    for h, t, mode in zip(torch.split(hidden, chunk), torch.split(targets, chunk), modes):
         if grad:
             out = torch.utils.checkpoint.checkpoint(
-                _chunk_logprobs_entropy, h, weight, bias, t, temperature, with_entropy,
+                _chunk_logprobs_entropy, h, weight, bias, t, temperature, mode,
                 use_reentrant=False)
         else:
-            out = _chunk_logprobs_entropy(h, weight, bias, t, temperature, with_entropy)
+            out = _chunk_logprobs_entropy(h, weight, bias, t, temperature, mode)
         logps.append(out[0])
         if with_entropy:
-            ents.append(out[1])
-    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+            ents.append(out[1:])
+    if not with_entropy:
+        return torch.cat(logps), None
+    second = [torch.cat(parts) for parts in zip(*ents)]
+    return torch.cat(logps), (second[0] if len(second) == 1 else tuple(second))
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ def _check_group_size(t, group: int) -> None:
     """Group-relative advantages need groups: with one sample per prompt the advantages of the
     estimators of :data:`~chatlearn.config.registry.GROUP_BASELINE_ESTIMATORS` are all 0 (no loss, no
     gradient), and filter_equal_groups drops every group."""
-    if group >= 2:
+    if group >= 2 or t.algorithm == "gkd":  # gkd trains on no advantage (its loss is the divergence to a teacher)
         return
     if t.advantage_estimator in GROUP_BASELINE_ESTIMATORS:
         raise ConfigError(

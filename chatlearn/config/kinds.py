@@ -75,7 +75,8 @@ JUDGE = Kind("judge", "judge", (Part.WEIGHTS, Part.KV_CACHE), Stage.JUDGE, (), t
              schema=Judge)
 # a distillation teacher (models.<name>: {kind: teacher, ...}): the training backend's inference path, as the
 # reference; built first (frozen weights alone: it leaves the devices before the others are built)
-TEACHER = Kind("teacher", "teacher", (Part.WEIGHTS,), Stage.TEACHER_LOGPROBS, ("teacher_logprobs", "teacher_top1"),
+TEACHER = Kind("teacher", "teacher", (Part.WEIGHTS,), Stage.TEACHER_LOGPROBS,
+               ("teacher_logprobs", "teacher_top1", "teacher_topk_logprobs", "teacher_topk_ids"),
                trains=False, checkpoint_folder=None, backend="train", worker="trainer", distributed=True,
                build_rank=-1, default_model=None, max_count=1, schema=Teacher, role="teacher")
 REWARD = Kind("reward", "reward functions", (), Stage.REWARD, (), trains=False, checkpoint_folder=None,

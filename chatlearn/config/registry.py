@@ -224,6 +224,9 @@ ALGORITHMS = Registry("algorithm", {
     "opd": AlgorithmDecl("opd", ("teacher",), None, "chatlearn.runtime.driver.algorithm:opd",
                          "on-policy distillation from a model of kind teacher: per-token reverse-KL advantages "
                          "(distill_coef) beside the task reward's group advantages"),
+    "gkd": AlgorithmDecl("gkd", ("teacher",), None, "chatlearn.runtime.driver.algorithm:gkd",
+                         "generalized knowledge distillation (TRL's GKD) on the student's samples: the generalized "
+                         "JSD (gkd_beta, gkd_temperature) to the teacher's top-k (distill_topk) or full distribution"),
 }, declared_as="ALGORITHMS", pluggable=True)
 
 # --------------------------------------------------------------------------- backends

@@ -314,6 +314,13 @@ class PolicyTrainer(TrainerModel):
     # algorithm: opd (on-policy distillation with a model of kind teacher): each response token's advantage is
     # distill_coef x (teacher log-prob - student log-prob of the sampled token) plus the task reward's group advantage
     distill_coef: float = 1.0
+    # algorithm: gkd (generalized knowledge distillation, TRL's GKD on the student's samples): the loss is the
+    # generalized JSD between the student's and the teacher's next-token distributions at gkd_temperature, beta 0:
+    # forward KL(teacher || student), 1: reverse KL(student || teacher); over the teacher's distill_topk most likely
+    # tokens and the rest (null: the whole vocabulary)
+    gkd_beta: float = 0.5
+    gkd_temperature: float = 1.0
+    distill_topk: Optional[int] = None
 
 
 @dataclass

@@ -34,12 +34,13 @@ def check_teacher(cfg) -> None:
                 f"one, e.g. models.{need}: {{kind: {need}, load: path/to/model}} (a model with the student's "
                 f"tokenizer; docs/config.md, \"Distillation\"), or train with another algorithm (grpo).",
                 key=ALGORITHM_KEY)
+    check_gkd_keys(cfg)
     for name in teachers:
         key = f"models.{name}"
         if "teacher" not in decl.needs:
             raise ConfigError(
                 f"is a teacher, but algorithm {t.algorithm!r} reads no teacher, so it would start and never run. "
-                f"Set {ALGORITHM_KEY}: opd (on-policy distillation), or remove {key}.", key=f"{key}.kind")
+                f"Set {ALGORITHM_KEY}: opd (on-policy distillation) or gkd (generalized JSD), or remove {key}.", key=f"{key}.kind")
         s = cfg.models[name]
         if s.num_gpu < 1:
             raise ConfigError("must be at least 1 (a logical device on a machine without a GPU); name the teacher "
@@ -54,10 +55,47 @@ def check_teacher(cfg) -> None:
         if cfg.runtime_args.train_backend != "fsdp":
             raise ConfigError(
                 f"is {cfg.runtime_args.train_backend!r}, but the teacher {name} runs on the FSDP2 inference path "
-                "only: its pass takes, beside its log-prob of each sampled token, its most likely token at every "
-                "position (train/distill/top1_agreement), which Megatron's log-prob path (the vocabulary split over "
-                "tensor-parallel ranks) does not give. Use train_backend: fsdp for distillation.",
+                "only: a teacher on the Megatron backend (its most likely tokens gathered over the tensor-parallel "
+                "ranks' slices of the vocabulary) is not placed and tested end to end yet. Use train_backend: fsdp "
+                "for distillation.",
                 key="runtime_args.train_backend")
+
+
+# the keys of algorithm: gkd, each read by it alone
+GKD_KEYS = ("gkd_beta", "gkd_temperature", "distill_topk")
+GKD_DEFAULTS = {"gkd_beta": 0.5, "gkd_temperature": 1.0, "distill_topk": None}
+
+
+def check_gkd_keys(cfg) -> None:
+    """``algorithm: gkd``'s keys: ``gkd_beta`` in [0, 1], ``gkd_temperature`` > 0, ``distill_topk`` null or
+    >= 1; set away from their defaults under another algorithm, they would not act: refused."""
+    t = cfg.models.policy_trainer
+    key = "models.policy_trainer"
+    if t.algorithm != "gkd":
+        for name in GKD_KEYS:
+            if getattr(t, name) != GKD_DEFAULTS[name]:
+                raise ConfigError(
+                    f"is set, but only algorithm: gkd reads it (the algorithm is {t.algorithm!r}), so it would not "
+                    f"act. Set {ALGORITHM_KEY}: gkd, or remove {key}.{name}.", key=f"{key}.{name}")
+        return
+    for name in ("kl_coef", "entropy_coef", "filter_equal_groups"):
+        if getattr(t, name) > 0:
+            raise ConfigError(f"is {getattr(t, name)}, but algorithm gkd's loss is the generalized JSD to the "
+                              "teacher alone (no reference model, no entropy bonus, no advantages), so it would not "
+                              "act. Set it to 0 (False).", key=f"{key}.{name}")
+    if t.distill_coef != 1.0:
+        raise ConfigError(f"is {t.distill_coef}, but only algorithm: opd reads it (the weight of its reverse-KL "
+                          "advantage); gkd trains on the divergence alone, so it would not act. Remove it.",
+                          key=f"{key}.distill_coef")
+    if not 0.0 <= t.gkd_beta <= 1.0:
+        raise ConfigError(f"is {t.gkd_beta}: the generalized JSD's beta is in [0, 1] (0: forward KL from the "
+                          "teacher, 1: reverse KL from the student, 0.5: the symmetric JSD).", key=f"{key}.gkd_beta")
+    if not t.gkd_temperature > 0:
+        raise ConfigError(f"is {t.gkd_temperature}: the temperature both distributions are taken at must be > 0.",
+                          key=f"{key}.gkd_temperature")
+    if t.distill_topk is not None and t.distill_topk < 1:
+        raise ConfigError(f"is {t.distill_topk}: the teacher's most likely tokens kept per position, at least 1, "
+                          "or null for the whole vocabulary.", key=f"{key}.distill_topk")
 
 
 def check_teacher_folder(cfg, name: str, longest: int) -> None:

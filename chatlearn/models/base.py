@@ -147,17 +147,27 @@ class Trainer(Model):
                 self._logprob_stats = kept
         return {"logprobs": np.asarray(found, dtype=np.float32), "dtype": "bfloat16" if self.spec.bf16 else "float32"}
 
-    def teacher_logprobs(self, batch: Batch, temperature: float = 1.0) -> dict:
+    def teacher_logprobs(self, batch: Batch, temperature: float = 1.0, topk: int = 0) -> dict:
         """A distillation teacher's pass (``spec.role`` teacher): ``{"teacher_logprobs": float32 [T] of
         :meth:`compute_logprobs`, "teacher_top1": float32 [T], 1.0 where the sampled token is the teacher's most
-        likely one at that position}`` (0 at prompt and observation tokens), from one forward. A collective."""
+        likely one at that position}`` (0 at prompt and observation tokens), from one forward. With ``topk``
+        (> 0: that many, -1: the whole vocabulary) also ``"teacher_topk_logprobs"`` float32 [T, k] and
+        ``"teacher_topk_ids"`` int32 [T, k]: the teacher's most likely tokens at each position, most likely
+        first, and their log-probs at ``temperature`` (what ``algorithm: gkd`` trains on). A collective."""
         if self.spec.role != "teacher":
             raise RuntimeError(f"{type(self).__name__}: teacher_logprobs needs a teacher (role teacher); this "
                                f"model's role is {self.spec.role!r}")
+        from chatlearn.algorithms.gkd import TeacherTopK
         from chatlearn.algorithms.grpo import TOP1
 
-        logp, top1 = self.compute_logprobs(batch, temperature, with_entropy=TOP1)
-        return {"teacher_logprobs": np.asarray(logp, np.float32), "teacher_top1": np.asarray(top1, np.float32)}
+        if not topk:
+            logp, top1 = self.compute_logprobs(batch, temperature, with_entropy=TOP1)
+            return {"teacher_logprobs": np.asarray(logp, np.float32), "teacher_top1": np.asarray(top1, np.float32)}
+        logp, (top1, values, ids) = self.compute_logprobs(batch, temperature,
+                                                          with_entropy=TeacherTopK(None if topk < 0 else topk))
+        return {"teacher_logprobs": np.asarray(logp, np.float32), "teacher_top1": np.asarray(top1, np.float32),
+                "teacher_topk_logprobs": np.asarray(values, np.float32),
+                "teacher_topk_ids": np.asarray(ids, np.int32)}
 
     def ref_logprobs(self, batch: Batch, temperature: float = 1.0):
         """The reference log-probs of a trainer that trains adapters (LoRA): :meth:`compute_logprobs`
@@ -208,12 +218,13 @@ class Trainer(Model):
         """The loss of ``batch`` for this model's role: :class:`chatlearn.algorithms.value_loss.ValueLoss`
         for a critic, :class:`chatlearn.algorithms.grpo.GRPOLoss` otherwise (a ValueError names the
         backend when the batch does not fit it)."""
+        from chatlearn.algorithms.gkd import GKDLoss
         from chatlearn.algorithms.grpo import GRPOLoss
         from chatlearn.algorithms.sft import SFTLoss
         from chatlearn.algorithms.value_loss import ValueLoss
 
         kind = (ValueLoss if self.spec.role == "critic" else SFTLoss if getattr(self, "_sft_step", False)
-                else GRPOLoss)
+                else GKDLoss if "teacher_topk_ids" in batch else GRPOLoss)
         try:
             return kind(self.spec, batch, self.device)
         except ValueError as err:

@@ -177,6 +177,9 @@ class TrainerSpec(_Spec):
     # models.policy_trainer.routing_replay (off | rollout): every forward of an MoE model routes the tokens to
     # the experts the rollout recorded (the batch's routed_experts; chatlearn/models/moe), the reference's too
     routing_replay: str
+    # algorithm: gkd (models.policy_trainer.gkd_beta / gkd_temperature): the generalized JSD's beta and temperature
+    gkd_beta: float
+    gkd_temperature: float
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
@@ -218,7 +221,8 @@ class TrainerSpec(_Spec):
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
             use_distributed_optimizer=t.use_distributed_optimizer,
             lora=LoraSpec.from_config(pt.lora) if name == "policy_trainer" else None, moe=MoeSpec.from_config(t),
-            plugins=tuple(rt.plugins), plugins_dir=os.getcwd(), routing_replay=pt.routing_replay)
+            plugins=tuple(rt.plugins), plugins_dir=os.getcwd(), routing_replay=pt.routing_replay,
+            gkd_beta=pt.gkd_beta, gkd_temperature=pt.gkd_temperature)
 
     @classmethod
     def teacher_from_config(cls, cfg, name: str, plan) -> "TrainerSpec":

@@ -1,4 +1,4 @@
-"""template/distill.yaml: on-policy distillation of the toy (assets/tiny_qwen2) from its teacher
+"""template/distill.yaml: distillation (algorithm: gkd) of the toy (assets/tiny_qwen2) from its teacher
 (assets/tiny_qwen2_teacher: the student's tokenizer files, so the refusals of another vocabulary or chat template
 pass), colocated and taking turns, on the FSDP trainer and the hf rollout."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_the_distill_template_loads_with_its_teacher(tmp_path):
     from chatlearn.config.load import load_run
 
     cfg, plan = load_run(TEMPLATE, [f"runtime_args.output_dir={tmp_path / 'out'}"])
-    assert plan.algorithm == "opd" and plan.of_kind(TEACHER) == ["teacher"]
+    assert plan.algorithm == "gkd" and plan.of_kind(TEACHER) == ["teacher"]
     assert plan.device_groups == [["policy", "policy_trainer", "teacher"]]
     assert cfg.runtime_args.train_backend == "fsdp" and cfg.runtime_args.rollout_backend == "hf"
     assert os.path.basename(cfg.models.policy.load) == "tiny_qwen2"

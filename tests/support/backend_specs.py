@@ -29,7 +29,7 @@ TRAINER_DEFAULTS = dict(
     gradient_checkpointing=False, recompute_granularity=None, bf16=False, meta_init=False,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
     use_distributed_optimizer=False, lora=None, moe=MOE_DEFAULTS, plugins=(), plugins_dir="",
-    routing_replay="off")
+    routing_replay="off", gkd_beta=0.5, gkd_temperature=1.0)
 
 ROLLOUT_DEFAULTS = dict(
     trust_remote_code=False, seed=1234, generation_batch_size=8, max_prompt_tokens_length=32,

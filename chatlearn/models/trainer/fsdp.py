@@ -44,6 +44,7 @@ from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shar
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 
+from chatlearn.algorithms.gkd import GKDTargets, TeacherTopK
 from chatlearn.algorithms.grpo import chunked_logprobs_entropy
 from chatlearn.checkpoint import sharded
 from chatlearn.config.names import Part
@@ -141,6 +142,18 @@ def _token_logprobs(model, input_ids, attention_mask, position_ids, rows, cols,
     prev = cols - 1 if prev_cols is None else prev_cols
     return chunked_logprobs_entropy(hidden[rows, prev], head.weight, input_ids[rows, cols],
                                     temperature, chunk, with_entropy, bias=head.bias)
+
+
+def _put_rows(into, values, pos: torch.Tensor, total: int):
+    """``values`` (a tensor [M, ...], or a tuple of them) put at rows ``pos`` of ``into`` (the same shape with
+    ``total`` rows; made of zeros when None); returns ``into``."""
+    if isinstance(values, tuple):
+        into = into if into is not None else (None,) * len(values)
+        return tuple(_put_rows(i, v, pos, total) for i, v in zip(into, values))
+    if into is None:
+        into = values.new_zeros((total, *values.shape[1:]))
+    into[pos] = values
+    return into
 
 
 def _full_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -542,10 +555,16 @@ class FSDPTrainer(Trainer):
         cols_t = torch.from_numpy(np.concatenate(cols)).to(self.device)
         ids, positions = ids.to(self.device), positions.to(self.device)
         self._set_routes(tuple(ids.shape), routes)
+        pos = np.concatenate(pos)
         logp, entropy = self.model.token_logprobs(
             ids, None if mask is None else mask.to(self.device), positions, rows_t, cols_t,
-            float(temperature), int(self.spec.logprob_chunk_tokens), with_entropy)
-        return logp, entropy, np.concatenate(pos)
+            float(temperature), int(self.spec.logprob_chunk_tokens), self._rows_mode(with_entropy, pos))
+        return logp, entropy, pos
+
+    def _rows_mode(self, with_entropy, pos: np.ndarray):
+        """``with_entropy`` for the rows of token positions ``pos``: a batch's GKD targets
+        (:class:`chatlearn.algorithms.gkd.GKDTargets`) become those rows' (``GKDRows``); any other as is."""
+        return with_entropy.rows(pos, self.device) if isinstance(with_entropy, GKDTargets) else with_entropy
 
     def _forward_shared(self, batch: Batch, idx: np.ndarray, temperature: float, with_entropy: bool):
         """:meth:`_forward` with ``share_prompt``: one row of units (a prompt, then the
@@ -589,12 +608,13 @@ class FSDPTrainer(Trainer):
         no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         if self._moe_recording:
             self.moe.begin(None)
+        pos = np.concatenate(pos)
         logp, entropy = self.model.token_logprobs(
             ids, no_mask, position_ids, torch.zeros_like(cols_t), cols_t, float(temperature),
-            int(self.spec.logprob_chunk_tokens), with_entropy,
+            int(self.spec.logprob_chunk_tokens), self._rows_mode(with_entropy, pos),
             prev_cols=torch.from_numpy(np.concatenate(prev)).to(self.device),
             layout=shared_prompt.build_layout(layout_units, start, self.device))
-        return logp, entropy, np.concatenate(pos)
+        return logp, entropy, pos
 
     def _replaying(self, batch: Batch) -> bool:
         """Whether this forward replays the rollout's routes: an MoE model with ``routing_replay: rollout``
@@ -660,17 +680,18 @@ class FSDPTrainer(Trainer):
         return plans[self.rank], stats
 
     def _all_gather_tokens(self, batch: Batch, values: torch.Tensor) -> np.ndarray:
-        """values: float32 [T] filled on this rank's token range -> the full [T] from all."""
+        """values: [T, ...] (float32, or the top-k ids' int32) filled on this rank's token range -> the full
+        [T, ...] from all."""
         off, n = batch["offsets"], len(batch["offsets"]) - 1
         share = n // self.world
         bounds = [(int(off[r * share]), int(off[(r + 1) * share])) for r in range(self.world)]
         width = max(hi - lo for lo, hi in bounds)
         lo, hi = bounds[self.rank]
-        mine = torch.zeros(width, dtype=torch.float32, device=self.device)
+        mine = values.new_zeros((width, *values.shape[1:]))
         mine[:hi - lo] = values[lo:hi]
         parts = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(parts, mine)
-        out = np.zeros(int(off[-1]), dtype=np.float32)
+        out = np.zeros((int(off[-1]), *values.shape[1:]), dtype=mine.cpu().numpy().dtype)
         for (lo, hi), part in zip(bounds, parts):
             out[lo:hi] = part[:hi - lo].cpu().numpy()
         return out
@@ -682,18 +703,21 @@ class FSDPTrainer(Trainer):
         put at their token positions, then gathered from all ranks (``_all_gather_tokens``)."""
         total = int(batch["offsets"][-1])
         logp_all = torch.zeros(total, dtype=torch.float32, device=self.device)
-        ent_all = torch.zeros_like(logp_all) if with_entropy else None
+        # [T] (entropy, agreement), or a tuple of [T, ...] (a teacher's top-k: made at the first micro-step)
+        ent_all = torch.zeros_like(logp_all) if with_entropy and not isinstance(with_entropy, TeacherTopK) else None
         for mb in micro_batches:
             logp, ent, pos = self._forward(batch, mb, temperature, with_entropy)
             pos_t = torch.from_numpy(pos).to(self.device)
             logp_all[pos_t] = logp
             if with_entropy:
-                ent_all[pos_t] = ent
+                ent_all = _put_rows(ent_all, ent, pos_t, total)
         self._reshard()
         logp_np = self._all_gather_tokens(batch, logp_all)
-        if with_entropy:
-            return logp_np, self._all_gather_tokens(batch, ent_all)
-        return logp_np
+        if not with_entropy:
+            return logp_np
+        if isinstance(ent_all, tuple):
+            return logp_np, tuple(self._all_gather_tokens(batch, e) for e in ent_all)
+        return logp_np, self._all_gather_tokens(batch, ent_all)
 
     # ------------------------------------------------------------------ training
     def _accumulate_grads(self, batch: Batch, objective, temperature: float) -> tuple:

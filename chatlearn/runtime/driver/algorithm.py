@@ -102,13 +102,17 @@ class ModelCalls:
                                                     self.temperature)
         return outs[0]
 
-    def teacher(self, model: str, batch: dict) -> np.ndarray:
-        """The teacher ``model``'s log-probs of the batch's tokens (its weights made resident), float32 [T]; its
-        agreement with the sampled tokens goes into ``batch["teacher_top1"]`` (the same forward)."""
+    def teacher(self, model: str, batch: dict, topk: int = 0, temperature: float | None = None) -> np.ndarray:
+        """The teacher ``model``'s log-probs of the batch's tokens (its weights made resident), float32 [T], at
+        ``temperature`` (None: the sampling one); its agreement with the sampled tokens goes into
+        ``batch["teacher_top1"]`` (the same forward) and, with ``topk`` (> 0, or -1: the vocabulary), its most
+        likely tokens into ``teacher_topk_logprobs`` / ``teacher_topk_ids``."""
         self.sched.ensure(model, [Part.WEIGHTS])
         outs, _ = self.group(model).call("teacher_logprobs", put(columns(batch, SEQUENCE_COLUMNS)),
-                                         self.temperature)
-        batch["teacher_top1"] = outs[0]["teacher_top1"]
+                                         self.temperature if temperature is None else temperature, topk)
+        for name in ("teacher_top1", "teacher_topk_logprobs", "teacher_topk_ids"):
+            if name in outs[0]:
+                batch[name] = outs[0][name]
         return outs[0]["teacher_logprobs"]
 
     def values(self, model: str, batch: dict) -> np.ndarray:
@@ -393,17 +397,61 @@ class DistillAdvantages:
 class TeacherPass:
     """The teacher's part of a distillation algorithm: its log-probs of the samples' tokens as a pass (stage
     ``teacher_logprobs``), before the policy's passes so that the policy trainer, resident for its old log-probs,
-    stays to train."""
+    stays to train. ``topk`` (``algorithm: gkd``; -1: the vocabulary): its most likely tokens too, at
+    ``temperature`` (None: the sampling one)."""
 
     replay_columns = ()
 
-    def __init__(self, plan: Plan, calls: ModelCalls):
+    def __init__(self, plan: Plan, calls: ModelCalls, topk: int = 0, temperature: float | None = None):
         self.model = plan.of_kind(TEACHER)[0]
-        self.calls = calls
+        self.calls, self.topk, self.temperature = calls, topk, temperature
 
     def passes(self) -> list[Pass]:
         return [Pass(Stage.TEACHER_LOGPROBS, self.model, "teacher_logprobs",
-                     lambda batch: self.calls.teacher(self.model, batch))]
+                     lambda batch: self.calls.teacher(self.model, batch, self.topk, self.temperature))]
+
+
+# what the GKD loss reads of a sample besides its sequence: the teacher's top-k
+GKD_COLUMNS = ("teacher_topk_logprobs", "teacher_topk_ids")
+
+
+class GKDUpdate(PolicyUpdate):
+    """The policy's part of ``algorithm: gkd``: no pass of its own (the loss reads no old or reference log-probs:
+    it is the generalized JSD to the teacher's top-k, :class:`chatlearn.algorithms.gkd.GKDLoss`), then the
+    policy's optimizer steps on the samples and the teacher's top-k."""
+
+    def __init__(self, cfg, plan: Plan, calls: ModelCalls, steps: StepLoop):
+        super().__init__(cfg, plan, calls, steps, "sample_weights")
+        self.replay_columns = (*SEQUENCE_COLUMNS, *GKD_COLUMNS, "sample_weights")
+
+    def passes(self) -> list[Pass]:
+        return []
+
+    def train(self, batch: dict, episode: int) -> Trained:
+        return self.steps.run(self.model, batch, episode, self.step_columns)
+
+    def step_columns(self, s: int) -> tuple:
+        return (*SEQUENCE_COLUMNS, *GKD_COLUMNS, "sample_weights")
+
+
+class GKDMetrics:
+    """``algorithm: gkd``'s advantages stage: no advantages (every sample weighs 1), the task reward's group
+    metrics and ``train/distill/*`` of the rollout engine's log-probs of the samples against the teacher's."""
+
+    columns = ("sample_weights",)
+    column = "sample_weights"
+
+    def __init__(self, cfg, plan: Plan):
+        self.group = GroupAdvantages(cfg, plan)
+
+    def __call__(self, batch: dict, scored: Scored) -> dict:
+        metrics = self.group(batch, scored)
+        batch.pop("advantages")
+        batch["sample_weights"] = np.ones(len(batch["prompt_lens"]), np.float32)
+        if "rollout_logprobs" in batch:
+            metrics.update({f"train/distill/{k}": v for k, v in distill_metrics(
+                batch, batch["rollout_logprobs"], batch["teacher_logprobs"], batch["teacher_top1"]).items()})
+        return metrics
 
 
 class ComposedAlgorithm(Algorithm):
@@ -468,6 +516,16 @@ def opd(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
     return DistillAlgorithm("opd", TeacherPass(plan, calls),
                             PolicyUpdate(cfg, plan, calls, steps, DistillAdvantages.column),
                             DistillAdvantages(cfg, plan))
+
+
+def gkd(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
+    """Generalized knowledge distillation (``algorithm: gkd``, TRL's GKD on the student's samples): the teacher's
+    top-k (``distill_topk``; null: the vocabulary) at ``gkd_temperature``, then the policy's steps on the
+    generalized JSD (:class:`chatlearn.algorithms.gkd.GKDLoss`, ``gkd_beta``); no old-log-prob pass."""
+    t = cfg.models.policy_trainer
+    topk = -1 if t.distill_topk is None else int(t.distill_topk)
+    return DistillAlgorithm("gkd", TeacherPass(plan, calls, topk, float(t.gkd_temperature)),
+                            GKDUpdate(cfg, plan, calls, steps), GKDMetrics(cfg, plan))
 
 
 def make_algorithm(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:

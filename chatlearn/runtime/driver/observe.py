@@ -108,14 +108,15 @@ class EpisodeReport:
         metrics = {f"perf/logprob_{k}": v for k, v in self.trainer.call("logprob_stats")[0][0].items()}
         metrics.update(rollout_metrics(batch, scored.rewards, prefix="train"))
         metrics.update(self.sampling.reward_metrics(scored.parts, prefix="train"))
-        metrics.update(mismatch_metrics(batch, self.plan.old_logprob_pass_from, first_step))
-        if self.moe or "routed_experts" in batch:  # with routing replay on and off alike (README: both)
+        if "old_logprobs" in batch:  # (algorithm: gkd takes none: its loss reads no old log-probs)
+            metrics.update(mismatch_metrics(batch, self.plan.old_logprob_pass_from, first_step))
+        if (self.moe or "routed_experts" in batch) and "old_logprobs" in batch:  # with routing replay on and off alike (README: both)
             metrics["train/moe/logprob_gap"] = metrics["train/logprob_diff_rollout_vs_trainer_mean"]
         metrics.update(env_metrics(batch, prefix="train"))
         self.warn_all_truncated(episode, batch)
         self.warn_constant_rewards(episode, scored.parts)
         warn_at = self.cfg.models.policy.logprob_mismatch_warn
-        if warn_at > 0 and metrics["train/logprob_diff_rollout_vs_trainer_mean"] > warn_at:
+        if warn_at > 0 and "old_logprobs" in batch and metrics["train/logprob_diff_rollout_vs_trainer_mean"] > warn_at:
             warn(f"episode {episode}: rollout and trainer log-probs differ by "
                  f"{metrics['train/logprob_diff_rollout_vs_trainer_mean']:.4f} nats per token on average "
                  f"(models.policy.logprob_mismatch_warn: {warn_at:g}; mismatch KL "

@@ -364,6 +364,28 @@ def _observations_part(path, batch) -> dict:
     return res
 
 
+GKD_TEACHER_T, GKD_BETA, GKD_K = 0.1, 0.3, 5
+
+
+def _gkd_part(path, batch) -> dict:
+    """algorithm: gkd through the trainers: the teacher's top-k (k = 5 and the whole vocabulary) of a multi-turn
+    batch at temperature 0.1, and the GKD loss and gradients of a student (the same weights at temperature 1, so
+    the two differ) on the top-5 and on the full distribution."""
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+
+    masked = {k: v for k, v in with_observations(batch).items() if k not in ("old_logprobs", "ref_logprobs")}
+    teacher = FSDPTrainer(trainer_spec(path, trainable=False, role="teacher"))
+    res = {"gkd_teacher": teacher.teacher_logprobs(masked, GKD_TEACHER_T, GKD_K),
+           "gkd_teacher_full": teacher.teacher_logprobs(masked, GKD_TEACHER_T, -1)}
+    for name, top in (("topk", res["gkd_teacher"]), ("full", res["gkd_teacher_full"])):
+        student = FSDPTrainer(trainer_spec(path, kl_coef=0.0, entropy_coef=0.0, gkd_beta=GKD_BETA))
+        step = dict(masked, sample_weights=np.ones(len(masked["prompt_lens"]), np.float32),
+                    teacher_topk_ids=top["teacher_topk_ids"], teacher_topk_logprobs=top["teacher_topk_logprobs"])
+        res[f"gkd_{name}_metrics"] = student.compute_grads(step)
+        res[f"gkd_{name}_grads"] = student.full_grads()
+    return res
+
+
 def job_two_ranks(rank, world, path, batch, probe, out):
     from chatlearn.models.trainer.fsdp import FSDPTrainer
 
@@ -378,6 +400,7 @@ def job_two_ranks(rank, world, path, batch, probe, out):
     # a distillation teacher (role teacher): its log-probs and top-1 agreement from one forward, over both ranks
     teacher = FSDPTrainer(trainer_spec(path, trainable=False, role="teacher"))
     res["teacher"] = teacher.teacher_logprobs(batch, temperature=TEMPERATURE)
+    res.update(_gkd_part(path, batch))
     return res
 
 
@@ -767,3 +790,53 @@ def test_rank_jobs_are_spawned_where_cuda_is(monkeypatch, tmp_path):
     assert rank_processes.context().get_start_method() == "spawn"
     results = run_ranks(job_where_am_i, 1, tmp_path)
     assert results[0]["rank"] == 0 and results[0]["world"] == 1 and results[0]["pid"] != os.getpid()
+
+
+@pytest.mark.timeout(240)
+def test_gkd_teacher_top_k_and_loss_match_plain_transformers(setup, two):
+    """algorithm: gkd over 2 ranks, multi-turn: the teacher's top-k log-probs and ids (k = 5 and the vocabulary)
+    are those of plain transformers' log-softmax at the model's tokens (0 elsewhere); the student's loss and
+    gradients are those of the token mean of the generalized JSD (chatlearn.algorithms.gkd.gkd_token_loss, itself
+    checked against TRL's formula in tests/algorithms/test_gkd.py) over the model's tokens, computed here."""
+    from transformers import AutoModelForCausalLM
+
+    from chatlearn.algorithms.gkd import gkd_token_loss
+
+    batch = with_observations(setup["batch"])
+    mask = batch["loss_mask"].astype(bool)
+    model = AutoModelForCausalLM.from_pretrained(setup["path"], dtype=torch.float32)
+    off, plen = batch["offsets"], batch["prompt_lens"]
+    logits = []  # the logits that predict each of the model's tokens, in order
+    for i in range(len(plen)):
+        ids = torch.from_numpy(batch["tokens"][off[i]:off[i + 1]])
+        z = model(input_ids=ids[None]).logits[0]
+        logits += [z[p - 1] for p in range(int(plen[i]), len(ids)) if mask[off[i] + p]]
+    logits = torch.stack(logits)
+    vocab = logits.shape[-1]
+    lsm = torch.log_softmax(logits.detach().double() / GKD_TEACHER_T, -1)
+    values, ids = lsm.topk(vocab, -1)
+    (r0, r1), _ = two
+    for res in (r0, r1):
+        for name, k in (("gkd_teacher", GKD_K), ("gkd_teacher_full", vocab)):
+            top = res[name]
+            got = torch.from_numpy(top["teacher_topk_ids"][mask].astype(np.int64))
+            assert top["teacher_topk_ids"].shape == (len(batch["tokens"]), k)
+            np.testing.assert_allclose(top["teacher_topk_logprobs"][mask], values[:, :k].numpy(), rtol=0, atol=1e-5)
+            # the ids' own log-probs are the values (ids of near-equal log-probs may come in either order)
+            np.testing.assert_allclose(lsm.gather(-1, got).numpy(), top["teacher_topk_logprobs"][mask], atol=1e-5)
+            assert (got.sort(-1).values == torch.arange(vocab)).all() if k == vocab else torch.equal(got, ids[:, :k])
+            assert not top["teacher_topk_logprobs"][~mask].any()
+    for name, k in (("topk", GKD_K), ("full", vocab)):
+        model.zero_grad()
+        top = r0["gkd_teacher" if name == "topk" else "gkd_teacher_full"]
+        loss = gkd_token_loss(logits, torch.from_numpy(top["teacher_topk_ids"][mask]),
+                              torch.from_numpy(top["teacher_topk_logprobs"][mask]), GKD_BETA, 1.0).mean()
+        loss.backward(retain_graph=True)
+        assert loss.item() > 1e-3  # the student (temperature 1) and the teacher (0.1) differ
+        for res in (r0, r1):
+            assert res[f"gkd_{name}_metrics"]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+            assert res[f"gkd_{name}_metrics"]["num_tokens"] == mask.sum()
+        for key, g in r0[f"gkd_{name}_grads"].items():
+            torch.testing.assert_close(g, model.get_parameter(key).grad, rtol=0, atol=2e-6, msg=key)
+    full_loss = r0["gkd_full_metrics"]["loss"]
+    assert r0["gkd_topk_metrics"]["loss"] < full_loss  # top-5 and the rest: a coarser, smaller divergence

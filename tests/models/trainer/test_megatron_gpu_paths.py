@@ -470,3 +470,40 @@ def test_chunked_logprobs_over_a_split_vocabulary(tmp_path):
         torch.testing.assert_close(res["entropy"], full[1].detach(), rtol=0, atol=1e-6)
     torch.testing.assert_close(torch.cat([r["grad"] for r in ranks], dim=1), grad,
                                rtol=0, atol=1e-6)
+
+
+def job_split_topk(rank, world, logits, ks):
+    """Each rank holds half of the vocabulary; the teacher's top-k over both halves, for each k of ``ks``."""
+    import torch.distributed as dist
+
+    from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_topk
+
+    dist.init_process_group("gloo")
+    half = logits.shape[1] // world
+    mine = logits[:, rank * half:(rank + 1) * half].clone()
+    return {k: vocab_parallel_topk(mine, k, rank * half, dist.group.WORLD, temperature=0.8) for k in ks}
+
+
+@pytest.mark.timeout(200)
+def test_teacher_top_k_over_a_split_vocabulary(tmp_path):
+    """A distillation teacher's top-k (k = 1: its argmax; k = the vocabulary: the whole distribution, sorted) with
+    the vocabulary in halves on 2 ranks (tensor parallelism 2) equals one rank's over the whole vocabulary
+    (tensor parallelism 1) and plain log_softmax + topk; the ids are global."""
+    from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_topk
+
+    logits, _ = _logits(m=17, v=42)
+    logits = logits.detach()
+    ks = (1, 5, 42)
+    ranks = run_ranks(job_split_topk, 2, tmp_path, logits, ks, timeout=150)
+    for k in ks:
+        plain_values, plain_ids = torch.log_softmax(logits.double() / 0.8, -1).topk(k, -1)
+        one_values, one_ids = vocab_parallel_topk(logits, k, temperature=0.8)
+        torch.testing.assert_close(one_values, plain_values.float(), rtol=0, atol=1e-5)
+        assert torch.equal(one_ids, plain_ids)
+        assert bool((plain_ids[:, 0] >= 21).any()) and bool((plain_ids[:, 0] < 21).any())  # both halves win some
+        for res in ranks:
+            values, ids = res[k]
+            torch.testing.assert_close(values, one_values, rtol=0, atol=1e-6)
+            assert torch.equal(ids, one_ids)
+    with pytest.raises(ValueError, match="larger than the vocabulary"):
+        vocab_parallel_topk(logits, 43)

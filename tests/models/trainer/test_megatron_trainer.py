@@ -183,6 +183,14 @@ def _frozen_part(trainer, batch) -> dict:
     return {"weights0": weights, "logp": trainer.compute_logprobs(batch, temperature=TEMPERATURE)}
 
 
+def _top1_part(trainer, batch):
+    """A distillation teacher's pass on Megatron: the log-probs and whether each token is the argmax of the logits
+    (over every tensor-parallel rank's slice of the vocabulary)."""
+    from chatlearn.algorithms.grpo import TOP1
+
+    return trainer.compute_logprobs(batch, temperature=TEMPERATURE, with_entropy=TOP1)
+
+
 def job_reference(rank, world, setup, out):
     """1 rank: the FSDP2 trainer, and Megatron with TP = PP = DP = 1 (and as ref_policy)."""
     from megatron_shim import cpu_device_shim
@@ -198,6 +206,7 @@ def job_reference(rank, world, setup, out):
         from chatlearn.models.trainer.megatron import MegatronTrainer
 
         res["tp1"] = _parity_part(MegatronTrainer(megatron_spec(path)), batch)
+        res["tp1"]["top1"] = _top1_part(MegatronTrainer(megatron_spec(path, trainable=False)), batch)
         res["tp1"]["alt"] = _alt_part(MegatronTrainer(megatron_spec(path, **ALT)), batch)
         res["tp1"]["obs"] = _observations_part(MegatronTrainer(megatron_spec(path, kl_coef=0.0, entropy_coef=0.0)),
                                                batch)
@@ -226,6 +235,7 @@ def job_tp2(rank, world, setup, out):
 
         trainer = MegatronTrainer(megatron_spec(path, tp=2))
         res = _parity_part(trainer, batch)
+        res["top1"] = _top1_part(MegatronTrainer(megatron_spec(path, tp=2, trainable=False)), batch)
         res["max_connections_env"] = (env_before, os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
         res.update(_residency_part(trainer, batch))
         trainer.save_hf(os.path.join(out, "saved"))
@@ -854,3 +864,21 @@ def test_megatron_rotary_embedding_follows_position_ids(packing_setup, packing_r
     assert np.abs(want - plain).max() > 1e-3
     for res in packing_runs["dp2-rope"]:
         np.testing.assert_allclose(res[:, :want.shape[1]], want, rtol=0, atol=1e-5)
+
+
+@needs_megatron
+@pytest.mark.timeout(400)
+def test_teacher_argmax_agreement_is_gathered_over_tensor_parallel_ranks(setup, reference, tp2):
+    """The teacher's argmax agreement (with_entropy TOP1) on Megatron with the vocabulary split over 2
+    tensor-parallel ranks equals TP 1's exactly, on every rank, and plain transformers' argmax (but for a near tie
+    between Megatron's and transformers' forwards), beside the same log-probs."""
+    from test_fsdp_trainer import hf_top1
+
+    top1 = hf_top1(setup["path"], setup["batch"])
+    assert 0 < top1.sum()
+    logp, _ = hf_logprobs(setup["path"], setup["batch"], TEMPERATURE)
+    tp1 = reference["tp1"]["top1"][1]
+    assert tp1.sum() > 0 and (tp1 != top1).sum() <= 1  # Megatron's forward vs transformers': a near tie may flip
+    for res in (reference["tp1"], *tp2[0]):
+        np.testing.assert_array_equal(res["top1"][1], tp1)  # TP 2 = TP 1 exactly, on every rank
+        np.testing.assert_allclose(res["top1"][0], logp, rtol=0, atol=1e-5)

@@ -136,3 +136,34 @@ def vocab_parallel_logprobs(logits: torch.Tensor, target: torch.Tensor, vocab_st
     logp, entropy = _VocabParallelLogprobEntropy.apply(logits, target, vocab_start, group,
                                                        with_entropy, float(temperature), chunk)
     return logp, (entropy if with_entropy else None)
+
+
+def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_start: int = 0,
+                        group: dist.ProcessGroup | None = None, temperature: float = 1.0):
+    """The ``k`` most likely tokens of ``softmax(logits / temperature)`` over a vocabulary split across ``group``
+    (a distillation teacher's top-k and argmax with tensor parallelism): ``(log-probs [M, k] float32, global ids
+    [M, k] int64)``, most likely first, the same on every rank. No gradient; a collective over ``group``.
+
+    Each rank takes the top ``min(k, V_local)`` of its own slice (ids shifted by ``vocab_start``); the ranks'
+    candidates are all-gathered (``tp x k`` per token, not the logits) and the top ``k`` of them kept: the
+    global top ``k`` is among them, since each of its members is in its own rank's top ``k``. The log-normaliser
+    is all-reduced as in :func:`vocab_parallel_logprobs` (a maximum, then a sum). Equal logits on different ranks
+    are ordered by the gathered order (the lower rank's first), as one rank's ``topk`` would not promise either.
+    ``k`` larger than the vocabulary is refused (ValueError)."""
+    with torch.no_grad():
+        z = _scaled(logits, temperature)
+        world = dist.get_world_size(group) if group is not None else 1
+        local = min(int(k), z.shape[-1])
+        values, ids = z.topk(local, dim=-1)
+        ids = ids + int(vocab_start)
+        m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
+        norm = m + _all_reduce(torch.exp(z - m[:, None]).sum(-1), dist.ReduceOp.SUM, group).log()
+        if world > 1:
+            vs, gs = [torch.empty_like(values) for _ in range(world)], [torch.empty_like(ids) for _ in range(world)]
+            dist.all_gather(vs, values.contiguous(), group=group)
+            dist.all_gather(gs, ids.contiguous(), group=group)
+            values, ids = torch.cat(vs, -1), torch.cat(gs, -1)
+        if int(k) > values.shape[-1]:
+            raise ValueError(f"k={k} is larger than the vocabulary ({values.shape[-1]} tokens)")
+        best, where = values.topk(int(k), dim=-1)
+        return (best - norm[:, None]).float(), ids.gather(-1, where)

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from chatlearn.algorithms.grpo import TOP1
 from chatlearn.checkpoint import megatron_format as ckpt_format
 from chatlearn.checkpoint import sharded
 from chatlearn.checkpoint.megatron_mapping import (
@@ -92,7 +93,7 @@ from chatlearn.models.hf_folder import HFCheckpoint
 from chatlearn.models.stash import release_device_memory
 from chatlearn.models.trainer.fsdp import collective_timeout, init_distributed
 from chatlearn.models.trainer.megatron import replay
-from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs
+from chatlearn.models.trainer.megatron.logprobs import vocab_parallel_logprobs, vocab_parallel_topk
 from chatlearn.models.trainer.megatron.model import (
     MoEOptions,
     build_gpt_model,
@@ -744,9 +745,14 @@ class MegatronTrainer(Trainer):
         if self.critic:
             return self._token_values(mb, logits)
         z = logits[mb.rows, mb.cols - 1, :self.vocab_valid]  # the model's dtype
-        return vocab_parallel_logprobs(z, mb.ids[mb.rows, mb.cols], self.vocab_start,
-                                       self.tp_group, with_entropy, temperature=temperature,
-                                       chunk_tokens=int(self.spec.logprob_chunk_tokens))
+        target = mb.ids[mb.rows, mb.cols]
+        logp, ent = vocab_parallel_logprobs(z, target, self.vocab_start, self.tp_group, with_entropy is True,
+                                            temperature=temperature,
+                                            chunk_tokens=int(self.spec.logprob_chunk_tokens))
+        if with_entropy == TOP1:  # a teacher's agreement with the sampled token: the argmax over every rank's slice
+            _, ids = vocab_parallel_topk(z, 1, self.vocab_start, self.tp_group)
+            return logp, (ids[:, 0] == target).float()
+        return logp, ent
 
     def _token_values(self, mb: _MicroBatch, values: torch.Tensor):
         """``(values, None)``: the critic's float32 values of the response tokens of ``mb``, in
