@@ -200,6 +200,7 @@ def _eval(args) -> int:
 
     with ThirdPartyLogs() as logs:
         cfg = load_config(args.config, args.overrides)
+        _check_volume(cfg.runtime_args.output_dir)
         logs.attach(os.path.join(cfg.runtime_args.output_dir, "eval"))
         evaluate_only(cfg, checkpoint=args.checkpoint, overwrite=args.overwrite, keep_merged=args.keep_merged,
                       base=args.base)
@@ -213,6 +214,7 @@ def _sft(args) -> int:
     overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if fresh else [])
     with ThirdPartyLogs() as logs:
         cfg = load_sft_config(args.config, overrides)
+        _check_volume(cfg.runtime_args.output_dir)
         logs.attach(cfg.runtime_args.output_dir)
         run_sft(cfg, overwrite=args.overwrite)
     return 0
@@ -241,6 +243,7 @@ def _run(args) -> int:
     if args.dry_run:
         _dry_run(args, cfg, plan)
         return 0
+    _check_volume(cfg.runtime_args.output_dir)
     from chatlearn.runtime.driver.run import train
 
     with ThirdPartyLogs() as logs:
@@ -277,6 +280,16 @@ def _run(args) -> int:
             info(hint, stderr=True, bare=True)
             return 1
     return 0
+
+
+def _check_volume(output_dir: str) -> None:
+    """In the container image: refuse an output folder the container cannot write, warn when the run's
+    results would be lost with the container (chatlearn/runtime/rundir/container.py)."""
+    from chatlearn.runtime.rundir.container import check_output_volume
+
+    note = check_output_volume(output_dir)
+    if note:
+        info(_paragraph(f"warning: {note}"), stderr=True, bare=True)
 
 
 def _stalled(err: BaseException, hint: str) -> str | None:
