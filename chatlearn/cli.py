@@ -18,6 +18,7 @@ import textwrap
 import traceback
 
 from chatlearn import __version__
+from chatlearn.config.container import check_output_volume
 from chatlearn.errors import UserError
 from chatlearn.logging.console import ThirdPartyLogs, failure_hint, info, warn
 
@@ -284,9 +285,7 @@ def _run(args) -> int:
 
 def _check_volume(output_dir: str) -> None:
     """In the container image: refuse an output folder the container cannot write, warn when the run's
-    results would be lost with the container (chatlearn/runtime/rundir/container.py)."""
-    from chatlearn.runtime.rundir.container import check_output_volume
-
+    results would be lost with the container (chatlearn/config/container.py)."""
     note = check_output_volume(output_dir)
     if note:
         info(_paragraph(f"warning: {note}"), stderr=True, bare=True)

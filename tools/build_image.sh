@@ -155,7 +155,7 @@ check_image() {
   # a read-only output volume: refused before training, in one paragraph
   mkdir -p "$WORK/ro"
   if run_image -v "$WORK/ro:/opt/chatlearn/output:ro" -- run template/grpo_fsdp.yaml >"$WORK/ro.log" 2>&1 \
-      || ! grep -q "not writable" "$WORK/ro.log"; then
+      || ! grep -q "cannot be written by this container's user" "$WORK/ro.log"; then
     cat "$WORK/ro.log"
     refuse "a container with a read-only output volume was not refused before training (its output is above)."
   fi

@@ -1,4 +1,4 @@
-"""The container image's output-volume check (chatlearn/runtime/rundir/container.py): an output folder the
+"""The container image's output-volume check (chatlearn/config/container.py): an output folder the
 container cannot write is refused before anything is loaded; results that would be lost with the container
 (outside the volume, or in an anonymous volume) are warned of; outside the image nothing is checked."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from chatlearn.errors import UserError
-from chatlearn.runtime.rundir.container import VOLUME_ENV, check_output_volume
+from chatlearn.config.container import VOLUME_ENV, check_output_volume
 
 ANON = "a" * 64
 
@@ -27,7 +27,7 @@ def test_an_unwritable_output_folder_is_refused():
     with pytest.raises(UserError) as err:
         check_output_volume("/proc/chatlearn-out/run", environ={VOLUME_ENV: "/proc/chatlearn-out"})
     message = err.value.message
-    assert "runtime_args.output_dir '/proc/chatlearn-out/run'" in message and "cannot be written" in message
+    assert "runtime_args.output_dir: '/proc/chatlearn-out/run'" in message and "cannot be written" in message
     assert "-v $PWD/out:/proc/chatlearn-out" in message and "Nothing was trained" in message
 
 

@@ -1,7 +1,8 @@
 """Inside the container image (docker/Dockerfile): a run's results must reach a writable volume.
 
-The image declares its output folder a volume and names it in ``CHATLEARN_OUTPUT_VOLUME``. Before a run,
-``sft`` or ``eval`` starts (before any model is loaded), :func:`check_output_volume` refuses, in one paragraph,
+The image declares its output folder a volume and names it in ``CHATLEARN_OUTPUT_VOLUME``. When a config is
+validated (``run``, also with ``--dry-run``; ``sft`` and ``eval`` before they load a model),
+:func:`check_output_volume` refuses, in one paragraph,
 an output folder the container's user cannot write (a host folder mounted read-only, or owned by another
 user), and warns when what the run writes would not outlive the container: an output folder outside the
 volume, or the volume the engine made up when none was mounted (an anonymous volume). Outside the image
@@ -9,11 +10,11 @@ volume, or the volume the engine made up when none was mounted (an anonymous vol
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 
-from chatlearn.errors import UserError
-from chatlearn.runtime.rundir.preflight import probe
+from chatlearn.errors import ConfigError
 
 VOLUME_ENV = "CHATLEARN_OUTPUT_VOLUME"
 # the source of a volume docker or podman made up for a container started without one: a 64-hex-digit name
@@ -29,15 +30,15 @@ def check_output_volume(output_dir: str, key: str = "runtime_args.output_dir", e
         return None
     out = os.path.abspath(output_dir)
     folder = _existing_folder(out)
-    problem = probe(folder)
+    problem = _probe(folder)
     if problem:
-        raise UserError(
-            f"{key} {output_dir!r} ({out}) cannot be written by this container's user (uid {os.getuid()}): "
-            f"{folder!r}: {problem.split('. ')[0]}. A run in the image writes its checkpoints and metrics to the "
+        raise ConfigError(
+            f"{output_dir!r} ({out}) cannot be written by this container's user (uid {os.getuid()}): "
+            f"{folder!r}: {problem}. A run in the image writes its checkpoints and metrics to the "
             f"output volume {volume}, which must be a host folder (or a named volume) this user can write: "
             f"`mkdir -p out && chown {os.getuid()} out` (or `chmod a+rwx out`), then `docker run -v "
             f"$PWD/out:{volume} ...` (not `:ro`); with rootless podman add `--userns=keep-id` and own the folder "
-            "yourself. Nothing was trained.")
+            "yourself. Nothing was trained.", key=key)
     if not _inside(out, volume):
         return (f"{key} {out!r} lies outside the output volume {volume}: what the run writes stays in the "
                 f"container and is lost with it. Choose a {key} under {volume} (the templates write "
@@ -45,6 +46,18 @@ def check_output_volume(output_dir: str, key: str = "runtime_args.output_dir", e
     if _anonymous(volume, mountinfo):
         return (f"no folder was mounted on the output volume {volume}: the run writes to an anonymous volume, "
                 f"which `--rm` deletes with the container. Mount one: `-v $PWD/out:{volume}`.")
+    return None
+
+
+def _probe(folder: str) -> str | None:
+    """Create and remove a small file in ``folder``; why that failed, or None."""
+    name = os.path.join(folder, f".chatlearn-volume-probe-{os.getpid()}")
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as err:
+        return "read-only" if err.errno == errno.EROFS else (err.strerror or str(err)).lower()
+    os.close(fd)
+    os.unlink(name)
     return None
 
 
