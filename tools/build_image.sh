@@ -154,20 +154,25 @@ check_image() {
   done
   # a read-only output volume: refused before training, in one paragraph
   mkdir -p "$WORK/ro"
-  if run_image -v "$WORK/ro:/opt/chatlearn/output:ro" -- run template/grpo_fsdp.yaml >"$WORK/ro.log" 2>&1 \
-      || ! grep -q "cannot be written by this container's user" "$WORK/ro.log"; then
+  local refused
+  if run_image -v "$WORK/ro:/opt/chatlearn/output:ro" -- run template/grpo_fsdp.yaml >"$WORK/ro.log" 2>&1; then
+    refused=""
+  else
+    refused=$(tr -s '\n ' '  ' <"$WORK/ro.log")  # the paragraph, unwrapped
+  fi
+  if [[ "$refused" != *"cannot be written by this container's user"* ]]; then
     cat "$WORK/ro.log"
     refuse "a container with a read-only output volume was not refused before training (its output is above)."
   fi
-  say "a read-only output volume is refused: $(head -c 160 "$WORK/ro.log")..."
+  say "a read-only output volume is refused: ${refused:0:160}..."
   # the default job for a few episodes, its output on a mounted folder the image's user can write
   rm -rf "$OUT"
   mkdir -p "$OUT"
   local user=()
   if [ "$(id -u)" = 0 ]; then
     chown "$("${PODMAN[@]}" run --rm "${LIMITS[@]}" --entrypoint id "$IMAGE" -u)" "$OUT"
-  else
-    user=(--userns=keep-id)
+  else  # rootless podman: this user is the image's user inside
+    user=(--userns="keep-id:uid=$("${PODMAN[@]}" run --rm "${LIMITS[@]}" --entrypoint id "$IMAGE" -u)")
   fi
   local start=$SECONDS
   run_image "${user[@]}" -v "$OUT:/opt/chatlearn/output" -- run template/grpo_fsdp.yaml \

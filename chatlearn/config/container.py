@@ -37,8 +37,8 @@ def check_output_volume(output_dir: str, key: str = "runtime_args.output_dir", e
             f"{folder!r}: {problem}. A run in the image writes its checkpoints and metrics to the "
             f"output volume {volume}, which must be a host folder (or a named volume) this user can write: "
             f"`mkdir -p out && chown {os.getuid()} out` (or `chmod a+rwx out`), then `docker run -v "
-            f"$PWD/out:{volume} ...` (not `:ro`); with rootless podman add `--userns=keep-id` and own the folder "
-            "yourself. Nothing was trained.", key=key)
+            f"$PWD/out:{volume} ...` (not `:ro`); with rootless podman, own the folder yourself and add "
+            f"`--userns=keep-id:uid={os.getuid()},gid={os.getgid()}`. Nothing was trained.", key=key)
     if not _inside(out, volume):
         return (f"{key} {out!r} lies outside the output volume {volume}: what the run writes stays in the "
                 f"container and is lost with it. Choose a {key} under {volume} (the templates write "
@@ -55,7 +55,7 @@ def _probe(folder: str) -> str | None:
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as err:
-        return "read-only" if err.errno == errno.EROFS else (err.strerror or str(err)).lower()
+        return "its file system is read-only" if err.errno == errno.EROFS else (err.strerror or str(err)).lower()
     os.close(fd)
     os.unlink(name)
     return None
