@@ -62,4 +62,5 @@ def test_the_image_builds_and_its_default_job_learns_on_a_mounted_folder(tmp_pat
     assert set(evals) == {0, EPISODES}, evals
     assert evals[EPISODES] > evals[0] + 0.03, evals  # the toy: +0.10 by episode 20 (README)
     assert all(r["train/grad_norm"] > 0 for r in rows[1:]), rows[1]
-    assert (run / "checkpoints" / f"episode_{EPISODES}" / "hf" / "config.json").is_file()
+    saved = [int(p.parent.parent.name.split("_")[1]) for p in (run / "checkpoints").glob("episode_*/hf/config.json")]
+    assert saved == [EPISODES], saved  # the final checkpoint, with its Hugging Face copy
