@@ -26,7 +26,7 @@ WORK=$(mktemp -d -t chatlearn-image-XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
 refuse() {  # one paragraph on stderr, exit 1
-  echo "error: $*" | fmt -w 100 >&2
+  echo "error: $*" | tr -s ' ' | fmt -w 100 >&2
   exit 1
 }
 say() { echo "[build_image] $*"; }
@@ -71,7 +71,7 @@ limits() {
 check_podman() {
   if ! "${PODMAN[@]}" info >"$WORK/podman-info.log" 2>&1; then
     refuse "podman is installed but cannot run here (\`podman --runtime runc info\` failed:" \
-      "$(grep -iE 'error|denied' "$WORK/podman-info.log" | head -2 | tr '\n' ' ')). Building the image needs" \
+      "$(grep -iE 'error|denied' "$WORK/podman-info.log" | head -2 | tr '\n' ' ' | sed 's/ *$//')). Building the image needs" \
       "a working podman with runc: as root, or rootless with subuid/subgid ranges for your user" \
       "(/etc/subuid, /etc/subgid) and fuse-overlayfs."
   fi
