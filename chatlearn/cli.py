@@ -18,6 +18,7 @@ import textwrap
 import traceback
 
 from chatlearn import __version__
+from chatlearn.config.container import check_output_volume
 from chatlearn.errors import UserError
 from chatlearn.logging.console import ThirdPartyLogs, failure_hint, info, warn
 
@@ -200,6 +201,7 @@ def _eval(args) -> int:
 
     with ThirdPartyLogs() as logs:
         cfg = load_config(args.config, args.overrides)
+        _check_volume(cfg.runtime_args.output_dir)
         logs.attach(os.path.join(cfg.runtime_args.output_dir, "eval"))
         evaluate_only(cfg, checkpoint=args.checkpoint, overwrite=args.overwrite, keep_merged=args.keep_merged,
                       base=args.base)
@@ -213,6 +215,7 @@ def _sft(args) -> int:
     overrides = list(args.overrides) + (["runtime_args.enable_resume_training=False"] if fresh else [])
     with ThirdPartyLogs() as logs:
         cfg = load_sft_config(args.config, overrides)
+        _check_volume(cfg.runtime_args.output_dir)
         logs.attach(cfg.runtime_args.output_dir)
         run_sft(cfg, overwrite=args.overwrite)
     return 0
@@ -241,6 +244,7 @@ def _run(args) -> int:
     if args.dry_run:
         _dry_run(args, cfg, plan)
         return 0
+    _check_volume(cfg.runtime_args.output_dir)
     from chatlearn.runtime.driver.run import train
 
     with ThirdPartyLogs() as logs:
@@ -277,6 +281,14 @@ def _run(args) -> int:
             info(hint, stderr=True, bare=True)
             return 1
     return 0
+
+
+def _check_volume(output_dir: str) -> None:
+    """In the container image: refuse an output folder the container cannot write, warn when the run's
+    results would be lost with the container (chatlearn/config/container.py)."""
+    note = check_output_volume(output_dir)
+    if note:
+        info(_paragraph(f"warning: {note}"), stderr=True, bare=True)
 
 
 def _stalled(err: BaseException, hint: str) -> str | None:

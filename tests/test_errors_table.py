@@ -119,6 +119,13 @@ def _model_without_template(c: Ctx) -> str:
     return c.model_copy("nochat", drop=["chat_template.jinja"], replace={"tokenizer_config.json": json.dumps(conf)})
 
 
+def _in_container(c: Ctx) -> list:
+    """A run in the image (its output volume named, as docker/Dockerfile does) whose output folder cannot be
+    written: /proc takes no new file, even for root (the ctx fixture restores the variable)."""
+    os.environ["CHATLEARN_OUTPUT_VOLUME"] = "/proc/chatlearn-out"
+    return ["run", TEMPLATE, *c.base, "runtime_args.output_dir=/proc/chatlearn-out/run"]
+
+
 SFT_TEMPLATE = "template/sft.yaml"
 SFT_ROW = {"messages": [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "\\boxed{3}"}]}
 
@@ -319,6 +326,10 @@ CASES = [
     ("opd's distill_coef with GKD", lambda c: [*teacher(lambda c: c.model, algorithm="gkd")(c)[:-1],
                                                "models.policy_trainer.distill_coef=0.5", "--dry-run"],
      ["models.policy_trainer.distill_coef", "only algorithm: opd reads it"], ["Remove it"]),
+    # ---------------------------------------------------------------- the container image (docker/Dockerfile)
+    ("an output volume the container cannot write", _in_container,
+     ["runtime_args.output_dir", "cannot be written by this container's user"],
+     ["-v $PWD/out:/proc/chatlearn-out", "not `:ro`"]),
 ]
 
 
@@ -326,6 +337,7 @@ CASES = [
 def ctx(tmp_path, tiny_model_dir, arith_data, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("CHATLEARN_DEBUG", raising=False)
+    monkeypatch.setenv("CHATLEARN_OUTPUT_VOLUME", "")  # set by a row (_in_container); restored after each test
     train, evald = arith_data
     base = [f"models.policy_trainer.load={tiny_model_dir}", f"runtime_args.data_path={train}",
             f"runtime_args.eval_data_path={evald}", f"runtime_args.output_dir={tmp_path / 'out'}",

@@ -22,6 +22,7 @@ from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, Interpolatio
 from chatlearn.config.algorithm_keys import validate_algorithm
 from chatlearn.config.algorithms import resolve_algorithm
 from chatlearn.config.checks import choice as _choice
+from chatlearn.config.container import check_output_volume
 from chatlearn.config.checks import positive as _positive
 from chatlearn.config.data_sources import resolve_data_sources
 from chatlearn.config.env_entries import check_multi_turn
@@ -711,6 +712,7 @@ def _check_paths(cfg: DictConfig) -> None:
         check_judge_folder(cfg, name)
     for name in teachers:
         check_teacher_folder(cfg, name, policy_sequence_length(cfg.models.policy))
+    check_output_volume(rt.output_dir)  # in the container image: a writable output volume (a warning: by the CLI)
     check_output_folder(rt.output_dir, "runtime_args.output_dir")
     la = rt.log_args_dict
     check_output_folder(la.log_dir, "runtime_args.log_args_dict.log_dir")
