@@ -1,9 +1,9 @@
 """The checks of a run whose policy is a vision-language model (its ``config.json`` has a ``vision_config``):
 what chatlearn runs it with, and what it refuses before anything starts, each with the reason and the key.
 
-Runs: the FSDP trainer, the transformers ("hf") and vLLM rollouts, GRPO-family algorithms with a reference.
+Runs: the FSDP trainer, the transformers ("hf") rollout, GRPO-family algorithms with a reference.
 Refused: the Megatron trainer (its GPT model has no vision tower and chatlearn's HF <-> Megatron mapping
-covers language models only), SGLang (its adapter hands the engine token ids only), a critic (PPO: its value
+covers language models only), vLLM and SGLang (their adapters hand the engines token ids only), a critic (PPO: its value
 model would need the images too), multi-turn environments (their observations are text appended to a prompt
 whose images the loop does not carry), ``share_prompt: true`` (a shared-prompt row does not lay out image
 features). Packing works (each sample's multimodal rotary positions are the model's own, with the text
@@ -42,9 +42,9 @@ def check_vision(cfg) -> None:
         raise ConfigError(f"{why}, and the Megatron trainer builds language models only (no vision tower, and "
                           "chatlearn's HF <-> Megatron weight mapping has no vision entries). Set "
                           "runtime_args.train_backend: fsdp.", key="runtime_args.train_backend")
-    if rt.rollout_backend == "sglang":
-        raise ConfigError(f"{why}, and the SGLang adapter hands the engine token ids only, not images. Set "
-                          "runtime_args.rollout_backend: hf or vllm.", key="runtime_args.rollout_backend")
+    if rt.rollout_backend in ("sglang", "vllm"):
+        raise ConfigError(f"{why}, and chatlearn's {rt.rollout_backend} adapter hands the engine token ids only, not "
+                          "images. Set runtime_args.rollout_backend: hf.", key="runtime_args.rollout_backend")
     if uses_critic(cfg):
         raise ConfigError(f"{why}: a critic on prompts with images is not supported. Use a GRPO-family "
                           "algorithm.", key="models.critic")

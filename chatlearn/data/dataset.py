@@ -241,8 +241,11 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
             truths.append(truth)
             sources.append(str(row.get("data_source", default_source)))
             extras.append({k: v for k, v in row.items() if k not in taken})
+    vision = vision or VisionData(None, 0)  # no model named: a text-only caller
+    images, counts = check_image_prompts(images, base_dirs, wheres, model_path=vision.model_path,
+                                         max_images=vision.max_images)  # before the template sees image parts
     token_ids = tokenize_prompts(messages_all, wheres, tokenizer, enable_thinking=enable_thinking, tools=tools)
-    images, token_ids = _with_images(images, base_dirs, wheres, token_ids, vision, max_prompt_tokens)
+    token_ids = _with_images(counts, wheres, token_ids, vision, max_prompt_tokens)
     keep = [i for i, ids in enumerate(token_ids) if len(ids) <= max_prompt_tokens]
     dropped = len(token_ids) - len(keep)
     if not keep:
@@ -255,16 +258,13 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                      [images[i] for i in keep] if any(images) else [])
 
 
-def _with_images(images: list[list], base_dirs: list[str], wheres: list[str], token_ids: list[list[int]],
-                 vision: VisionData | None, max_prompt_tokens: int) -> tuple[list[list], list[list[int]]]:
-    """The prompts' images checked and resolved (:func:`chatlearn.data.vision.check_image_prompts`) and each
-    image's placeholder token expanded to its vision tokens; an image prompt longer than ``max_prompt_tokens``
-    is an error (its images make it so: dropping it silently would hide that)."""
-    if not any(images):
-        return images, token_ids
-    vision = vision or VisionData(None, 0)  # no model named: a text-only caller
-    images, counts = check_image_prompts(images, base_dirs, wheres, model_path=vision.model_path,
-                                         max_images=vision.max_images)
+def _with_images(counts: list[list[int]], wheres: list[str], token_ids: list[list[int]],
+                 vision: VisionData, max_prompt_tokens: int) -> list[list[int]]:
+    """``token_ids`` with each image's placeholder token expanded to its vision tokens (``counts``: each prompt's
+    images' vision tokens, :func:`chatlearn.data.vision.check_image_prompts`); an image prompt longer than
+    ``max_prompt_tokens`` is an error (its images make it so: dropping it silently would hide that)."""
+    if not any(counts):
+        return token_ids
     image_id = model_vision(vision.model_path)["image_token_id"]
     out = []
     for ids, n, where in zip(token_ids, counts, wheres, strict=True):
@@ -279,7 +279,7 @@ def _with_images(images: list[list], base_dirs: list[str], wheres: list[str], to
                             "that key, or use smaller images (the image processor's max_pixels).",
                             key="models.policy.max_prompt_tokens_length")
         out.append(ids)
-    return images, out
+    return out
 
 
 def _with_instruction(messages: list[dict], instruction: str) -> list[dict]:

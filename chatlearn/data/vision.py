@@ -81,8 +81,10 @@ def _read_ref(ref: str, base_dir: str, where: str) -> bytes:
     if os.path.isfile(path):
         with open(path, "rb") as f:
             return f.read()
-    if len(ref) > 256 and "/" not in ref[:64]:  # long text with no path shape: bare base64
-        return _b64(ref, where)
+    try:  # no such file: bare base64 text (a path has a character base64 has not, e.g. its "." or a space)
+        return base64.b64decode(ref, validate=True)
+    except (binascii.Error, ValueError):
+        pass
     raise UserError(_fix(where, f"the image file {path} does not exist"))
 
 
@@ -144,11 +146,12 @@ class VisionProcessor:
 
 
 def resolve_image(ref, base_dir: str):
-    """``ref`` in a form that no longer depends on the data file's folder: a relative path made absolute;
-    anything else as it is."""
+    """``ref`` in a form that no longer depends on the data file's folder: the path of an image file made
+    absolute; anything else (base64 text, bytes, a decoded image) as it is."""
     if isinstance(ref, str) and not ref.startswith(("data:", "http://", "https://")) and len(ref) <= 4096:
         path = ref[len("file://"):] if ref.startswith("file://") else ref
-        return path if os.path.isabs(path) else os.path.abspath(os.path.join(base_dir, path))
+        path = path if os.path.isabs(path) else os.path.abspath(os.path.join(base_dir, path))
+        return path if os.path.isfile(path) else ref
     return ref
 
 

@@ -75,11 +75,24 @@ def embed_with_images(model, ids: torch.Tensor, pixels: torch.Tensor | None,
     features = model.model.get_image_features(pixels.to(ids.device), grid.to(ids.device), return_dict=True)
     features = torch.cat(features.pooler_output, dim=0).to(embeds.dtype)
     mask = (ids == image_token_id(model)) if where is None else where
+    if not bool(mask.any()):  # a blank image (blank_image): its features count for nothing, its gradients are 0
+        return embeds + 0.0 * features.sum()
     mask = mask[..., None].expand_as(embeds)
     if int(mask[..., 0].sum()) != features.shape[0]:
         raise ValueError(f"{int(mask[..., 0].sum())} image tokens for {features.shape[0]} image features: the "
                          "prompts' image placeholders and their images do not match")
     return embeds.masked_scatter(mask, features)
+
+
+def blank_image(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pixel_values, image_grid_thw)`` of the smallest image the vision tower takes (one merged token, all
+    zeros): what a sharded rank whose micro-batch has no image runs the tower on, so that every rank runs the
+    tower's all-gathers (and, when it trains, reduce-scatters) in the same forwards; its features are
+    multiplied by 0 (:func:`embed_with_images`)."""
+    v = model.config.vision_config
+    merge = int(v.spatial_merge_size)
+    width = int(v.in_channels) * int(v.temporal_patch_size) * int(v.patch_size) ** 2
+    return torch.zeros((merge * merge, width)), torch.tensor([[1, merge, merge]])
 
 
 def sample_grids(items: list) -> list[torch.Tensor | None]:

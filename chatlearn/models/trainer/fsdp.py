@@ -554,7 +554,7 @@ class FSDPTrainer(Trainer):
         if not packed:  # padding keeps increasing positions (ignored: masked out)
             positions = torch.arange(shape[1]).expand(shape)
         images = None
-        if self.vlm and len(idx):  # multimodal rotary positions; with packing, the text positions first
+        if self.vlm:  # multimodal rotary positions; with packing, the text positions first
             positions, images = self._vision_inputs(batch, idx, ids, positions, packed)
         if self._moe_recording:  # the router taps count the real tokens (not padding, not a dummy's)
             self.moe.begin(mask if mask is not None else torch.full(shape, int(len(idx) > 0)))
@@ -592,6 +592,8 @@ class FSDPTrainer(Trainer):
         if packed:
             out = torch.cat([positions[None].cpu(), out])
         pixels, grid = vision_lib.stack_images(items)
+        if pixels is None and self.sharded:  # every rank runs the vision tower's collectives in every forward
+            pixels, grid = vision_lib.blank_image(self.model)
         images = None if pixels is None else (pixels.to(self.device), grid.to(self.device), where.to(self.device))
         return out.to(self.device), images
 
@@ -854,12 +856,18 @@ class FSDPTrainer(Trainer):
         its own group. Only parameters are exported (no buffers); a tied ``lm_head.weight`` is
         not listed: it is the input embedding's parameter, exported under
         ``model.embed_tokens.weight``. With LoRA: the merged weights under the base model's names
-        (:meth:`export_tensors`)."""
+        (:meth:`export_tensors`). A vision-language model's frozen vision tower (``freeze_vision_tower``) is not
+        listed: the rollout's copy is the same (both loaded from the same folder), and a push leaves it."""
         if self.merged is not None:
             params = dict(self.model.named_parameters())
-            return [(e.name, "float32", tuple(params[e.param].shape), i) for i, e in enumerate(self.merged.entries)]
-        return [(name, "float32", tuple(p.shape), i)
-                for i, (name, p) in enumerate(self.model.named_parameters())]
+            return [(e.name, "float32", tuple(params[e.param].shape), i) for i, e in enumerate(self.merged.entries)
+                    if not self._frozen_vision(e.name)]
+        pushed = [(name, p) for name, p in self.model.named_parameters() if not self._frozen_vision(name)]
+        return [(name, "float32", tuple(p.shape), i) for i, (name, p) in enumerate(pushed)]
+
+    def _frozen_vision(self, name: str) -> bool:
+        """Whether ``name`` is a parameter of a vision tower that does not train (``freeze_vision_tower``)."""
+        return self.vlm and bool(self.spec.freeze_vision_tower) and vision_lib.is_vision_param(name)
 
     @torch.no_grad()
     def export_tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
