@@ -764,13 +764,13 @@ def draw_digits(rng: random.Random):
     draw = ImageDraw.Draw(img)
     digits = (rng.randint(0, 9), rng.randint(0, 9))
     for k, d in enumerate(digits):  # the first in the left half, the second in the right half
-        size = rng.randint(22, 32)
+        size = rng.randint(24, 30)
         font = ImageFont.load_default(size=size)
         fg = tuple(rng.randint(0, 110) for _ in range(3))
         left, top, right, bottom = draw.textbbox((0, 0), str(d), font=font)
-        half = VLM_IMAGE // 2
-        x = k * half + rng.randint(0, max(0, half - (right - left))) - left
-        y = rng.randint(0, max(0, VLM_IMAGE - (bottom - top))) - top
+        half, jitter = VLM_IMAGE // 2, 5  # about the middle of its half, moved by up to 5 pixels
+        x = k * half + (half - (right - left)) // 2 + rng.randint(-jitter, jitter) - left
+        y = (VLM_IMAGE - (bottom - top)) // 2 + rng.randint(-jitter, jitter) - top
         draw.text((x, y), str(d), fill=fg, font=font)
     return img, digits[0], digits[1]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import os
 
 from chatlearn.errors import UserError
@@ -159,8 +160,6 @@ def model_vision(path: str | None) -> dict | None:
     """The vision settings of the model folder at ``path`` (its config.json and preprocessor_config.json):
     ``{"image_token_id", "merge_size", "patch_size"}``; None for a model without a vision tower (or no
     local folder)."""
-    import json
-
     config_file = os.path.join(path or "", "config.json")
     if not path or not os.path.isfile(config_file):
         return None
@@ -221,3 +220,20 @@ def check_image_prompts(images: list[list], base_dirs: list[str], wheres: list[s
         counts.append(image_token_counts(decoded, processor) if decoded else [])
         resolved.append([resolve_image(ref, base) for ref in refs])
     return resolved, counts
+
+
+def image_names(refs: list) -> list[str]:
+    """How a sample log names each image of ``refs``: its path, else what it is (base64 text, bytes, a decoded
+    image) and its size."""
+    out = []
+    for ref in refs or ():
+        if isinstance(ref, dict) and ref.get("path"):
+            ref = ref["path"]
+        if isinstance(ref, str):
+            out.append(ref if os.path.isfile(ref) or len(ref) < 512 and not ref.startswith("data:")
+                       else f"<base64 image, {len(ref)} characters>")
+        elif isinstance(ref, dict):
+            out.append(f"<image bytes, {len(ref.get('bytes') or b'')} bytes>")
+        else:
+            out.append(f"<decoded image {getattr(ref, 'width', '?')}x{getattr(ref, 'height', '?')}>")
+    return out

@@ -291,6 +291,12 @@ def step_mask(amask: torch.Tensor, length: int, kind: str, dtype: torch.dtype, p
     return m
 
 
+def next_position(positions: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1]``: the position of the first generated token of each row, one past the prompt's last (a
+    vision-language model's ``[3, rows, width]`` positions: their text section, where the three are equal)."""
+    return (positions[0] if positions.dim() == 3 else positions)[:, -1:] + 1
+
+
 class _RunningRows:
     """The decoding batch's rows (row b of the batch is sample ``rows[b]``), with what each needs
     from step to step: whether it still runs (``alive``, on the device), its budget (on the device
@@ -481,9 +487,7 @@ class HFRollout(Rollout):
         ``TopPLogitsWarper`` (those the sampling dict turns on), then ``argmax`` (greedy) or
         ``multinomial(softmax)``. Log-probs are those of the raw logits at ``temperature``
         (untouched by top-p or top-k). Prompts are left-padded; position ids count each row's real
-        tokens only. With images (a vision-language model) the prefill takes the
-        embeddings with the images' features in place and each row's multimodal rotary positions
-        (:meth:`_prefill_inputs`); the decoding steps are text, whose three rotary positions are equal.
+        tokens only (with images: :meth:`_prefill_inputs`).
 
         What runs where (:class:`_RunningRows`): which rows are still running is kept on the device
         and read on the host only every ``read_every`` steps (``CHECK_EVERY``: 16 on a GPU, where
@@ -516,8 +520,7 @@ class HFRollout(Rollout):
         out = self.model(**inputs, attention_mask=amask[:, :width].long(), position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         routes = DecodeRoutes(self.routing, n, width, steps, dev) if self.routing is not None else None
-        last = positions[0] if positions.dim() == 3 else positions  # text positions (a VLM's first section)
-        batch = _RunningRows(budgets, [width - len(p) for p in prompts], amask, last[:, -1:] + 1, dev)
+        batch = _RunningRows(budgets, [width - len(p) for p in prompts], amask, next_position(positions), dev)
         mask_kind = decode_mask_kind(self.model.config)
         for step in range(steps):
             cur, rows, live = width + step, batch.rows, batch.alive
