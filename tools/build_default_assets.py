@@ -1003,6 +1003,9 @@ def build_vlm(args) -> int:
 def write_vlm_readme(path: Path, info: dict) -> None:
     """The README's section on ``tiny_qwen2_vl/`` and ``vlm_digits/`` (the other sections kept)."""
     g, s, v = info["eval"]["greedy"], info["eval"]["sampled"], VLM_VISION_SHAPE
+    sft = info["sft"] or {"steps": 0, "val_accuracy": 0.0}
+    stopped = (f"after {sft['steps']} steps" if sft["val_accuracy"] >= info["target"] else
+               f"at the step limit, {sft['steps']} steps (validation accuracy {sft['val_accuracy']:.3f})")
     settings = ", ".join(f"{k} {x}" for k, x in EVAL_SAMPLING.items())
     section = f"""## `tiny_qwen2_vl/` and `vlm_digits/`: the vision-language model and its task
 
@@ -1022,8 +1025,9 @@ Rebuild both (and this section) from the repository root with
 - Tokenizer: byte-level BPE on the task's text plus `{"`, `".join(VISION_TOKENS)}`; a ChatML template that
   renders an image part as `<|vision_start|><|image_pad|><|vision_end|>`.
 - Weights: random init, then supervised steps on the train prompts (vision tower included, batch
-  {info["batch_size"]}, lr {info["lr"]}) until greedy accuracy on {info["num_val"]} held-out train prompts
-  reaches {info["target"]}; here after {info["sft"]["steps"] if info["sft"] else "?"} steps.
+  {info["batch_size"]}, lr {info["lr"]}; the answers name the digits, then box the sum: `3+9=\\boxed{{12}}`)
+  until greedy accuracy on {info["num_val"]} held-out train prompts reaches {info["target"]}, or the step limit;
+  here {stopped}.
 
 Measured at build time on the eval split ({info["num_eval"]} prompts, Hugging Face `generate`):
 
