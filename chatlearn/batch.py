@@ -49,6 +49,8 @@ COLUMNS: dict[str, Column] = {c.name: c for c in (
            "no record; chatlearn/models/moe/layout.py)"),
     Column("loss_mask", TOKEN, "iu", "generate (multi-turn loop)",
            "1 on the model's own tokens of a multi-turn trajectory (absent: every response token)"),
+    Column("images", SAMPLE, "O", "generate (driver: the prompts' images, vision-language models)",
+           "each sample's {'pixel_values', 'image_grid_thw'} (None: no image); the samples of a prompt share one"),
     Column("policy_version", SAMPLE, "i", "generate (rollout pipeline, max_staleness)",
            "the weight version that generated the sample"),
     Column("old_logprobs", TOKEN, "f", "old_logprobs (policy trainer)",

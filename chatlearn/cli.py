@@ -345,7 +345,7 @@ def _dry_run_data(cfg, resumed, accept: bool) -> list[str]:
     (chatlearn.runtime.driver.run.train): a missing or malformed file, a row without the prompt or
     ground-truth key, prompts all too long, or a data set of another size than the checkpoint's is
     refused here as it would be there. Returns the lines that count the prompts."""
-    from chatlearn.data.dataset import load_prompts, load_tokenizer
+    from chatlearn.data.dataset import VisionData, load_prompts, load_tokenizer
     from chatlearn.runtime.rundir.config_history import check_prompt_count
 
     rt, p = cfg.runtime_args, cfg.models.policy
@@ -357,7 +357,8 @@ def _dry_run_data(cfg, resumed, accept: bool) -> list[str]:
         tools = MultiTurnLoop(cfg, tokenizer).tool_schemas
     data = dict(max_prompt_tokens=p.max_prompt_tokens_length, enable_thinking=p.enable_thinking,
                 prompt_key=rt.prompt_key, ground_truth_key=rt.ground_truth_key,
-                ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction, tools=tools)
+                ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction, tools=tools,
+                vision=VisionData(p.load, p.max_images_per_prompt))
     sets = [("train", load_prompts(rt.data_path.split(","), tokenizer, name=rt.data_subset, split=rt.data_split,
                                    **data))]
     check_prompt_count(resumed, len(sets[0][1]), accept)

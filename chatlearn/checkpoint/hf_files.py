@@ -77,16 +77,17 @@ def value_head_config(config: dict) -> dict:
 
 def expected_tensors(config, trust_remote_code: bool = False, value_head: bool = False,
                      checkpoint_names: bool = False):
-    """``({name: (shape, dtype)}, {alias: name})`` of the causal LM that ``config``
+    """``({name: (shape, dtype)}, {alias: name})`` of the causal LM (or vision-language model) that ``config``
     describes (with ``value_head``: the critic, the token-classification model with one label),
     built on the ``meta`` device (no memory); tied aliases are not in the first.
     ``checkpoint_names``: the names and shapes ``save_pretrained`` writes, where transformers keeps
     some tensors otherwise in the module (a MoE layer's experts, fused in the module as
     ``mlp.experts.gate_up_proj`` / ``down_proj``, are written per expert:
     ``mlp.experts.<e>.gate_proj.weight`` ...; transformers' ``revert_weight_conversion``)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
-    auto = AutoModelForCausalLM
+    # a vision-language model (Qwen2-VL ...: a vision_config) is transformers' image-text-to-text class
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     if value_head:  # one label: a scalar value per token
         auto, config.num_labels = AutoModelForTokenClassification, 1
     with torch.device("meta"):

@@ -33,6 +33,7 @@ from chatlearn.config.kinds import (DEFAULT_MODELS, KINDS, REWARD_MODEL, ROLLOUT
 from chatlearn.config.lora_keys import check_lora
 from chatlearn.config.manifest import manifest_problems
 from chatlearn.config.moe_keys import check_moe
+from chatlearn.config.vision_keys import check_vision
 from chatlearn.config.model_shapes import model_context_length, shape_mismatch
 from chatlearn.config.plan import Plan, make_plan
 from chatlearn.config.sizes import check_sizes
@@ -401,6 +402,7 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     _check_paths(cfg)
     check_lora(cfg)  # reads the policy trainer's model folder (resolved by _check_paths)
     check_moe(cfg, _trainer_models(cfg))  # reads the trainers' config.json (experts)
+    check_vision(cfg)  # reads the policy's config.json (a vision tower)
     # imports each reward function, the environment and the tools, so a bad path stops the run before
     # anything starts
     check_functions(OmegaConf.to_container(cfg.models.reward, resolve=True),

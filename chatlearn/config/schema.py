@@ -231,6 +231,8 @@ class TrainerModel(ModelBase):
     share_prompt: Optional[bool] = None
     groupgemm: bool = False  # MoE: the experts as grouped GEMMs instead of one matmul per expert
     gradient_checkpointing: bool = True
+    # vision-language models: the vision tower (and its merger) keeps its weights; false: it trains with the rest
+    freeze_vision_tower: bool = True
     save_hf: bool = True
     use_expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in this model's workers
     # Unpacked micro-batches are padded to exactly this many tokens (fixed shapes, as Megatron's
@@ -467,6 +469,9 @@ class Policy(ModelBase):
     num_inference_per_prompt: int = 32  # responses sampled per prompt (the GRPO group)
     eval_num_inference_per_prompt: int = "${models.policy.num_inference_per_prompt}"  # type: ignore[assignment]
     max_prompt_tokens_length: int = 1024  # longer prompts are dropped from the data
+    # vision-language models: the most images one prompt may hold (a row with more is refused at load; vLLM's
+    # limit_mm_per_prompt)
+    max_images_per_prompt: int = 4
     max_response_tokens_length: int = 2048  # max new tokens per response
     # the engine's tokens per sequence, prompt + response (vLLM max_model_len, SGLang context_length):
     # a response stops at seq_length - its prompt's length; null: max_prompt + max_response tokens

@@ -30,6 +30,7 @@ from chatlearn.config.data_sources import brief as _brief
 from chatlearn.config.data_sources import datasets_offline as _offline
 from chatlearn.config.data_sources import quiet_datasets as _quiet_datasets
 from chatlearn.data.tokenizer import fast_tokenizer
+from chatlearn.data.vision import check_image_prompts, expand_image_tokens, message_images, model_vision
 from chatlearn.errors import UserError
 
 TOKENIZED_CACHE = "chatlearn_prompts"  # folder under the datasets cache holding tokenized prompts
@@ -131,9 +132,20 @@ class PromptSet:
     messages: list[list[dict]] = field(default_factory=list)  # the chat messages of each prompt (multi-turn: reset's row)
     # the warning for prompts whose ground truth is null or empty, None when there are none (see check_truths)
     empty_truth_warning: str | None = None
+    # each prompt's images (resolved references: chatlearn.data.vision), empty when no prompt has any
+    images: list[list] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class VisionData:
+    """What loading prompts with images needs: the model folder (its config and image processor) and the
+    most images a prompt may hold (models.policy.max_images_per_prompt)."""
+
+    model_path: str | None
+    max_images: int
 
 
 def _ground_truth(row: dict, key: str, where: str):
@@ -185,7 +197,7 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                  prompt_key: str, ground_truth_key: str | None,
                  what: str = "runtime_args.data_path", name: str | None = None, split: str = "train",
                  ground_truth_pattern: str | None = None, prompt_instruction: str | None = None,
-                 tools: list | None = None) -> PromptSet:
+                 tools: list | None = None, vision: VisionData | None = None) -> PromptSet:
     """Read every row of ``paths`` (local files or folders, or Hub dataset ids read with config ``name``
     and ``split``), apply the chat template to ``row[prompt_key]`` (a string becomes one user message,
     ``prompt_instruction`` is appended to the last user message; ``enable_thinking`` is passed to the
@@ -193,17 +205,19 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
     ``ground_truth_key``, cut down to the first group of ``ground_truth_pattern`` when one is given.
     ``extras`` keeps each row without the prompt, ``data_source`` and ground-truth columns (the first
     part of ``ground_truth_key``). ``tools``: JSON schemas passed to the chat template (a multi-turn
-    rollout's tools), None: none."""
-    messages_all, wheres, truths, sources, extras = [], [], [], [], []
+    rollout's tools), None: none. ``vision``: the model folder and the image limit, for rows whose messages
+    hold images (:mod:`chatlearn.data.vision`): each is decoded once here (a bad one is an error naming the row)
+    and its placeholder token expanded to the image's vision tokens."""
+    messages_all, wheres, truths, sources, extras, images, base_dirs = [], [], [], [], [], [], []
     taken = {prompt_key, "data_source"} | ({ground_truth_key.split(".")[0]} if ground_truth_key else set())
     pattern = re.compile(ground_truth_pattern) if ground_truth_pattern else None
     for source in resolve_data_sources(",".join(paths), what, name=name, split=split):
         if source.hub_id:  # rows without a data_source column are named after the dataset, or the file
-            rows = [(row, where, source.hub_id) for row, where in read_hub_rows(source, name=name, split=split)]
-        else:
-            rows = [(row, where, os.path.basename(path)) for path in list_data_files([source.path])
-                    for row, where in read_rows(path)]
-        for row, where, default_source in rows:
+            rows = [(row, where, source.hub_id, "") for row, where in read_hub_rows(source, name=name, split=split)]
+        else:  # an image path in a row is relative to its file's folder
+            rows = [(row, where, os.path.basename(path), os.path.dirname(os.path.abspath(path)))
+                    for path in list_data_files([source.path]) for row, where in read_rows(path)]
+        for row, where, default_source, base_dir in rows:
             if prompt_key not in row:
                 raise UserError(f"{where}: the row has no {prompt_key!r} field (it has: "
                                 f"{', '.join(sorted(row)) or 'nothing'}). Add it, or set the prompt key "
@@ -221,11 +235,17 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
             if pattern is not None and truth is not None:
                 truth = _match_truth(pattern, truth, where)
             messages_all.append(messages)
+            images.append(message_images(messages))
+            base_dirs.append(base_dir)
             wheres.append(where)
             truths.append(truth)
             sources.append(str(row.get("data_source", default_source)))
             extras.append({k: v for k, v in row.items() if k not in taken})
+    vision = vision or VisionData(None, 0)  # no model named: a text-only caller
+    images, counts = check_image_prompts(images, base_dirs, wheres, model_path=vision.model_path,
+                                         max_images=vision.max_images)  # before the template sees image parts
     token_ids = tokenize_prompts(messages_all, wheres, tokenizer, enable_thinking=enable_thinking, tools=tools)
+    token_ids = _with_images(counts, wheres, token_ids, vision, max_prompt_tokens)
     keep = [i for i, ids in enumerate(token_ids) if len(ids) <= max_prompt_tokens]
     dropped = len(token_ids) - len(keep)
     if not keep:
@@ -234,7 +254,32 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
         raise UserError(f"{what}: no usable prompts: {reason}.")
     warning = check_truths([truths[i] for i in keep], [wheres[i] for i in keep], what, ground_truth_key)
     return PromptSet([token_ids[i] for i in keep], [truths[i] for i in keep], [sources[i] for i in keep], dropped,
-                     [extras[i] for i in keep], [messages_all[i] for i in keep], warning)
+                     [extras[i] for i in keep], [messages_all[i] for i in keep], warning,
+                     [images[i] for i in keep] if any(images) else [])
+
+
+def _with_images(counts: list[list[int]], wheres: list[str], token_ids: list[list[int]],
+                 vision: VisionData, max_prompt_tokens: int) -> list[list[int]]:
+    """``token_ids`` with each image's placeholder token expanded to its vision tokens (``counts``: each prompt's
+    images' vision tokens, :func:`chatlearn.data.vision.check_image_prompts`); an image prompt longer than
+    ``max_prompt_tokens`` is an error (its images make it so: dropping it silently would hide that)."""
+    if not any(counts):
+        return token_ids
+    image_id = model_vision(vision.model_path)["image_token_id"]
+    out = []
+    for ids, n, where in zip(token_ids, counts, wheres, strict=True):
+        try:
+            ids = expand_image_tokens(ids, n, image_id) if n else ids
+        except ValueError as err:
+            raise UserError(f"{where}: the chat template rendered {err}: it must write one image placeholder "
+                            "per image part of a message. Fix the template, or the row.") from None
+        if n and len(ids) > max_prompt_tokens:
+            raise UserError(f"{where}: with its {len(n)} image(s) ({sum(n)} vision tokens) the prompt is {len(ids)} "
+                            f"tokens, more than models.policy.max_prompt_tokens_length ({max_prompt_tokens}). Raise "
+                            "that key, or use smaller images (the image processor's max_pixels).",
+                            key="models.policy.max_prompt_tokens_length")
+        out.append(ids)
+    return out
 
 
 def _with_instruction(messages: list[dict], instruction: str) -> list[dict]:

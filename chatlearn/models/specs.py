@@ -159,6 +159,7 @@ class TrainerSpec(_Spec):
     value_loss_coef: float
     # memory and precision
     gradient_checkpointing: bool
+    freeze_vision_tower: bool  # a vision-language model's vision tower keeps its weights (chatlearn/models/vision.py)
     # Megatron's activation recomputation: full | selective; None: full where gradient_checkpointing, else none
     recompute_granularity: Optional[str]
     bf16: Optional[bool]  # None: bf16 on CUDA devices that support it, fp32 elsewhere
@@ -216,7 +217,7 @@ class TrainerSpec(_Spec):
             rollout_correction_level=pt.rollout_correction_level, rollout_is_threshold=pt.rollout_is_threshold,
             rollout_is_threshold_lower=pt.rollout_is_threshold_lower,
             gradient_checkpointing=t.gradient_checkpointing, bf16=t.bf16, meta_init=t.meta_init,
-            recompute_granularity=RECOMPUTE[t.recompute_granularity],
+            freeze_vision_tower=t.freeze_vision_tower, recompute_granularity=RECOMPUTE[t.recompute_granularity],
             tensor_model_parallel_size=t.tensor_model_parallel_size,
             pipeline_model_parallel_size=t.pipeline_model_parallel_size, sequence_parallel=t.sequence_parallel,
             use_distributed_optimizer=t.use_distributed_optimizer,

@@ -26,7 +26,7 @@ TRAINER_DEFAULTS = dict(
     kl_in_reward=False, entropy_coef=0.0, old_logprobs="auto", rollout_correction="none",
     rollout_correction_level="token", rollout_is_threshold=2.0, rollout_is_threshold_lower=None,
     cliprange_value=0.5, value_loss_coef=0.5,
-    gradient_checkpointing=False, recompute_granularity=None, bf16=False, meta_init=False,
+    gradient_checkpointing=False, freeze_vision_tower=True, recompute_granularity=None, bf16=False, meta_init=False,
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
     use_distributed_optimizer=False, lora=None, moe=MOE_DEFAULTS, plugins=(), plugins_dir="",
     routing_replay="off", gkd_beta=0.5, gkd_temperature=1.0)

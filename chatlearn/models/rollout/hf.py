@@ -22,6 +22,7 @@ from chatlearn.models.rollout.common import (check_lengths, context_length, eos_
                                              parse_sampling, penalties_on, release_cuda_cache, response_budgets,
                                              set_cpu_threads, to_torch)
 from chatlearn.models.stash import own_storage
+from chatlearn.models.vision import embed_with_images, is_vlm, model_class, sample_grids, sample_positions, stack_images
 
 if TYPE_CHECKING:
     from chatlearn.models.specs import RolloutSpec
@@ -290,6 +291,12 @@ def step_mask(amask: torch.Tensor, length: int, kind: str, dtype: torch.dtype, p
     return m
 
 
+def next_position(positions: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1]``: the position of the first generated token of each row, one past the prompt's last (a
+    vision-language model's ``[3, rows, width]`` positions: their text section, where the three are equal)."""
+    return (positions[0] if positions.dim() == 3 else positions)[:, -1:] + 1
+
+
 class _RunningRows:
     """The decoding batch's rows (row b of the batch is sample ``rows[b]``), with what each needs
     from step to step: whether it still runs (``alive``, on the device), its budget (on the device
@@ -386,10 +393,11 @@ class HFRollout(Rollout):
         if self.device.type == "cpu":
             set_cpu_threads(spec.cpu_threads)
 
-        model = AutoModelForCausalLM.from_pretrained(
+        model = model_class(spec.load, AutoModelForCausalLM, bool(spec.trust_remote_code)).from_pretrained(
             spec.load, dtype=DTYPES[spec.dtype],
             trust_remote_code=bool(spec.trust_remote_code))
         self.model = model.to(self.device).eval()
+        self.vlm = is_vlm(self.model)  # prompts may come with images (chatlearn/models/vision.py)
         use_cpu_gqa_sdpa(self.model)
         self.read_every = CHECK_EVERY[self.device.type] if self.device.type in CHECK_EVERY else CHECK_EVERY["cuda"]
         self.dtype = self.model.dtype
@@ -422,11 +430,17 @@ class HFRollout(Rollout):
     # -- generation -----------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
+    def generate(self, prompts: list[list[int]], sampling: dict, images: list | None = None) -> Batch:
+        """``Rollout.generate``; ``images``: with a vision-language model, each prompt's image dict (or None;
+        chatlearn/models/vision.py)."""
         if self._offloaded:
             raise RuntimeError("HFRollout.generate: weights are offloaded; call onload first")
         sp = parse_sampling(sampling)
         prompts = [[int(t) for t in p] for p in prompts]
+        if images is not None and not self.vlm and any(x is not None for x in images):
+            raise ValueError(f"{type(self.model).__name__} takes no images (prompts with images need a "
+                             "vision-language model)")
+        images = images if images is not None else [None] * len(prompts)
         check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length,
                       sp["continuation"])
         budgets = response_budgets(prompts, sp["max_tokens"],
@@ -447,7 +461,8 @@ class HFRollout(Rollout):
                 torch.manual_seed(seed)
                 for start in range(0, len(prompts), self.batch_size):
                     r, lp, f, rt = self._generate_chunk(prompts[start:start + self.batch_size], sp,
-                                                        budgets[start:start + self.batch_size])
+                                                        budgets[start:start + self.batch_size],
+                                                        images[start:start + self.batch_size])
                     responses += r
                     logprobs += lp
                     finished += f
@@ -461,7 +476,7 @@ class HFRollout(Rollout):
         return out
 
     @torch.no_grad()
-    def _generate_chunk(self, prompts: list[list[int]], sp: dict, budgets: list[int]):
+    def _generate_chunk(self, prompts: list[list[int]], sp: dict, budgets: list[int], images: list):
         """One batch of prompts decoded together; sample i keeps at most ``budgets[i]`` new tokens.
 
         The decoding loop of ``transformers``' ``generate`` (sampling), with ended sequences (EOS
@@ -472,7 +487,7 @@ class HFRollout(Rollout):
         ``TopPLogitsWarper`` (those the sampling dict turns on), then ``argmax`` (greedy) or
         ``multinomial(softmax)``. Log-probs are those of the raw logits at ``temperature``
         (untouched by top-p or top-k). Prompts are left-padded; position ids count each row's real
-        tokens only.
+        tokens only (with images: :meth:`_prefill_inputs`).
 
         What runs where (:class:`_RunningRows`): which rows are still running is kept on the device
         and read on the host only every ``read_every`` steps (``CHECK_EVERY``: 16 on a GPU, where
@@ -501,11 +516,11 @@ class HFRollout(Rollout):
         finished = torch.zeros(n, dtype=torch.bool, device=dev)
 
         cache = reserved_kv_cache(self.model.config, width + steps)
-        positions = (amask[:, :width].long().cumsum(-1) - 1).clamp_(min=0)
-        out = self.model(input_ids=seqs[:, :width], attention_mask=amask[:, :width].long(), position_ids=positions,
+        inputs, positions = self._prefill_inputs(seqs[:, :width], amask[:, :width], prompts, images)
+        out = self.model(**inputs, attention_mask=amask[:, :width].long(), position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
         routes = DecodeRoutes(self.routing, n, width, steps, dev) if self.routing is not None else None
-        batch = _RunningRows(budgets, [width - len(p) for p in prompts], amask, positions[:, -1:] + 1, dev)
+        batch = _RunningRows(budgets, [width - len(p) for p in prompts], amask, next_position(positions), dev)
         mask_kind = decode_mask_kind(self.model.config)
         for step in range(steps):
             cur, rows, live = width + step, batch.rows, batch.alive
@@ -541,6 +556,21 @@ class HFRollout(Rollout):
         per_sample = routes.per_sample([len(p) for p in prompts], length) if routes is not None else [None] * n
         return ([new_tokens[i, :length[i]] for i in range(n)], [token_lp[i, :length[i]] for i in range(n)],
                 [bool(f) for f in finished], per_sample)
+
+    def _prefill_inputs(self, ids: torch.Tensor, amask: torch.Tensor, prompts: list[list[int]], images: list):
+        """``({"input_ids": ...} or {"inputs_embeds": ...}, position ids)`` of the prefill of the left-padded
+        prompts ``ids``: the text path (positions count each row's real tokens), or with images the embeddings
+        with the images' features in place (:func:`embed_with_images`) and ``[3, rows, width]`` multimodal
+        rotary positions, each row's computed by the model for its prompt alone (:func:`sample_positions`)."""
+        if not self.vlm or all(x is None for x in images):
+            return {"input_ids": ids}, (amask.long().cumsum(-1) - 1).clamp_(min=0)
+        width = ids.shape[1]
+        positions = torch.zeros((3, *ids.shape), dtype=torch.long, device=ids.device)
+        for i, (grid, p) in enumerate(zip(sample_grids(images), prompts, strict=True)):
+            positions[:, i, width - len(p):] = sample_positions(self.model, ids[i, width - len(p):], grid, len(p))
+        pixels, grid = stack_images(images)
+        embeds = embed_with_images(self.model, ids, pixels.to(self.dtype), grid)
+        return {"inputs_embeds": embeds}, positions
 
     @torch.no_grad()
     def probe_logprobs(self, tokens: list[int]) -> dict:

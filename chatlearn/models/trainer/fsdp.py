@@ -56,6 +56,7 @@ from chatlearn.models.stash import own_storage, release_device_memory
 from chatlearn.models.trainer import lora as lora_lib
 from chatlearn.models.trainer import moe as moe_lib
 from chatlearn.models.trainer import shared_prompt
+from chatlearn.models import vision as vision_lib
 from chatlearn.models.trainer.packing import check_fixed_width, plan_micro_batches, plan_shared_micro_batches
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 
 def _token_logprobs(model, input_ids, attention_mask, position_ids, rows, cols,
-                    temperature: float, chunk: int, with_entropy: bool, prev_cols=None, layout=None):
+                    temperature: float, chunk: int, with_entropy: bool, prev_cols=None, layout=None, images=None):
     """``(logp, entropy or None)`` of the tokens ``input_ids[rows, cols]`` given their prefix.
 
     Bound to the model; when it is sharded, registered with ``register_fsdp_forward_method``, so
@@ -134,9 +135,16 @@ def _token_logprobs(model, input_ids, attention_mask, position_ids, rows, cols,
     ``cols - 1``; in a shared-prompt row the first token of a continuation is predicted from its
     prompt's last token), and ``layout`` (a shared-prompt
     :class:`~chatlearn.models.trainer.shared_prompt.Layout`) goes to the attention function.
+
+    ``images`` (a vision-language model's ``(pixel_values, image_grid_thw, placeholders)`` of the images in the
+    order of their placeholders, row after row; ``placeholders``: where they are, bool of ``input_ids``' shape): the decoder takes the embeddings with the vision tower's features in place of
+    the placeholders (:func:`chatlearn.models.vision.embed_with_images`, the model's own forward's) and
+    ``position_ids`` are its multimodal rotary positions.
     """
     extra = {} if layout is None else {shared_prompt.KWARG: layout}
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+    if images is not None:
+        extra["inputs_embeds"] = vision_lib.embed_with_images(model, input_ids, *images)
+    hidden = model.get_decoder()(input_ids=None if images is not None else input_ids, attention_mask=attention_mask,
                                  position_ids=position_ids, use_cache=False, **extra).last_hidden_state
     head = model.get_output_embeddings()
     prev = cols - 1 if prev_cols is None else prev_cols
@@ -332,6 +340,9 @@ class FSDPTrainer(Trainer):
                             "a model without logit scaling or soft-capping.", key=self._config_key("load"))
         if critic:
             self._check_value_head(model)
+        self.vlm = vision_lib.is_vlm(model)
+        if self.vlm and self.trainable and spec.freeze_vision_tower:  # before LoRA: its adapters stay trainable
+            vision_lib.vision_tower(model).requires_grad_(False)
         self._wrap_lora(model, loaded)
         self.moe = self._apply_moe(model)
         # routing_replay: rollout: the MoE routers route each token of a batch with routed_experts to the experts
@@ -405,7 +416,9 @@ class FSDPTrainer(Trainer):
             return False
         why = None
         layer_types = set(getattr(model.config, "layer_types", None) or ())
-        if not getattr(model, "_supports_attention_backend", False):
+        if vision_lib.is_vlm(model):
+            why = f"{type(model).__name__} takes images, whose features a shared-prompt row does not lay out"
+        elif not getattr(model, "_supports_attention_backend", False):
             why = f"{type(model).__name__} does not compute attention through transformers' AttentionInterface"
         elif layer_types - {"full_attention"} or getattr(model.config, "use_sliding_window", False):
             why = f"{type(model).__name__} has layers that are not full attention ({sorted(layer_types)})"
@@ -451,8 +464,12 @@ class FSDPTrainer(Trainer):
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if self.spec.role == "critic":
+            if vision_lib.model_class(self.spec.load, None, self.spec.trust_remote_code) is not None:
+                raise UserError(f"the critic's model at {self.spec.load!r} is a vision-language model: a critic on "
+                                "prompts with images is not supported. Use GRPO (no critic), or a text-only "
+                                "critic on text data.", key=self._config_key("load"))
             return AutoModelForTokenClassification, {"num_labels": 1}
-        return AutoModelForCausalLM, {}
+        return vision_lib.model_class(self.spec.load, AutoModelForCausalLM, self.spec.trust_remote_code), {}
 
     def _check_value_head(self, model) -> None:
         """The critic's model has a value head of one output (or a UserError naming ``load``);
@@ -549,6 +566,9 @@ class FSDPTrainer(Trainer):
             start += n
         if not packed:  # padding keeps increasing positions (ignored: masked out)
             positions = torch.arange(shape[1]).expand(shape)
+        images = None
+        if self.vlm:  # multimodal rotary positions; with packing, the text positions first
+            positions, images = self._vision_inputs(batch, idx, ids, positions, packed)
         if self._moe_recording:  # the router taps count the real tokens (not padding, not a dummy's)
             self.moe.begin(mask if mask is not None else torch.full(shape, int(len(idx) > 0)))
         rows_t = torch.from_numpy(np.concatenate(rows)).to(self.device)
@@ -558,13 +578,44 @@ class FSDPTrainer(Trainer):
         pos = np.concatenate(pos)
         logp, entropy = self.model.token_logprobs(
             ids, None if mask is None else mask.to(self.device), positions, rows_t, cols_t,
-            float(temperature), int(self.spec.logprob_chunk_tokens), self._rows_mode(with_entropy, pos))
+            float(temperature), int(self.spec.logprob_chunk_tokens), self._rows_mode(with_entropy, pos),
+            images=images)
         return logp, entropy, pos
 
     def _rows_mode(self, with_entropy, pos: np.ndarray):
         """``with_entropy`` for the rows of token positions ``pos``: a batch's GKD targets
         (:class:`chatlearn.algorithms.gkd.GKDTargets`) become those rows' (``GKDRows``); any other as is."""
         return with_entropy.rows(pos, self.device) if isinstance(with_entropy, GKDTargets) else with_entropy
+
+    def _vision_inputs(self, batch: Batch, idx: np.ndarray, ids: torch.Tensor, positions: torch.Tensor, packed: bool):
+        """A vision-language model's ``(position ids, images)`` for the micro-batch ``ids`` of samples ``idx`` laid
+        out as :meth:`_forward` lays them (packed: one row, one after the other; else a row each): each sample's
+        ``[3, n]`` multimodal rotary positions as the model computes them for it alone
+        (:func:`chatlearn.models.vision.sample_positions`), ``[3, rows, width]``; packed, with the text positions
+        (restarting at 0 for each sample) as a fourth row first, from which transformers' Qwen2-VL builds the
+        block-diagonal mask of the packed samples. ``images``: ``(pixel_values, image_grid_thw)`` of the samples'
+        images in that order (None when none has any). The batch's ``images`` column holds each sample's image
+        dict (None: text)."""
+        items = list(batch["images"][i] for i in idx) if "images" in batch else [None] * len(idx)
+        off = batch["offsets"]
+        out = torch.zeros((3, *ids.shape), dtype=torch.long)
+        where = torch.zeros(ids.shape, dtype=torch.bool)  # the prompts' image placeholders
+        image_id, start = vision_lib.image_token_id(self.model), 0
+        for b, (i, grid) in enumerate(zip(idx, vision_lib.sample_grids(items), strict=True)):
+            n, prompt = int(off[i + 1] - off[i]), int(batch["prompt_lens"][i])
+            row, col = (0, start) if packed else (b, 0)
+            out[:, row, col:col + n] = vision_lib.sample_positions(self.model, ids[row, col:col + n].cpu(), grid,
+                                                                   prompt)
+            if grid is not None:
+                where[row, col:col + prompt] = ids[row, col:col + prompt].cpu() == image_id
+            start += n
+        if packed:
+            out = torch.cat([positions[None].cpu(), out])
+        pixels, grid = vision_lib.stack_images(items)
+        if pixels is None and self.sharded:  # every rank runs the vision tower's collectives in every forward
+            pixels, grid = vision_lib.blank_image(self.model)
+        images = None if pixels is None else (pixels.to(self.device), grid.to(self.device), where.to(self.device))
+        return out.to(self.device), images
 
     def _forward_shared(self, batch: Batch, idx: np.ndarray, temperature: float, with_entropy: bool):
         """:meth:`_forward` with ``share_prompt``: one row of units (a prompt, then the
@@ -830,12 +881,18 @@ class FSDPTrainer(Trainer):
         its own group. Only parameters are exported (no buffers); a tied ``lm_head.weight`` is
         not listed: it is the input embedding's parameter, exported under
         ``model.embed_tokens.weight``. With LoRA: the merged weights under the base model's names
-        (:meth:`export_tensors`)."""
+        (:meth:`export_tensors`). A vision-language model's frozen vision tower (``freeze_vision_tower``) is not
+        listed: the rollout's copy is the same (both loaded from the same folder), and a push leaves it."""
         if self.merged is not None:
             params = dict(self.model.named_parameters())
-            return [(e.name, "float32", tuple(params[e.param].shape), i) for i, e in enumerate(self.merged.entries)]
-        return [(name, "float32", tuple(p.shape), i)
-                for i, (name, p) in enumerate(self.model.named_parameters())]
+            return [(e.name, "float32", tuple(params[e.param].shape), i) for i, e in enumerate(self.merged.entries)
+                    if not self._frozen_vision(e.name)]
+        pushed = [(name, p) for name, p in self.model.named_parameters() if not self._frozen_vision(name)]
+        return [(name, "float32", tuple(p.shape), i) for i, (name, p) in enumerate(pushed)]
+
+    def _frozen_vision(self, name: str) -> bool:
+        """Whether ``name`` is a parameter of a vision tower that does not train (``freeze_vision_tower``)."""
+        return self.vlm and bool(self.spec.freeze_vision_tower) and vision_lib.is_vision_param(name)
 
     @torch.no_grad()
     def export_tensors(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor | None]]:

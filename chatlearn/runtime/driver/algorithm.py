@@ -49,7 +49,7 @@ from chatlearn.runtime.driver.scheduler import Scheduler
 # what a forward pass reads of a batch: the sequences, which of their tokens are the model's
 # (loss_mask: only in multi-turn batches) and the experts the rollout routed them to (routed_experts: only
 # with routing_replay: rollout; every trainer forward of the samples replays them, chatlearn/models/moe)
-SEQUENCE_COLUMNS = ("tokens", "prompt_lens", "loss_mask", "routed_experts")
+SEQUENCE_COLUMNS = ("tokens", "prompt_lens", "loss_mask", "routed_experts", "images")
 
 # step metrics that are the largest over an episode's steps, not their mean
 STEP_MAXIMA = ("is_weight_max",)

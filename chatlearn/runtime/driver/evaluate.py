@@ -35,7 +35,8 @@ from chatlearn.config.kinds import JUDGE, REWARD_MODEL, models_of, reward_model_
 from chatlearn.config.load import check_data_paths, check_model_folder
 from chatlearn.config.manifest import MANIFEST
 from chatlearn.config.plan import make_eval_plan
-from chatlearn.data.dataset import load_prompts, load_tokenizer
+from chatlearn.data.dataset import VisionData, load_prompts, load_tokenizer
+from chatlearn.data.vision import image_names
 from chatlearn.errors import UserError
 from chatlearn.hub import looks_like_hub_id, snapshot
 from chatlearn.logging.console import info, warn
@@ -323,7 +324,8 @@ class Evaluator:
                     "ground_truth": truths[i], "data_source": sources[i], "sample_index": i % k,
                     "response_tokens": int(resp_lens[i]), "truncated": bool(truncated[i]),
                     "reward_parts": {key: float(v[i]) for key, v in reward_parts.items()},
-                    **trajectory_fields(self.tokenizer, batch, i)}
+                    **trajectory_fields(self.tokenizer, batch, i),
+                    **({"images": image_names(prompts.images[i])} if prompts.images is not None else {})}
                    for i in range(len(texts))]
         metrics = aggregate(rewards, correct, resp_lens, truncated, sources, k)
         metrics["all"].update({f"reward/{key}": float(v.mean()) for key, v in reward_parts.items()})
@@ -401,7 +403,8 @@ def _evaluate(cfg: DictConfig, eval_data: str, out_dir: str, source: dict) -> di
                               ground_truth_key=rt.ground_truth_key, what="runtime_args.eval_data_path",
                               name=rt.eval_data_subset, split=rt.eval_data_split,
                               ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction,
-                              tools=multi_turn.tool_schemas if multi_turn is not None else None)
+                              tools=multi_turn.tool_schemas if multi_turn is not None else None,
+                              vision=VisionData(p.load, p.max_images_per_prompt))
     if prompt_set.empty_truth_warning:
         warn(prompt_set.empty_truth_warning)
     k = p.eval_num_inference_per_prompt

@@ -11,6 +11,7 @@ import numpy as np
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, response_mask
 from chatlearn.batch import select_samples
 from chatlearn.logging.console import warn
+from chatlearn.data.vision import image_names
 from chatlearn.models.moe.layout import layout_of_folder
 from chatlearn.runtime.driver.multiturn import TOKEN_LIMIT, env_metrics, trajectory_fields
 from chatlearn.runtime.driver.sampling import EpisodeSamples, Sampling
@@ -77,12 +78,14 @@ class EpisodeReport:
         if la.log_samples_interval > 0 and episode % la.log_samples_interval == 0:
             p = samples.prompts
             self.sinks.write_samples(episode, self.sample_rows(samples.batch, samples.scored.rewards, p.truths,
-                                                               p.sources, la.log_samples_num))
+                                                               p.sources, la.log_samples_num, p.images))
 
-    def sample_rows(self, batch: dict, rewards: np.ndarray, truths: list, sources: list[str], k: int) -> list[dict]:
+    def sample_rows(self, batch: dict, rewards: np.ndarray, truths: list, sources: list[str], k: int,
+                    images: list | None = None) -> list[dict]:
         """``k`` of the episode's samples as rows (decoded prompt and response, reward, ...): one
         response of each of the first prompts, then second responses, so the rows spread over the
-        groups. Only reads the batch; no random number is drawn."""
+        groups. Only reads the batch; no random number is drawn. ``images``: each sample's image references
+        (prompts with images), named in the row (``images``: their paths)."""
         n = self.plan.group_size
         groups = len(rewards) // n
         picks = [g * n + j for j in range(n) for g in range(groups)][:k]
@@ -94,7 +97,8 @@ class EpisodeReport:
                  "ground_truth": truths[i] if isinstance(truths[i], (str, int, float, bool)) or truths[i] is None
                  else str(truths[i]),
                  "data_source": sources[i], "response_tokens": int(n_tok), "finished": bool(done),
-                 **trajectory_fields(tokenizer, chosen, j)}
+                 **trajectory_fields(tokenizer, chosen, j),
+                 **({"images": image_names(images[i])} if images is not None else {})}
                 for j, (i, p, r, n_tok, done) in enumerate(zip(
                     picks, self.sampling.prompts_text(chosen), self.sampling.responses_text(chosen), lens,
                     chosen["finish_reasons"]))]

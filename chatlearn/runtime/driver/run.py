@@ -16,7 +16,7 @@ import time
 from omegaconf import DictConfig
 
 from chatlearn.config.plan import Plan
-from chatlearn.data.dataset import load_prompts, load_tokenizer
+from chatlearn.data.dataset import VisionData, load_prompts, load_tokenizer
 from chatlearn.errors import UserError
 from chatlearn.logging.console import attach_logs, info, warn
 from chatlearn.logging.metrics import run_summary
@@ -52,7 +52,8 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
     data = dict(max_prompt_tokens=p.max_prompt_tokens_length, enable_thinking=p.enable_thinking,
                 prompt_key=rt.prompt_key, ground_truth_key=rt.ground_truth_key,
                 ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction,
-                tools=multi_turn.tool_schemas if multi_turn is not None else None)
+                tools=multi_turn.tool_schemas if multi_turn is not None else None,
+                vision=VisionData(p.load, p.max_images_per_prompt))
     train_set = load_prompts(rt.data_path.split(","), tokenizer, name=rt.data_subset, split=rt.data_split, **data)
     check_prompt_count(resumed, len(train_set), accept_config_changes)
     for line in resumed.report():

@@ -12,6 +12,7 @@ import numpy as np
 from chatlearn.algorithms.advantages import overlong_penalty
 from chatlearn.batch import concat_batches, select_samples
 from chatlearn.calls import put
+from chatlearn.data.vision import VisionProcessor, decode_image
 from chatlearn.errors import UserError
 from chatlearn.runtime.cluster.group import CallTimeout
 from chatlearn.runtime.cluster.local import died_errors, kill
@@ -29,6 +30,8 @@ class Prompts:
     extra: list
     indices: Optional[list] = None  # the prompt set's rows these came from, once each (None: not from one)
     messages: Optional[list] = None  # the rows' chat messages (what a multi-turn environment's reset sees)
+    # the rows' images (chatlearn.data.vision references; the samples of a prompt hold the same list), None: text
+    images: Optional[list] = None
 
     @classmethod
     def of(cls, prompt_set, indices: Iterable[int], k: int) -> "Prompts":
@@ -38,20 +41,24 @@ class Prompts:
         rows = [i for i in indices for _ in range(k)]
         return cls(ids=[prompt_set.prompt_ids[i] for i in rows], truths=[prompt_set.ground_truths[i] for i in rows],
                    sources=[prompt_set.data_sources[i] for i in rows], extra=[prompt_set.extras[i] for i in rows],
-                   indices=indices, messages=[prompt_set.messages[i] for i in rows] if prompt_set.messages else None)
+                   indices=indices, messages=[prompt_set.messages[i] for i in rows] if prompt_set.messages else None,
+                   images=[prompt_set.images[i] for i in rows] if prompt_set.images else None)
 
     def select(self, idx: list) -> "Prompts":
         """The entries ``idx``, in that order (no prompt set rows)."""
         return Prompts(ids=[self.ids[i] for i in idx], truths=[self.truths[i] for i in idx],
                        sources=[self.sources[i] for i in idx], extra=[self.extra[i] for i in idx],
-                       messages=None if self.messages is None else [self.messages[i] for i in idx])
+                       messages=None if self.messages is None else [self.messages[i] for i in idx],
+                       images=None if self.images is None else [self.images[i] for i in idx])
 
     @classmethod
     def join(cls, parts: list) -> "Prompts":
         """The entries of ``parts``, one after the other (no prompt set rows)."""
         fields = {f: sum((getattr(p, f) for p in parts), []) for f in ("ids", "truths", "sources", "extra")}
         messages = None if any(p.messages is None for p in parts) else sum((p.messages for p in parts), [])
-        return cls(**fields, messages=messages)
+        images = None if all(p.images is None for p in parts) else sum(
+            (p.images if p.images is not None else [[] for _ in p.ids] for p in parts), [])
+        return cls(**fields, messages=messages, images=images)
 
 
 def float32_rewards(total: np.ndarray, weighted: list[np.ndarray], entries: list[dict], what: str) -> np.ndarray:
@@ -124,6 +131,7 @@ class Sampling:
 
     def __init__(self, cfg, tokenizer, policy, reward, reward_spec, multi_turn=None):
         self.cfg, self.tokenizer, self.multi_turn = cfg, tokenizer, multi_turn
+        self._processor = None  # a vision-language model's image processor, loaded with the first images
         self.policy, self.reward, self.reward_spec = policy, reward, reward_spec
 
     def sample(self, prompts: Prompts, sampling: dict, what: str, episode: int | None = None) -> dict:
@@ -131,7 +139,7 @@ class Sampling:
         each (:class:`~chatlearn.runtime.driver.multiturn.MultiTurnLoop`; ``what`` names them in its warnings,
         ``episode`` is the training episode they are of, None for an evaluation)."""
         if self.multi_turn is None:
-            return self.generate(prompts.ids, sampling)
+            return self.generate(prompts.ids, sampling, prompts.images)
         return self.multi_turn.run(self.generate, prompts, sampling, what, episode=episode)
 
     def params(self, eval_mode: bool, seed: int) -> dict:
@@ -144,12 +152,16 @@ class Sampling:
                 "repetition_penalty": p[pre + "repetition_penalty"],
                 "max_tokens": p.max_response_tokens_length, "seed": seed}
 
-    def generate(self, prompts: list[list[int]], sampling: dict) -> dict:
+    def generate(self, prompts: list[list[int]], sampling: dict, images: list | None = None) -> dict:
         """Spread the prompts over the rollout replicas and reassemble the batch in prompt order.
 
         With ``data_rerank`` the samples of one prompt go to different replicas (round robin), so a
-        replica's share mixes prompts; otherwise each replica gets a contiguous slice.
+        replica's share mixes prompts; otherwise each replica gets a contiguous slice. ``images``: each
+        prompt's image references (:class:`Prompts`), None for text: decoded and processed once per prompt
+        (:meth:`vision_inputs`), handed to the rollout with the prompts and kept as the batch's ``images``
+        column (each sample's dict, the same object for the samples of one prompt) for the trainers.
         """
+        vision = self.vision_inputs(images) if images is not None and any(images) else None
         replicas = len(self.policy)
         order = np.arange(len(prompts))
         if self.cfg.runtime_args.data_rerank:
@@ -157,12 +169,34 @@ class Sampling:
         else:
             shares = np.array_split(order, replicas)
         args = [([prompts[i] for i in share], {**sampling, "seed": sampling["seed"] * 1000 + r})
-                for r, share in enumerate(shares)]
+                + (() if vision is None else ([vision[i] for i in share],)) for r, share in enumerate(shares)]
         outs, _ = self.policy.call_each("generate", args)
         batch = concat_batches([o for o, s in zip(outs, shares) if len(s)])
         self.check_routes(batch)
         position = np.concatenate(shares)
-        return select_samples(batch, np.argsort(position))
+        batch = select_samples(batch, np.argsort(position))
+        if vision is not None:
+            batch["images"] = vision
+        return batch
+
+    def vision_inputs(self, images: list) -> list:
+        """Each sample's ``{"pixel_values", "image_grid_thw"}`` (numpy; None for a sample without images) from
+        its prompt's image references: every distinct reference list (one per prompt, shared by its samples) is
+        decoded and processed once, and its samples get the same dict."""
+        if self._processor is None:
+            self._processor = VisionProcessor(self.cfg.models.policy.load)
+        made: dict[int, dict | None] = {}
+        out = []
+        for refs in images:
+            if id(refs) not in made:
+                if not refs:
+                    made[id(refs)] = None
+                else:
+                    found = self._processor.images([decode_image(r, "", "a prompt's image") for r in refs])
+                    made[id(refs)] = {"pixel_values": np.asarray(found["pixel_values"], dtype=np.float32),
+                                      "image_grid_thw": np.asarray(found["image_grid_thw"], dtype=np.int64)}
+            out.append(made[id(refs)])
+        return out
 
     def check_routes(self, batch: dict) -> None:
         """With ``routing_replay: rollout`` the rollout engine's batch carries ``routed_experts`` (the first

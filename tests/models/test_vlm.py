@@ -1,0 +1,227 @@
+"""Vision-language models (the toy ``assets/tiny_qwen2_vl``: Qwen2-VL, 16 vision tokens an image): images in
+the data (every reference form, decoded once, shared by a group's samples), the transformers rollout with
+images against the model's own forward, and the FSDP2 trainer against the rollout (padded and packed, 1 and 2
+ranks), with the vision tower frozen by default and trained on request, the weight push's names, and a response
+that samples the image placeholder token.
+
+The trainer parts run in rank processes (one job per world size, shared by the tests below).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models.trainer.test_fsdp_trainer import run_ranks, trainer_spec
+
+ASSET = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_qwen2_vl")
+DIGITS = str(Path(__file__).resolve().parents[2] / "assets" / "vlm_digits")
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 3}
+
+
+def _png_bytes(colour=(10, 200, 30)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _row(*images) -> dict:
+    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": "Add the digits."}]
+    return {"data_source": "d", "prompt": [{"role": "user", "content": parts}], "reward_model": {"ground_truth": "3"}}
+
+
+def test_every_image_reference_decodes_to_the_same_pixels(tmp_path):
+    from PIL import Image
+
+    from chatlearn.data.vision import decode_image
+
+    data = _png_bytes()
+    (tmp_path / "a.png").write_bytes(data)
+    b64 = base64.b64encode(data).decode()
+    refs = ["a.png", str(tmp_path / "a.png"), f"data:image/png;base64,{b64}", {"bytes": data, "path": None},
+            Image.open(io.BytesIO(data))]
+    pixels = [np.asarray(decode_image(r, str(tmp_path), "row")) for r in refs]
+    assert all(p.shape == (64, 64, 3) and (p == pixels[0]).all() for p in pixels)
+
+
+def test_prompts_with_images_load_expanded_and_shared(tmp_path):
+    from chatlearn.data.dataset import VisionData, load_prompts, load_tokenizer
+    from chatlearn.runtime.driver.sampling import Prompts, Sampling
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(_png_bytes())
+    text = {"data_source": "d", "prompt": "What is 1 + 2?", "reward_model": {"ground_truth": "3"}}
+    lines = [_row("img/a.png"), _row(base64.b64encode(_png_bytes((0, 0, 0))).decode() * 1), text]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    tok = load_tokenizer(ASSET, trust_remote_code=False, key="k")
+    ps = load_prompts([str(tmp_path / "train.jsonl")], tok, max_prompt_tokens=64, enable_thinking=False,
+                      prompt_key="prompt", ground_truth_key="reward_model.ground_truth",
+                      vision=VisionData(ASSET, 1))
+    image_id = json.loads(Path(ASSET, "config.json").read_text())["image_token_id"]
+    assert [ids.count(image_id) for ids in ps.prompt_ids] == [16, 16, 0]
+    assert ps.images[0] == [str(tmp_path / "img" / "a.png")] and ps.images[2] == []
+    prompts = Prompts.of(ps, [0, 1, 2], k=3)
+    sampling = Sampling.__new__(Sampling)
+    sampling.cfg = type("C", (), {"models": type("M", (), {"policy": type("P", (), {"load": ASSET})})})
+    sampling._processor = None
+    vision = sampling.vision_inputs(prompts.images)
+    assert vision[0] is vision[1] is vision[2] and vision[3] is vision[5] and vision[6] is None
+    assert vision[0]["pixel_values"].shape == (64, 384) and vision[0]["image_grid_thw"].tolist() == [[1, 8, 8]]
+    assert not np.array_equal(vision[0]["pixel_values"], vision[3]["pixel_values"])
+
+
+def _image_prompts(n: int = 3):
+    """``n`` eval prompts of vlm_digits (ids, image dicts) and one text prompt of the same tokenizer."""
+    from chatlearn.data.vision import VisionProcessor, decode_image, message_images
+
+    proc = VisionProcessor(ASSET)
+    with open(os.path.join(DIGITS, "eval.jsonl")) as f:
+        recs = [json.loads(line) for line, _ in zip(f, range(n))]
+    prompts, images = [], []
+    for r in recs:
+        ex = proc.render(r["prompt"], [decode_image(x, DIGITS, "t") for x in message_images(r["prompt"])])
+        prompts.append(ex["input_ids"])
+        images.append({"pixel_values": ex["pixel_values"].numpy(), "image_grid_thw": ex["image_grid_thw"].numpy()})
+    text = proc.tokenizer.apply_chat_template([{"role": "user", "content": "Add 3 and 4."}], tokenize=True,
+                                              add_generation_prompt=True, return_dict=False)
+    return prompts + [list(text)], images + [None], proc.image_token_id
+
+
+@pytest.fixture(scope="module")
+def rollout_batch():
+    """The hf rollout's samples of 4 image prompts and a text prompt (left-padded together), with their images."""
+    import backend_specs
+
+    from chatlearn.models.rollout.hf import HFRollout
+
+    prompts, images, image_id = _image_prompts(4)
+    ro = HFRollout(backend_specs.rollout_spec(ASSET, max_prompt_tokens_length=64, max_response_tokens_length=8))
+    batch = ro.generate(prompts, SAMPLING, images)
+    batch["images"] = images
+    return batch, ro.model, image_id
+
+
+def test_hf_rollout_logprobs_match_the_models_own_forward_on_image_prompts(rollout_batch):
+    """The reference: transformers' forward of each sample alone, which computes the multimodal positions
+    itself (``get_rope_index`` from the token types and the grid)."""
+    batch, model, image_id = rollout_batch
+    off, plen = batch["offsets"], batch["prompt_lens"]
+    for i, item in enumerate(batch["images"]):
+        toks = torch.from_numpy(batch["tokens"][off[i]:off[i + 1]].astype(np.int64))[None]
+        kw = {} if item is None else dict(pixel_values=torch.from_numpy(item["pixel_values"]),
+                                          image_grid_thw=torch.from_numpy(item["image_grid_thw"]),
+                                          mm_token_type_ids=(toks == image_id).int())
+        with torch.no_grad():
+            logits = model(input_ids=toks, **kw).logits[0].float()
+        ref = torch.log_softmax(logits[:-1], -1).gather(1, toks[0, 1:, None])[:, 0][int(plen[i]) - 1:].numpy()
+        np.testing.assert_allclose(batch["rollout_logprobs"][off[i] + plen[i]:off[i + 1]], ref, atol=2e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- the trainer, in rank processes
+
+
+def _with_placeholder_response(batch: dict, image_id: int) -> dict:
+    """The batch plus a copy of its first sample whose response's first token is the image placeholder: text
+    there (no image features, text positions), as a sampled response token is."""
+    off = batch["offsets"]
+    toks = batch["tokens"][off[0]:off[1]].copy()
+    toks[int(batch["prompt_lens"][0])] = image_id
+    out = {"tokens": np.concatenate([batch["tokens"], toks]), "offsets": np.append(off, off[-1] + len(toks)),
+           "prompt_lens": np.append(batch["prompt_lens"], batch["prompt_lens"][0]),
+           "rollout_logprobs": np.concatenate([batch["rollout_logprobs"], np.zeros(len(toks), np.float32)]),
+           "images": list(batch["images"]) + [batch["images"][0]]}
+    n = len(out["prompt_lens"])
+    out["advantages"] = np.linspace(-1, 1, n).astype(np.float32)
+    out["old_logprobs"] = np.zeros(len(out["tokens"]), np.float32)
+    return out
+
+
+def job_vlm(rank, world, batch):
+    """Log-probs padded and packed; one optimizer step with the vision tower frozen (the default) and one with
+    it training; the weight push's names of each."""
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+    from chatlearn.models.vision import is_vision_param
+
+    res = {}
+    for name, over in (("frozen", {}), ("packed", {"packing": True}), ("trained", {"freeze_vision_tower": False})):
+        trainer = FSDPTrainer(trainer_spec(ASSET, kl_coef=0.0, entropy_coef=0.0, logprob_micro_batch_size=2, **over))
+        res[name + "_logp"] = trainer.compute_logprobs(batch, temperature=1.0)
+        before = {n: p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+                  for n, p in trainer.model.named_parameters()}
+        res[name + "_metrics"] = trainer.train(dict(batch, old_logprobs=res[name + "_logp"]))
+        after = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in trainer.model.named_parameters()}
+        res[name + "_vision_moved"] = any(not torch.equal(before[n], after[n]) for n in before if is_vision_param(n))
+        res[name + "_text_moved"] = any(not torch.equal(before[n], after[n]) for n in before if not is_vision_param(n))
+        res[name + "_pushed"] = [s[0] for s in trainer.weight_specs()]
+        del trainer
+    return res
+
+
+@pytest.fixture(scope="module")
+def vlm_batch(rollout_batch):
+    batch, _, image_id = rollout_batch
+    return _with_placeholder_response(batch, image_id)
+
+
+@pytest.fixture(scope="module")
+def one(vlm_batch, tmp_path_factory):
+    return run_ranks(job_vlm, 1, tmp_path_factory.mktemp("vlm1"), vlm_batch, timeout=400)[0]
+
+
+@pytest.fixture(scope="module")
+def two(vlm_batch, tmp_path_factory):
+    t0 = time.monotonic()
+    out = run_ranks(job_vlm, 2, tmp_path_factory.mktemp("vlm2"), vlm_batch, timeout=400)
+    print(f"2-rank VLM job: {time.monotonic() - t0:.1f}s")
+    return out
+
+
+def _responses(batch: dict, values: np.ndarray, samples) -> np.ndarray:
+    off, plen = batch["offsets"], batch["prompt_lens"]
+    return np.concatenate([values[off[i] + plen[i]:off[i + 1]] for i in samples])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trainer_logprobs_match_the_rollouts_on_image_prompts(vlm_batch, one):
+    """Padded and packed (each sample's multimodal positions, the text positions first), against the hf
+    rollout's log-probs of the same samples (the rollout's 5; the 6th is not the rollout's)."""
+    first = range(5)
+    for name in ("frozen", "packed"):
+        np.testing.assert_allclose(_responses(vlm_batch, one[name + "_logp"], first),
+                                   _responses(vlm_batch, vlm_batch["rollout_logprobs"], first), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(one["packed_logp"], one["frozen_logp"], atol=2e-5, rtol=0)  # the placeholder too
+    assert np.isfinite(one["frozen_logp"]).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_vision_tower_frozen_by_default_and_trained_on_request(one):
+    assert one["frozen_text_moved"] and not one["frozen_vision_moved"]
+    assert one["trained_text_moved"] and one["trained_vision_moved"]
+    from chatlearn.models.vision import is_vision_param
+
+    assert not any(is_vision_param(n) for n in one["frozen_pushed"])  # the push leaves a frozen tower
+    assert any(is_vision_param(n) for n in one["trained_pushed"])
+    assert set(one["trained_pushed"]) - set(one["frozen_pushed"]) == {n for n in one["trained_pushed"]
+                                                                      if is_vision_param(n)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_ranks_match_one_rank_with_images(one, two):
+    r0, r1 = two
+    for name in ("frozen", "packed", "trained"):
+        np.testing.assert_allclose(r0[name + "_logp"], one[name + "_logp"], atol=2e-5, rtol=0)
+        for key in ("loss", "grad_norm"):
+            assert r0[name + "_metrics"][key] == r1[name + "_metrics"][key]
+            assert r0[name + "_metrics"][key] == pytest.approx(one[name + "_metrics"][key], rel=1e-4, abs=1e-6), key
