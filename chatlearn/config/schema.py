@@ -425,6 +425,7 @@ class ToolEntry:
     description: Optional[str] = None  # null: the first paragraph of the function's docstring
     parameters: Optional[Dict[str, Any]] = None  # JSON schema of the arguments; null: from the signature
     kwargs: Dict[str, Any] = field(default_factory=dict)  # fixed keyword arguments of the function
+    normalize: str = "none"  # none | batch (its score whitened over the episode's samples before x weight)
 
 
 @dataclass
