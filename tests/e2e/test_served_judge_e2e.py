@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -65,19 +66,27 @@ def test_a_served_judge_run_survives_a_server_restart_and_scores_in_eval(tmp_pat
     cmd = [sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_judge.yaml", *SHORT, *served(port, 120),
            "runtime_args.num_episode=3", "runtime_args.eval_episode_interval=3", f"runtime_args.output_dir={out}"]
     run = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(run.stdout), daemon=True)
+    reader.start()
     try:
         while not _rows(out / "metrics.jsonl") and run.poll() is None:  # episode 1 done
             time.sleep(0.2)
         server.send_signal(signal.SIGKILL)
         server.wait()
-        time.sleep(3)  # down for a while: episode 2's requests fail and are retried
+        while not any("retrying for up to 120 s" in line for line in lines) and run.poll() is None:
+            time.sleep(0.2)  # episode 2's judge finds the server down: its requests fail and are retried
+        time.sleep(2)
         server = serve(port)
-        log, _ = run.communicate(timeout=800)
+        run.wait(timeout=800)
+        reader.join(timeout=10)
     finally:
         run.kill()
+    log = "".join(lines)
     assert run.returncode == 0, log[-5000:]
     rows = _rows(out / "metrics.jsonl")
     assert [r["episode"] for r in rows] == [1, 2, 3]
+    assert rows[0]["train/judge/judge/retries"] == 0 and rows[1]["train/judge/judge/retries"] > 0
     for r in rows:
         assert r["train/judge/judge/unparsed"] == 0.0
         assert 0.0 <= r["train/judge/judge/score_min"] <= r["train/judge/judge/score_max"] <= 1.0
@@ -88,7 +97,7 @@ def test_a_served_judge_run_survives_a_server_restart_and_scores_in_eval(tmp_pat
     assert not [e for e in events if e.get("model") == "judge" and e["kind"] == "transition"]  # no turns
     try:
         proc = subprocess.run([sys.executable, "-m", "chatlearn.cli", "eval", "template/grpo_judge.yaml",
-                               *served(port, 60), f"runtime_args.output_dir={out}",
+                               *served(port, 60), f"runtime_args.output_dir={out}", SHORT[-1],
                                "models.policy.eval_num_inference_per_prompt=1", "runtime_args.rollout_backend=hf"],
                               cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     finally:

@@ -35,6 +35,7 @@ import httpx
 import numpy as np
 
 from chatlearn.errors import UserError
+from chatlearn.logging.console import warn
 
 # failures that may pass: the request is retried (with backoff) until the endpoint has been down for
 # down_timeout_s
@@ -151,9 +152,13 @@ class ServedJudge:
         raise :class:`EndpointDown` once the endpoint has failed for ``down_timeout_s``."""
         now = self.clock()
         with self._lock:
-            self.down_since = now if self.down_since is None else self.down_since
+            first = self.down_since is None
+            self.down_since = now if first else self.down_since
             self.last_error, down_for = failure, now - self.down_since
             self.retries += 1
+        if first:
+            warn(f"the served judge {self.s.name!r}: a request to {self.s.endpoint} failed ({failure}); retrying for "
+                 f"up to {self.s.down_timeout_s:g} s (models.{self.s.name}.down_timeout_s)")
         left = self.s.down_timeout_s - down_for
         if left <= 0 or self.stop.is_set():
             self.stop.set()  # the other requests in flight give up too

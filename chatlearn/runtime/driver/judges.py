@@ -131,7 +131,10 @@ class Judges:
     def verdicts(self, name: str, rendered: list[list[dict]]) -> list[dict]:
         """The judge's outputs (one per replica, or the served judge's one) on the rendered prompts, in order."""
         if name in self.served:
-            return [self.served[name].judge(rendered)]
+            client = self.served[name]
+            before = client.retries
+            out = client.judge(rendered)
+            return [{**out, "retries": client.retries - before}]
         self.sched.take_turn(name)
         group = self.groups[name]  # each replica judges a contiguous share
         shares = np.array_split(np.arange(len(rendered)), len(group.actors))
@@ -169,8 +172,8 @@ class Judges:
 
     def score_all(self, batch: dict, prompts, run=None, training: bool = False) -> tuple[dict[str, np.ndarray], dict]:
         """Every judge's score of each sample (float64 [N]), each in its turn (a ``run`` times the turns as the
-        ``judge`` stage of each), and their metrics (``judge/<name>/unparsed``, ``judge/<name>/tokens``, without
-        the prefix)."""
+        ``judge`` stage of each), and their metrics (``judge/<name>/unparsed``, ``judge/<name>/tokens``, a served
+        judge's ``judge/<name>/retries``, without the prefix)."""
         scores, metrics = {}, {}
         fields = self.fields(batch, prompts) if self.settings else []
         for name, s in self.settings.items():
@@ -187,6 +190,8 @@ class Judges:
             scores[name] = np.asarray([s.default_score if v is None else v for v in found], np.float64)
             metrics.update({f"judge/{name}/unparsed": float(unparsed),
                             f"judge/{name}/tokens": float(sum(out["generated_tokens"] for out in outs))})
+            if name in self.served:  # its requests retried (the endpoint failed them)
+                metrics[f"judge/{name}/retries"] = float(sum(out["retries"] for out in outs))
         return scores, metrics
 
 
