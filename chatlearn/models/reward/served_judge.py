@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -94,6 +95,12 @@ def token_text(token: str) -> str:
     return token.replace("\u0120", " ").replace("\u2581", " ")
 
 
+def release(pool: ThreadPoolExecutor, client: httpx.Client) -> None:
+    """A client's threads and connections closed."""
+    pool.shutdown(wait=True, cancel_futures=True)
+    client.close()
+
+
 class EndpointDown(UserError):
     """The endpoint failed every request for longer than ``down_timeout_s``."""
 
@@ -116,13 +123,14 @@ class ServedJudge:
         self.last_error = ""
         self.stop = threading.Event()
         self.model = settings.served_model
-        self.requests = 0  # sent, retries included (the cost benchmark reads it)
+        self.requests = 0  # sent, retries included
         self.retries = 0
+        # its threads and connections go when it does (or at close())
+        self._finalizer = weakref.finalize(self, release, self.pool, self.client)
 
     def close(self) -> None:
         self.stop.set()
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        self.client.close()
+        self._finalizer()
 
     # ------------------------------------------------------------------ requests
     def request(self, method: str, path: str, body: dict | None = None) -> dict:

@@ -307,7 +307,6 @@ class Engine:
     def close(self) -> None:
         """Stop the rollout thread and close the progress display and the run's files."""
         self.sched.watchdog.close()
-        self.reward_models.judges.close()  # the served judges' HTTP clients
         if self.pipeline is not None:
             self.pipeline.close()
         self.progress.close()
