@@ -115,13 +115,23 @@ def test_a_server_restart_within_down_timeout_is_survived(server):
 
 
 def test_the_run_stops_when_the_endpoint_stays_down():
-    client = ServedJudge(settings(f"http://127.0.0.1:{free_port()}/v1", served_model="m", down_timeout_s=1.0))
-    start = time.monotonic()
+    """Nothing listens: each retry waits retry_backoff_s x 2^k (at most retry_backoff_max_s, never past the
+    deadline) on the client's clock, and once the endpoint has failed for down_timeout_s the call raises
+    EndpointDown, one paragraph naming the key."""
+    now, waits = [0.0], []
+
+    def sleep(s):
+        waits.append(round(s, 6))
+        now[0] += s
+
+    client = ServedJudge(settings(f"http://127.0.0.1:{free_port()}/v1", served_model="m", max_concurrency=1,
+                                  down_timeout_s=2.0), clock=lambda: now[0], sleep=sleep)
     with pytest.raises(EndpointDown) as err:
-        client.judge(DEMO)
-    assert time.monotonic() - start >= 1.0
+        client.judge(DEMO[:1])
+    assert waits == [0.05, 0.1, 0.2, 0.4, 0.4, 0.4, 0.4, 0.05]  # doubled, capped, the last up to the deadline
+    assert client.retries == len(waits) + 1
     msg = str(err.value)
-    assert msg.startswith("models.judge.endpoint: ") and "down_timeout_s 1" in msg and "ConnectError" in msg
+    assert msg.startswith("models.judge.endpoint: ") and "down_timeout_s 2" in msg and "ConnectError" in msg
     assert "enable_resume_training" in msg and "\n" not in msg
 
 
