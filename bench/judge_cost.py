@@ -144,17 +144,22 @@ def main() -> None:
                 for mode in args.modes.split(","):
                     found.append(run_mode(mode, parser, args.episodes, port, os.path.join(tmp, f"{mode}_{parser}")))
                     print(table(found[-1:]).splitlines()[-1], flush=True)
+                    write(found, args.episodes, load_before)  # each row as it comes
     finally:
         if server is not None:
             server.kill()
-    result = {"template": TEMPLATE, "samples_per_episode": SAMPLES, "episodes": args.episodes,
+    print(table(found))
+
+
+def write(found: list[dict], episodes: int, load_before) -> None:
+    result = {"template": TEMPLATE, "samples_per_episode": SAMPLES, "episodes": episodes,
               "cpus": os.cpu_count(), "load_avg_before": [round(x, 2) for x in load_before],
               "load_avg_after": [round(x, 2) for x in os.getloadavg()],
-              "served_by": "tests/support/openai_server.py (transformers, on the same machine)", "rows": found}
+              "served_by": "tests/support/openai_server.py (transformers, 1 thread, one request at a time, on the "
+                           "same machine)", "rows": found}
     os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)
     with open(os.path.join(REPO, "bench", "results", "judge_cost.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
-    print(table(found))
 
 
 if __name__ == "__main__":

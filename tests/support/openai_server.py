@@ -43,6 +43,11 @@ class Model:
     def complete(self, ids: list[int], max_tokens: int, top: int | None) -> tuple[list[int], list[list]]:
         """Greedy continuation of ``ids`` (token ids) and, with ``top``, each new position's top (id, log-prob)."""
         x = torch.tensor([ids])
+        if max_tokens == 1:  # one forward (a yes_prob request): what generate does for its first token
+            with self.lock:
+                lp = torch.log_softmax(self.model(input_ids=x).logits[0, -1].float(), -1)
+            v, i = lp.topk(top or 1)
+            return [int(lp.argmax())], ([[(int(a), float(b)) for a, b in zip(i, v)]] if top is not None else [])
         with self.lock:
             out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
                                       do_sample=False, output_scores=top is not None, return_dict_in_generate=True,
@@ -80,21 +85,24 @@ def _handler(server: "OpenAIServer"):
         def do_POST(self):
             server.enter()
             try:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.seen_auth.append(self.headers.get("Authorization"))
-                if server.fail:
-                    return self.reply(503, {"error": {"message": "unavailable"}})
-                if server.delay:
-                    time.sleep(server.delay)
-                if body.get("model") != server.name:
-                    return self.reply(404, {"error": {"message": f"The model {body.get('model')!r} does not exist."}})
-                if self.path.endswith("/chat/completions"):
-                    return self.reply(200, server.chat(body))
-                if self.path.endswith("/completions"):
-                    return self.reply(200, server.completion(body))
-                return self.reply(404, {"error": {"message": f"no route {self.path}"}})
+                code, body = self.answer(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
             finally:
-                server.leave()
+                server.leave()  # before the reply: a client that has it may send its next request
+            self.reply(code, body)
+
+        def answer(self, body: dict) -> tuple[int, dict]:
+            server.seen_auth.append(self.headers.get("Authorization"))
+            if server.fail:
+                return 503, {"error": {"message": "unavailable"}}
+            if server.delay:
+                time.sleep(server.delay)
+            if body.get("model") != server.name:
+                return 404, {"error": {"message": f"The model {body.get('model')!r} does not exist."}}
+            if self.path.endswith("/chat/completions"):
+                return 200, server.chat(body)
+            if self.path.endswith("/completions"):
+                return 200, server.completion(body)
+            return 404, {"error": {"message": f"no route {self.path}"}}
 
     return Handler
 
@@ -185,7 +193,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--name", default="tiny-judge")
     ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=1, help="torch's threads")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     server = OpenAIServer(args.folder, args.port, args.name, args.delay).start()
     print(f"serving {args.folder} as {args.name} at {server.url}", flush=True)
     threading.Event().wait()

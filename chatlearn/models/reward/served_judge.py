@@ -97,7 +97,7 @@ def token_text(token: str) -> str:
 
 def release(pool: ThreadPoolExecutor, client: httpx.Client) -> None:
     """A client's threads and connections closed."""
-    pool.shutdown(wait=True, cancel_futures=True)
+    pool.shutdown(wait=False, cancel_futures=True)  # (may run on one of its threads: it cannot wait for itself)
     client.close()
 
 
