@@ -5,6 +5,7 @@ folder (its context against the longest prompt it may be given)."""
 from __future__ import annotations
 
 import os
+from urllib.parse import urlsplit
 
 import jinja2
 from jinja2 import meta
@@ -65,6 +66,12 @@ def check_judge_keys(cfg) -> None:
             raise ConfigError(f"is also the name of a reward function (models.reward.functions): their metrics "
                               f"(train/reward/{name}/*) would clash. Rename the judge or the function.", key=key)
         check_parser(j.parser, f"{key}.parser")
+        if j.endpoint is not None:
+            check_served(cfg, name)
+        elif j.load is None:
+            raise ConfigError("required key has no value: a judge is a causal LM folder or Hub model id of the run's "
+                              f"({key}.load=...), or a served judge ({key}.endpoint=http://host:port/v1).",
+                              key=f"{key}.load")
         used = template_fields(j.prompt_template, f"{key}.prompt_template")
         unknown = sorted(used - set(FIELDS))
         if unknown:
@@ -81,6 +88,54 @@ def check_judge_keys(cfg) -> None:
         raise ConfigError(f"cannot be combined with a judge ({', '.join(names)}) in this build: a judge gives its "
                           "verdicts as a stage of the episode, not on the rollout thread or between sampling rounds. "
                           "Turn it off, or score with reward functions only.", key=key)
+
+
+def endpoint_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as an endpoint's base URL (http or https, a host, a port in range, no query,
+    no space), or None."""
+    text = str(url).strip()
+    try:
+        parts = urlsplit(text)
+        if parts.port is not None and parts.port == 0:
+            return "its port is 0"
+    except ValueError as err:  # a port out of range or not a number
+        return str(err)
+    if parts.scheme not in ("http", "https"):
+        return f"its scheme is {parts.scheme or 'missing'!r}, not http or https"
+    if not parts.hostname:
+        return "it names no host"
+    if parts.query or parts.fragment:
+        return "it has a query or a fragment"
+    if any(c.isspace() for c in text):
+        return "it holds a space"
+    return None
+
+
+def check_endpoint(url: str, key: str) -> None:
+    """``url`` is an endpoint's base URL (:func:`endpoint_problem`): a ConfigError at ``key`` otherwise."""
+    why = endpoint_problem(url)
+    if why is not None:
+        raise ConfigError(f"{url!r} is not an endpoint URL: {why}. Give the OpenAI-compatible API's base URL, e.g. "
+                          "http://127.0.0.1:8000/v1 (the server's address and port, then the API's path).", key=key)
+
+
+def check_served(cfg, name: str) -> None:
+    """A served judge's keys (``endpoint`` set): the URL, the client's numbers, its API key's variable, and that
+    no colocation names it (it has no devices)."""
+    j, key = cfg.models[name], f"models.{name}"
+    check_endpoint(j.endpoint, f"{key}.endpoint")
+    for k in ("max_concurrency", "top_logprobs"):
+        positive(j[k], f"{key}.{k}")
+    for k in ("request_timeout_s", "retry_backoff_s", "retry_backoff_max_s", "down_timeout_s"):
+        if not j[k] > 0:
+            raise ConfigError(f"must be > 0 seconds, got {j[k]}.", key=f"{key}.{k}")
+    if j.api_key_env is not None and not os.environ.get(str(j.api_key_env)):
+        raise ConfigError(f"names the environment variable {j.api_key_env!r}, which is not set (or empty). Export "
+                          f"it with the endpoint's API key before running (export {j.api_key_env}=...), or set "
+                          "api_key_env to null for a server without a key.", key=f"{key}.api_key_env")
+    if name in list(cfg.runtime_args.colocation):
+        raise ConfigError(f"names {name!r}, a served judge ({key}.endpoint): it has no devices and takes no turns. "
+                          "Take it out of the list.", key="runtime_args.colocation")
 
 
 def check_parser(parser: str, key: str) -> None:
@@ -100,6 +155,8 @@ def check_judge_folder(cfg, name: str) -> None:
     """Judge ``name``'s context holds its longest prompt and verdict, and its ``max_prompt_tokens_length`` holds
     the template with the policy's longest prompt and response (counted in the policy's tokens)."""
     j, key = cfg.models[name], f"models.{name}"
+    if j.load is None:  # a served judge without a copy of its folder: its server checks the prompts' length
+        return
     context = model_context_length(j.load)
     verdict = 1 if j.parser == "yes_prob" else int(j.max_verdict_tokens)
     if context is not None and j.max_prompt_tokens_length + verdict > context:

@@ -19,6 +19,7 @@ run and no default model), and a kind with ``max_count`` 1 allows its default mo
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ class Kind:
     schema: type | None = None  # the section of a model named by the user (None: only the default name)
     role: str | None = None  # on the training backend: what the trainer builds (TrainerSpec.role)
     own_deadline: bool = False  # its calls have a time limit of their own (the watchdog leaves them be)
+    # it runs elsewhere (an HTTP endpoint): no devices, no processes, no turns; the driver calls it. Such a model
+    # is in the plan's kinds but has no placement
+    served: bool = False
 
     @property
     def on_devices(self) -> bool:
@@ -73,6 +77,10 @@ REWARD_MODEL = Kind("reward_model", "reward model", (Part.WEIGHTS,), Stage.REWAR
 JUDGE = Kind("judge", "judge", (Part.WEIGHTS, Part.KV_CACHE), Stage.JUDGE, (), trains=False, checkpoint_folder=None,
              backend="judge", worker="rollout", distributed=False, build_rank=4.5, default_model=None, max_count=None,
              schema=Judge)
+# a judge served over HTTP (models.<name>: {kind: judge, endpoint: ...}): of kind judge to the user, with no devices
+# (chatlearn/models/reward/served_judge.py, called from the driver; its requests have their own time limits)
+SERVED_JUDGE = dataclasses.replace(JUDGE, label="served judge", parts=(), backend="served_judge", worker="reward",
+                                   own_deadline=True, served=True)
 # a distillation teacher (models.<name>: {kind: teacher, ...}): the training backend's inference path, as the
 # reference; built first (frozen weights alone: it leaves the devices before the others are built)
 TEACHER = Kind("teacher", "teacher", (Part.WEIGHTS,), Stage.TEACHER_LOGPROBS,
@@ -140,8 +148,11 @@ def kind_named(kind: str, key: str) -> Kind:
 
 
 def user_models(models) -> dict[str, Kind]:
-    """The models the user named beside the defaults (``models.<name>`` with a ``kind``), in config order."""
-    return {str(name): KINDS[str(models[name].kind)] for name in models if name not in DEFAULT_MODELS}
+    """The models the user named beside the defaults (``models.<name>`` with a ``kind``), in config order; a judge
+    with an ``endpoint`` is a :data:`SERVED_JUDGE`."""
+    found = {str(name): KINDS[str(models[name].kind)] for name in models if name not in DEFAULT_MODELS}
+    return {name: SERVED_JUDGE if kind is JUDGE and models[name].endpoint is not None else kind
+            for name, kind in found.items()}
 
 
 def model_kinds(cfg) -> dict[str, Kind]:
@@ -161,8 +172,8 @@ def kind_of(cfg, name: str) -> Kind:
 
 
 def models_of(cfg, kind: Kind) -> list[str]:
-    """The models of ``kind`` that ``cfg`` declares, in config order."""
-    return [name for name, k in model_kinds(cfg).items() if k is kind]
+    """The models of ``kind`` that ``cfg`` declares, in config order (by the kind's name: a served judge is a judge)."""
+    return [name for name, k in model_kinds(cfg).items() if k.name == kind.name]
 
 
 def check_kinds(cfg) -> None:

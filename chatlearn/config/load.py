@@ -697,7 +697,7 @@ def _check_paths(cfg: DictConfig) -> None:
     # the driver: load becomes the local snapshot folder (what every worker reads), hub_id records the id
     resolved: dict = {}
     rm = models_of(cfg, REWARD_MODEL)
-    judges = models_of(cfg, KINDS["judge"])
+    judges = [n for n in models_of(cfg, KINDS["judge"]) if cfg.models[n].load is not None]  # served: load optional
     teachers = models_of(cfg, TEACHER)
     for name in (*_trainer_models(cfg), "policy", *(section(n) for n in rm), *judges, *teachers):
         mc, key = cfg.models[name], f"models.{name}.load"

@@ -90,7 +90,8 @@ class Plan:
     # runtime_args.single_process: the models run in the driver's process, the reward workers in
     # processes of their own; no Ray
     single_process: bool = False
-    # the kind of each placed model (chatlearn/config/kinds.py), in the order the config declares them
+    # the kind of each placed model (chatlearn/config/kinds.py), in the order the config declares them, and of each
+    # served one (Kind.served: no placement)
     kinds: dict[str, Kind] = field(default_factory=dict)
     # models.policy_trainer.algorithm, resolved (chatlearn/config/algorithms.py)
     algorithm: str = "grpo"
@@ -103,8 +104,8 @@ class Plan:
         return self.kinds[name]
 
     def of_kind(self, kind: Kind) -> list[str]:
-        """The placed models of ``kind``, in config order."""
-        return [name for name, k in self.kinds.items() if k is kind]
+        """The models of ``kind`` (by its name: a served judge is a judge), in config order."""
+        return [name for name, k in self.kinds.items() if k.name == kind.name]
 
     @property
     def uses_critic(self) -> bool:
@@ -185,7 +186,9 @@ class Plan:
             lines.append(f"  {name}: {REWARD_MODEL.label}, scores every sample (models.{section(name)}), its score "
                          "weighted and added to the reward functions'")
         for name in self.of_kind(JUDGE):
-            lines.append(f"  {name}: {JUDGE.label}, gives every sample a verdict (models.{name}), its score "
+            where = (", served over HTTP (models.{name}.endpoint): no devices, no turns" if self.kinds[name].served
+                     else "").format(name=name)
+            lines.append(f"  {name}: {JUDGE.label}, gives every sample a verdict (models.{name}){where}, its score "
                          "weighted and added to the reward")
         if self.single_process:
             lines.append("processes: the models in this (the driver's) process, the reward workers in processes "
@@ -339,7 +342,8 @@ def make_plan(cfg: DictConfig) -> Plan:
                 kl_in_reward_from_rollout=t.old_logprobs == "rollout" and bool(t.kl_in_reward) and t.kl_coef > 0,
                 rollout_correction=resolve_rollout_correction(t, rt.max_staleness > 0),
                 max_staleness=_check_staleness(rt, placements), multi_turn=_describe_multi_turn(pol),
-                fused_rollout=fused, kinds={name: used[name] for name in placements}, algorithm=algorithm.name,
+                fused_rollout=fused, algorithm=algorithm.name,
+                kinds={name: kind for name, kind in used.items() if name in placements or kind.served},
                 ref_from_trainer=ref_from_trainer, single_process=_single_process(cfg, placements, fused),
                 critic_warmup_episodes=int(m.critic.warmup_episodes) if uses_critic else 0)
 
@@ -403,7 +407,9 @@ def make_eval_plan(cfg: DictConfig, num_prompts: int, samples_per_prompt: int) -
     placements = {"policy": rollout, "reward": reward_cpu_placement(cfg.models.reward)}
     groups, sizes, kinds = [["policy"]], [pol.num_gpu], {"policy": ROLLOUT, "reward": REWARD}
     for name, kind in model_kinds(cfg).items():  # each judge on devices of its own (it scores the samples)
-        if kind is JUDGE:
+        if kind.served:
+            kinds[name] = kind
+        elif kind is JUDGE:
             num = cfg.models[name].num_gpu
             placements[name] = ModelPlacement(name, num, len(groups), list(range(num)))
             groups.append([name])

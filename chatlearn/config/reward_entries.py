@@ -31,9 +31,10 @@ def resolve_entries(reward, with_environment: bool = False) -> list[dict]:
     """The explicit entries of ``models.reward`` (a config section or dict): ``functions`` as plain dicts, or,
     when it is empty, the built-in math reward alone with weight 1 (none ``with_environment``: a multi-turn
     environment's reward alone); ``builtin:math`` gets its kwargs from ``correct_score`` and ``incorrect_score``."""
-    default = [] if with_environment else [{"name": "math", "path": "builtin:math", "weight": 1.0, "kwargs": {}}]
-    entries = [{"name": e["name"], "path": e["path"], "weight": float(e["weight"]), "kwargs": dict(e["kwargs"])}
-               for e in reward["functions"]] or default
+    default = [] if with_environment else [{"name": "math", "path": "builtin:math", "weight": 1.0, "kwargs": {},
+                                            "normalize": "none"}]
+    entries = [{"name": e["name"], "path": e["path"], "weight": float(e["weight"]), "kwargs": dict(e["kwargs"]),
+                "normalize": str(e["normalize"]) if "normalize" in e else "none"} for e in reward["functions"]] or default
     for e in entries:
         if e["path"] == "builtin:math":
             e["kwargs"] = {"correct_score": float(reward["correct_score"]),
@@ -134,6 +135,9 @@ def check_functions(reward, key: str = "models.reward.functions", with_environme
         seen.add(name)
         if not math.isfinite(e["weight"]):
             raise ConfigError(f"weight must be a finite number, got {e['weight']!r}.", key=f"{k}.weight")
+        if "normalize" in e and e["normalize"] not in ("none", "batch"):
+            raise ConfigError(f"normalize is {e['normalize']!r}: none (the score as it is) or batch (whitened over "
+                              "the episode's samples: zero mean, unit std, before x weight).", key=f"{k}.normalize")
         if e["path"] == "builtin:math" and len(e["kwargs"]):
             raise ConfigError("builtin:math takes no kwargs: its values are models.reward.correct_score and "
                               "incorrect_score. Remove the kwargs and set those keys.", key=f"{k}.kwargs")

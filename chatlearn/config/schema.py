@@ -434,6 +434,7 @@ class ToolEntry:
     description: Optional[str] = None  # null: the first paragraph of the function's docstring
     parameters: Optional[Dict[str, Any]] = None  # JSON schema of the arguments; null: from the signature
     kwargs: Dict[str, Any] = field(default_factory=dict)  # fixed keyword arguments of the function
+    normalize: str = "none"  # none | batch (its score whitened over the episode's samples before x weight)
 
 
 @dataclass
@@ -580,7 +581,9 @@ class Judge:
     of its colocation group (name it in ``runtime_args.colocation`` to let it take turns)."""
 
     kind: str = "judge"
-    load: str = MISSING  # a causal LM folder, or Hub model id
+    # a causal LM folder, or Hub model id (required unless endpoint is set; with an endpoint, optional: a copy of
+    # the served judge's folder whose tokenizer checks the prompts' length before start and names the yes/no tokens)
+    load: Optional[str] = None
     hub_id: Optional[str] = None  # written by chatlearn: the Hub id load was resolved from, pinned
     trust_remote_code: bool = False
     seed: int = "${runtime_args.seed}"  # type: ignore[assignment]
@@ -608,6 +611,19 @@ class Judge:
     normalize: str = "none"  # none | batch (whitened over the episode's samples: zero mean, unit std)
     # its weights leave the devices during the other models' turns (its KV cache always does)
     free_gpu_memory: FreeGpuMemory = field(default_factory=lambda: FreeGpuMemory(True, False, False))
+    # A served judge: an OpenAI-compatible HTTP endpoint (e.g. http://host:8000/v1; null: the judge is a model of
+    # the run on its rollout backend). It takes no devices and no turns: backend, num_gpu, gpu_per_process, dtype,
+    # gpu_memory_utilization, generation_batch_size and free_gpu_memory do not apply. apply_chat_template true:
+    # the chat-completions API (the server applies its chat template), false: the completions API
+    endpoint: Optional[str] = None
+    served_model: Optional[str] = None  # the model name the server serves (null: the only one GET /models lists)
+    api_key_env: Optional[str] = None  # the environment variable holding its API key (sent as a bearer token)
+    max_concurrency: int = 8  # requests in flight at once
+    request_timeout_s: float = 60.0  # one request's time limit (then it is retried)
+    retry_backoff_s: float = 0.5  # the wait before the first retry, doubled at each retry ...
+    retry_backoff_max_s: float = 8.0  # ... up to this
+    down_timeout_s: float = 300.0  # the run stops when every request has failed for this long
+    top_logprobs: int = 20  # parser yes_prob: the first reply token's most likely tokens asked for
 
 
 @dataclass

@@ -74,7 +74,7 @@ class Engine:
         self.timeline = Timeline(os.path.join(self.out, "timeline.jsonl"))
         self.sched = Scheduler(plan, self.timeline, offload_without_gpu=rt.offload_without_gpu,
                                watchdog=Watchdog(rt.stage_timeout_s, unwatched=[
-                                   n for n in plan.placements if plan.kind(n).own_deadline]))
+                                   n for n in plan.kinds if plan.kind(n).own_deadline]))
         groups = build_models(cfg, plan, cluster, self.sched)
         self.sampling = Sampling(cfg, tokenizer, groups["policy"], groups["reward"], cluster.specs["reward"],
                                  multi_turn)

@@ -31,7 +31,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from chatlearn.checkpoint.manager import MARKER, check_against_manifest
-from chatlearn.config.kinds import JUDGE, REWARD_MODEL, models_of, reward_model_settings
+from chatlearn.config.kinds import JUDGE, REWARD_MODEL, kind_of, models_of, reward_model_settings
 from chatlearn.config.load import check_data_paths, check_model_folder
 from chatlearn.config.manifest import MANIFEST
 from chatlearn.config.plan import make_eval_plan
@@ -278,11 +278,12 @@ class Evaluator:
     def __init__(self, cfg: DictConfig, cluster: Cluster, tokenizer, multi_turn: MultiTurnLoop | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer
         judges = models_of(cfg, JUDGE)
-        cluster.prestart(["policy", "reward", *judges])
+        placed = [n for n in judges if not kind_of(cfg, n).served]  # a served judge has no workers
+        cluster.prestart(["policy", "reward", *placed])
         policy = cluster.create("policy")
         self.sampling = Sampling(cfg, tokenizer, policy, cluster.create("reward"), cluster.specs["reward"], multi_turn)
         # each judge on devices of its own: nothing to move between turns
-        self.judges = Judges(cfg, judges, {n: cluster.create(n) for n in judges}, self.sampling,
+        self.judges = Judges(cfg, judges, {n: cluster.create(n) for n in placed}, self.sampling,
                              _OwnDevices())
 
     def judged(self, batch: dict, prompts: Prompts, rewards: np.ndarray, parts: dict) -> tuple[np.ndarray, dict]:

@@ -7,7 +7,9 @@ For each sample the driver renders the judge's ``prompt_template`` (Jinja) with
     reference  the row's ground truth (``runtime_args.ground_truth_key``)
 
 and sends it (as one user message) to the judge's workers (:class:`chatlearn.models.reward.judge.JudgeModel`),
-each taking its turn in config order (the scheduler makes it resident, offloading what shares its devices).
+each taking its turn in config order (the scheduler makes it resident, offloading what shares its devices); a
+served judge (``endpoint`` set) is asked over HTTP from here instead
+(:class:`chatlearn.models.reward.served_judge.ServedJudge`: no devices, no turn).
 The verdict becomes a score through the judge's ``parser`` (:func:`parse_verdict`):
 
     last_number   the last number in the verdict, if within ``score_range``
@@ -34,10 +36,11 @@ import numpy as np
 from chatlearn.calls import put
 
 from chatlearn.config.judge_keys import BUILTIN_PARSERS, environment
-from chatlearn.config.kinds import JUDGE
+from chatlearn.config.kinds import JUDGE, kind_of
 from chatlearn.config.names import Stage
 from chatlearn.config.reward_entries import load_object
 from chatlearn.errors import UserError
+from chatlearn.models.reward.served_judge import ServedJudge, ServedJudgeSettings
 from chatlearn.runtime.driver.reward_models import RewardModels
 
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
@@ -112,10 +115,31 @@ class Judges:
         self.templates = {name: environment(undefined=jinja2.StrictUndefined).from_string(s.template)
                           for name, s in self.settings.items()}
         self.groups, self.sampling, self.sched = groups, sampling, sched
+        # the served judges' HTTP clients (the others are the groups' workers)
+        self.served = {name: ServedJudge(ServedJudgeSettings.of(cfg, name)) for name in names
+                       if kind_of(cfg, name).served}
         self.failed_in_a_row = {name: 0 for name in self.settings}  # training episodes with no verdict read
 
     def __bool__(self) -> bool:
         return bool(self.settings)
+
+    def close(self) -> None:
+        """Close the served judges' clients."""
+        for client in self.served.values():
+            client.close()
+
+    def verdicts(self, name: str, rendered: list[list[dict]]) -> list[dict]:
+        """The judge's outputs (one per replica, or the served judge's one) on the rendered prompts, in order."""
+        if name in self.served:
+            client = self.served[name]
+            before = client.retries
+            out = client.judge(rendered)
+            return [{**out, "retries": client.retries - before}]
+        self.sched.take_turn(name)
+        group = self.groups[name]  # each replica judges a contiguous share
+        shares = np.array_split(np.arange(len(rendered)), len(group.actors))
+        outs, _ = group.call_each("judge", [(put([rendered[i] for i in share]),) for share in shares])
+        return outs
 
     def count_failures(self, name: str, unparsed: int, n: int) -> None:
         """After a training episode: a judge none of whose ``n`` verdicts could be read in
@@ -148,19 +172,16 @@ class Judges:
 
     def score_all(self, batch: dict, prompts, run=None, training: bool = False) -> tuple[dict[str, np.ndarray], dict]:
         """Every judge's score of each sample (float64 [N]), each in its turn (a ``run`` times the turns as the
-        ``judge`` stage of each), and their metrics (``judge/<name>/unparsed``, ``judge/<name>/tokens``, without
-        the prefix)."""
+        ``judge`` stage of each), and their metrics (``judge/<name>/unparsed``, ``judge/<name>/tokens``, a served
+        judge's ``judge/<name>/retries``, without the prefix)."""
         scores, metrics = {}, {}
         fields = self.fields(batch, prompts) if self.settings else []
         for name, s in self.settings.items():
             rendered = self.render(name, fields)
             with run.stage(Stage.JUDGE, name) if run is not None else contextlib.nullcontext():
-                self.sched.take_turn(name)
-                group = self.groups[name]  # each replica judges a contiguous share
-                shares = np.array_split(np.arange(len(rendered)), len(group.actors))
-                outs, _ = group.call_each("judge", [(put([rendered[i] for i in share]),) for share in shares])
-            if s.parser == "yes_prob":
-                found = [float(p) for out in outs for p in out["yes_probs"]]
+                outs = self.verdicts(name, rendered)
+            if s.parser == "yes_prob":  # NaN: a served judge's top tokens held neither word's
+                found = [float(p) if math.isfinite(p) else None for out in outs for p in out["yes_probs"]]
             else:
                 found = [parse_verdict(s.parse, t, s.options) for out in outs for t in out["texts"]]
             unparsed = sum(v is None for v in found)
@@ -169,6 +190,8 @@ class Judges:
             scores[name] = np.asarray([s.default_score if v is None else v for v in found], np.float64)
             metrics.update({f"judge/{name}/unparsed": float(unparsed),
                             f"judge/{name}/tokens": float(sum(out["generated_tokens"] for out in outs))})
+            if name in self.served:  # its requests retried (the endpoint failed them)
+                metrics[f"judge/{name}/retries"] = float(sum(out["retries"] for out in outs))
         return scores, metrics
 
 

@@ -17,7 +17,7 @@ from chatlearn.calls import put
 from chatlearn.config.kinds import REWARD_MODEL, reward_model_settings
 from chatlearn.config.names import Stage
 from chatlearn.errors import UserError
-from chatlearn.runtime.driver.sampling import Prompts, Sampling, Scored
+from chatlearn.runtime.driver.sampling import Prompts, Sampling, Scored, whiten
 
 
 def metric_prefix(prefix: str, name: str, family: str = "reward_model") -> str:
@@ -63,7 +63,7 @@ class RewardModels:
             raw = np.asarray(raw, np.float64)
             norm = raw
             if s.normalize == "batch" and normalize:
-                norm = (raw - raw.mean()) / (raw.std() + 1e-6) if len(raw) > 1 else raw * 0.0
+                norm = whiten(raw)
             adds[name] = added = s.weight * norm
             added_all = added_all + added
             where = metric_prefix(prefix, name, "reward_model" if name in self.settings else "judge")

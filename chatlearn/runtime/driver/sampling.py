@@ -90,6 +90,20 @@ def float32_rewards(total: np.ndarray, weighted: list[np.ndarray], entries: list
                     f"on it. Return rewards of a smaller scale (clip or rescale them), {fix}.")
 
 
+def whiten(raw: np.ndarray) -> np.ndarray:
+    """``(raw - mean) / (std + 1e-6)`` over the batch (population std); zeros for one sample. Every scoring source's
+    ``normalize: batch`` (reward functions, reward models, judges)."""
+    raw = np.asarray(raw, np.float64)
+    return (raw - raw.mean()) / (raw.std() + 1e-6) if len(raw) > 1 else raw * 0.0
+
+
+def normalized(weighted: list[np.ndarray], entries: list[dict], parts: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Each reward function's contribution: ``weight x whiten(score)`` for ``normalize: batch`` (its raw score is
+    ``parts["<name>/score"]``), else as it came (``weight x score``)."""
+    return [float(e["weight"]) * whiten(parts[f"{e['name']}/score"]) if e["normalize"] == "batch" else w
+            for w, e in zip(weighted, entries)]
+
+
 @dataclass(frozen=True)
 class Scored:
     """The rewards of a batch's samples: ``rewards`` (the reward functions' weighted sum, float32 [N]),
@@ -226,7 +240,7 @@ class Sampling:
                                            skip_special_tokens=True)
 
     def score(self, batch: dict, truths: list, sources: list[str], extra: list[dict], texts: list[str] | None = None,
-              what: str = "a batch") -> tuple[np.ndarray, dict[str, np.ndarray]]:
+              what: str = "a batch", normalize: bool = False) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Rewards of the samples (the weighted sum of the reward functions, plus a multi-turn
         trajectory's environment reward ``env/reward``) and each function's per-sample outputs by
         ``"<name>/<key>"``; the reward workers take contiguous shares.
@@ -234,7 +248,9 @@ class Sampling:
         The functions run one at a time on every worker (``RewardManager.score_one``, summed as
         ``RewardManager.score`` sums them), each within ``models.reward.timeout_s``: a worker that
         overruns is killed and the run stops with a UserError naming the function and the samples
-        (``what``: the batch, e.g. "the rollouts of episode 3")."""
+        (``what``: the batch, e.g. "the rollouts of episode 3"). With ``normalize`` (training's samples), a
+        function of ``normalize: batch`` adds ``weight x`` its score whitened over the batch (:func:`normalized`);
+        an evaluation's scores are added as they are."""
         texts = self.responses_text(batch) if texts is None else texts
         prompts = self.prompts_text(batch)
         shares = [s for s in np.array_split(np.arange(len(texts)), len(self.reward)) if len(s)]
@@ -257,9 +273,6 @@ class Sampling:
             for total, out, part in zip(totals, outs, parts):
                 total += part["score"]
                 out["metrics"].update(part["metrics"])
-        if "env/reward" in batch:  # the environment's (discounted) reward of each trajectory
-            totals = [t + np.asarray(batch["env/reward"], np.float64)[s] for t, s in zip(totals, shares)]
-        rewards = float32_rewards(np.concatenate(totals), weighted, entries, what)
         for o in outs[1:]:
             odd = set(o["metrics"]) ^ set(outs[0]["metrics"])
             if odd:
@@ -267,13 +280,21 @@ class Sampling:
                                 "returned different dict keys for different batches. Return the same keys for "
                                 "every batch.")
         parts = {k: np.concatenate([o["metrics"][k] for o in outs]) for k in outs[0]["metrics"]}
-        return rewards, parts
+        total = np.concatenate(totals)
+        if normalize and any(e["normalize"] == "batch" for e in entries):
+            weighted = normalized(weighted, entries, parts)
+            total = np.zeros(len(texts), np.float64)
+            for w in weighted:
+                total = total + w
+        if "env/reward" in batch:  # the environment's (discounted) reward of each trajectory
+            total = total + np.asarray(batch["env/reward"], np.float64)
+        return float32_rewards(total, weighted, entries, what), parts
 
     def scored(self, batch: dict, prompts: Prompts, what: str) -> Scored:
         """The samples' rewards (:meth:`score`), shaped: DAPO's overlong penalty
         (``models.reward.overlong_buffer_len``, :func:`chatlearn.algorithms.advantages.overlong_penalty`)
         added to the reward functions' total where it is on."""
-        rewards, parts = self.score(batch, prompts.truths, prompts.sources, prompts.extra, None, what)
+        rewards, parts = self.score(batch, prompts.truths, prompts.sources, prompts.extra, None, what, normalize=True)
         r = self.cfg.models.reward
         if r.overlong_buffer_len <= 0:
             return Scored(rewards, parts, rewards)
