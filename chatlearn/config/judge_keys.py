@@ -4,6 +4,7 @@ fields, the parser, the numbers); :func:`check_judge_folder` reads the judge's f
 folder (its context against the longest prompt it may be given)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from urllib.parse import urlsplit
 
@@ -15,6 +16,7 @@ from chatlearn.config.kinds import JUDGE, models_of
 from chatlearn.config.model_shapes import model_context_length
 from chatlearn.config.registry import ROLLOUT_BACKENDS
 from chatlearn.config.reward_entries import load_object
+from chatlearn.config.schema import Judge
 from chatlearn.errors import ConfigError
 
 BUILTIN_PARSERS = ("last_number", "boxed", "yes_no", "yes_prob")
@@ -136,6 +138,17 @@ def check_served(cfg, name: str) -> None:
     if name in list(cfg.runtime_args.colocation):
         raise ConfigError(f"names {name!r}, a served judge ({key}.endpoint): it has no devices and takes no turns. "
                           "Take it out of the list.", key="runtime_args.colocation")
+
+
+# a served judge's keys that only a judge of the run's own uses (their schema defaults are literal values)
+SERVED_INERT_KEYS = ("backend", "gpu_per_process", "dtype", "gpu_memory_utilization", "generation_batch_size")
+
+
+def served_inert_keys(j) -> list[str]:
+    """The keys of ``SERVED_INERT_KEYS`` that a served judge's section ``j`` sets to other than the schema's
+    default: they do not apply to an endpoint (the run warns about each)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Judge)}
+    return [k for k in SERVED_INERT_KEYS if j[k] != defaults[k]]
 
 
 def check_parser(parser: str, key: str) -> None:

@@ -35,11 +35,12 @@ import numpy as np
 
 from chatlearn.calls import put
 
-from chatlearn.config.judge_keys import BUILTIN_PARSERS, environment
+from chatlearn.config.judge_keys import BUILTIN_PARSERS, environment, served_inert_keys
 from chatlearn.config.kinds import JUDGE, kind_of
 from chatlearn.config.names import Stage
 from chatlearn.config.reward_entries import load_object
 from chatlearn.errors import UserError
+from chatlearn.logging.console import warn
 from chatlearn.models.reward.served_judge import ServedJudge, ServedJudgeSettings
 from chatlearn.runtime.driver.reward_models import RewardModels
 
@@ -118,6 +119,11 @@ class Judges:
         # the served judges' HTTP clients (the others are the groups' workers)
         self.served = {name: ServedJudge(ServedJudgeSettings.of(cfg, name)) for name in names
                        if kind_of(cfg, name).served}
+        for name in self.served:
+            for k in served_inert_keys(cfg.models[name]):
+                warn(f"models.{name}.{k} is set, but models.{name} is a served judge (models.{name}.endpoint): "
+                     "it has no devices or engine of this run's, so the key does not apply (the server's own "
+                     "settings do).")
         self.failed_in_a_row = {name: 0 for name in self.settings}  # training episodes with no verdict read
 
     def __bool__(self) -> bool:

@@ -166,3 +166,17 @@ def test_the_api_key_is_sent_and_not_kept(server, monkeypatch):
     client.judge(DEMO[:1])
     assert server.seen_auth[-1] == "Bearer s3cret-value"
     assert "s3cret" not in repr(client.s) and "s3cret" not in repr(vars(client.s))
+
+
+def test_device_keys_of_a_served_judge_are_named_as_not_applying():
+    """The keys only a judge of the run's own uses, set on a served judge, are the ones the run warns about."""
+    from omegaconf import OmegaConf
+
+    from chatlearn.config.judge_keys import SERVED_INERT_KEYS, served_inert_keys
+    from chatlearn.config.schema import Judge
+
+    j = OmegaConf.structured(Judge(endpoint="http://127.0.0.1:8000/v1"))
+    assert served_inert_keys(j) == []
+    j.backend, j.dtype, j.generation_batch_size = "vllm", "bfloat16", 8
+    assert served_inert_keys(j) == ["backend", "dtype", "generation_batch_size"]
+    assert set(SERVED_INERT_KEYS) <= {f for f in Judge.__dataclass_fields__}
