@@ -52,12 +52,12 @@ def check_teacher(cfg) -> None:
         _positive(s.logprob_chunk_tokens, f"{key}.logprob_chunk_tokens")
         if s.packing:
             _positive(s.max_token_in_packing, f"{key}.max_token_in_packing")
-        if cfg.runtime_args.train_backend != "fsdp":
+        if cfg.runtime_args.train_backend != "fsdp" and t.algorithm == "gkd":
             raise ConfigError(
-                f"is {cfg.runtime_args.train_backend!r}, but the teacher {name} runs on the FSDP2 inference path "
-                "only: a teacher on the Megatron backend (its most likely tokens gathered over the tensor-parallel "
-                "ranks' slices of the vocabulary) is not placed and tested end to end yet. Use train_backend: fsdp "
-                "for distillation.",
+                f"is {cfg.runtime_args.train_backend!r}, but algorithm: gkd trains on the teacher's top-k or whole "
+                "distribution, which the Megatron trainer's loss does not take yet (its teacher pass gives the "
+                "sampled tokens' log-probs and the argmax over the tensor-parallel ranks, what algorithm: opd "
+                "needs). Use train_backend: fsdp for gkd, or algorithm: opd on Megatron.",
                 key="runtime_args.train_backend")
 
 

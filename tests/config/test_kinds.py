@@ -156,11 +156,17 @@ def test_a_teacher_is_placed_takes_turns_and_gets_its_own_spec(paths_overrides, 
     assert plan.kind("teacher") is TEACHER and cfg.models.policy_trainer.lora.rank == 4
 
 
-def test_a_second_teacher_and_megatron_are_refused(paths_overrides, tiny_model_dir):
+def test_a_second_teacher_and_gkd_on_megatron_are_refused(paths_overrides, tiny_model_dir):
+    from chatlearn.config.kinds import TEACHER
+
     over = paths_overrides + teacher_overrides(tiny_model_dir)
     with pytest.raises(ConfigError) as err:
         load_run(GRPO, over + ["models.teacher2.kind=teacher", f"models.teacher2.load={tiny_model_dir}"])
     assert err.value.key == "models.teacher2.kind" and "a run has one teacher" in str(err.value)
+    # opd's teacher runs on the Megatron trainer too (tests/e2e/test_megatron_e2e.py); gkd's top-k loss does not
+    cfg, plan = load_run(GRPO, over + ["runtime_args.train_backend=megatron"])
+    assert plan.kind("teacher") is TEACHER and cfg.runtime_args.train_backend == "megatron"
     with pytest.raises(ConfigError) as err:
-        load_run(GRPO, over + ["runtime_args.train_backend=megatron"])
-    assert err.value.key == "runtime_args.train_backend" and "FSDP2 inference path" in str(err.value)
+        load_run(GRPO, over + ["runtime_args.train_backend=megatron", "models.policy_trainer.algorithm=gkd",
+                               "models.policy.num_inference_per_prompt=1"])
+    assert err.value.key == "runtime_args.train_backend" and "algorithm: gkd" in str(err.value)

@@ -87,3 +87,37 @@ def test_one_episode_with_megatron_tp2_then_resume_with_packing(tmp_path):
     assert row["train/pad_token_frac"] == 0.0 and row["perf/logprob_pad_token_frac"] == 0.0
     assert row["train/micro_steps"] >= 1 and row["train/grad_norm"] > 0
     assert row["train/critic/pad_token_frac"] == 0.0 and row["train/critic/grad_norm"] > 0  # packed too
+
+
+OPD = ["models.policy_trainer.algorithm=opd", "models.policy.num_inference_per_prompt=8",
+       "models.policy_trainer.optimizer.lr=1e-4", "models.policy_trainer.num_gpu=2", "models.teacher.num_gpu=2",
+       "runtime_args.num_episode=1", "runtime_args.eval_episode_interval=0",
+       "runtime_args.enable_eval_before_training=False", "runtime_args.sample_per_episode=32",
+       "runtime_args.train_global_batch_size=32", "runtime_args.train_micro_batch_size=16"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_on_policy_distillation_with_a_megatron_teacher_equals_fsdp(tmp_path):
+    """``template/distill.yaml`` with ``algorithm: opd``, the student and the teacher on the Megatron trainer at TP 2
+    (under the test shim) and on FSDP2: the same first episode (the same samples from the hf rollout, so the same
+    teacher log-probs, argmax agreement, loss and gradient norm)."""
+    site = os.path.join(REPO, "tests", "support", "megatron_cpu_site")
+    shim = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATLEARN_TEST_MEGATRON_CPU_SHIM": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
+    megatron = ["runtime_args.train_backend=megatron", "models.policy_trainer.tensor_model_parallel_size=2",
+                "models.teacher.tensor_model_parallel_size=2"]
+    rows = {}
+    for name, extra, env in (("fsdp", [], {**os.environ, "HF_HUB_OFFLINE": "1"}), ("megatron", megatron, shim)):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "chatlearn.cli", "run", "template/distill.yaml", *OPD, *extra,
+                               f"runtime_args.output_dir={out}"], cwd=REPO, capture_output=True, text=True,
+                              timeout=280, env=env, check=False)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        with open(out / "metrics.jsonl", encoding="utf-8") as f:
+            rows[name] = [json.loads(line) for line in f][-1]
+    keys = ["train/distill/teacher_logprob", "train/distill/student_logprob", "train/distill/reverse_kl",
+            "train/distill/top1_agreement", "train/loss", "train/grad_norm"]
+    for key in keys:
+        assert rows["megatron"][key] == pytest.approx(rows["fsdp"][key], rel=1e-4, abs=1e-5), key
+    assert 0 < rows["megatron"]["train/distill/top1_agreement"] < 1
