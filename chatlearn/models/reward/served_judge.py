@@ -133,9 +133,9 @@ class ServedJudge:
         self._finalizer()
 
     # ------------------------------------------------------------------ requests
-    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def request(self, method: str, path: str, body: dict | None = None, missing_ok: bool = False) -> dict | None:
         """The JSON answer of one request, retried with backoff while the endpoint may come back (see the module
-        docstring)."""
+        docstring); ``missing_ok``: None when the server has no such path (HTTP 404)."""
         url, attempt = f"{self.s.endpoint}{path}", 0
         while True:
             with self._lock:
@@ -149,6 +149,8 @@ class ServedJudge:
                     with self._lock:
                         self.down_since = None
                     return r.json()
+                if missing_ok and r.status_code == 404:
+                    return None
                 if r.status_code not in RETRY_STATUS and r.status_code < 500:
                     raise self.refused(path, r)
                 failure = f"HTTP {r.status_code}: {r.text[:300]}"
@@ -190,15 +192,33 @@ class ServedJudge:
                          "context (max_prompt_tokens_length).", key=f"models.{s.name}.endpoint")
 
     def resolve_model(self) -> str:
-        """``served_model``, checked against the server's list (``GET /models``), or the only model it serves."""
+        """``served_model``, or the only model the server lists (``GET /models``)."""
         if self.model is not None and self.model != "":
             return self.model
-        listed = [str(m["id"]) for m in self.request("GET", "/models")["data"]]
+        self.probe()
+        return self.model
+
+    def probe(self) -> None:
+        """Before the first episode: the endpoint answers (``GET /models``, retried as any request, so a server
+        still starting has ``down_timeout_s``) and serves ``served_model``; with none set, the one model it lists
+        becomes the judge's. A server without the list (HTTP 404) is asked at the first verdict instead."""
+        answer = self.request("GET", "/models", missing_ok=True)
+        if answer is None:
+            if not self.model:
+                raise UserError(f"is not set, and the server at {self.s.endpoint} does not list its models (GET "
+                                "/models: HTTP 404): name the judge's model.", key=f"models.{self.s.name}.served_model")
+            return
+        listed = [str(m["id"]) for m in answer["data"]]
+        if self.model:
+            if self.model not in listed:
+                raise UserError(f"is {self.model!r}, which the server at {self.s.endpoint} does not serve (it lists "
+                                f"{', '.join(listed) or 'none'}). Set it to the judge's model as the server names it.",
+                                key=f"models.{self.s.name}.served_model")
+            return
         if len(listed) != 1:
             raise UserError(f"is not set, and the server at {self.s.endpoint} serves {len(listed)} models "
                             f"({', '.join(listed) or 'none'}): name the judge's.", key=f"models.{self.s.name}.served_model")
         self.model = listed[0]
-        return self.model
 
     # ------------------------------------------------------------------ verdicts
     def body(self, messages: list[dict], probs: bool) -> tuple[str, dict]:

@@ -119,7 +119,8 @@ class Judges:
         # the served judges' HTTP clients (the others are the groups' workers)
         self.served = {name: ServedJudge(ServedJudgeSettings.of(cfg, name)) for name in names
                        if kind_of(cfg, name).served}
-        for name in self.served:
+        for name, client in self.served.items():
+            client.probe()  # the endpoint answers and serves the judge's model, before the first episode
             for k in served_inert_keys(cfg.models[name]):
                 warn(f"models.{name}.{k} is set, but models.{name} is a served judge (models.{name}.endpoint): "
                      "it has no devices or engine of this run's, so the key does not apply (the server's own "

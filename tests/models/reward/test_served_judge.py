@@ -156,6 +156,12 @@ def test_refusals_stop_at_once():
         with pytest.raises(UserError, match="HTTP 404.*'other' does not exist"):
             client.judge(DEMO[:1])
         assert client.retries == 0
+        # the probe before the first episode names the models the server lists
+        with pytest.raises(UserError, match="is 'other', which the server .* does not serve .*lists tiny-judge"):
+            ServedJudge(settings(srv.url, served_model="other")).probe()
+        probed = ServedJudge(settings(srv.url))
+        probed.probe()
+        assert probed.model == "tiny-judge"
     finally:
         srv.stop()
 
