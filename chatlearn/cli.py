@@ -345,6 +345,7 @@ def _dry_run_data(cfg, resumed, accept: bool) -> list[str]:
     (chatlearn.runtime.driver.run.train): a missing or malformed file, a row without the prompt or
     ground-truth key, prompts all too long, or a data set of another size than the checkpoint's is
     refused here as it would be there. Returns the lines that count the prompts."""
+    from chatlearn.config.teacher_keys import needs_responses
     from chatlearn.data.dataset import VisionData, load_prompts, load_tokenizer
     from chatlearn.runtime.rundir.config_history import check_prompt_count
 
@@ -360,7 +361,7 @@ def _dry_run_data(cfg, resumed, accept: bool) -> list[str]:
                 ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction, tools=tools,
                 vision=VisionData(p.load, p.max_images_per_prompt))
     sets = [("train", load_prompts(rt.data_path.split(","), tokenizer, name=rt.data_subset, split=rt.data_split,
-                                   **data))]
+                                   **data, responses=needs_responses(cfg)))]
     check_prompt_count(resumed, len(sets[0][1]), accept)
     if rt.eval_data_path and (rt.eval_episode_interval > 0 or rt.enable_eval_before_training):
         sets.append(("eval", load_prompts(rt.eval_data_path.split(","), tokenizer, what="runtime_args.eval_data_path",

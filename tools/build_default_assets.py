@@ -15,7 +15,8 @@ Writes, under ``--out`` (default ``assets/``):
   right only some of the time: a starting point where GRPO has something to learn.
 * ``arith_sft/train.jsonl`` and ``arith_sft/eval.jsonl``: the same splits as conversations for
   ``chatlearn sft`` (``messages``: the question, then the answer in the toy's format
-  ``\\boxed{N}``); ``--sft-data`` writes them alone from an existing ``arith/``.
+  ``\\boxed{N}``), with the ground truth (``reward_model``): also the prompts with reference responses of
+  ``algorithm: gkd`` with ``gkd_lambda`` < 1; ``--sft-data`` writes them alone from an existing ``arith/``.
 * ``README.md``: what is in the folder and the numbers measured at build time.
 
 With ``--model tiny_qwen3_moe`` it builds, instead, the mixture-of-experts toy
@@ -166,10 +167,13 @@ def make_splits(seed: int) -> tuple[list[dict], list[dict]]:
 
 
 def sft_record(rec: dict) -> dict:
-    """An ``arith`` record as a conversation for ``chatlearn sft``: the question, then its answer."""
+    """An ``arith`` record as a conversation for ``chatlearn sft``: the question, then its answer; with the ground
+    truth kept (``reward_model``), so that the same rows are prompts with reference responses for ``algorithm: gkd``
+    with ``gkd_lambda`` < 1 (``runtime_args.prompt_key: messages``)."""
     answer = RESPONSE_TEMPLATE.format(answer=rec["reward_model"]["ground_truth"])
     return {"data_source": rec["data_source"],
-            "messages": [*rec["prompt"], {"role": "assistant", "content": answer}]}
+            "messages": [*rec["prompt"], {"role": "assistant", "content": answer}],
+            "reward_model": rec["reward_model"]}
 
 
 def write_sft_splits(out: Path, train: list[dict], evals: list[dict]) -> None:

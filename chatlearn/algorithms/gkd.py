@@ -19,6 +19,12 @@ from its own log-softmax, and its own remainder). The divergence of those is a l
 is the full divergence (the remainder is empty). slime and verl's top-k distillation keep the teacher's top-k
 the same way; keeping the remainder as its own outcome keeps both sides normalised.
 
+The on-policy fraction ``gkd_lambda`` (TRL's ``lmbda``): TRL's ``GKDTrainer.training_step`` draws
+``random.random() <= lmbda`` once per training step and then trains that batch on the student's generations, else
+on the dataset's own completions. Here the draw is once per episode (:func:`on_policy`), from
+``(runtime_args.seed, episode)`` alone, so a resumed run draws what the uninterrupted one did with no state to keep;
+an off-policy episode samples nothing and trains on the prompts' reference responses.
+
 Nothing here knows about models or ranks: :func:`gkd_token_loss` is what a trainer's chunked LM-head pass
 computes per token (:func:`chatlearn.algorithms.grpo.chunked_logprobs_entropy` with a :class:`GKDRows`), and
 :class:`GKDLoss` has the interface of :class:`chatlearn.algorithms.sft.SFTLoss`.
@@ -32,6 +38,19 @@ import numpy as np
 import torch
 
 from chatlearn.algorithms.response import loss_token_counts
+
+# the random stream of the on-policy draw: (seed, episode, this)
+ON_POLICY_STREAM = 0x6B64
+
+
+def on_policy(seed: int, episode: int, lam: float) -> bool:
+    """Whether episode ``episode`` trains on the student's samples: ``u < lam`` for ``u`` uniform in [0, 1) drawn from
+    ``(seed, episode)`` (numpy's ``default_rng``): always at ``lam`` 1, never at 0, else with probability ``lam``."""
+    if lam >= 1.0:
+        return True
+    u = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(episode), ON_POLICY_STREAM]).random()
+    return bool(u < lam)
+
 
 # the smallest probability a remainder is given, so that its log stays finite (its terms are then ~0)
 TAIL_FLOOR = 1e-30

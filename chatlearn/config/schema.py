@@ -323,6 +323,10 @@ class PolicyTrainer(TrainerModel):
     gkd_beta: float = 0.5
     gkd_temperature: float = 1.0
     distill_topk: Optional[int] = None
+    # algorithm: gkd: the on-policy fraction (TRL's lmbda): each episode, with this probability, drawn from
+    # (runtime_args.seed, episode), trains on the student's samples, otherwise on the dataset's own responses (each
+    # prompt row's last, assistant message); 1: the student's samples only
+    gkd_lambda: float = 1.0
 
 
 @dataclass

@@ -62,8 +62,8 @@ def check_teacher(cfg) -> None:
 
 
 # the keys of algorithm: gkd, each read by it alone
-GKD_KEYS = ("gkd_beta", "gkd_temperature", "distill_topk")
-GKD_DEFAULTS = {"gkd_beta": 0.5, "gkd_temperature": 1.0, "distill_topk": None}
+GKD_KEYS = ("gkd_beta", "gkd_temperature", "distill_topk", "gkd_lambda")
+GKD_DEFAULTS = {"gkd_beta": 0.5, "gkd_temperature": 1.0, "distill_topk": None, "gkd_lambda": 1.0}
 
 
 def check_gkd_keys(cfg) -> None:
@@ -96,6 +96,32 @@ def check_gkd_keys(cfg) -> None:
     if t.distill_topk is not None and t.distill_topk < 1:
         raise ConfigError(f"is {t.distill_topk}: the teacher's most likely tokens kept per position, at least 1, "
                           "or null for the whole vocabulary.", key=f"{key}.distill_topk")
+    check_gkd_lambda(cfg)
+
+
+def needs_responses(cfg) -> bool:
+    """Whether the training prompts must carry reference responses: ``algorithm: gkd`` with ``gkd_lambda`` < 1."""
+    t = cfg.models.policy_trainer
+    return t.algorithm == "gkd" and t.gkd_lambda < 1.0
+
+
+def check_gkd_lambda(cfg) -> None:
+    """``gkd_lambda`` in [0, 1]; below 1 (some episodes train on the dataset's responses) not with what builds a
+    batch otherwise: a multi-turn environment, dynamic sampling."""
+    t, key = cfg.models.policy_trainer, "models.policy_trainer.gkd_lambda"
+    if not 0.0 <= t.gkd_lambda <= 1.0:
+        raise ConfigError(f"is {t.gkd_lambda}: the share of episodes trained on the student's own samples is in "
+                          "[0, 1] (1: every episode, TRL's lmbda; 0: the dataset's responses only).", key=key)
+    if t.gkd_lambda == 1.0:
+        return
+    if cfg.models.policy.multi_turn.environment is not None:
+        raise ConfigError(f"is {t.gkd_lambda}, but the rollout is multi-turn (models.policy.multi_turn.environment): "
+                          "a dataset response is one assistant message, not a trajectory with an environment's "
+                          "turns. Set it to 1 (the student's trajectories only), or drop the environment.", key=key)
+    if cfg.runtime_args.dynamic_sampling:
+        raise ConfigError(f"is {t.gkd_lambda}, but runtime_args.dynamic_sampling samples more groups by their "
+                          "rewards, which an episode of the dataset's responses does not sample. Set it to 1, or "
+                          "turn dynamic_sampling off (gkd reads no advantages).", key=key)
 
 
 def check_teacher_folder(cfg, name: str, longest: int) -> None:

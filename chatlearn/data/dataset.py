@@ -134,6 +134,9 @@ class PromptSet:
     empty_truth_warning: str | None = None
     # each prompt's images (resolved references: chatlearn.data.vision), empty when no prompt has any
     images: list[list] = field(default_factory=list)
+    # each prompt's reference response (token ids of the row's last, assistant message as the chat template renders
+    # it, through its end-of-turn token), empty unless asked for (algorithm: gkd with gkd_lambda < 1)
+    responses: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -197,7 +200,8 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                  prompt_key: str, ground_truth_key: str | None,
                  what: str = "runtime_args.data_path", name: str | None = None, split: str = "train",
                  ground_truth_pattern: str | None = None, prompt_instruction: str | None = None,
-                 tools: list | None = None, vision: VisionData | None = None) -> PromptSet:
+                 tools: list | None = None, vision: VisionData | None = None,
+                 responses: bool = False) -> PromptSet:
     """Read every row of ``paths`` (local files or folders, or Hub dataset ids read with config ``name``
     and ``split``), apply the chat template to ``row[prompt_key]`` (a string becomes one user message,
     ``prompt_instruction`` is appended to the last user message; ``enable_thinking`` is passed to the
@@ -207,8 +211,10 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
     part of ``ground_truth_key``). ``tools``: JSON schemas passed to the chat template (a multi-turn
     rollout's tools), None: none. ``vision``: the model folder and the image limit, for rows whose messages
     hold images (:mod:`chatlearn.data.vision`): each is decoded once here (a bad one is an error naming the row)
-    and its placeholder token expanded to the image's vision tokens."""
-    messages_all, wheres, truths, sources, extras, images, base_dirs = [], [], [], [], [], [], []
+    and its placeholder token expanded to the image's vision tokens. ``responses``: every row's messages end with
+    the assistant's reply (TRL's conversational format), taken off the prompt and kept tokenized
+    (:func:`reference_response`; a row without one is refused)."""
+    messages_all, replies, wheres, truths, sources, extras, images, base_dirs = [], [], [], [], [], [], [], []
     taken = {prompt_key, "data_source"} | ({ground_truth_key.split(".")[0]} if ground_truth_key else set())
     pattern = re.compile(ground_truth_pattern) if ground_truth_pattern else None
     for source in resolve_data_sources(",".join(paths), what, name=name, split=split):
@@ -229,6 +235,9 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                     for m in messages):
                 raise UserError(f"{where}: {prompt_key!r} must be a string or a non-empty list of chat messages "
                                 "({'role': '...', 'content': '...'}); fix that row.")
+            if responses:
+                messages = split_reply(messages, where, prompt_key)
+                replies.append(messages.pop())
             if prompt_instruction:
                 messages = _with_instruction(messages, prompt_instruction)
             truth = _ground_truth(row, ground_truth_key, where) if ground_truth_key else None
@@ -255,7 +264,51 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
     warning = check_truths([truths[i] for i in keep], [wheres[i] for i in keep], what, ground_truth_key)
     return PromptSet([token_ids[i] for i in keep], [truths[i] for i in keep], [sources[i] for i in keep], dropped,
                      [extras[i] for i in keep], [messages_all[i] for i in keep], warning,
-                     [images[i] for i in keep] if any(images) else [])
+                     [images[i] for i in keep] if any(images) else [],
+                     [reference_response(tokenizer, messages_all[i], replies[i], wheres[i], enable_thinking)
+                      for i in keep] if responses else [])
+
+
+def split_reply(messages: list[dict], where: str, prompt_key: str) -> list[dict]:
+    """``messages`` (a copy) checked to end with the assistant's reply after at least one other message: the reference
+    response of ``algorithm: gkd`` with ``gkd_lambda`` < 1; a UserError naming the row otherwise."""
+    last = messages[-1]
+    if len(messages) < 2 or last["role"] != "assistant" or not isinstance(last["content"], str):
+        raise UserError(
+            f"{where}: the row has no reference response: with models.policy_trainer.gkd_lambda < 1, "
+            "algorithm: gkd trains some episodes on the dataset's own responses, and a row's response is the last "
+            f"message of its {prompt_key!r} messages, which must be the assistant's (role 'assistant', text content) "
+            f"after the prompt's messages (this row's roles: {[m['role'] for m in messages]}). Add the answer as a "
+            "last assistant message (e.g. assets/arith_sft/train.jsonl with runtime_args.prompt_key: messages), "
+            "or set models.policy_trainer.gkd_lambda: 1 (the student's samples only).",
+            key="models.policy_trainer.gkd_lambda")
+    return list(messages)
+
+
+def reference_response(tokenizer, prompt: list[dict], reply: dict, where: str, enable_thinking: bool) -> list[int]:
+    """The token ids of ``reply`` after ``prompt`` as the chat template renders them: the conversation's ids after
+    those of the prompt with the generation prompt, through the reply's last end-of-turn token (``eos_token``; what
+    follows it, such as a newline, is not the model's to write). A template that renders the prompt otherwise once the
+    reply follows it is refused with the row."""
+    def ids(messages, generation_prompt):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                             enable_thinking=enable_thinking)
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+    head, full = ids(prompt, True), ids([*prompt, reply], False)
+    reply_ids = full[len(head):]
+    if full[:len(head)] != head or not reply_ids:
+        raise UserError(f"{where}: the chat template renders this row's prompt differently once its assistant reply "
+                        "follows it (or renders no reply), so the reply's tokens cannot be told apart from the "
+                        "prompt's. Use a template that renders earlier messages alike whatever follows (ChatML-style "
+                        "templates do), or set models.policy_trainer.gkd_lambda: 1.",
+                        key="models.policy_trainer.gkd_lambda")
+    eos_text = getattr(tokenizer, "eos_token", None)
+    eos_ids = tokenizer.encode(eos_text, add_special_tokens=False) if isinstance(eos_text, str) and eos_text else []
+    eos = int(eos_ids[0]) if len(eos_ids) == 1 else None
+    if eos is not None and eos in reply_ids:
+        reply_ids = reply_ids[:len(reply_ids) - reply_ids[::-1].index(eos)]
+    return reply_ids
 
 
 def _with_images(counts: list[list[int]], wheres: list[str], token_ids: list[list[int]],

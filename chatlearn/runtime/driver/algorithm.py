@@ -34,6 +34,7 @@ import numpy as np
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages, token_kl
 from chatlearn.algorithms.distill import distill_metrics, distill_token_advantages
 from chatlearn.algorithms.gae import episode_gae
+from chatlearn.algorithms.gkd import on_policy
 from chatlearn.batch import columns, select_samples
 from chatlearn.calls import put
 from chatlearn.checkpoint.manager import CheckpointManager
@@ -216,6 +217,11 @@ class Algorithm(abc.ABC):
         """The models episode ``episode`` trains, in order (every one of ``trained`` unless a warm-up
         leaves some out); the weight push follows only an episode that trains the policy."""
         return self.trained
+
+    def data_responses(self, episode: int) -> bool:
+        """Whether episode ``episode`` trains on the data's reference responses instead of sampling (``algorithm: gkd``
+        with ``gkd_lambda`` < 1); no other algorithm does."""
+        return False
 
     @abc.abstractmethod
     def passes(self) -> list[Pass]:
@@ -518,14 +524,34 @@ def opd(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
                             DistillAdvantages(cfg, plan))
 
 
+class GKDAlgorithm(DistillAlgorithm):
+    """``algorithm: gkd``: a :class:`DistillAlgorithm` whose episodes train on the data's reference responses with
+    probability ``1 - gkd_lambda`` (:func:`chatlearn.algorithms.gkd.on_policy`, drawn from ``runtime_args.seed`` and
+    the episode); its policy metrics say which (``train/gkd_offpolicy_frac``: 1 for an episode of the data's
+    responses, 0 for one of the student's samples)."""
+
+    def __init__(self, cfg, teacher: TeacherPass, policy: PolicyUpdate, advantages):
+        super().__init__("gkd", teacher, policy, advantages)
+        self.seed, self.lam = int(cfg.runtime_args.seed), float(cfg.models.policy_trainer.gkd_lambda)
+
+    def data_responses(self, episode: int) -> bool:
+        return not on_policy(self.seed, episode, self.lam)
+
+    def train(self, model: str, batch: dict, episode: int) -> Trained:
+        trained = super().train(model, batch, episode)
+        trained.metrics["train/gkd_offpolicy_frac"] = float(self.data_responses(episode))
+        return trained
+
+
 def gkd(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
-    """Generalized knowledge distillation (``algorithm: gkd``, TRL's GKD on the student's samples): the teacher's
-    top-k (``distill_topk``; null: the vocabulary) at ``gkd_temperature``, then the policy's steps on the
-    generalized JSD (:class:`chatlearn.algorithms.gkd.GKDLoss`, ``gkd_beta``); no old-log-prob pass."""
+    """Generalized knowledge distillation (``algorithm: gkd``, TRL's GKD): the teacher's top-k (``distill_topk``;
+    null: the vocabulary) at ``gkd_temperature`` of the student's samples, or with probability ``1 - gkd_lambda``
+    of the data's responses (:class:`GKDAlgorithm`), then the policy's steps on the generalized JSD
+    (:class:`chatlearn.algorithms.gkd.GKDLoss`, ``gkd_beta``); no old-log-prob pass."""
     t = cfg.models.policy_trainer
     topk = -1 if t.distill_topk is None else int(t.distill_topk)
-    return DistillAlgorithm("gkd", TeacherPass(plan, calls, topk, float(t.gkd_temperature)),
-                            GKDUpdate(cfg, plan, calls, steps), GKDMetrics(cfg, plan))
+    return GKDAlgorithm(cfg, TeacherPass(plan, calls, topk, float(t.gkd_temperature)),
+                        GKDUpdate(cfg, plan, calls, steps), GKDMetrics(cfg, plan))
 
 
 def make_algorithm(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:

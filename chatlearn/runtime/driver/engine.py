@@ -215,7 +215,10 @@ class Engine:
 
     def sample_episode(self, episode: int, prompts: Prompts) -> dict:
         """The rollout engine (made resident) samples episode ``episode``'s prompts with its seed
-        (``models.policy.seed + episode``)."""
+        (``models.policy.seed + episode``); an episode the algorithm trains on the data's responses
+        (``algorithm: gkd``, ``gkd_lambda`` < 1) samples nothing and takes those."""
+        if self.algorithm.data_responses(episode):
+            return self.sampling.references(prompts)
         self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
         seed = self.cfg.models.policy.seed + episode
         return self.sampling.sample(prompts, self.sampling.params(eval_mode=False, seed=seed),

@@ -16,6 +16,7 @@ import time
 from omegaconf import DictConfig
 
 from chatlearn.config.plan import Plan
+from chatlearn.config.teacher_keys import needs_responses
 from chatlearn.data.dataset import VisionData, load_prompts, load_tokenizer
 from chatlearn.errors import UserError
 from chatlearn.logging.console import attach_logs, info, warn
@@ -54,7 +55,8 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
                 ground_truth_pattern=rt.ground_truth_pattern, prompt_instruction=rt.prompt_instruction,
                 tools=multi_turn.tool_schemas if multi_turn is not None else None,
                 vision=VisionData(p.load, p.max_images_per_prompt))
-    train_set = load_prompts(rt.data_path.split(","), tokenizer, name=rt.data_subset, split=rt.data_split, **data)
+    train_set = load_prompts(rt.data_path.split(","), tokenizer, name=rt.data_subset, split=rt.data_split, **data,
+                             responses=needs_responses(cfg))
     check_prompt_count(resumed, len(train_set), accept_config_changes)
     for line in resumed.report():
         info(line)

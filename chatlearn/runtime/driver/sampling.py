@@ -32,6 +32,8 @@ class Prompts:
     messages: Optional[list] = None  # the rows' chat messages (what a multi-turn environment's reset sees)
     # the rows' images (chatlearn.data.vision references; the samples of a prompt hold the same list), None: text
     images: Optional[list] = None
+    # the rows' reference responses (token ids; PromptSet.responses: algorithm gkd with gkd_lambda < 1), None: none
+    responses: Optional[list] = None
 
     @classmethod
     def of(cls, prompt_set, indices: Iterable[int], k: int) -> "Prompts":
@@ -42,7 +44,8 @@ class Prompts:
         return cls(ids=[prompt_set.prompt_ids[i] for i in rows], truths=[prompt_set.ground_truths[i] for i in rows],
                    sources=[prompt_set.data_sources[i] for i in rows], extra=[prompt_set.extras[i] for i in rows],
                    indices=indices, messages=[prompt_set.messages[i] for i in rows] if prompt_set.messages else None,
-                   images=[prompt_set.images[i] for i in rows] if prompt_set.images else None)
+                   images=[prompt_set.images[i] for i in rows] if prompt_set.images else None,
+                   responses=[prompt_set.responses[i] for i in rows] if prompt_set.responses else None)
 
     def select(self, idx: list) -> "Prompts":
         """The entries ``idx``, in that order (no prompt set rows)."""
@@ -104,6 +107,19 @@ def normalized(weighted: list[np.ndarray], entries: list[dict], parts: dict[str,
             for w, e in zip(weighted, entries)]
 
 
+def reference_batch(prompt_ids: list, responses: list, max_tokens: int) -> dict:
+    """A batch of the given prompts and responses (token ids) as a generate call's: ``tokens``, ``offsets``,
+    ``prompt_lens`` and ``finish_reasons`` (0 for a response cut to ``max_tokens``, else 1); no log-probs (nothing
+    sampled them)."""
+    cut = [list(r[:max_tokens]) for r in responses]
+    seqs = [list(p) + r for p, r in zip(prompt_ids, cut, strict=True)]
+    offsets = np.zeros(len(seqs) + 1, np.int64)
+    np.cumsum([len(s) for s in seqs], out=offsets[1:])
+    return {"tokens": np.fromiter((t for s in seqs for t in s), np.int64, int(offsets[-1])), "offsets": offsets,
+            "prompt_lens": np.asarray([len(p) for p in prompt_ids], np.int64),
+            "finish_reasons": np.asarray([len(r) <= max_tokens for r in responses], np.int8)}
+
+
 @dataclass(frozen=True)
 class Scored:
     """The rewards of a batch's samples: ``rewards`` (the reward functions' weighted sum, float32 [N]),
@@ -155,6 +171,17 @@ class Sampling:
         if self.multi_turn is None:
             return self.generate(prompts.ids, sampling, prompts.images)
         return self.multi_turn.run(self.generate, prompts, sampling, what, episode=episode)
+
+    def references(self, prompts: Prompts) -> dict:
+        """The batch of ``prompts`` with their reference responses (the data's, :func:`reference_batch`) in place of
+        sampled ones, each cut to ``models.policy.max_response_tokens_length`` as a sample would be; a prompt's images
+        processed as for the rollout."""
+        if prompts.responses is None:
+            raise ValueError("these prompts carry no reference responses (load_prompts(..., responses=True))")
+        batch = reference_batch(prompts.ids, prompts.responses, self.cfg.models.policy.max_response_tokens_length)
+        if prompts.images is not None and any(prompts.images):
+            batch["images"] = self.vision_inputs(prompts.images)
+        return batch
 
     def params(self, eval_mode: bool, seed: int) -> dict:
         """The sampling parameters of a generate call: the ``eval_*`` ones for evaluation."""
