@@ -92,8 +92,7 @@ class Engine:
         # runtime_args.weight_push_check: every push is checked to have landed (chatlearn/runtime/driver/landing.py)
         self.landing = (LandingCheck(probe_tokens(train_set.prompt_ids[0] if len(train_set) else [],
                                                   len(tokenizer), m.policy.max_prompt_tokens_length),
-                                     plan.trainer_dp, rt.weight_push_check_tolerance, m.policy.load,
-                                     rt.rollout_backend)
+                                     plan.trainer_dp, rt.weight_push_check_tolerance, m.policy.load, rt.rollout_backend)
                         if rt.weight_push_check else None)
         # runtime_args.max_staleness > 0: the rollouts of the next episodes run beside training
         self.pipeline = (RolloutPipeline(plan.max_staleness, lambda episode: self.next_prompts(), self.produce,
@@ -214,9 +213,7 @@ class Engine:
         return batch, scored, {"time/generate": mid - start, "time/reward": time.perf_counter() - mid}
 
     def sample_episode(self, episode: int, prompts: Prompts) -> dict:
-        """The rollout engine (made resident) samples episode ``episode``'s prompts with its seed
-        (``models.policy.seed + episode``); an episode the algorithm trains on the data's responses
-        (``algorithm: gkd``, ``gkd_lambda`` < 1) samples nothing and takes those."""
+        """The episode's samples (seed ``models.policy.seed + episode``), or the data's responses (gkd_lambda < 1)."""
         if self.algorithm.data_responses(episode):
             return self.sampling.references(prompts)
         self.sched.ensure("policy", [Part.WEIGHTS, Part.KV_CACHE])
