@@ -365,7 +365,8 @@ def _dry_run_data(cfg, resumed, accept: bool) -> list[str]:
     check_prompt_count(resumed, len(sets[0][1]), accept)
     if rt.eval_data_path and (rt.eval_episode_interval > 0 or rt.enable_eval_before_training):
         sets.append(("eval", load_prompts(rt.eval_data_path.split(","), tokenizer, what="runtime_args.eval_data_path",
-                                          name=rt.eval_data_subset, split=rt.eval_data_split, **data)))
+                                          name=rt.eval_data_subset, split=rt.eval_data_split, **data,
+                                          drop_replies=needs_responses(cfg))))
     for _, s in sets:
         if s.empty_truth_warning:
             warn(s.empty_truth_warning)

@@ -201,7 +201,7 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
                  what: str = "runtime_args.data_path", name: str | None = None, split: str = "train",
                  ground_truth_pattern: str | None = None, prompt_instruction: str | None = None,
                  tools: list | None = None, vision: VisionData | None = None,
-                 responses: bool = False) -> PromptSet:
+                 responses: bool = False, drop_replies: bool = False) -> PromptSet:
     """Read every row of ``paths`` (local files or folders, or Hub dataset ids read with config ``name``
     and ``split``), apply the chat template to ``row[prompt_key]`` (a string becomes one user message,
     ``prompt_instruction`` is appended to the last user message; ``enable_thinking`` is passed to the
@@ -213,7 +213,8 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
     hold images (:mod:`chatlearn.data.vision`): each is decoded once here (a bad one is an error naming the row)
     and its placeholder token expanded to the image's vision tokens. ``responses``: every row's messages end with
     the assistant's reply (TRL's conversational format), taken off the prompt and kept tokenized
-    (:func:`reference_response`; a row without one is refused)."""
+    (:func:`reference_response`; a row without one is refused); ``drop_replies``: a last assistant message is taken
+    off and not kept (the evaluation set of such a run, which may be of the same rows)."""
     messages_all, replies, wheres, truths, sources, extras, images, base_dirs = [], [], [], [], [], [], [], []
     taken = {prompt_key, "data_source"} | ({ground_truth_key.split(".")[0]} if ground_truth_key else set())
     pattern = re.compile(ground_truth_pattern) if ground_truth_pattern else None
@@ -238,6 +239,8 @@ def load_prompts(paths: list[str], tokenizer, *, max_prompt_tokens: int, enable_
             if responses:
                 messages = split_reply(messages, where, prompt_key)
                 replies.append(messages.pop())
+            elif drop_replies and len(messages) > 1 and messages[-1]["role"] == "assistant":
+                messages = messages[:-1]
             if prompt_instruction:
                 messages = _with_instruction(messages, prompt_instruction)
             truth = _ground_truth(row, ground_truth_key, where) if ground_truth_key else None

@@ -72,6 +72,15 @@ def test_a_row_without_a_reply_is_refused_naming_it(tokenizer, tmp_path):
                      ground_truth_key=None, responses=True)
 
 
+def test_the_evaluation_set_of_such_rows_drops_the_replies(tokenizer, prompt_set):
+    evald = load_prompts([DATA], tokenizer, max_prompt_tokens=64, enable_thinking=False, prompt_key="messages",
+                         ground_truth_key="reward_model.ground_truth", drop_replies=True)
+    assert evald.prompt_ids == prompt_set.prompt_ids and not evald.responses
+    kept = load_prompts([DATA], tokenizer, max_prompt_tokens=64, enable_thinking=False, prompt_key="messages",
+                        ground_truth_key="reward_model.ground_truth")
+    assert kept.prompt_ids[0] != prompt_set.prompt_ids[0]  # without it the answer would stay in the prompt
+
+
 def test_reference_batch_cuts_to_the_response_limit():
     b = reference_batch([[1, 2], [3]], [[7, 8, 9], [5]], 2)
     assert b["tokens"].tolist() == [1, 2, 7, 8, 3, 5]

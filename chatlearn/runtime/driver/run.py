@@ -63,7 +63,8 @@ def train(cfg: DictConfig, plan: Plan, debug: bool = False, overwrite: bool = Fa
     eval_set = None
     if rt.eval_data_path and (rt.eval_episode_interval > 0 or rt.enable_eval_before_training):
         eval_set = load_prompts(rt.eval_data_path.split(","), tokenizer, what="runtime_args.eval_data_path",
-                                name=rt.eval_data_subset, split=rt.eval_data_split, **data)
+                                name=rt.eval_data_subset, split=rt.eval_data_split, **data,
+                                drop_replies=needs_responses(cfg))
     with RunLock(rt.output_dir) as lock:
         # validated: only now is anything in output_dir touched
         if not rt.enable_resume_training:
