@@ -31,28 +31,26 @@ import os
 
 import numpy as np
 
-# the preprocessor_config.json fields the recovery reads, with transformers' Qwen2-VL defaults
-PROCESSOR_DEFAULTS = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "rescale_factor": 1 / 255,
-                      "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                      "image_std": [0.26862954, 0.26130258, 0.27577711], "do_rescale": True, "do_normalize": True}
+# the image processor's attributes the recovery reads (transformers' Qwen2-VL image processor)
+PROCESSOR_FIELDS = ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor", "image_mean", "image_std",
+                    "do_rescale", "do_normalize")
 
 
 def model_vision_settings(path: str) -> dict | None:
     """The vision settings of the model folder ``path`` the recovery and the placeholders need: ``image_token_id``
-    (config.json) and :data:`PROCESSOR_DEFAULTS`' fields (preprocessor_config.json where it sets them); None
-    for a model without a ``vision_config``."""
+    (config.json) and :data:`PROCESSOR_FIELDS` of the folder's image processor as transformers loads it (the
+    processor the data layer made the pixel values with, ``chatlearn.data.vision.VisionProcessor``); None for a
+    model without a ``vision_config``."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         return None
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     if not isinstance(config.get("vision_config"), dict):
         return None
-    found = {}
-    pre = os.path.join(path, "preprocessor_config.json")
-    if os.path.isfile(pre):
-        with open(pre, encoding="utf-8") as f:
-            found = json.load(f)
-    settings = {k: found.get(k, v) for k, v in PROCESSOR_DEFAULTS.items()}
+    import transformers
+
+    processor = transformers.AutoImageProcessor.from_pretrained(path)
+    settings = {k: getattr(processor, k) for k in PROCESSOR_FIELDS}
     settings["image_token_id"] = int(config["image_token_id"])
     return settings
 
@@ -89,8 +87,13 @@ def images_from_pixels(pixel_values: np.ndarray, grid_thw: np.ndarray, settings:
     mean = np.asarray(settings["image_mean"], dtype=np.float64).reshape(3, 1, 1)
     std = np.asarray(settings["image_std"], dtype=np.float64).reshape(3, 1, 1)
     pixels = np.asarray(pixel_values, dtype=np.float64)
+    grids = np.asarray(grid_thw, dtype=np.int64).tolist()
+    if pixels.ndim != 2 or pixels.shape[1] != 3 * t * p * p:
+        raise ValueError(f"pixel values of shape {pixels.shape}: patches of 3 x {t} x {p} x {p} values expected")
+    if sum(t_ * h * w for t_, h, w in grids) != len(pixels):
+        raise ValueError(f"{len(pixels)} patches for image grids that hold {sum(t_ * h * w for t_, h, w in grids)}")
     out, start = [], 0
-    for frames, gh, gw in np.asarray(grid_thw, dtype=np.int64).tolist():
+    for frames, gh, gw in grids:
         if frames != 1:
             raise ValueError(f"an image with {frames} temporal patches (a video?): images have 1")
         n = gh * gw
@@ -103,8 +106,6 @@ def images_from_pixels(pixel_values: np.ndarray, grid_thw: np.ndarray, settings:
         if settings["do_rescale"]:
             image = image / float(settings["rescale_factor"])
         out.append(np.clip(np.rint(image), 0, 255).astype(np.uint8).transpose(1, 2, 0))
-    if start != len(pixels):
-        raise ValueError(f"{len(pixels)} patches for image grids that hold {start}")
     return out
 
 
