@@ -202,3 +202,26 @@ def test_real_vllm_logprobs_and_weight_pushes_on_image_prompts():
     assert out["gap_vision_stale"] > 0.01  # the vision tower moved
     assert out["gap_full_push"] < 1e-4  # the full push landed, vision tower and image features included
     assert out["gap_probe"] < 1e-4  # the weight-push landing check's probe, on the VLM
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_real_vllm_in_a_grpo_run_on_image_prompts(tmp_path):
+    """``chatlearn run template/grpo_vlm.yaml`` with the vLLM rollout, 2 short episodes (about 60 s here): the
+    FSDP trainer's log-probs of the engine's samples and the weight push's landing check, on image prompts."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT / "tests" / "support" / "vllm_no_torchvision"), str(ROOT)]))
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "chatlearn.cli", "run", "template/grpo_vlm.yaml",
+                          "runtime_args.rollout_backend=vllm", "runtime_args.num_episode=2",
+                          "runtime_args.sample_per_episode=32", "runtime_args.train_micro_batch_size=32",
+                          "runtime_args.train_global_batch_size=32", "runtime_args.enable_eval_before_training=False",
+                          "runtime_args.eval_episode_interval=100", "runtime_args.save_episode_interval=100",
+                          f"runtime_args.output_dir={out}"], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=str(ROOT))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["episode"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4
+        assert r["sync/landing_gap_max"] < 1e-4
