@@ -186,6 +186,7 @@ def test_vllm_refused_only_where_it_cannot_import_its_qwen2_vl_module(monkeypatc
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_real_vllm_logprobs_and_weight_pushes_on_image_prompts():
     """The real engine, about 45 s here (loaded machine)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
@@ -206,6 +207,7 @@ def test_real_vllm_logprobs_and_weight_pushes_on_image_prompts():
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_real_vllm_in_a_grpo_run_on_image_prompts(tmp_path):
     """``chatlearn run template/grpo_vlm.yaml`` with the vLLM rollout, 2 short episodes (about 60 s here): the
     FSDP trainer's log-probs of the engine's samples and the weight push's landing check, on image prompts."""
