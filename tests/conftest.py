@@ -45,7 +45,7 @@ START_ENV = dict(os.environ)
 # so that no long file starts last and keeps one process busy alone at the end.
 LONGEST_FIRST = ("e2e/test_ppo_e2e.py", "e2e/test_placement.py", "reliability/test_reliability_e2e.py",
                  "models/rollout/test_rollout_tp.py", "e2e/test_megatron_e2e.py", "e2e/test_no_ray_e2e.py",
-                 "e2e/test_sglang_e2e.py")
+                 "e2e/test_sglang_e2e.py", "models/rollout/test_vllm_vision.py")
 
 
 @pytest.hookimpl(trylast=True)

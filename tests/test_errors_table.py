@@ -6,6 +6,7 @@ No traceback unless ``--debug`` is given.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -397,7 +398,11 @@ CASES = [
      ["runtime_args.train_backend", "is a vision-language model"], ["train_backend: fsdp"]),
     ("a VLM on SGLang", dry(f"models.policy_trainer.load={VLM}", "runtime_args.rollout_backend=sglang"),
      ["runtime_args.rollout_backend", "is a vision-language model"], ["rollout_backend: hf"]),
-]
+] + ([  # vLLM runs a VLM where it can import its Qwen2-VL module, which needs torchvision (absent on CPU machines)
+    ("a VLM on vLLM without torchvision", dry(f"models.policy_trainer.load={VLM}", "runtime_args.rollout_backend=vllm"),
+     ["runtime_args.rollout_backend", "is a vision-language model", "torchvision is not installed here"],
+     ["Install the torchvision", "rollout_backend: hf"]),
+] if importlib.util.find_spec("torchvision") is None else [])
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
 """The checks of a run whose policy is a vision-language model (its ``config.json`` has a ``vision_config``):
 what chatlearn runs it with, and what it refuses before anything starts, each with the reason and the key.
 
-Runs: the FSDP trainer, the transformers ("hf") rollout, GRPO-family algorithms with a reference.
+Runs: the FSDP trainer, the transformers ("hf") rollout, the vLLM rollout where torchvision is installed
+(:func:`vllm_vision_problem`; chatlearn/models/rollout/vllm_vision.py), GRPO-family algorithms with a reference.
 Refused: the Megatron trainer (its GPT model has no vision tower and chatlearn's HF <-> Megatron mapping
-covers language models only), vLLM and SGLang (their adapters hand the engines token ids only), a critic (PPO: its value
+covers language models only), SGLang (its adapter hands the engine token ids only), vLLM without
+torchvision (vLLM 0.32 cannot load its Qwen2-VL model class then), a critic (PPO: its value
 model would need the images too), multi-turn environments (their observations are text appended to a prompt
 whose images the loop does not carry), ``share_prompt: true`` (a shared-prompt row does not lay out image
 features). Packing works (each sample's multimodal rotary positions are the model's own, with the text
@@ -11,6 +13,8 @@ positions first so that attention stays within each sample: chatlearn/models/vis
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 
@@ -28,6 +32,34 @@ def is_vision_model(path: str | None) -> bool:
     return isinstance(conf, dict) and isinstance(conf.get("vision_config"), dict)
 
 
+# the module vLLM 0.32's Qwen2-VL module imports ``smart_resize`` from; it imports torchvision at its top
+VLLM_NEEDS = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+
+
+def vllm_vision_problem(load: str) -> str | None:
+    """Why vLLM cannot run the vision-language model at ``load`` in this environment (None: it can).
+
+    vLLM 0.32's Qwen2-VL module (``vllm/model_executor/models/qwen2_vl.py``, which Qwen2.5-VL's imports too)
+    imports ``smart_resize`` from transformers' :data:`VLLM_NEEDS`, which imports ``torchvision`` at its top;
+    vLLM's processor also loads transformers' ``Qwen2VLProcessor``, whose video processor needs it. Without
+    torchvision vLLM cannot inspect the model class, and its engine does not start. (The tests run vLLM's
+    Qwen2-VL here through a test-only import hook that stands in for both: tests/support/vllm_no_torchvision.)"""
+    if importlib.util.find_spec("torchvision") is not None:
+        return None
+    try:
+        importlib.import_module(VLLM_NEEDS)
+    except ImportError:
+        pass
+    else:
+        return None
+    return (f"the policy {load} is a vision-language model, and vLLM 0.32 runs one only with torchvision "
+            "installed: its Qwen2-VL module imports transformers' Qwen2-VL image processor module, which imports "
+            "torchvision (so does the video half of the processor vLLM loads), so vLLM cannot load the model "
+            "class. torchvision is not installed here (on a CPU-only machine the registry's builds link CUDA "
+            "libraries and break transformers). Install the torchvision that matches your torch (GPU machines), "
+            "or set runtime_args.rollout_backend: hf.")
+
+
 def check_vision(cfg) -> None:
     """The refusals of the module docstring, for a policy that is a vision-language model; nothing otherwise.
     ``max_images_per_prompt`` is checked whatever the model (it is read at load)."""
@@ -42,9 +74,11 @@ def check_vision(cfg) -> None:
         raise ConfigError(f"{why}, and the Megatron trainer builds language models only (no vision tower, and "
                           "chatlearn's HF <-> Megatron weight mapping has no vision entries). Set "
                           "runtime_args.train_backend: fsdp.", key="runtime_args.train_backend")
-    if rt.rollout_backend in ("sglang", "vllm"):
+    if rt.rollout_backend == "sglang":
         raise ConfigError(f"{why}, and chatlearn's {rt.rollout_backend} adapter hands the engine token ids only, not "
-                          "images. Set runtime_args.rollout_backend: hf.", key="runtime_args.rollout_backend")
+                          "images. Set runtime_args.rollout_backend: hf or vllm.", key="runtime_args.rollout_backend")
+    if rt.rollout_backend == "vllm" and vllm_vision_problem(p.load):
+        raise ConfigError(vllm_vision_problem(p.load), key="runtime_args.rollout_backend")
     if uses_critic(cfg):
         raise ConfigError(f"{why}: a critic on prompts with images is not supported. Use a GRPO-family "
                           "algorithm.", key="models.critic")

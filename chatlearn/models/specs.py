@@ -265,6 +265,8 @@ class RolloutSpec(_Spec):
     # models.policy_trainer.routing_replay: rollout makes the engine record each token's routed experts (the
     # batch's routed_experts column) for the trainers to replay
     routing_replay: str
+    # models.policy.max_images_per_prompt: vLLM's limit_mm_per_prompt for a vision-language model (hf: not read)
+    max_images_per_prompt: int
     device: Optional[str] = None  # set in the worker: "cuda" | "cpu"
 
     @classmethod
@@ -282,7 +284,8 @@ class RolloutSpec(_Spec):
             tensor_model_parallel_size=p.tensor_model_parallel_size,
             expert_model_parallel_size=p.expert_model_parallel_size,
             deterministic_inference=p.deterministic_inference, cpu_threads=None,
-            routing_replay=cfg.models.policy_trainer.routing_replay)
+            routing_replay=cfg.models.policy_trainer.routing_replay,
+            max_images_per_prompt=p.max_images_per_prompt)
 
 
 @dataclass(frozen=True)
@@ -427,4 +430,5 @@ class JudgeSpec(_Spec):
                            dtype=self.dtype, gpu_memory_utilization=self.gpu_memory_utilization, kv_cache="fit",
                            enforce_eager=True,
                            tensor_model_parallel_size=1, expert_model_parallel_size=1,
-                           deterministic_inference=None, cpu_threads=None, routing_replay="off")
+                           deterministic_inference=None, cpu_threads=None, routing_replay="off",
+                           max_images_per_prompt=1)  # a judge reads text: not read

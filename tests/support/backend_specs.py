@@ -36,7 +36,7 @@ ROLLOUT_DEFAULTS = dict(
     max_response_tokens_length=16, seq_length=None, max_num_batched_tokens=None, dtype="float32",
     gpu_memory_utilization=0.5, kv_cache="fit", enforce_eager=True, tensor_model_parallel_size=1,
     expert_model_parallel_size=1,
-    deterministic_inference=True, cpu_threads=None, routing_replay="off", device="cpu")
+    deterministic_inference=True, cpu_threads=None, routing_replay="off", max_images_per_prompt=4, device="cpu")
 
 
 def trainer_spec(load: str = "", **fields) -> TrainerSpec:

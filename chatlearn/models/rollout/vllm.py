@@ -93,11 +93,12 @@ import torch
 
 from chatlearn.config.moe_keys import config_experts
 from chatlearn.config.names import Part
+from chatlearn.config.vision_keys import vllm_vision_problem
 from chatlearn.errors import ConfigError, UserError
 from chatlearn.logging import console
 from chatlearn.models.base import Batch, Rollout
 from chatlearn.models.moe import layout as moe_layout
-from chatlearn.models.rollout import kv_cache
+from chatlearn.models.rollout import kv_cache, vllm_vision
 from chatlearn.models.rollout.common import (check_lengths, context_length, pack_samples, parse_sampling,
                                              response_budgets, set_cpu_threads)
 from chatlearn.models.weight_buckets import device_stream, entry_views, ipc_rebuild, slots_for_device
@@ -833,6 +834,10 @@ class VLLMRollout(Rollout):
         if cpu:
             refuse_on_cpu(spec)
         sizing = kv_cache_sizing(spec, cpu, max_num_seqs, max_model_len)
+        # a vision-language model's image settings (None: text); chatlearn/models/rollout/vllm_vision.py
+        self._vision = vllm_vision.model_vision_settings(spec.load) if os.path.isdir(str(spec.load)) else None
+        if self._vision is not None and vllm_vision_problem(spec.load):  # vLLM cannot load the model class
+            raise ConfigError(vllm_vision_problem(spec.load), key="runtime_args.rollout_backend")
         with routes_refused(spec.routing_replay):  # routing_replay: rollout on a vLLM that cannot return them
             self.llm = vllm.LLM(
                 model=spec.load,
@@ -856,6 +861,7 @@ class VLLMRollout(Rollout):
                 # routing_replay: rollout: every output carries the experts each MoE layer routed each token to
                 # (CompletionOutput.routed_experts; see routed_experts below)
                 enable_return_routed_experts=spec.routing_replay == "rollout",
+                **vllm_vision.engine_kwargs(self._vision, spec.max_images_per_prompt),
                 **sizing,
             )
         self._moe = moe_layout.layout_of_folder(spec.load) if spec.routing_replay == "rollout" else None
@@ -878,7 +884,9 @@ class VLLMRollout(Rollout):
 
     # -- generation -----------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: dict) -> Batch:
+    def generate(self, prompts: list[list[int]], sampling: dict, images: list | None = None) -> Batch:
+        """``Rollout.generate``; ``images``: with a vision-language model, each prompt's image dict (or None;
+        chatlearn/models/vision.py), handed to vLLM as its multi-modal data (:func:`vllm_vision.prompt_input`)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -890,6 +898,10 @@ class VLLMRollout(Rollout):
                                "host copy is kept); push weights before generating")
         sp = parse_sampling(sampling)
         prompts = [[int(t) for t in p] for p in prompts]
+        images = images if images is not None else [None] * len(prompts)
+        if self._vision is None and any(x is not None for x in images):
+            raise ValueError(f"the rollout model {self.spec.load} takes no images (prompts with images need a "
+                             "vision-language model)")
         check_lengths(prompts, sp["max_tokens"], self.max_prompt_len, self.max_response_len, self.seq_length,
                       sp["continuation"])
         budgets = response_budgets(prompts, sp["max_tokens"],
@@ -929,8 +941,11 @@ class VLLMRollout(Rollout):
             )
             for seed, budget in zip(seeds, budgets)
         ]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        # a prompt with images: one placeholder per image and the images as pixels (vllm_vision); the sampled
+        # tokens follow the expanded prompt, as they do in ``prompts``
+        inputs = [TokensPrompt(**vllm_vision.prompt_input(p, x, self._vision)) for p, x in zip(prompts, images,
+                                                                                              strict=True)]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
 
         responses, logprobs, finished, routes = [], [], [], []
         for out in outputs:
@@ -1013,6 +1028,7 @@ class VLLMRollout(Rollout):
             raise RuntimeError("VLLMRollout: weights are offloaded; onload them before a push")
         if self._awaiting_push:  # CPU: woken empty, and this push brings only some modules: the rest from the folder
             self.llm.collective_rpc("chatlearn_reload_from_folder")
+            self._reset_encoder_cache()
         self.llm.collective_rpc("chatlearn_begin_partial_reload", args=(list(modules),))
 
     def load_weight_bucket(self, weights: list) -> None:
@@ -1047,7 +1063,17 @@ class VLLMRollout(Rollout):
         """Close the reload in every worker; the prefix cache is reset (old-weight blocks)."""
         self.llm.collective_rpc("chatlearn_finish_reload")
         self.llm.reset_prefix_cache()
+        self._reset_encoder_cache()
         self._pushed, self._awaiting_push = True, False
+
+    def _reset_encoder_cache(self) -> None:
+        """A vision-language model: drop the vision tower's cached outputs (computed with the old weights), in
+        the scheduler's encoder cache manager and in the workers alike (``LLMEngine.reset_encoder_cache``, vLLM
+        0.32). The workers' own reset alone (``WorkerExtension._chatlearn_reset_caches``) left the scheduler
+        counting the images' features as cached, and the next request with such an image failed ("Encoder
+        cache miss")."""
+        if self._vision is not None and hasattr(self.llm.llm_engine, "reset_encoder_cache"):
+            self.llm.llm_engine.reset_encoder_cache()
 
     # -- memory -----------------------------------------------------------------------
 
@@ -1103,6 +1129,7 @@ class VLLMRollout(Rollout):
                     self._awaiting_push = True
                 else:
                     self.llm.collective_rpc("chatlearn_reload_from_folder")
+                    self._reset_encoder_cache()
             self._asleep.discard(Part.WEIGHTS)
             woken.append(Part.WEIGHTS)
         if Part.KV_CACHE in parts and Part.KV_CACHE in self._asleep:
