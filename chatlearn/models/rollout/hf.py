@@ -476,7 +476,7 @@ class HFRollout(Rollout):
         return out
 
     @torch.no_grad()
-    def _generate_chunk(self, prompts: list[list[int]], sp: dict, budgets: list[int], images: list):
+    def _generate_chunk(self, prompts: list[list[int]], sp: dict, budgets: list[int], images: list | None = None):
         """One batch of prompts decoded together; sample i keeps at most ``budgets[i]`` new tokens.
 
         The decoding loop of ``transformers``' ``generate`` (sampling), with ended sequences (EOS
@@ -562,7 +562,7 @@ class HFRollout(Rollout):
         prompts ``ids``: the text path (positions count each row's real tokens), or with images the embeddings
         with the images' features in place (:func:`embed_with_images`) and ``[3, rows, width]`` multimodal
         rotary positions, each row's computed by the model for its prompt alone (:func:`sample_positions`)."""
-        if not self.vlm or all(x is None for x in images):
+        if not self.vlm or images is None or all(x is None for x in images):
             return {"input_ids": ids}, (amask.long().cumsum(-1) - 1).clamp_(min=0)
         width = ids.shape[1]
         positions = torch.zeros((3, *ids.shape), dtype=torch.long, device=ids.device)

@@ -579,7 +579,7 @@ class FSDPTrainer(Trainer):
         logp, entropy = self.model.token_logprobs(
             ids, None if mask is None else mask.to(self.device), positions, rows_t, cols_t,
             float(temperature), int(self.spec.logprob_chunk_tokens), self._rows_mode(with_entropy, pos),
-            images=images)
+            **({} if images is None else {"images": images}))  # a critic's token_values takes no images
         return logp, entropy, pos
 
     def _rows_mode(self, with_entropy, pos: np.ndarray):

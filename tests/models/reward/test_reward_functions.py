@@ -178,7 +178,7 @@ def test_config_load_checks_the_functions(tiny_model_dir, arith_data, tmp_path, 
     ok = load_config("template/grpo_fsdp.yaml", base + [
         f"models.reward.functions=[{{name: a, path: '{user_file}:lengths', weight: 0.5, kwargs: {{scale: 2}}}}]"])
     assert resolve_entries(ok.models.reward)[0] == {"name": "a", "path": f"{user_file}:lengths", "weight": 0.5,
-                                                     "kwargs": {"scale": 2}}
+                                                     "kwargs": {"scale": 2}, "normalize": "none"}
     cases = [("[{name: a, path: 'nowhere/r.py:f'}]", "models.reward.functions[0].path", "does not exist"),
              ("[{name: a, path: builtin:math}, {name: a, path: builtin:math}]", "models.reward.functions[1].name",
               "used twice"),
