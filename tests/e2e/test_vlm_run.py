@@ -18,8 +18,7 @@ RUN = ["runtime_args.num_episode=3", "runtime_args.sample_per_episode=32", "runt
        "runtime_args.train_micro_batch_size=8", "models.policy.num_inference_per_prompt=4",
        "runtime_args.eval_episode_interval=2", "models.policy.eval_num_inference_per_prompt=1",
        "runtime_args.save_episode_interval=1", "models.policy_trainer.kl_coef=0.01",
-       "runtime_args.log_args_dict.log_samples_interval=1", "runtime_args.log_args_dict.log_samples_num=2",
-       "models.policy_trainer.freeze_vision_tower=True"]  # the default (the template trains the toy's tower)
+       "runtime_args.log_args_dict.log_samples_interval=1", "runtime_args.log_args_dict.log_samples_num=2"]
 
 
 def command(out):
