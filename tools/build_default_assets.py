@@ -760,22 +760,24 @@ VLM_VISION_SHAPE = dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp
 
 
 def draw_digits(rng: random.Random):
-    """A VLM_IMAGE-pixel square with two digits at random places, sizes and colours: (image, a, b)."""
+    """A VLM_IMAGE-pixel square with two digits, one in each half, at slightly varied places, sizes and
+    colours: (image, a, b). Big bold dark digits on a light ground, so that a two-block vision tower trained
+    from scratch learns to read them in a short warm start."""
     from PIL import Image, ImageDraw, ImageFont
 
-    bg = tuple(rng.randint(140, 255) for _ in range(3))  # a light background, dark digits: random hues
+    bg = tuple(rng.randint(190, 255) for _ in range(3))  # a light background, dark digits: high contrast
     img = Image.new("RGB", (VLM_IMAGE, VLM_IMAGE), bg)
     draw = ImageDraw.Draw(img)
     digits = (rng.randint(0, 9), rng.randint(0, 9))
     for k, d in enumerate(digits):  # the first in the left half, the second in the right half
-        size = rng.randint(24, 30)
+        size = rng.randint(34, 40)  # about 24 to 30 pixels high, most of its half
         font = ImageFont.load_default(size=size)
-        fg = tuple(rng.randint(0, 110) for _ in range(3))
-        left, top, right, bottom = draw.textbbox((0, 0), str(d), font=font)
-        half, jitter = VLM_IMAGE // 2, 5  # about the middle of its half, moved by up to 5 pixels
+        fg = tuple(rng.randint(0, 70) for _ in range(3))
+        left, top, right, bottom = draw.textbbox((0, 0), str(d), font=font, stroke_width=1)
+        half, jitter = VLM_IMAGE // 2, 3  # about the middle of its half, moved by up to 3 pixels
         x = k * half + (half - (right - left)) // 2 + rng.randint(-jitter, jitter) - left
         y = (VLM_IMAGE - (bottom - top)) // 2 + rng.randint(-jitter, jitter) - top
-        draw.text((x, y), str(d), fill=fg, font=font)
+        draw.text((x, y), str(d), fill=fg, font=font, stroke_width=1, stroke_fill=fg)  # bold strokes
     return img, digits[0], digits[1]
 
 
@@ -1014,8 +1016,8 @@ def write_vlm_readme(path: Path, info: dict) -> None:
     section = f"""## `tiny_qwen2_vl/` and `vlm_digits/`: the vision-language model and its task
 
 `vlm_digits/`: {VLM_NUM_TRAIN} train and {VLM_NUM_EVAL} eval prompts, each a {VLM_IMAGE}x{VLM_IMAGE} PNG
-(`images/`, paths relative to the JSONL) with two digits drawn with PIL at random places, sizes and
-colours, the question "{VLM_QUESTION}" and the sum as ground truth. `tiny_qwen2_vl/`: a Hugging Face
+(`images/`, paths relative to the JSONL) with two digits drawn with PIL, one in each half, big and bold,
+dark on a light ground, their places (3 pixels), sizes and colours varied a little, the question "{VLM_QUESTION}" and the sum as ground truth. `tiny_qwen2_vl/`: a Hugging Face
 `Qwen2VLForConditionalGeneration` folder (processor files included) that transformers loads offline.
 Rebuild both (and this section) from the repository root with
 
@@ -1054,7 +1056,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="assets", help="output folder (default: assets)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--lr", type=float, default=None, help="default 1.5e-3; 2e-3 for tiny_qwen2_vl")
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     p.add_argument(
         "--target-accuracy",
@@ -1065,7 +1067,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--min-sft-steps", type=int, default=100)
     p.add_argument("--max-sft-steps", type=int, default=None, help="default 1500; 4000 for the teacher")
-    p.add_argument("--check-every", type=int, default=5, help="steps between validation checks")
+    p.add_argument("--check-every", type=int, default=None, help="steps between validation checks (default 5; "
+                   "25 for tiny_qwen2_vl)")
     p.add_argument(
         "--num-val", type=int, default=200, help="validation examples held out of the warm start"
     )
@@ -1106,6 +1109,10 @@ def main(argv=None) -> int:
         args.target_accuracy = TARGET_ACCURACY[args.model]
     if args.max_sft_steps is None:
         args.max_sft_steps = 4000 if teacher else 1500
+    if args.lr is None:  # the VLM's vision tower starts from scratch: a higher rate
+        args.lr = 2e-3 if args.model == "tiny_qwen2_vl" else 1.5e-3
+    if args.check_every is None:
+        args.check_every = 25 if args.model == "tiny_qwen2_vl" else 5
     if args.model == "tiny_qwen2_vl":  # its own data (images) and model class
         return build_vlm(args)
     model_dir, data_dir = out / args.model, out / "arith"
