@@ -110,14 +110,3 @@ def model_class(path: str, causal_lm_class, trust_remote_code: bool = False):
     if getattr(config, "vision_config", None) is not None:
         return transformers.AutoModelForImageTextToText
     return causal_lm_class
-
-
-def model_class(path: str, causal_lm_class, trust_remote_code: bool = False):
-    """The transformers auto class that loads the folder at ``path``: ``AutoModelForImageTextToText`` for a
-    vision-language model (its config has a ``vision_config``), else ``causal_lm_class``."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if getattr(config, "vision_config", None) is not None:
-        return transformers.AutoModelForImageTextToText
-    return causal_lm_class
