@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 from chatlearn.config.algorithms import declared
 from chatlearn.config.kinds import KINDS
+from chatlearn.config.vision_keys import VISION_TOWER_MODULES
 from chatlearn.errors import ConfigError
 
 KEY = "models.policy_trainer.lora"
@@ -114,13 +116,15 @@ def _targets(value):
 
 
 def meta_model(load: str, trust_remote_code: bool):
-    """The causal LM of the folder ``load`` built on the meta device from its config (no weight read)."""
+    """The causal LM (or vision-language model: its config has a ``vision_config``) of the folder ``load`` built on
+    the meta device from its config (no weight read)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(load, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return auto.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def adapter_targets(model, targets) -> dict[str, tuple[int, int]]:
@@ -130,10 +134,11 @@ def adapter_targets(model, targets) -> dict[str, tuple[int, int]]:
     import torch
 
     head = model.get_output_embeddings()
+    vlm = getattr(model.config, "vision_config", None) is not None
     out = {}
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
+        if not isinstance(module, torch.nn.Linear) or vlm and re.fullmatch(VISION_TOWER_MODULES, name):
+            continue  # a VLM's adapters go on its language model only (chatlearn.models.trainer.lora.wrap)
         if targets == ALL_LINEAR:
             hit = module is not head
         else:

@@ -225,3 +225,23 @@ def test_two_ranks_match_one_rank_with_images(one, two):
         for key in ("loss", "grad_norm"):
             assert r0[name + "_metrics"][key] == r1[name + "_metrics"][key]
             assert r0[name + "_metrics"][key] == pytest.approx(one[name + "_metrics"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_lora_on_a_vlm_takes_the_language_model_only():
+    """LoRA on a vision-language model: ``all-linear`` adapters go on the language model's layers, none on the vision
+    tower (peft alone would take the tower's too), and the config check (on a meta model) sees the same layers."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from chatlearn.config.lora_keys import adapter_targets, check_lora_model, meta_model
+    from chatlearn.models.trainer import lora
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(ASSET)
+    lora.wrap(model, SimpleNamespace(target_modules="all-linear", rank=4, alpha=8, dropout=0.0, modules_to_save=[]), 0)
+    wrapped = {n.rsplit(".lora_A.", 1)[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert wrapped and not any(".visual." in n for n in wrapped)
+    assert all(".language_model." in n for n in wrapped)
+    planned = set(adapter_targets(meta_model(ASSET, False), "all-linear"))
+    assert {n.removeprefix("base_model.model.") for n in wrapped} == planned
+    check_lora_model(ASSET, False, 4, "all-linear", [])

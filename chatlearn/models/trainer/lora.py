@@ -35,6 +35,8 @@ import torch
 # the base model's identity and peft's names: what the checkpoint layer's merge reads back too
 from chatlearn.checkpoint.adapters import base_identity
 from chatlearn.checkpoint.adapters import peft_name as adapter_name  # noqa: F401  (re-exported: lora_lib.adapter_name)
+from chatlearn.config.vision_keys import VISION_TOWER_MODULES
+from chatlearn.models import vision as vision_lib
 
 ADAPTER = "default"  # peft's adapter name
 _BASE = ".base_layer."
@@ -54,9 +56,12 @@ def wrap(model: torch.nn.Module, spec, seed: int):
     from peft import LoraConfig, get_peft_model
 
     targets = spec.target_modules if isinstance(spec.target_modules, str) else list(spec.target_modules)
+    # a vision-language model's adapters go on its language model only (peft's all-linear would take the
+    # vision tower's layers too): the tower keeps its weights, as freeze_vision_tower keeps them without LoRA
+    exclude = VISION_TOWER_MODULES if vision_lib.is_vlm(model) else None
     config = LoraConfig(r=int(spec.rank), lora_alpha=float(spec.alpha), lora_dropout=float(spec.dropout),
                         target_modules=targets, modules_to_save=list(spec.modules_to_save) or None,
-                        bias="none", task_type="CAUSAL_LM")
+                        bias="none", task_type="CAUSAL_LM", exclude_modules=exclude)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
