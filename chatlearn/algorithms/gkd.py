@@ -37,19 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+
 from chatlearn.algorithms.response import loss_token_counts
 
-# the random stream of the on-policy draw: (seed, episode, this)
-ON_POLICY_STREAM = 0x6B64
-
-
-def on_policy(seed: int, episode: int, lam: float) -> bool:
-    """Whether episode ``episode`` trains on the student's samples: ``u < lam`` for ``u`` uniform in [0, 1) drawn from
-    ``(seed, episode)`` (numpy's ``default_rng``): always at ``lam`` 1, never at 0, else with probability ``lam``."""
-    if lam >= 1.0:
-        return True
-    u = np.random.default_rng([int(seed) & 0xFFFFFFFF, int(episode), ON_POLICY_STREAM]).random()
-    return bool(u < lam)
 
 
 # the smallest probability a remainder is given, so that its log stays finite (its terms are then ~0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from chatlearn.algorithms.gkd import on_policy
+from chatlearn.algorithms.gkd_lambda import on_policy
 from chatlearn.config.teacher_keys import check_gkd_lambda
 from chatlearn.data.dataset import load_prompts, load_tokenizer
 from chatlearn.errors import ConfigError, UserError

@@ -34,7 +34,7 @@ import numpy as np
 from chatlearn.algorithms.advantages import ROLLOUT_MISMATCH, episode_advantages, token_kl
 from chatlearn.algorithms.distill import distill_metrics, distill_token_advantages
 from chatlearn.algorithms.gae import episode_gae
-from chatlearn.algorithms.gkd import on_policy
+from chatlearn.algorithms.gkd_lambda import on_policy
 from chatlearn.batch import columns, select_samples
 from chatlearn.calls import put
 from chatlearn.checkpoint.manager import CheckpointManager
@@ -526,7 +526,7 @@ def opd(cfg, plan: Plan, calls: ModelCalls, steps: StepLoop) -> Algorithm:
 
 class GKDAlgorithm(DistillAlgorithm):
     """``algorithm: gkd``: a :class:`DistillAlgorithm` whose episodes train on the data's reference responses with
-    probability ``1 - gkd_lambda`` (:func:`chatlearn.algorithms.gkd.on_policy`, drawn from ``runtime_args.seed`` and
+    probability ``1 - gkd_lambda`` (:func:`chatlearn.algorithms.gkd_lambda.on_policy`, drawn from ``runtime_args.seed`` and
     the episode); its policy metrics say which (``train/gkd_offpolicy_frac``: 1 for an episode of the data's
     responses, 0 for one of the student's samples)."""
 
