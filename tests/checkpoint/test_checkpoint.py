@@ -505,6 +505,7 @@ def _cli(*args, tool=False, process=False):
                           env=env, cwd=REPO, timeout=120)
 
 
+@pytest.mark.slow  # several chatlearn commands in subprocesses: about 10 s
 @pytest.mark.timeout(300)
 def test_cli_exit_codes(assets, ckpts, tmp_path):
     ck = ckpts["out"] / "ck2"

@@ -97,6 +97,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.slow  # a driver with Ray in a subprocess: about 7 s
 def test_sigterm_during_ray_get_still_exits_143():
     """Ray turns the handler's exception into a plain KeyboardInterrupt inside ``ray.get``; the
     exit code still says SIGTERM (a job stopped by its scheduler exited 130 this way)."""

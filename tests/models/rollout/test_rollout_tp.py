@@ -216,6 +216,7 @@ def ray_four_devices():
         ray.shutdown()
 
 
+@pytest.mark.slow  # a Ray cluster of four logical devices and a TP replica actor: about 35 s
 @pytest.mark.timeout(300)
 def test_tp_replica_actor_sees_the_devices_of_its_bundles(ray_four_devices):
     from chatlearn.runtime.cluster.group import create_group

@@ -212,6 +212,7 @@ def test_started_actors_import_their_backend_before_the_model_is_built(tmp_path)
         ray.shutdown()
 
 
+@pytest.mark.slow  # imports vLLM in a started actor: about 8 s
 def test_vllm_prestart_imports_the_engine_without_building_it():
     """The vLLM replica's process imports vLLM's engine while it waits for its ``setup`` (the heavy part
     of the engine's build, overlapping the other models' builds): the module alone imports no vLLM,
