@@ -27,41 +27,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+from openai_server import free_port, spawn  # noqa: E402  (the test server, started as a process of its own)
+
 TEMPLATE = "template/grpo_judge.yaml"
 COMMON = ["runtime_args.enable_eval_before_training=False", "runtime_args.eval_episode_interval=0",
           "runtime_args.save_episode_interval=0"]
 SAMPLES = 256  # the template's sample_per_episode
 YES_NO = ["models.judge.parser=yes_no", "models.judge.max_verdict_tokens=4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "support", "openai_server.py"),
-                             os.path.join(REPO, "assets", "tiny_judge"), "--port", str(port)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(1200):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError("the judge's server did not start")
-            time.sleep(0.1)
-    raise RuntimeError("the judge's server did not answer")
 
 
 def rows(path: str) -> list[dict]:
@@ -137,7 +117,7 @@ def main() -> None:
     load_before = os.getloadavg()
     found = []
     port = free_port()
-    server = serve(port) if "served" in args.modes else None
+    server = spawn(os.path.join(REPO, "assets", "tiny_judge"), port) if "served" in args.modes else None
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for parser in parsers:

@@ -6,16 +6,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from conftest import REPO
+from openai_server import free_port, spawn
 
 SHORT = ["runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_size=32",
          "runtime_args.train_micro_batch_size=32", "models.policy.num_inference_per_prompt=4",
@@ -24,25 +23,9 @@ SHORT = ["runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": REPO}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(port: int) -> subprocess.Popen:
     """The tiny judge served on 127.0.0.1:``port`` by a process of its own, once it answers."""
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "support", "openai_server.py"),
-                             os.path.join(REPO, "assets", "tiny_judge"), "--port", str(port)], cwd=REPO, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
-            return proc
-        except OSError:
-            assert proc.poll() is None, "the test server did not start"
-            time.sleep(0.1)
-    raise AssertionError("the test server did not answer")
+    return spawn(os.path.join(REPO, "assets", "tiny_judge"), port, env=ENV, wait_s=60)
 
 
 def served(port: int, down_timeout_s: float) -> list[str]:

@@ -14,14 +14,21 @@ slept in each request before the model is run (the model runs one request at a t
 can be observed. ``fail`` answers every request with HTTP 503 while set.
 
 In a test: ``server = OpenAIServer(folder).start()`` (a thread of the test's process), ``server.url``,
-``server.stop()``; a process of its own: ``python tests/support/openai_server.py FOLDER --port P``.
+``server.stop()``; a process of its own: ``python tests/support/openai_server.py FOLDER --port P``, or
+``spawn(FOLDER, port)``, which starts that process and returns it once it answers (``free_port()`` picks a
+port).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -185,6 +192,33 @@ class OpenAIServer:
                 "choices": [{"index": 0, "finish_reason": finish, "logprobs": logprobs,
                              "text": tok.decode(new, skip_special_tokens=True)}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new)}}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def spawn(folder: str, port: int, *, env: dict | None = None, wait_s: float = 120.0) -> subprocess.Popen:
+    """This server in a process of its own serving ``folder`` on 127.0.0.1:``port`` (its output discarded),
+    returned once ``GET /v1/models`` answers; RuntimeError if the process exits first or does not answer
+    within ``wait_s``."""
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), folder, "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://{HOST}:{port}/v1/models", timeout=1).read()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the test server for {folder} exited with {proc.returncode} before it "
+                                   "answered") from None
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the test server for {folder} did not answer on port {port} within {wait_s:.0f} s")
 
 
 def main() -> None:
