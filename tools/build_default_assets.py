@@ -656,17 +656,20 @@ Measured at build time on the eval split ({info["num_eval"]} prompts, at most
 
 
 def replace_section(path: Path, section: str) -> None:
-    """``section`` (a ``## `` heading and its text) in place of the README's section of that heading, or at its
-    end; the other sections kept."""
+    """``section`` (a ``## `` heading and its text) in place of the README's section of that heading (from the
+    heading to the next ``## ``), or at its end; the rest of the file kept, sections a blank line apart. The
+    one README writer of all the asset builders."""
     heading = section.splitlines()[0]
     text = path.read_text(encoding="utf-8") if path.exists() else "# Default assets\n\n"
     lines = text.splitlines(keepends=True)
+    body = section.rstrip("\n") + "\n"
     start = next((i for i, line in enumerate(lines) if line.rstrip("\n") == heading), None)
     if start is None:
-        text = text.rstrip("\n") + "\n\n" + section
+        text = text.rstrip("\n") + "\n\n" + body
     else:
         end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
-        text = "".join(lines[:start]) + section + "".join(lines[end:])
+        rest = "".join(lines[end:])
+        text = "".join(lines[:start]) + body + ("\n" + rest if rest else "")
     path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
 
 

@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_reward_model_assets as rm_assets  # noqa: E402  (the task's data and its wrong answers)
+from build_default_assets import replace_section  # noqa: E402  (the asset builders' one README writer)
 
 from chatlearn.config.judge_keys import environment  # noqa: E402  (as a run renders the template)
 
@@ -209,15 +210,7 @@ does not say reliably (its head alone is trained: many greedy replies are neithe
 | constructed (correct, near miss, digit, random, malformed) | {con["pairs"]} | {con["rule accuracy"]:.3f} | \
 {con["agreement (p(yes) > 0.5)"]:.3f} | {con["agreement (greedy yes/no)"]:.3f} | {con["unparsed"]} |
 """
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
-    kept, keep = [], True
-    for line in old.splitlines(keepends=True):
-        if line.startswith("## "):
-            keep = line.rstrip("\n") != HEADING
-        if keep:
-            kept.append(line)
-    text = "".join(kept).rstrip("\n")
-    path.write_text((text + "\n\n" if text else "") + section, encoding="utf-8")
+    replace_section(path, section)
 
 
 def parse_args(argv=None):

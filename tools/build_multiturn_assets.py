@@ -640,21 +640,6 @@ Measured at build time on the eval split ({info["num_eval"]} prompts) with ChatL
 """
 
 
-def write_readme(path: Path, section: str) -> None:
-    """Put ``section`` into the README at ``path``: in place of an earlier one (from its heading to
-    the next heading of its level), else at the end; the rest of the file is kept."""
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    lines = text.splitlines(keepends=True)
-    begin = next((i for i, line in enumerate(lines) if line.rstrip("\n") == README_HEADING), None)
-    if begin is None:
-        head, tail = text.rstrip("\n") + ("\n\n" if text.strip() else ""), ""
-    else:
-        end = next((i for i in range(begin + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        head, tail = "".join(lines[:begin]), "".join(lines[end:])
-    body = section if not tail else section + "\n"
-    path.write_text(head + body + tail, encoding="utf-8")
-
-
 # --------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------
@@ -778,7 +763,7 @@ def main(argv=None) -> int:
     )
     del engine
     if not args.check_only:
-        write_readme(out / "README.md", readme_section(info))
+        base.replace_section(out / "README.md", readme_section(info))
 
     vllm_result = None
     if args.check_vllm:

@@ -53,6 +53,9 @@ import torch  # noqa: E402
 
 from chatlearn.models.reward.math_reward import MathReward  # noqa: E402  (the rule the runs use)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from build_default_assets import replace_section  # noqa: E402  (the asset builders' one README writer)
+
 RESPONSE_TEMPLATE = "\\boxed{{{answer}}}"  # tiny_qwen2's answer format (tools/build_default_assets.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 MAX_NEW_TOKENS = 16
@@ -404,15 +407,7 @@ i.e. the boxed number equals a + b):
 | (right, wrong) answer pairs to one prompt ranked right ({jd["group pairs"]} pairs) | \
 {jd["group pairs ranked right"]:.3f} |
 """
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
-    kept, keep = [], True
-    for line in old.splitlines(keepends=True):
-        if line.startswith("## "):
-            keep = line.rstrip("\n") != HEADING
-        if keep:
-            kept.append(line)
-    text = "".join(kept).rstrip("\n")
-    path.write_text((text + "\n\n" if text else "") + section, encoding="utf-8")
+    replace_section(path, section)
 
 
 # --------------------------------------------------------------------------------------
