@@ -379,20 +379,10 @@ def validate(cfg: DictConfig, user_keys: frozenset = frozenset()) -> Plan:
     (computed here once; :func:`load_run` hands it to the caller). The checks run in this order.
     ``user_keys``: the dotted keys the user's YAML and command line set (for keys whose default says
     nothing about whether the user asked for them: a critic section without a critic)."""
-    _check_finite(OmegaConf.to_container(cfg, resolve=True), "")  # first: later checks compare numbers
-    _check_timeouts(OmegaConf.to_container(cfg, resolve=True), "")
-    _check_backends(cfg.runtime_args)
+    _check_values(cfg)
     _check_runtime(cfg.runtime_args)
     _check_reward_signal(cfg.runtime_args)
-    # the user's modules register their names before any check reads a registry (runtime_args.plugins)
-    load_plugins(cfg.runtime_args.plugins, base_dir=os.getcwd())
-    check_kinds(cfg)
-    resolve_algorithm(cfg, user_keys)
-    _check_model_sections(cfg)
-    _check_seeds(cfg)
-    _check_policy(cfg)
-    _check_trainers(cfg)
-    _check_trainer_roles(cfg.models)
+    _check_models(cfg, user_keys)
     check_ppo(cfg, user_keys)
     _check_reward(cfg)
     check_reward_model_keys(cfg)
@@ -418,9 +408,27 @@ def validate_sft(cfg: DictConfig, user_keys: frozenset = frozenset()) -> None:
     """:func:`validate`'s checks of what ``chatlearn sft`` reads (the policy trainer, the paths and folders, the
     rollout engine and reward functions of its reward evaluation), without RL's episode and batch sizes, which it
     does not read (its own: ``chatlearn.runtime.driver.sft.check_sft`` and ``make_sft_plan``)."""
+    _check_values(cfg)
+    _check_models(cfg, user_keys)
+    _check_reward(cfg)
+    _check_paths(cfg)
+    check_lora(cfg)
+    check_moe(cfg, ("policy_trainer",))
+    check_functions(OmegaConf.to_container(cfg.models.reward, resolve=True), with_environment=False)
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """The checks :func:`validate` and :func:`validate_sft` run first: every number finite (later checks
+    compare numbers), the timeouts, the backends."""
     _check_finite(OmegaConf.to_container(cfg, resolve=True), "")
     _check_timeouts(OmegaConf.to_container(cfg, resolve=True), "")
     _check_backends(cfg.runtime_args)
+
+
+def _check_models(cfg: DictConfig, user_keys: frozenset) -> None:
+    """The model checks :func:`validate` and :func:`validate_sft` share: the user's plugins (loaded first, so
+    that their names are registered before any check reads a registry: ``runtime_args.plugins``), the kinds,
+    the algorithm, the model sections, seeds, policy and trainers."""
     load_plugins(cfg.runtime_args.plugins, base_dir=os.getcwd())
     check_kinds(cfg)
     resolve_algorithm(cfg, user_keys)
@@ -429,11 +437,6 @@ def validate_sft(cfg: DictConfig, user_keys: frozenset = frozenset()) -> None:
     _check_policy(cfg)
     _check_trainers(cfg)
     _check_trainer_roles(cfg.models)
-    _check_reward(cfg)
-    _check_paths(cfg)
-    check_lora(cfg)
-    check_moe(cfg, ("policy_trainer",))
-    check_functions(OmegaConf.to_container(cfg.models.reward, resolve=True), with_environment=False)
 
 
 def _check_reward_signal(rt: DictConfig) -> None:
