@@ -87,6 +87,15 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen2_5_vl_dir(tmp_path_factory) -> str:
+    """A tiny random Qwen2.5-VL folder (tests/support/tiny_qwen2_5_vl.py: the toy VLM's language model and
+    processor, a Qwen2.5-VL vision tower with windowed attention)."""
+    import tiny_qwen2_5_vl
+
+    return tiny_qwen2_5_vl.build(tmp_path_factory.mktemp("models") / "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def reward_model_dir(tmp_path_factory) -> str:
     """A folder that looks like a sequence-classification reward model (the toy's config, as one with a score
     head, and its tokenizer): enough for validation, which reads no weight."""

@@ -2,7 +2,8 @@
 the data (every reference form, decoded once, shared by a group's samples), the transformers rollout with
 images against the model's own forward, and the FSDP2 trainer against the rollout (padded and packed, 1 and 2
 ranks), with the vision tower frozen by default and trained on request, the weight push's names, and a response
-that samples the image placeholder token.
+that samples the image placeholder token. The rollout and the one-rank trainer are checked on a tiny random
+Qwen2.5-VL too (tests/support/tiny_qwen2_5_vl.py: its windowed vision attention).
 
 The trainer parts run in rank processes (one job per world size, shared by the tests below).
 """
@@ -79,11 +80,11 @@ def test_prompts_with_images_load_expanded_and_shared(tmp_path):
     assert not np.array_equal(vision[0]["pixel_values"], vision[3]["pixel_values"])
 
 
-def _image_prompts(n: int = 3):
+def _image_prompts(n: int = 3, asset: str = ASSET):
     """``n`` eval prompts of vlm_digits (ids, image dicts) and one text prompt of the same tokenizer."""
     from chatlearn.data.vision import VisionProcessor, decode_image, message_images
 
-    proc = VisionProcessor(ASSET)
+    proc = VisionProcessor(asset)
     with open(os.path.join(DIGITS, "eval.jsonl")) as f:
         recs = [json.loads(line) for line, _ in zip(f, range(n))]
     prompts, images = [], []
@@ -96,24 +97,37 @@ def _image_prompts(n: int = 3):
     return prompts + [list(text)], images + [None], proc.image_token_id
 
 
-@pytest.fixture(scope="module")
-def rollout_batch():
+def _rollout_batch(asset: str):
     """The hf rollout's samples of 4 image prompts and a text prompt (left-padded together), with their images."""
     import backend_specs
 
     from chatlearn.models.rollout.hf import HFRollout
 
-    prompts, images, image_id = _image_prompts(4)
-    ro = HFRollout(backend_specs.rollout_spec(ASSET, max_prompt_tokens_length=64, max_response_tokens_length=8))
+    prompts, images, image_id = _image_prompts(4, asset)
+    ro = HFRollout(backend_specs.rollout_spec(asset, max_prompt_tokens_length=64, max_response_tokens_length=8))
     batch = ro.generate(prompts, SAMPLING, images)
     batch["images"] = images
     return batch, ro.model, image_id
 
 
-def test_hf_rollout_logprobs_match_the_models_own_forward_on_image_prompts(rollout_batch):
+@pytest.fixture(scope="module")
+def rollout_batch():
+    return _rollout_batch(ASSET)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl_rollout_batch(qwen2_5_vl_dir):
+    return _rollout_batch(qwen2_5_vl_dir)
+
+
+@pytest.mark.parametrize("which", ["rollout_batch", "qwen2_5_vl_rollout_batch"])
+def test_hf_rollout_logprobs_match_the_models_own_forward_on_image_prompts(which, request):
     """The reference: transformers' forward of each sample alone, which computes the multimodal positions
-    itself (``get_rope_index`` from the token types and the grid)."""
-    batch, model, image_id = rollout_batch
+    itself (``get_rope_index`` from the token types and the grid); Qwen2-VL (the toy) and Qwen2.5-VL."""
+    batch, model, image_id = request.getfixturevalue(which)
+    want = {"rollout_batch": "Qwen2VLForConditionalGeneration",
+            "qwen2_5_vl_rollout_batch": "Qwen2_5_VLForConditionalGeneration"}[which]
+    assert type(model).__name__ == want
     off, plen = batch["offsets"], batch["prompt_lens"]
     for i, item in enumerate(batch["images"]):
         toks = torch.from_numpy(batch["tokens"][off[i]:off[i + 1]].astype(np.int64))[None]
@@ -145,7 +159,7 @@ def _with_placeholder_response(batch: dict, image_id: int) -> dict:
     return out
 
 
-def job_vlm(rank, world, batch):
+def job_vlm(rank, world, batch, asset=ASSET):
     """Log-probs padded and packed; one optimizer step with the vision tower frozen (the default) and one with
     it training; the weight push's names of each."""
     from chatlearn.models.trainer.fsdp import FSDPTrainer
@@ -153,7 +167,7 @@ def job_vlm(rank, world, batch):
 
     res = {}
     for name, over in (("frozen", {}), ("packed", {"packing": True}), ("trained", {"freeze_vision_tower": False})):
-        trainer = FSDPTrainer(trainer_spec(ASSET, kl_coef=0.0, entropy_coef=0.0, logprob_micro_batch_size=2, **over))
+        trainer = FSDPTrainer(trainer_spec(asset, kl_coef=0.0, entropy_coef=0.0, logprob_micro_batch_size=2, **over))
         res[name + "_logp"] = trainer.compute_logprobs(batch, temperature=1.0)
         before = {n: p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
                   for n, p in trainer.model.named_parameters()}
@@ -185,6 +199,13 @@ def two(vlm_batch, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def qwen2_5_vl_one(qwen2_5_vl_dir, qwen2_5_vl_rollout_batch, tmp_path_factory):
+    batch, _, image_id = qwen2_5_vl_rollout_batch
+    batch = _with_placeholder_response(batch, image_id)
+    return batch, run_ranks(job_vlm, 1, tmp_path_factory.mktemp("q25"), batch, qwen2_5_vl_dir, timeout=400)[0]
+
+
 def _responses(batch: dict, values: np.ndarray, samples) -> np.ndarray:
     off, plen = batch["offsets"], batch["prompt_lens"]
     return np.concatenate([values[off[i] + plen[i]:off[i + 1]] for i in samples])
@@ -201,6 +222,23 @@ def test_trainer_logprobs_match_the_rollouts_on_image_prompts(vlm_batch, one):
                                    _responses(vlm_batch, vlm_batch["rollout_logprobs"], first), atol=2e-5, rtol=0)
     np.testing.assert_allclose(one["packed_logp"], one["frozen_logp"], atol=2e-5, rtol=0)  # the placeholder too
     assert np.isfinite(one["frozen_logp"]).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_qwen2_5_vl_trainer_logprobs_match_the_rollouts_and_its_tower_stays_frozen(qwen2_5_vl_one):
+    """Qwen2.5-VL (windowed vision attention) in the FSDP2 trainer, padded and packed, against the hf rollout's
+    log-probs of the same samples; the frozen tower stays and is left out of the push, a trained one moves."""
+    from chatlearn.models.vision import is_vision_param
+
+    batch, res = qwen2_5_vl_one
+    for name in ("frozen", "packed"):
+        np.testing.assert_allclose(_responses(batch, res[name + "_logp"], range(5)),
+                                   _responses(batch, batch["rollout_logprobs"], range(5)), atol=2e-5, rtol=0)
+    assert res["frozen_text_moved"] and not res["frozen_vision_moved"]
+    assert res["trained_text_moved"] and res["trained_vision_moved"]
+    assert not any(is_vision_param(n) for n in res["frozen_pushed"])
+    assert any(is_vision_param(n) for n in res["trained_pushed"])
 
 
 @pytest.mark.slow

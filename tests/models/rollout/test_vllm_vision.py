@@ -1,5 +1,5 @@
 """The vLLM rollout with images (chatlearn/models/rollout/vllm_vision.py), for the toy Qwen2-VL
-``assets/tiny_qwen2_vl``.
+``assets/tiny_qwen2_vl`` and a tiny random Qwen2.5-VL (tests/support/tiny_qwen2_5_vl.py).
 
 Fast: the placeholder collapse against the data layer's expansion; the images recovered from the pixel values
 give the same pixel values again through transformers' own Qwen2-VL image processor (the one vLLM's processor
@@ -126,11 +126,22 @@ def test_request_and_engine_keywords_exist_in_the_installed_vllm():
     assert set(vllm_vision.engine_kwargs(settings, 2)) <= engine
 
 
-def _mapper_prefixes() -> dict:
-    """``orig_to_new_prefix`` of ``Qwen2VLForConditionalGeneration.hf_to_vllm_mapper`` in the installed vLLM's
-    source (the module cannot be imported here without torchvision)."""
-    tree = ast.parse((VLLM_DIR / "model_executor" / "models" / "qwen2_vl.py").read_text(encoding="utf-8"))
-    cls = next(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == "Qwen2VLForConditionalGeneration")
+# each family: vLLM's module and class, as the model's config.json names the class
+VLLM_CLASSES = {"qwen2_vl": ("qwen2_vl.py", "Qwen2VLForConditionalGeneration"),
+                "qwen2_5_vl": ("qwen2_5_vl.py", "Qwen2_5_VLForConditionalGeneration")}
+
+
+def _folder(family: str, request) -> str:
+    return ASSET if family == "qwen2_vl" else request.getfixturevalue("qwen2_5_vl_dir")
+
+
+def _mapper_prefixes(family: str = "qwen2_vl") -> dict:
+    """``orig_to_new_prefix`` of the family's ``hf_to_vllm_mapper`` (``Qwen2VLForConditionalGeneration``'s or
+    ``Qwen2_5_VLForConditionalGeneration``'s) in the installed vLLM's source (the modules cannot be imported here
+    without torchvision)."""
+    module, name = VLLM_CLASSES[family]
+    tree = ast.parse((VLLM_DIR / "model_executor" / "models" / module).read_text(encoding="utf-8"))
+    cls = next(c for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == name)
     assign = next(n for n in cls.body if isinstance(n, ast.Assign) and n.targets[0].id == "hf_to_vllm_mapper")
     kw = {k.arg: k.value for k in assign.value.keywords}
     assert set(kw) == {"orig_to_new_prefix"}, "vLLM's mapper has rules this test does not model"
@@ -147,21 +158,26 @@ def _map(name: str, prefixes: dict) -> str:
 
 
 @needs_vllm
-def test_pushed_names_map_onto_vllms_qwen2_vl_modules():
+@pytest.mark.parametrize("family", sorted(VLLM_CLASSES))
+def test_pushed_names_map_onto_vllms_qwen2_vl_modules(family, request):
     """The trainer's names (transformers 5: ``model.language_model.*``, ``model.visual.*``) and the
     checkpoint's (``model.*``, ``visual.*``) land on the same vLLM names, under its ``language_model`` and
-    ``visual`` modules; the vision tower's names are the ones ``is_vision_param`` leaves out of a frozen push."""
+    ``visual`` modules; the vision tower's names are the ones ``is_vision_param`` leaves out of a frozen push.
+    Qwen2-VL (the toy) and Qwen2.5-VL (a tiny random one), each with its own vLLM class's mapper."""
     import torch
     import transformers
     from safetensors import safe_open
 
     from chatlearn.models.vision import is_vision_param
 
-    prefixes = _mapper_prefixes()
+    folder_path = _folder(family, request)
+    config = transformers.AutoConfig.from_pretrained(folder_path)
+    assert config.architectures == [VLLM_CLASSES[family][1]] and config.model_type == family
+    prefixes = _mapper_prefixes(family)
     with torch.device("meta"):
-        model = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.from_pretrained(ASSET))
+        model = transformers.AutoModelForImageTextToText.from_config(config)
     trainer = [n for n, _ in model.named_parameters()]
-    with safe_open(os.path.join(ASSET, "model.safetensors"), "pt") as f:
+    with safe_open(os.path.join(folder_path, "model.safetensors"), "pt") as f:
         folder = sorted(f.keys())
     mapped = {_map(n, prefixes) for n in trainer}
     assert mapped == {_map(n, prefixes) for n in folder}
@@ -187,16 +203,20 @@ def test_vllm_refused_only_where_it_cannot_import_its_qwen2_vl_module(monkeypatc
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_real_vllm_logprobs_and_weight_pushes_on_image_prompts():
-    """The real engine, about 45 s here (loaded machine)."""
+@pytest.mark.parametrize("family", sorted(VLLM_CLASSES))
+def test_real_vllm_logprobs_and_weight_pushes_on_image_prompts(family, request):
+    """The real engine, about 45 s here (loaded machine), on Qwen2-VL (the toy) and Qwen2.5-VL (a tiny random
+    one: vLLM's own Qwen2.5-VL class, its windowed vision attention)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT / "tests" / "support" / "vllm_no_torchvision"), str(ROOT), str(ROOT / "tests" / "support")]))
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_vision_real.py")), ASSET], env=env,
+    script = str(Path(__file__).with_name("vllm_vision_real.py"))
+    run = subprocess.run([sys.executable, script, _folder(family, request)], env=env,
                          capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, run.stdout[-3000:] + run.stderr[-5000:]
     out = json.loads(line[len("RESULT "):])
     assert out["same_prompts"] and out["responses"] > 0
+    assert out["architectures"] == [VLLM_CLASSES[family][1]]
     assert out["gap_start"] < 1e-4  # float32 on the CPU, as the text path (tests/e2e/test_train_e2e.py)
     assert out["gap_stale"] > 0.1  # the language model moved: the engine's old weights are seen to differ
     assert out["gap_lm_push"] < 1e-4  # ... and the push without the vision tower landed

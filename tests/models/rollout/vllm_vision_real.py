@@ -1,6 +1,6 @@
 """Run by tests/models/rollout/test_vllm_vision.py in a process of its own, with the real vLLM 0.32 and
-tests/support/vllm_no_torchvision first on PYTHONPATH: chatlearn's VLLMRollout on the toy Qwen2-VL
-(``assets/tiny_qwen2_vl``) with image prompts, against transformers' forward of the same model (what the FSDP
+tests/support/vllm_no_torchvision first on PYTHONPATH: chatlearn's VLLMRollout on a Qwen2-VL or Qwen2.5-VL
+folder (the first argument: the toy ``assets/tiny_qwen2_vl`` or a tiny random Qwen2.5-VL) with image prompts, against transformers' forward of the same model (what the FSDP
 trainer computes, tests/models/test_vlm.py), before and after weight pushes under the trainer's names. Prints
 one line ``RESULT {json}``."""
 from __future__ import annotations
@@ -74,7 +74,8 @@ def main() -> None:
     model = transformers.AutoModelForImageTextToText.from_pretrained(ASSET, dtype=torch.float32).eval()
     ro = VLLMRollout(backend_specs.rollout_spec(ASSET, max_prompt_tokens_length=128, max_response_tokens_length=8,
                                                 max_images_per_prompt=2))
-    out = {"prompt_lens": [len(p) for p in prompts]}
+    out = {"prompt_lens": [len(p) for p in prompts],
+           "architectures": list(ro.llm.llm_engine.model_config.architectures)}  # the class vLLM built
     batch = ro.generate(prompts, SAMPLING, images)
     out["gap_start"] = reference(model, batch, images, proc.image_token_id)
     out["responses"] = int(len(batch["tokens"]) - sum(out["prompt_lens"]))

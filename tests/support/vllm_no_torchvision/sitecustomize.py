@@ -8,9 +8,9 @@ two things of transformers 5.19, both of which need torchvision and neither of w
   ``smart_resize`` and ``Qwen2VLImageProcessor``; it imports torchvision at its top) becomes the same names
   from ``image_processing_pil_qwen2_vl``: the PIL backend transformers itself falls back to, whose resize,
   rescale, normalise and patches the chatlearn data layer uses here (``chatlearn.data.vision``);
-* ``Qwen2VLProcessor.from_pretrained`` builds the processor from that image processor and the tokenizer, with
-  a stand-in for the video processor (torchvision-only): videos are off (``limit_mm_per_prompt`` video 0),
-  and the stand-in refuses to process one.
+* ``Qwen2VLProcessor.from_pretrained`` and ``Qwen2_5_VLProcessor.from_pretrained`` build the processor from
+  that image processor and the tokenizer, with a stand-in for the video processor (torchvision-only): videos
+  are off (``limit_mm_per_prompt`` video 0), and the stand-in refuses to process one.
 
 vLLM's own code runs unchanged: its model class, its multi-modal processor (placeholder expansion, image
 parsing, caching), its vision tower and language model, its sampler. No production path uses this: without
@@ -22,7 +22,9 @@ import importlib.machinery
 import sys
 
 IMAGE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
-PROCESSOR = "transformers.models.qwen2_vl.processing_qwen2_vl"
+# the processor modules, and the processor class of each
+PROCESSORS = {"transformers.models.qwen2_vl.processing_qwen2_vl": "Qwen2VLProcessor",
+              "transformers.models.qwen2_5_vl.processing_qwen2_5_vl": "Qwen2_5_VLProcessor"}
 
 
 class _ImageLoader(importlib.abc.Loader):
@@ -36,15 +38,15 @@ class _ImageLoader(importlib.abc.Loader):
 
 
 class _ThenPatch(importlib.abc.Loader):
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, class_name):
+        self.inner, self.class_name = inner, class_name
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module):
         self.inner.exec_module(module)
-        cls = module.Qwen2VLProcessor
+        cls = getattr(module, self.class_name)
 
         @classmethod
         def from_pretrained(klass, path, *args, **kwargs):
@@ -83,10 +85,10 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name == IMAGE:
             return importlib.machinery.ModuleSpec(name, _ImageLoader())
-        if name == PROCESSOR:
+        if name in PROCESSORS:
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             if spec is not None:
-                spec.loader = _ThenPatch(spec.loader)
+                spec.loader = _ThenPatch(spec.loader, PROCESSORS[name])
             return spec
         return None
 
