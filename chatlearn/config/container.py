@@ -10,10 +10,10 @@ volume, or the volume the engine made up when none was mounted (an anonymous vol
 """
 from __future__ import annotations
 
-import errno
 import os
 import re
 
+from chatlearn.config.writable import nearest_existing, probe
 from chatlearn.errors import ConfigError
 
 VOLUME_ENV = "CHATLEARN_OUTPUT_VOLUME"
@@ -29,8 +29,8 @@ def check_output_volume(output_dir: str, key: str = "runtime_args.output_dir", e
     if not volume:
         return None
     out = os.path.abspath(output_dir)
-    folder = _existing_folder(out)
-    problem = _probe(folder)
+    folder = nearest_existing(out)
+    problem = probe(folder) if os.path.isdir(folder) else "it is a file, not a folder"
     if problem:
         raise ConfigError(
             f"{output_dir!r} ({out}) cannot be written by this container's user (uid {os.getuid()}): "
@@ -47,28 +47,6 @@ def check_output_volume(output_dir: str, key: str = "runtime_args.output_dir", e
         return (f"no folder was mounted on the output volume {volume}: the run writes to an anonymous volume, "
                 f"which `--rm` deletes with the container. Mount one: `-v $PWD/out:{volume}`.")
     return None
-
-
-def _probe(folder: str) -> str | None:
-    """Create and remove a small file in ``folder``; why that failed, or None."""
-    name = os.path.join(folder, f".chatlearn-volume-probe-{os.getpid()}")
-    try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as err:
-        return "its file system is read-only" if err.errno == errno.EROFS else (err.strerror or str(err)).lower()
-    os.close(fd)
-    os.unlink(name)
-    return None
-
-
-def _existing_folder(path: str) -> str:
-    """``path`` or its nearest ancestor that exists."""
-    while not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
 
 
 def _inside(path: str, folder: str) -> bool:

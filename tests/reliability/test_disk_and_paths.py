@@ -16,6 +16,7 @@ import pytest
 
 from chatlearn.checkpoint.manager import CheckpointManager
 from chatlearn.cli import main
+from chatlearn.config import writable
 from chatlearn.errors import UserError, disk_error
 from chatlearn.logging import jsonl
 from chatlearn.logging.metrics import MetricsWriter, SamplesWriter
@@ -66,11 +67,11 @@ def test_a_folder_it_cannot_write(tmp_path, monkeypatch):
         real_open = os.open
 
         def fake_open(path, *args, **kwargs):
-            if preflight.PROBE in str(path):
+            if writable.PROBE in str(path):
                 raise PermissionError(errno.EACCES, "Permission denied", path)
             return real_open(path, *args, **kwargs)
 
-        monkeypatch.setattr(preflight.os, "open", fake_open)
+        monkeypatch.setattr(writable.os, "open", fake_open)
     else:
         out.chmod(0o500)
     try:

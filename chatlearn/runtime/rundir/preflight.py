@@ -14,7 +14,6 @@ warning. Nothing is created or left behind: ``--dry-run`` runs the same checks.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from omegaconf import DictConfig
 
 from chatlearn.config.kinds import TRAINER
 from chatlearn.config.plan import Plan
+from chatlearn.config.writable import nearest_existing, probe
 from chatlearn.errors import UserError
 from chatlearn.logging.console import warn
 from chatlearn.runtime.rundir.output_dir import check_not_in_checkpoint
@@ -31,7 +31,6 @@ from chatlearn.runtime.rundir.output_dir import check_not_in_checkpoint
 # what a run writes under output_dir: folders, then files
 FOLDERS = ("checkpoints", "configs", "logs", "plots", "eval")
 FILES = ("metrics.jsonl", "timeline.jsonl", "samples.jsonl", "config.yaml")
-PROBE = ".chatlearn-write-probe"
 # bytes per element of a safetensors dtype
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 
@@ -46,7 +45,7 @@ def check_paths(cfg: DictConfig, plan: Plan, report: Callable[[str], None] = war
     if need <= 0:
         return
     root = os.path.join(out, "checkpoints")
-    free = shutil.disk_usage(_existing(root)).free
+    free = shutil.disk_usage(nearest_existing(root)).free
     rt = cfg.runtime_args
     saves = sum(1 for e in range(1, rt.num_episode + 1)
                 if e == rt.num_episode or rt.save_episode_interval > 0 and e % rt.save_episode_interval == 0)
@@ -100,55 +99,13 @@ def _check_path(key: str, path: str, kind: str) -> None:
         raise UserError(f"{key}: {path!r} is a folder, but the run writes a file there. Move or delete that folder, "
                         f"or choose another {key}.")
     parent = path if kind == "folder" else os.path.dirname(os.path.abspath(path))
-    folder = _existing(parent)
+    folder = nearest_existing(parent)
     if not os.path.isdir(folder):
         raise UserError(f"{key}: {path!r} lies under {folder!r}, which is a file, not a folder: nothing can be "
                         f"created there. Move or delete that file, or choose another {key}.")
     problem = probe(folder)
     if problem:
         raise UserError(f"{key}: the run cannot write into {folder!r} (on the way to {path!r}): {problem}.")
-
-
-def probe(folder: str) -> str | None:
-    """Create, write and remove a small file in ``folder``; what went wrong and the fix, or None."""
-    name = os.path.join(folder, f"{PROBE}-{os.getpid()}")
-    try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as err:
-        return _why(err)
-    try:
-        os.write(fd, b"chatlearn\n")
-    except OSError as err:
-        return _why(err)
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(name)
-        except OSError:
-            pass
-    return None
-
-
-def _why(err: OSError) -> str:
-    if err.errno in (errno.EACCES, errno.EPERM):
-        return (f"permission denied ({err.strerror}). Make it writable for this user (chmod, chown), or choose a "
-                "folder you can write")
-    if err.errno == errno.EROFS:
-        return "the file system is read-only. Choose a folder on a writable disk"
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"the disk is full ({err.strerror}). Free space there, or choose a folder on a disk with room"
-    return f"{err.strerror or err}. Fix that, or choose another folder"
-
-
-def _existing(path: str) -> str:
-    """``path``, or its nearest ancestor that exists (a file when the path lies under one)."""
-    path = os.path.abspath(path)
-    while not os.path.lexists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
 
 
 # --------------------------------------------------------------------------- the size of a checkpoint
