@@ -46,12 +46,18 @@ def sft_rows(out) -> list:
             for r in runs.metric_rows(out)]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The FSDP2 run of ``RUN`` (6 steps), shared by the tests below: (its folder, its console, its rows)."""
+    ref = tmp_path_factory.mktemp("sft") / "uninterrupted"
+    stdout = finish(ref)
+    return ref, stdout, sft_rows(ref)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_sft_learns_loads_as_the_policy_and_resumes_exactly_after_sigkill(tmp_path):
-    ref = tmp_path / "uninterrupted"
-    stdout = finish(ref)
-    rows = sft_rows(ref)
+def test_sft_learns_loads_as_the_policy_and_resumes_exactly_after_sigkill(uninterrupted, tmp_path):
+    ref, stdout, rows = uninterrupted
     assert [r["episode"] for r in rows] == list(range(7))  # step 0: the eval loss before training
     assert [("sft/eval_loss" in r) for r in rows] == [True, False, False, True, False, False, True]
     assert all(r["sft/num_tokens"] > 0 and r["sft/skipped_steps"] == 0 for r in rows[1:])
@@ -88,24 +94,20 @@ def test_sft_learns_loads_as_the_policy_and_resumes_exactly_after_sigkill(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sft_on_the_megatron_trainer_tracks_fsdp(tmp_path):
+def test_sft_on_the_megatron_trainer_tracks_fsdp(uninterrupted, tmp_path):
     """``chatlearn sft`` on the Megatron trainer (TP 2, the trainer actors under the test-only CPU device shim, as
     in test_megatron_e2e.py): the same loss, gradient norm and eval loss per step as the FSDP2 run of the same
-    config (4 steps), and a result folder transformers loads."""
+    config (the shared 6-step run), and a result folder transformers loads."""
     site = os.path.join(REPO, "tests", "support", "megatron_cpu_site")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CHATLEARN_TEST_MEGATRON_CPU_SHIM": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
-    short = ["sft.max_steps=4", "sft.eval_interval=2", "sft.save_interval=4"]
     megatron = ["runtime_args.train_backend=megatron", "models.policy_trainer.num_gpu=2",
-                "models.policy_trainer.tensor_model_parallel_size=2"]
-    rows = {}
-    for name, extra in (("fsdp", []), ("megatron", megatron)):
-        out = tmp_path / name
-        proc = subprocess.run([*command(out), *short, *extra], cwd=REPO, capture_output=True, text=True, timeout=400,
-                              env=env if name == "megatron" else None)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        rows[name] = sft_rows(out)
-    assert len(rows["megatron"]) == len(rows["fsdp"]) == 5
+                "models.policy_trainer.tensor_model_parallel_size=2", "sft.save_interval=6"]  # one save: the end
+    out = tmp_path / "megatron"
+    proc = subprocess.run([*command(out), *megatron], cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = {"megatron": sft_rows(out), "fsdp": uninterrupted[2]}
+    assert len(rows["megatron"]) == len(rows["fsdp"]) == 7
     for mine, theirs in zip(rows["megatron"], rows["fsdp"]):
         assert set(mine) <= set(theirs)  # FSDP2 adds its prefix-sharing share (sft/shared_token_frac)
         for key in ("sft/loss", "sft/grad_norm", "sft/eval_loss", "sft/num_tokens"):
@@ -113,4 +115,4 @@ def test_sft_on_the_megatron_trainer_tracks_fsdp(tmp_path):
                 assert mine[key] == pytest.approx(theirs[key], rel=2e-4), (mine["episode"], key)
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(tmp_path / "megatron" / "result")
+    AutoModelForCausalLM.from_pretrained(out / "result")
