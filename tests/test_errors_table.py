@@ -398,9 +398,6 @@ CASES = [
      ["runtime_args.train_backend", "is a vision-language model"], ["train_backend: fsdp"]),
     ("a VLM on SGLang", dry(f"models.policy_trainer.load={VLM}", "runtime_args.rollout_backend=sglang"),
      ["runtime_args.rollout_backend", "is a vision-language model"], ["rollout_backend: hf"]),
-    ("a VLM's LoRA pushed as adapters", dry(f"models.policy_trainer.load={VLM}", "models.policy_trainer.lora.rank=4"),
-     ["models.policy_trainer.lora.push", "is a vision-language model", "model.language_model.layers"],
-     ["lora.push: merged"]),
 ] + ([  # vLLM runs a VLM where it can import its Qwen2-VL module, which needs torchvision (absent on CPU machines)
     ("a VLM on vLLM without torchvision", dry(f"models.policy_trainer.load={VLM}", "runtime_args.rollout_backend=vllm"),
      ["runtime_args.rollout_backend", "is a vision-language model", "torchvision is not installed here"],

@@ -89,13 +89,6 @@ def check_vision(cfg) -> None:
         raise ConfigError(f"{why}: multi-turn environments append text observations to prompts whose images the "
                           "loop does not carry. Remove models.policy.multi_turn.environment, or use a text model.",
                           key="models.policy.multi_turn.environment")
-    lora = cfg.models.policy_trainer.lora
-    if lora.rank and lora.push == "adapters":
-        raise ConfigError(f"{why}: its adapters (on the language model only) cannot be pushed as adapters yet: the "
-                          "rollout merges them onto the base folder's weights by module name, and this model's "
-                          "checkpoint names its weights otherwise (model.layers.* for model.language_model.layers.*). "
-                          "Set models.policy_trainer.lora.push: merged (the trainer merges them and pushes the "
-                          "language model's weights).", key="models.policy_trainer.lora.push")
     if cfg.models.policy_trainer.share_prompt is True:
         raise ConfigError(f"{why}: a shared-prompt row does not lay out image features. Set it to null (off for "
                           "this model) or false.", key="models.policy_trainer.share_prompt")

@@ -79,3 +79,21 @@ class HFCheckpoint:
                 for name in group:
                     out[name] = f.get_tensor(name)
         return [(n, out[n]) for n in names]
+
+
+def checkpoint_renames(model, names) -> dict[str, str]:
+    """The folder's tensor names (``names``) that transformers renames when it loads them into ``model``, each
+    to the parameter name it loads as (the model's own conversion mapping, renaming rules alone: e.g. Qwen2-VL's
+    ``model.layers.*`` to ``model.language_model.layers.*``, ``visual.*`` to ``model.visual.*``). Empty for a
+    folder whose names are the model's: the text models; an MoE folder's per-expert tensors, which transformers
+    fuses, keep their names here (``chatlearn.models.rollout.lora_push`` reads them one expert at a time)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    renamings = [c for c in get_model_conversion_mapping(model) if not isinstance(c, WeightConverter)]
+    out = {}
+    for name in names:
+        new = rename_source_key(name, renamings, [])[0]
+        if new != name:
+            out[name] = new
+    return out

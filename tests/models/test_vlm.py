@@ -283,3 +283,67 @@ def test_lora_on_a_vlm_takes_the_language_model_only():
     planned = set(adapter_targets(meta_model(ASSET, False), "all-linear"))
     assert {n.removeprefix("base_model.model.") for n in wrapped} == planned
     check_lora_model(ASSET, False, 4, "all-linear", [])
+
+
+def job_vlm_lora_push(rank, world, batch):
+    """LoRA on the toy VLM (the language model's q/v projections): one optimizer step, then what an adapter push
+    sends (the pushed tensors and the manifest) and the trainer's log-probs of ``batch`` after the step."""
+    from chatlearn.models.specs import LoraSpec
+    from chatlearn.models.trainer.fsdp import FSDPTrainer
+    from chatlearn.runtime.weight_push.stream import adapter_manifest, push_view
+
+    lora = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj"), modules_to_save=(),
+                    push="adapters")
+    trainer = FSDPTrainer(trainer_spec(ASSET, lora=lora, lr=1e-2, kl_coef=0.0, entropy_coef=0.0,
+                                       logprob_micro_batch_size=2))
+    trainer.train(dict(batch, old_logprobs=trainer.compute_logprobs(batch, temperature=1.0)))
+    view = push_view(trainer)
+    tensors = dict(view.export_tensors([n for n, *_ in view.weight_specs()]))
+    return {"manifest": adapter_manifest(view), "tensors": {n: t.clone() for n, t in tensors.items()},
+            "logp": trainer.compute_logprobs(batch, temperature=1.0)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_lora_adapters_pushed_into_the_rollout_of_a_vlm(vlm_batch, tmp_path):
+    """``lora.push: adapters`` on a VLM: the pushed adapters (model.language_model.* names) merged onto the base
+    folder's weights (named model.layers.*: the manifest's renames, transformers' own mapping) give the rollout
+    the trainer's weights: its forward equals the trainer's log-probs on the image prompts."""
+    import backend_specs
+
+    from chatlearn.models.rollout.hf import HFRollout
+    from chatlearn.models.rollout.lora_push import AdapterMerge
+    from chatlearn.models.vision import is_vision_param
+
+    out = run_ranks(job_vlm_lora_push, 1, tmp_path, vlm_batch, timeout=400)[0]
+    manifest = out["manifest"]
+    assert manifest["renames"]["model.layers.0.self_attn.q_proj.weight"] == \
+        "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert all(w.startswith("model.language_model.layers.") for w, *_ in manifest["layers"])
+    ro = HFRollout(backend_specs.rollout_spec(ASSET, max_prompt_tokens_length=64, max_response_tokens_length=8))
+    before = {n: p.detach().clone() for n, p in ro.model.named_parameters()}
+    off, plen, image_id = vlm_batch["offsets"], vlm_batch["prompt_lens"], ro.model.config.image_token_id
+
+    def gap() -> float:
+        """The largest |trainer - rollout forward| log-prob over the responses of the rollout's 5 samples."""
+        worst = 0.0
+        for i, item in enumerate(vlm_batch["images"][:5]):
+            toks = torch.from_numpy(vlm_batch["tokens"][off[i]:off[i + 1]].astype(np.int64))[None]
+            kw = {} if item is None else dict(pixel_values=torch.from_numpy(item["pixel_values"]),
+                                              image_grid_thw=torch.from_numpy(item["image_grid_thw"]),
+                                              mm_token_type_ids=(toks == image_id).int())
+            with torch.no_grad():
+                logits = ro.model(input_ids=toks, **kw).logits[0].float()
+            ref = torch.log_softmax(logits[:-1], -1).gather(1, toks[0, 1:, None])[:, 0][int(plen[i]) - 1:].numpy()
+            worst = max(worst, float(np.abs(out["logp"][off[i] + plen[i]:off[i + 1]] - ref).max()))
+        return worst
+
+    assert gap() > 1e-3  # the step moved the trainer away from the base the rollout starts from
+    merge = AdapterMerge(manifest)
+    merge.begin(ro)
+    merge.take(ro, list(out["tensors"].items()))
+    merge.finish(ro)
+    after = dict(ro.model.named_parameters())
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved and all(n.endswith(("q_proj.weight", "v_proj.weight")) and not is_vision_param(n) for n in moved)
+    assert gap() < 2e-5

@@ -12,7 +12,8 @@ folder. :class:`AdapterMerge` takes the update in place of the engine:
   bucket views are only valid during the call; they are the adapters' size);
 * ``finish``: for every *group* (the module that holds an adapted layer: ``model.layers.0.self_attn`` for
   ``model.layers.0.self_attn.q_proj``), every base tensor of the group is read from the base folder's
-  safetensors (memory-mapped, one group at a time), the adapted ones merged in float32 as the trainer's merged
+  safetensors (memory-mapped, one group at a time; the folder's names taken to the model's by the manifest's
+  ``renames``, as transformers renames them at load: a vision-language model's), the adapted ones merged in float32 as the trainer's merged
   export computes them (``W + (B @ A) x scaling``, transposed for ``fan_in_fan_out``), and loaded through the
   engine's own ``load_weight_bucket``; then the engine's update is closed. A group is loaded whole because
   vLLM and SGLang fuse sibling projections (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``): a fused
@@ -72,15 +73,21 @@ class AdapterMerge:
         groups = {group_of(_module(w), True) for w in self.layers}
         groups |= {group_of(_module(w), False) for w in self.saved}
         self.groups = sorted(groups)
-        names = self.base.names()
-        known = set(names)
+        # the folder's tensor names -> the model's (the trainer's names, which the push and the rollout use): a
+        # vision-language folder names its language model's weights model.layers.*, the model
+        # model.language_model.layers.* (the manifest's renames; none for a text model)
+        renames = manifest.get("renames") or {}
+        self.as_model = {n: renames.get(n, n) for n in self.base.names()}
+        known = set(self.as_model.values())
         missing = [w for w in self.layers if w not in known]
         if missing:
             raise KeyError(f"LoRA adapter push: the base folder {manifest['base']!r} has no weight {missing[0]!r}")
-        # per group, the base tensors loaded at finish (those sent whole are loaded as they arrive; so are the
-        # experts of a fused expert tensor sent whole, which the folder holds one expert at a time)
+        # per group, the base tensors loaded at finish, by their folder names (those sent whole are loaded as
+        # they arrive; so are the experts of a fused expert tensor sent whole, which the folder holds one expert
+        # at a time)
         saved = set(self.saved)
-        self.plan = [[n for n in names if _in_groups(n, [g]) and n not in saved and fused_expert_name(n) not in saved]
+        self.plan = [[n for n, m in self.as_model.items()
+                      if _in_groups(m, [g]) and m not in saved and fused_expert_name(m) not in saved]
                      for g in self.groups]
         self.adapters: dict[str, torch.Tensor] = {}
 
@@ -104,7 +111,8 @@ class AdapterMerge:
         """Merge and load every group (module docstring), then close the engine's update."""
         chunk, size = [], 0
         for names in self.plan:
-            for name, base in self.base.read(names):
+            for folder_name, base in self.base.read(names):
+                name = self.as_model[folder_name]
                 tensor = self._merged(name, base) if name in self.layers else base
                 chunk.append((name, tensor))
                 size += tensor.numel() * tensor.element_size()

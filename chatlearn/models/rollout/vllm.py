@@ -599,11 +599,16 @@ def _keep_out_of_reload(model: torch.nn.Module) -> None:
 def _keep_only_in_reload(model: torch.nn.Module, modules: list) -> None:
     """Leave out of the next layerwise reload every layer with tensors that is not one of ``modules`` nor
     inside one (marked as :func:`_keep_out_of_reload` marks a layer: nothing to load, its own tensors put
-    back); attention layers are vLLM's to finalize. A module name that matches no layer of vLLM's model
-    (a model vLLM names otherwise than Hugging Face) is refused: its weights would load into a layer that
-    the reload leaves unprocessed."""
+    back); attention layers are vLLM's to finalize. The names go through the model's ``hf_to_vllm_mapper``
+    where it has one (vLLM's Qwen2-VL: ``model.language_model.*`` -> ``language_model.model.*``). A module name
+    that then matches no layer of vLLM's model is refused: its weights would load into a layer that the reload
+    leaves unprocessed."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    mapper = getattr(model, "hf_to_vllm_mapper", None)  # a model vLLM names otherwise (Qwen2-VL: its own prefixes)
+    if mapper is not None:
+        modules = [mapper.map_name(m) or m for m in modules]
 
     def inside(name: str) -> bool:
         return any(name == m or name.startswith(m + ".") for m in modules)

@@ -50,6 +50,7 @@ from chatlearn.checkpoint import sharded
 from chatlearn.config.names import Part
 from chatlearn.errors import UserError
 from chatlearn.models.base import Batch, Trainer, response_positions, step_is_finite
+from chatlearn.models.hf_folder import HFCheckpoint, checkpoint_renames
 from chatlearn.models.moe import layout as moe_layout
 from chatlearn.models.moe.routing import RouterPatch, micro_batch_target, routers
 from chatlearn.models.stash import own_storage, release_device_memory
@@ -288,6 +289,7 @@ class FSDPTrainer(Trainer):
         self.trainable = bool(spec.trainable)
         torch.manual_seed(int(spec.seed))
         self.model = self._build_model()
+        self._push_renames: dict | None = None  # push_view's, with LoRA adapters
         self.optimizer = (torch.optim.AdamW([p for _, p in lora_lib.trained_params(self.model)], lr=spec.lr,
                                             weight_decay=spec.weight_decay,
                                             betas=(spec.adam_beta1, spec.adam_beta2),
@@ -944,8 +946,11 @@ class FSDPTrainer(Trainer):
             self._require_weights()
             self._reshard()
 
+        if self._push_renames is None:  # the base folder's names the model loads otherwise (a VLM's), once
+            base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+            self._push_renames = checkpoint_renames(base, HFCheckpoint(self.spec.load).names())
         return lora_lib.AdapterPush(self.merged, lambda: dict(self.model.named_parameters()), _full_tensor,
-                                    prepare, self.rank, self.device, self.spec.load)
+                                    prepare, self.rank, self.device, self.spec.load, self._push_renames)
 
     def save_hf(self, path: str) -> None:
         """Write a Hugging Face folder at ``path`` (rank 0 writes; a collective): weights,

@@ -198,13 +198,15 @@ class AdapterPush:
     (``chatlearn.runtime.weight_push.stream``): the same two methods as the trainer's full view, over the
     trained tensors alone (A and B of every adapted layer, under :func:`adapter_push_name`; the trained copy
     of each ``modules_to_save`` module under the base model's name), float32; and :attr:`manifest`, what the
-    receiving side needs to rebuild the merged weights (``chatlearn.models.rollout.lora_push``).
+    receiving side needs to rebuild the merged weights (``chatlearn.models.rollout.lora_push``), with
+    ``renames``: the base folder's tensor names that the trainer's model names otherwise
+    (:func:`chatlearn.models.hf_folder.checkpoint_renames`: a vision-language model's).
 
     ``params()``: the trainer's parameters by name; ``full(p)``: the whole tensor of one (a collective for a
     sharded one); ``prepare()``: run before an export (weights onloaded, resharded)."""
 
     def __init__(self, merged: Merged, params: Callable[[], dict], full: Callable, prepare: Callable[[], None],
-                 rank: int, device, base: str):
+                 rank: int, device, base: str, renames: dict | None = None):
         self.merged, self.params, self.full, self.prepare = merged, params, full, prepare
         self.rank, self.device = rank, device
         shapes = {n: tuple(p.shape) for n, p in params().items()}
@@ -221,7 +223,7 @@ class AdapterPush:
         self.specs = [(n, "float32", shapes[p], i) for i, (n, p) in enumerate(self.sources.items())]
         full_bytes = sum(4 * math.prod(shapes[e.param]) for e in merged.entries)
         self.manifest = {"base": os.path.abspath(base) if os.path.isdir(base) else base, "layers": layers,
-                         "saved": saved, "full_bytes": full_bytes}
+                         "saved": saved, "full_bytes": full_bytes, "renames": dict(renames or {})}
 
     def weight_specs(self) -> list[tuple[str, str, tuple, int]]:
         return list(self.specs)

@@ -229,8 +229,10 @@ def test_real_vllm_logprobs_and_weight_pushes_on_image_prompts(family, request):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_real_vllm_in_a_grpo_run_on_image_prompts(tmp_path):
-    """``chatlearn run template/grpo_vlm.yaml`` with the vLLM rollout, 2 short episodes (about 60 s here): the
-    FSDP trainer's log-probs of the engine's samples and the weight push's landing check, on image prompts."""
+    """``chatlearn run template/grpo_vlm.yaml`` with the vLLM rollout and LoRA adapters pushed as adapters, 2 short
+    episodes (about 60 s here): the FSDP trainer's log-probs of the engine's samples and the weight push's landing
+    check, on image prompts. The adapters name the language model ``model.language_model.*``, the base folder
+    ``model.*`` and vLLM ``language_model.model.*``: the manifest's renames and vLLM's mapper meet there."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT / "tests" / "support" / "vllm_no_torchvision"), str(ROOT)]))
     out = tmp_path / "run"
@@ -239,6 +241,7 @@ def test_real_vllm_in_a_grpo_run_on_image_prompts(tmp_path):
                           "runtime_args.sample_per_episode=32", "runtime_args.train_micro_batch_size=32",
                           "runtime_args.train_global_batch_size=32", "runtime_args.enable_eval_before_training=False",
                           "runtime_args.eval_episode_interval=100", "runtime_args.save_episode_interval=100",
+                          "models.policy_trainer.lora.rank=8", "models.policy_trainer.optimizer.lr=1e-2",
                           f"runtime_args.output_dir={out}"], env=env, capture_output=True, text=True, timeout=600,
                          cwd=str(ROOT))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
@@ -247,3 +250,4 @@ def test_real_vllm_in_a_grpo_run_on_image_prompts(tmp_path):
     for r in rows:
         assert r["train/logprob_diff_rollout_vs_trainer_max"] < 1e-4
         assert r["sync/landing_gap_max"] < 1e-4
+        assert 0 < r["sync/bytes"] < r["sync/full_bytes"] / 5  # the adapters alone
