@@ -77,7 +77,7 @@ class AdapterMerge:
         # vision-language folder names its language model's weights model.layers.*, the model
         # model.language_model.layers.* (the manifest's renames; none for a text model)
         renames = manifest.get("renames") or {}
-        self.as_model = {n: renames.get(n, n) for n in self.base.names()}
+        self.as_model = {n: renames[n] if n in renames else n for n in self.base.names()}
         known = set(self.as_model.values())
         missing = [w for w in self.layers if w not in known]
         if missing:
