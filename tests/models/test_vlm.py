@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.models.trainer.test_fsdp_trainer import run_ranks, trainer_spec
+from vlm_reference import batch_gap, sample_logprobs
 
 ASSET = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_qwen2_vl")
 DIGITS = str(Path(__file__).resolve().parents[2] / "assets" / "vlm_digits")
@@ -130,13 +131,7 @@ def test_hf_rollout_logprobs_match_the_models_own_forward_on_image_prompts(which
     assert type(model).__name__ == want
     off, plen = batch["offsets"], batch["prompt_lens"]
     for i, item in enumerate(batch["images"]):
-        toks = torch.from_numpy(batch["tokens"][off[i]:off[i + 1]].astype(np.int64))[None]
-        kw = {} if item is None else dict(pixel_values=torch.from_numpy(item["pixel_values"]),
-                                          image_grid_thw=torch.from_numpy(item["image_grid_thw"]),
-                                          mm_token_type_ids=(toks == image_id).int())
-        with torch.no_grad():
-            logits = model(input_ids=toks, **kw).logits[0].float()
-        ref = torch.log_softmax(logits[:-1], -1).gather(1, toks[0, 1:, None])[:, 0][int(plen[i]) - 1:].numpy()
+        ref = sample_logprobs(model, batch["tokens"][off[i]:off[i + 1]], plen[i], item, image_id)
         np.testing.assert_allclose(batch["rollout_logprobs"][off[i] + plen[i]:off[i + 1]], ref, atol=2e-5, rtol=0)
 
 
@@ -322,21 +317,11 @@ def test_lora_adapters_pushed_into_the_rollout_of_a_vlm(vlm_batch, tmp_path):
     assert all(w.startswith("model.language_model.layers.") for w, *_ in manifest["layers"])
     ro = HFRollout(backend_specs.rollout_spec(ASSET, max_prompt_tokens_length=64, max_response_tokens_length=8))
     before = {n: p.detach().clone() for n, p in ro.model.named_parameters()}
-    off, plen, image_id = vlm_batch["offsets"], vlm_batch["prompt_lens"], ro.model.config.image_token_id
+    image_id = ro.model.config.image_token_id
 
     def gap() -> float:
         """The largest |trainer - rollout forward| log-prob over the responses of the rollout's 5 samples."""
-        worst = 0.0
-        for i, item in enumerate(vlm_batch["images"][:5]):
-            toks = torch.from_numpy(vlm_batch["tokens"][off[i]:off[i + 1]].astype(np.int64))[None]
-            kw = {} if item is None else dict(pixel_values=torch.from_numpy(item["pixel_values"]),
-                                              image_grid_thw=torch.from_numpy(item["image_grid_thw"]),
-                                              mm_token_type_ids=(toks == image_id).int())
-            with torch.no_grad():
-                logits = ro.model(input_ids=toks, **kw).logits[0].float()
-            ref = torch.log_softmax(logits[:-1], -1).gather(1, toks[0, 1:, None])[:, 0][int(plen[i]) - 1:].numpy()
-            worst = max(worst, float(np.abs(out["logp"][off[i] + plen[i]:off[i + 1]] - ref).max()))
-        return worst
+        return batch_gap(ro.model, vlm_batch, out["logp"], vlm_batch["images"], image_id, range(5))
 
     assert gap() > 1e-3  # the step moved the trainer away from the base the rollout starts from
     merge = AdapterMerge(manifest)

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import torch
+from vlm_reference import batch_gap  # tests/support/ (on PYTHONPATH)
 
 ASSET = sys.argv[1]
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 8, "seed": 3}
@@ -40,18 +41,7 @@ def image_prompts(proc):
 
 def reference(model, batch, images, image_id):
     """The largest |rollout - transformers| log-prob over the sampled tokens of every sample."""
-    off, plen = batch["offsets"], batch["prompt_lens"]
-    gap = 0.0
-    for i, item in enumerate(images):
-        toks = torch.from_numpy(batch["tokens"][off[i]:off[i + 1]].astype(np.int64))[None]
-        kw = {} if item is None else dict(pixel_values=torch.from_numpy(item["pixel_values"]),
-                                          image_grid_thw=torch.from_numpy(item["image_grid_thw"]),
-                                          mm_token_type_ids=(toks == image_id).int())
-        with torch.no_grad():
-            logits = model(input_ids=toks, **kw).logits[0].float()
-        ref = torch.log_softmax(logits[:-1], -1).gather(1, toks[0, 1:, None])[:, 0][int(plen[i]) - 1:].numpy()
-        gap = max(gap, float(np.abs(batch["rollout_logprobs"][off[i] + plen[i]:off[i + 1]] - ref).max()))
-    return gap
+    return batch_gap(model, batch, batch["rollout_logprobs"], images, image_id)
 
 
 def push(ro, model, names):
