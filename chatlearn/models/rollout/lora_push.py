@@ -13,8 +13,9 @@ folder. :class:`AdapterMerge` takes the update in place of the engine:
 * ``finish``: for every *group* (the module that holds an adapted layer: ``model.layers.0.self_attn`` for
   ``model.layers.0.self_attn.q_proj``), every base tensor of the group is read from the base folder's
   safetensors (memory-mapped, one group at a time; the folder's names taken to the model's by the manifest's
-  ``renames``, as transformers renames them at load: a vision-language model's), the adapted ones merged in float32 as the trainer's merged
-  export computes them (``W + (B @ A) x scaling``, transposed for ``fan_in_fan_out``), and loaded through the
+  ``renames``, as transformers renames them at load: a vision-language model's), the adapted ones merged in
+  float32 as the trainer's merged export computes them (``W + (B @ A) x scaling``, transposed for
+  ``fan_in_fan_out``), and loaded through the
   engine's own ``load_weight_bucket``; then the engine's update is closed. A group is loaded whole because
   vLLM and SGLang fuse sibling projections (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``): a fused
   parameter is complete only with all of its parts.
@@ -76,7 +77,7 @@ class AdapterMerge:
         # the folder's tensor names -> the model's (the trainer's names, which the push and the rollout use): a
         # vision-language folder names its language model's weights model.layers.*, the model
         # model.language_model.layers.* (the manifest's renames; none for a text model)
-        renames = manifest.get("renames") or {}
+        renames = manifest["renames"]
         self.as_model = {n: renames[n] if n in renames else n for n in self.base.names()}
         known = set(self.as_model.values())
         missing = [w for w in self.layers if w not in known]

@@ -97,6 +97,6 @@ def test_an_expert_module_trained_in_full_is_not_reloaded_from_the_base_folder(t
     path = make_tiny_moe_model(str(tmp_path / "m"), "qwen3_moe")
     experts = "model.layers.0.mlp.experts"
     merge = AdapterMerge({"base": path, "layers": [], "saved": [f"{experts}.gate_up_proj", f"{experts}.down_proj"],
-                          "full_bytes": 0})
+                          "full_bytes": 0, "renames": {}})
     assert merge.groups == [experts]  # vLLM's expert layer of that name is reloaded: by the pushed tensors alone
     assert not [n for names in merge.plan for n in names if n.startswith(experts + ".")]
