@@ -23,7 +23,8 @@ class AdapterTrainer:
         self.rank, self.device = 0, "cpu"
         g = torch.Generator().manual_seed(0)
         self.tensors = {A: torch.randn(2, 16, generator=g), B: torch.randn(16, 2, generator=g)}
-        self.manifest = {"base": base, "layers": [[Q, A, B, 2.0, False]], "saved": [], "full_bytes": 4096, "renames": {}}
+        self.manifest = {"base": base, "layers": [[Q, A, B, 2.0, False]], "saved": [], "full_bytes": 4096,
+                         "renames": {}}
 
     def push_view(self):
         return self
