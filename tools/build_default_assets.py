@@ -331,6 +331,20 @@ def collate(examples, pad_id: int):
     return input_ids, attention_mask, labels
 
 
+def sft_step(model, optimizer, step: int, args, batch_loss) -> torch.Tensor:
+    """One warm-start step of every toy: train mode, the learning rate of a linear warm-up then constant, the loss
+    of a batch (``batch_loss()`` draws the batch), gradients clipped to norm 1, the optimizer's step."""
+    model.train()
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+    loss = batch_loss()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss
+
+
 def supervised_warm_start(model, tokenizer, train_records, val_records, args) -> dict:
     """Next-token loss on the response tokens of random training examples.
 
@@ -349,18 +363,13 @@ def supervised_warm_start(model, tokenizer, train_records, val_records, args) ->
     )
     start = time.perf_counter()
     step, val_acc = 0, 0.0
-    while step < args.max_sft_steps:
-        model.train()
-        # Linear warm-up, then a constant learning rate.
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+    def batch_loss() -> torch.Tensor:
         idx = torch.randint(len(examples), (args.batch_size,), generator=gen).tolist()
         input_ids, attention_mask, labels = collate([examples[i] for i in idx], pad_id)
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+
+    while step < args.max_sft_steps:
+        loss = sft_step(model, optimizer, step, args, batch_loss)
         step += 1
         if step >= args.min_sft_steps and step % args.check_every == 0:
             model.eval()
@@ -972,17 +981,13 @@ def vlm_warm_start(model, processor, train: list[dict], val: list[dict], val_rec
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     start, step, acc = time.perf_counter(), 0, 0.0
     pad_id = processor.tokenizer.pad_token_id
-    while step < args.max_sft_steps:
-        model.train()
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
+    def batch_loss() -> torch.Tensor:
         idx = torch.randint(len(train), (args.batch_size,), generator=gen).tolist()
         batch = vlm_noisy_examples(processor, [train[i] for i in idx], rng)
-        loss = model(**vlm_collate(batch, pad_id, left=False, image_id=processor.image_token_id)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        return model(**vlm_collate(batch, pad_id, left=False, image_id=processor.image_token_id)).loss
+
+    while step < args.max_sft_steps:
+        loss = sft_step(model, optimizer, step, args, batch_loss)
         step += 1
         if step >= args.min_sft_steps and step % args.check_every == 0:
             res = vlm_accuracy(model, processor, val, val_records, greedy=True, seed=0)
