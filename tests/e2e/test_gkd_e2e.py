@@ -5,7 +5,6 @@ really the divergence to the teacher (train/gkd_jsd > 0) and the adapters really
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -30,9 +29,7 @@ def command(out):
 
 
 def finish(out):
-    proc = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return runs.finish(command(out))
 
 
 @pytest.mark.slow
@@ -75,8 +72,7 @@ def mixed_command(out):
 
 
 def finish_mixed(out):
-    proc = subprocess.run(mixed_command(out), cwd=REPO, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    runs.finish(mixed_command(out))
 
 
 @pytest.mark.slow

@@ -5,13 +5,11 @@ transformers engine: tests/e2e/test_resume.py.)"""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
-from runs import metric_rows, small_eval_set
+from runs import finish, metric_rows, small_eval_set
 
-from conftest import REPO
 
 MT = "models.policy.multi_turn"
 RUN = ["runtime_args.num_episode=2", "runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_size=16",
@@ -26,12 +24,6 @@ EVAL_PROMPTS = 16
 def command(out, verb, *extra):
     return [sys.executable, "-m", "chatlearn.cli", verb, "template/grpo_fsdp.yaml", *RUN, *extra,
             f"runtime_args.eval_data_path={small_eval_set(out.parent, EVAL_PROMPTS)}", f"runtime_args.output_dir={out}"]
-
-
-def finish(cmd):
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
 
 
 @pytest.mark.slow

@@ -5,14 +5,13 @@ metrics as the uninterrupted one (the checkpoint keeps the rollout generated ahe
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+from runs import finish as finish_run
 from runs import learning_metrics, metric_rows, small_eval_set
 from shared_runs import rewound_copy
 
-from conftest import REPO
 
 RUN = ["runtime_args.num_episode=4", "runtime_args.sample_per_episode=32", "runtime_args.train_global_batch_size=16",
        "runtime_args.train_micro_batch_size=8", "models.policy.num_inference_per_prompt=4",
@@ -28,9 +27,7 @@ def command(out):
 
 
 def finish(out):
-    proc = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=500, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return finish_run(command(out), env=ENV)
 
 
 @pytest.mark.slow

@@ -9,13 +9,11 @@ runs are resumed by the end-to-end tests of reliability, max_staleness, dynamic 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import runs
 
-from conftest import REPO
 
 RUN = ["runtime_args.num_episode=3", "runtime_args.keep_last_checkpoints=2", "runtime_args.sample_per_episode=32",
        "runtime_args.train_global_batch_size=16",
@@ -41,9 +39,7 @@ def run_and_kill(out, when, env=None):
 
 
 def finish(out):
-    proc = subprocess.run(command(out), cwd=REPO, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return runs.finish(command(out))
 
 
 @pytest.mark.slow

@@ -10,6 +10,14 @@ import time
 from conftest import REPO
 
 
+def finish(cmd: list, timeout: float = 500, env: dict | None = None) -> str:
+    """Run ``cmd`` in the repository to its end (``env``: the whole environment, None for this one's); it must
+    exit 0 (else the tails of its output are the failure). Returns its standard output."""
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
 def run_and_kill(cmd: list, when, env: dict | None = None, deadline_s: float = 400) -> None:
     """Start ``cmd`` in the repository (a session of its own), SIGKILL its whole process group once
     ``when()`` is true, and wait for it to die; it must still be running then."""
